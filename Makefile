@@ -1,0 +1,25 @@
+# moemesh: `make up` starts the whole mesh on the embedded default, `make test` runs the tests.
+# Both create .venv and install what they need on first use (scripts/bootstrap.sh).
+VENV := .venv/bin
+PYTEST_ARGS ?=
+
+.PHONY: setup up test lint bench clean
+
+setup:
+	@scripts/bootstrap.sh
+
+up: setup
+	$(VENV)/moemesh up $(ARGS)
+
+test: setup
+	$(VENV)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/ruff check proto libs services tests bench
+	$(VENV)/mypy
+
+bench: setup
+	$(VENV)/python -m bench.engine_cpu
+
+clean:
+	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache
