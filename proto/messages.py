@@ -1,0 +1,427 @@
+"""Bus messages of the mesh: msgspec Structs (frozen, tagged), msgpack on the wire.
+
+One union per subject (see proto.subjects); receivers decode with a decoder built once and dispatch
+with `match`. Every top-level message carries `v` (SCHEMA_VERSION): a receiver that gets a newer major
+version rejects it with a clear error instead of misreading it (rolling upgrades).
+
+Life of a request (DESIGN.md): gateway --Submit--> scheduler --ReserveKv--> decode worker
+(--CreateHandle--> broker) ; scheduler --PrefillTask--> prefill worker --Mooncake write--> decode
+worker's pages ; prefill --KvReady--> decode --TokenBatch--> gateway. Short prompts skip the prefill
+worker: scheduler --DecodeDirect--> decode worker.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class Kind(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Base of every top-level message: tagged with the class name, versioned."""
+
+    v: int = SCHEMA_VERSION
+
+
+# ---------------------------------------------------------------------------------------------
+# shared parts
+# ---------------------------------------------------------------------------------------------
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Per-request sampling parameters, validated at the gateway (and again by the engine)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Logprob of the sampled token and the top-n alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = []
+
+
+class FinishReason(enum.IntEnum):
+    NONE = 0
+    STOP = 1  # eos, stop token or stop string
+    LENGTH = 2  # max_tokens or the context limit
+    ABORT = 3  # cancelled
+    ERROR = 4
+
+
+class ErrorCode(enum.IntEnum):
+    """HTTP-like codes so the gateway maps them 1:1 onto its responses."""
+
+    BAD_REQUEST = 400
+    NOT_FOUND = 404
+    TOO_MANY_REQUESTS = 429
+    INTERNAL = 500
+    UNAVAILABLE = 503
+    TIMEOUT = 504
+
+
+class Role(enum.IntEnum):
+    PREFILL = 1
+    DECODE = 2
+
+
+class KvGeometry(msgspec.Struct, frozen=True, kw_only=True):
+    """Byte layout of a worker's KV pool (libs.engine.kv_pool.KVPool): page p of layer l starts at
+    base_addr + l * layer_stride + p * page_bytes. Two pools exchange pages only when num_layers,
+    page_size and page_bytes agree."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    page_bytes: int
+    layer_stride: int
+    base_addr: int
+    dtype: str
+
+
+class KvHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a request's prompt KV must be written: pages reserved in a decode worker's pool."""
+
+    handle_id: str
+    request_id: str
+    decode_worker: str
+    session_id: str  # the decode worker's Mooncake session ("host:port")
+    page_ids: list[int]
+    num_tokens: int
+    lease_expires_ms: int  # epoch ms; unclaimed after this, the pages are reclaimed
+
+
+# ---------------------------------------------------------------------------------------------
+# gateway <-> scheduler
+# ---------------------------------------------------------------------------------------------
+
+
+class Submit(Kind, frozen=True):
+    """A tokenized, validated request from a gateway. Tokens stream to `stream_subject`."""
+
+    request_id: str
+    model: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    stream_subject: str
+    arrival_ms: int = 0
+
+
+class SubmitReply(Kind, frozen=True):
+    """Admitted (`ok`) or refused with an HTTP-like code and a message."""
+
+    request_id: str
+    ok: bool
+    code: int = 200
+    message: str = ""
+
+
+class Cancel(Kind, frozen=True):
+    """Drop this request wherever it is (client disconnect, deadline): free its pages."""
+
+    request_id: str
+    reason: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# worker liveness and load
+# ---------------------------------------------------------------------------------------------
+
+
+class WorkerHeartbeat(Kind, frozen=True):
+    """Periodic load report; a worker unheard for a few periods is considered dead."""
+
+    worker_id: str
+    role: Role
+    model: str
+    running: int
+    waiting: int
+    free_pages: int
+    total_pages: int
+    page_size: int
+    max_context: int
+    interval_ms: int
+    sent_ms: int
+    draining: bool = False
+
+
+class WorkerGone(Kind, frozen=True):
+    """Sent by a worker on graceful shutdown so schedulers stop placing on it at once."""
+
+    worker_id: str
+    role: Role
+
+
+Heartbeat = WorkerHeartbeat | WorkerGone
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler -> decode worker (inbox union), prefill -> decode
+# ---------------------------------------------------------------------------------------------
+
+
+class ReserveKv(Kind, frozen=True):
+    """Request/reply: allocate pages for `num_tokens` prompt tokens and register a KV handle."""
+
+    request_id: str
+    num_tokens: int
+    lease_ms: int
+
+
+class ReserveKvReply(Kind, frozen=True):
+    request_id: str
+    ok: bool
+    handle: KvHandle | None = None
+    code: int = 200
+    message: str = ""
+
+
+class KvReady(Kind, frozen=True):
+    """Prefill finished and the pages are written: join the decode batch with this first token."""
+
+    request_id: str
+    handle_id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    stream_subject: str
+    first_token: TokenLogprob
+    cached_tokens: int = 0
+    prefill_worker: str = ""
+
+
+class DecodeDirect(Kind, frozen=True):
+    """Conditional disaggregation: the prompt is short (or cached), prefill it on the decode worker."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    stream_subject: str
+
+
+class PrefillFailed(Kind, frozen=True):
+    """The prefill side gave up: release the reservation; the scheduler/gateway hear via the stream."""
+
+    request_id: str
+    handle_id: str
+    message: str
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler -> prefill worker
+# ---------------------------------------------------------------------------------------------
+
+
+class PrefillTask(Kind, frozen=True):
+    """Run the prompt, write its KV into `handle`'s pages, then send KvReady to the decode worker."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    stream_subject: str
+    handle: KvHandle
+
+
+PrefillInbox = PrefillTask
+
+
+# ---------------------------------------------------------------------------------------------
+# decode worker -> gateway (hot path)
+# ---------------------------------------------------------------------------------------------
+
+
+class TokenDelta(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    """New tokens of one request since its last delta. On the last one, finish != NONE and the
+    usage counts are set."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = []
+    finish: FinishReason = FinishReason.NONE
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class TokenBatch(Kind, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    """All deltas for one gateway from one decode step (one message per step and gateway)."""
+
+    deltas: list[TokenDelta]
+
+
+class RequestError(Kind, frozen=True, array_like=True):
+    """The request ended with an error after admission; the gateway ends the stream with it."""
+
+    request_id: str
+    code: int
+    message: str
+
+
+StreamMessage = TokenBatch | RequestError
+
+
+# ---------------------------------------------------------------------------------------------
+# kv-broker (request/reply on proto.subjects.BROKER)
+# ---------------------------------------------------------------------------------------------
+
+
+class RegisterWorker(Kind, frozen=True):
+    """A worker announces its Mooncake endpoint and KV pool layout (idempotent; sent on start)."""
+
+    worker_id: str
+    role: Role
+    session_id: str
+    geometry: KvGeometry
+
+
+class LookupWorker(Kind, frozen=True):
+    worker_id: str
+
+
+class CreateHandle(Kind, frozen=True):
+    """Decode worker registers the pages it reserved for a request (state: reserved)."""
+
+    handle: KvHandle
+
+
+class HandleWritten(Kind, frozen=True):
+    """Prefill worker finished writing the pages (state: written)."""
+
+    handle_id: str
+
+
+class HandleConsumed(Kind, frozen=True):
+    """Decode worker took the pages into its batch (state: consumed; the lease no longer applies)."""
+
+    handle_id: str
+
+
+class ReleaseHandle(Kind, frozen=True):
+    """The handle is dropped (cancel, failure, finished): forget it."""
+
+    handle_id: str
+    reason: str = ""
+
+
+class LookupHandle(Kind, frozen=True):
+    handle_id: str
+
+
+class ListHandles(Kind, frozen=True):
+    """Admin/test query: every live handle, optionally of one decode worker."""
+
+    decode_worker: str = ""
+
+
+BrokerRequest = (
+    RegisterWorker
+    | LookupWorker
+    | CreateHandle
+    | HandleWritten
+    | HandleConsumed
+    | ReleaseHandle
+    | LookupHandle
+    | ListHandles
+)
+
+
+class HandleState(enum.IntEnum):
+    RESERVED = 1
+    WRITTEN = 2
+    CONSUMED = 3
+    EXPIRED = 4
+
+
+class HandleRecord(msgspec.Struct, frozen=True, kw_only=True):
+    handle: KvHandle
+    state: HandleState
+    updated_ms: int
+
+
+class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str
+    role: Role
+    session_id: str
+    geometry: KvGeometry
+
+
+class BrokerReply(Kind, frozen=True):
+    """Answer to any BrokerRequest; `ok` False with a message on refusal (unknown handle, bad
+    transition, geometry mismatch)."""
+
+    ok: bool
+    message: str = ""
+    worker: WorkerRecord | None = None
+    handle: HandleRecord | None = None
+    handles: list[HandleRecord] = []
+
+
+class HandleExpired(Kind, frozen=True):
+    """Broker -> owning decode worker (on its inbox): the lease ran out, free the pages."""
+
+    handle_id: str
+    request_id: str
+
+
+# ---------------------------------------------------------------------------------------------
+# admin (request/reply on proto.subjects.admin(service, id))
+# ---------------------------------------------------------------------------------------------
+
+
+class GetStats(Kind, frozen=True):
+    """Ask a service instance for its live counters."""
+
+
+class SetSlowdown(Kind, frozen=True):
+    """Decode worker: sleep this long before each forward (0 = off), so a full batch builds up."""
+
+    forward_sleep_ms: float
+
+
+class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str
+    role: Role
+    running: int
+    waiting: int
+    free_pages: int
+    total_pages: int
+    reserved_handles: int
+    requests: list[str] = []
+    forward_sleep_ms: float = 0.0
+
+
+class AdminReply(Kind, frozen=True):
+    ok: bool
+    message: str = ""
+    stats: WorkerStats | None = None
+
+
+AdminRequest = GetStats | SetSlowdown
+
+
+class Rejected(Kind, frozen=True):
+    """Reply to a message that could not be decoded or handled (garbage, newer schema)."""
+
+    code: int
+    message: str
+
+
+# A decode worker's inbox: the scheduler's and prefill side's messages, and the broker's expiry notices.
+DecodeInbox = ReserveKv | KvReady | DecodeDirect | PrefillFailed | HandleExpired

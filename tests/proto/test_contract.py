@@ -1,0 +1,171 @@
+"""Every bus message round-trips through msgpack, unions dispatch on the tag, and versions are checked."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+import msgspec
+import pytest
+
+import proto
+from proto import messages as m
+from proto import subjects
+
+SAMPLING = m.Sampling(
+    max_tokens=5, temperature=0.5, top_p=0.9, top_k=4, seed=7, stop=["\n"], logprobs=True, top_logprobs=2
+)
+GEOM = m.KvGeometry(
+    num_layers=3,
+    num_pages=64,
+    page_size=16,
+    page_bytes=4096,
+    layer_stride=262144,
+    base_addr=1 << 40,
+    dtype="float32",
+)
+HANDLE = m.KvHandle(
+    handle_id="h1",
+    request_id="r1",
+    decode_worker="d0",
+    session_id="127.0.0.1:1234",
+    page_ids=[3, 4, 9],
+    num_tokens=40,
+    lease_expires_ms=123,
+)
+LP = m.TokenLogprob(token_id=5, logprob=-0.25, top=[m.TopLogprob(5, -0.25), m.TopLogprob(6, -1.5)])
+
+EXAMPLES: list[msgspec.Struct] = [
+    m.Submit(
+        request_id="r1",
+        model="tiny",
+        prompt_ids=[1, 2, 3],
+        sampling=SAMPLING,
+        stream_subject="mesh.stream.g0",
+        arrival_ms=5,
+    ),
+    m.SubmitReply(request_id="r1", ok=False, code=429, message="queue full"),
+    m.Cancel(request_id="r1", reason="client disconnected"),
+    m.WorkerHeartbeat(
+        worker_id="d0",
+        role=m.Role.DECODE,
+        model="tiny",
+        running=2,
+        waiting=0,
+        free_pages=10,
+        total_pages=64,
+        page_size=16,
+        max_context=4096,
+        interval_ms=500,
+        sent_ms=9,
+    ),
+    m.WorkerGone(worker_id="d0", role=m.Role.DECODE),
+    m.ReserveKv(request_id="r1", num_tokens=40, lease_ms=30000),
+    m.ReserveKvReply(request_id="r1", ok=True, handle=HANDLE),
+    m.KvReady(
+        request_id="r1",
+        handle_id="h1",
+        prompt_ids=[1, 2],
+        sampling=SAMPLING,
+        stream_subject="s",
+        first_token=LP,
+        cached_tokens=16,
+    ),
+    m.DecodeDirect(request_id="r1", prompt_ids=[1], sampling=m.Sampling(), stream_subject="s"),
+    m.PrefillFailed(request_id="r1", handle_id="h1", message="boom"),
+    m.PrefillTask(request_id="r1", prompt_ids=[1, 2], sampling=SAMPLING, stream_subject="s", handle=HANDLE),
+    m.TokenBatch(
+        deltas=[
+            m.TokenDelta("r1", [5], [LP]),
+            m.TokenDelta("r2", [7, 8], finish=m.FinishReason.LENGTH, prompt_tokens=3, completion_tokens=4),
+        ]
+    ),
+    m.RequestError(request_id="r1", code=500, message="worker died"),
+    m.RegisterWorker(worker_id="d0", role=m.Role.DECODE, session_id="127.0.0.1:1", geometry=GEOM),
+    m.LookupWorker(worker_id="d0"),
+    m.CreateHandle(handle=HANDLE),
+    m.HandleWritten(handle_id="h1"),
+    m.HandleConsumed(handle_id="h1"),
+    m.ReleaseHandle(handle_id="h1", reason="done"),
+    m.LookupHandle(handle_id="h1"),
+    m.ListHandles(decode_worker="d0"),
+    m.BrokerReply(
+        ok=True,
+        worker=m.WorkerRecord(worker_id="d0", role=m.Role.DECODE, session_id="x", geometry=GEOM),
+        handles=[m.HandleRecord(handle=HANDLE, state=m.HandleState.WRITTEN, updated_ms=1)],
+    ),
+    m.HandleExpired(handle_id="h1", request_id="r1"),
+    m.GetStats(),
+    m.SetSlowdown(forward_sleep_ms=20.0),
+    m.AdminReply(
+        ok=True,
+        stats=m.WorkerStats(
+            worker_id="d0",
+            role=m.Role.DECODE,
+            running=1,
+            waiting=0,
+            free_pages=3,
+            total_pages=4,
+            reserved_handles=0,
+        ),
+    ),
+    m.Rejected(code=400, message="garbage"),
+]
+
+
+def _top_level_messages() -> set[type]:
+    return {
+        obj
+        for obj in vars(m).values()
+        if inspect.isclass(obj) and issubclass(obj, m.Kind) and obj is not m.Kind
+    }
+
+
+def test_every_message_has_an_example() -> None:
+    assert {type(x) for x in EXAMPLES} == _top_level_messages()
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda x: type(x).__name__)
+def test_round_trip(msg: msgspec.Struct) -> None:
+    assert proto.decoder(type(msg)).decode(proto.encode(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    "union", [m.DecodeInbox, m.PrefillInbox, m.StreamMessage, m.BrokerRequest, m.Heartbeat, m.AdminRequest]
+)
+def test_unions_dispatch_on_tag(union: object) -> None:
+    members = typing.get_args(union) or (union,)
+    dec = proto.decoder(union)
+    for msg in EXAMPLES:
+        if type(msg) in members:
+            out = dec.decode(proto.encode(msg))
+            assert type(out) is type(msg) and out == msg
+
+
+def test_wrong_message_on_subject_is_refused() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        proto.decoder(m.DecodeInbox).decode(proto.encode(m.Cancel(request_id="r")))
+
+
+def test_garbage_is_refused() -> None:
+    with pytest.raises(msgspec.DecodeError):
+        proto.decoder(m.StreamMessage).decode(b"\xc1not msgpack")
+
+
+def test_newer_schema_version_is_refused_clearly() -> None:
+    data = proto.encode(m.Cancel(request_id="r", v=m.SCHEMA_VERSION + 1))
+    with pytest.raises(proto.SchemaVersionError, match="schema version"):
+        proto.decoder(m.Cancel).decode(data)
+
+
+def test_token_batch_is_compact() -> None:
+    # the hot message: array-like, defaults omitted -> a one-token delta stays small
+    data = proto.encode(m.TokenBatch(deltas=[m.TokenDelta("req-0123456789", [42])]))
+    assert len(data) < 40
+
+
+def test_subject_tokens_are_checked() -> None:
+    assert subjects.decode_inbox(subjects.check_token("d0")) == "mesh.decode.d0"
+    for bad in ["", "a.b", "a b", "*", ">"]:
+        with pytest.raises(ValueError):
+            subjects.check_token(bad)
