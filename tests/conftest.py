@@ -1,0 +1,23 @@
+"""Fixtures shared by every test folder."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from libs.natsd import start_nats_server
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[str]:
+    """URL of one real nats-server (JetStream on, temporary store) shared by the whole session.
+
+    Tests that share it must use unique subjects / bucket names (e.g. with a uuid) so they cannot
+    see each other's traffic.
+    """
+    server = start_nats_server()
+    try:
+        yield server.url
+    finally:
+        server.stop()
