@@ -1,0 +1,172 @@
+"""Radix-tree prefix cache over KV pages (SGLang's RadixCache, at page granularity).
+
+Each edge holds a run of whole pages: its token key (a multiple of page_size tokens) and the page ids
+whose KV rows hold exactly those tokens at those positions. Only full pages are cached, so a request
+that reuses a prefix starts writing at a page boundary into pages of its own and cached pages are never
+written again.
+
+Invariants:
+- The cache holds one allocator reference per page it stores (taken at insert, dropped at eviction);
+  whoever matched a prefix takes its own references too, so a page lives while anyone holds it.
+- `lock(node)` pins the path root..node while a request uses it; only unlocked leaves are evicted,
+  least recently used first. `evictable_pages` counts pages in unlocked nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from libs.engine.pages import PageAllocator
+
+_clock = itertools.count()
+
+
+@dataclass(eq=False)
+class RadixNode:
+    key: list[int] = field(default_factory=list)  # tokens, len == len(pages) * page_size
+    pages: list[int] = field(default_factory=list)
+    parent: RadixNode | None = None
+    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+    def __lt__(self, other: RadixNode) -> bool:
+        return self.last_access < other.last_access
+
+
+@dataclass
+class PrefixMatch:
+    pages: list[int]  # cached pages covering the first `length` tokens
+    length: int  # matched tokens, a multiple of page_size
+    node: RadixNode  # deepest matched node: lock it while the pages are in use
+
+
+class RadixCache:
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = RadixNode()
+        self.root.lock_ref = 1  # the root is never evicted
+        self.cached_pages = 0
+        self.evictable_pages = 0
+
+    def _page_key(self, tokens: Sequence[int], start: int) -> tuple[int, ...]:
+        return tuple(tokens[start : start + self.page_size])
+
+    def _matched_pages(self, key: list[int], tokens: Sequence[int], start: int) -> int:
+        """How many whole pages of `key` equal tokens[start:]."""
+        ps = self.page_size
+        n = min(len(key), len(tokens) - start) // ps
+        for i in range(n):
+            if key[i * ps : (i + 1) * ps] != list(tokens[start + i * ps : start + (i + 1) * ps]):
+                return i
+        return n
+
+    def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
+        """The longest cached whole-page prefix of `tokens` (read-only apart from LRU time and splits)."""
+        full = len(tokens) // self.page_size * self.page_size
+        node, pos, pages = self.root, 0, []
+        now = next(_clock)
+        node.last_access = now
+        while pos < full:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                break
+            n = self._matched_pages(child.key, tokens[:full], pos)
+            if n * self.page_size < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            pages.extend(child.pages)
+            pos += len(child.key)
+            node = child
+        return PrefixMatch(pages, pos, node)
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
+        """Cache the whole pages of `tokens` (KV in `pages`); returns how many tokens were cached already.
+
+        Where a prefix is already cached the existing pages stay and the caller's duplicates are left to
+        the caller; the cache takes references only on the pages it newly stores.
+        """
+        full = len(tokens) // self.page_size * self.page_size
+        if len(pages) < full // self.page_size:
+            raise ValueError(f"insert: {len(pages)} pages cannot hold {full} tokens")
+        match = self.match_prefix(tokens[:full])
+        if match.length < full:
+            first = match.length // self.page_size
+            new_pages = list(pages[first : full // self.page_size])
+            self.allocator.incref(new_pages)
+            leaf = RadixNode(list(tokens[match.length : full]), new_pages, match.node)
+            leaf.last_access = next(_clock)
+            match.node.children[self._page_key(leaf.key, 0)] = leaf
+            self.cached_pages += len(new_pages)
+            self.evictable_pages += len(new_pages)
+        return match.length
+
+    def lock(self, node: RadixNode) -> None:
+        while node is not self.root and node is not None:
+            if node.lock_ref == 0:
+                self.evictable_pages -= len(node.pages)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: RadixNode) -> None:
+        while node is not self.root and node is not None:
+            if node.lock_ref <= 0:
+                raise ValueError("radix cache: unlock without a matching lock")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_pages += len(node.pages)
+            node = node.parent  # type: ignore[assignment]
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least `num_pages` pages from unlocked leaves, LRU first, if possible; returns pages freed."""
+        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_pages:
+            leaf = heapq.heappop(heap)
+            freed += self._remove_leaf(leaf)
+            parent = leaf.parent
+            if (
+                parent is not None
+                and parent is not self.root
+                and not parent.children
+                and parent.lock_ref == 0
+            ):
+                heapq.heappush(heap, parent)
+        return freed
+
+    def reset(self) -> int:
+        """Evict everything not locked; returns pages freed."""
+        return self.evict(self.cached_pages)
+
+    def _remove_leaf(self, leaf: RadixNode) -> int:
+        assert leaf.parent is not None
+        del leaf.parent.children[self._page_key(leaf.key, 0)]
+        self.cached_pages -= len(leaf.pages)
+        self.evictable_pages -= len(leaf.pages)
+        return self.allocator.free(leaf.pages)
+
+    def _split(self, child: RadixNode, n_pages: int) -> RadixNode:
+        """Cut `child` after its first n_pages pages; returns the new upper half (which keeps the lock)."""
+        assert child.parent is not None and 0 < n_pages < len(child.pages)
+        cut = n_pages * self.page_size
+        upper = RadixNode(child.key[:cut], child.pages[:n_pages], child.parent)
+        upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        child.parent.children[self._page_key(upper.key, 0)] = upper
+        child.key, child.pages, child.parent = child.key[cut:], child.pages[n_pages:], upper
+        upper.children[self._page_key(child.key, 0)] = child
+        return upper
+
+    def _nodes(self) -> list[RadixNode]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out

@@ -1,0 +1,64 @@
+"""Per-request state inside the engine.
+
+A request's tokens are `prompt_ids + output_ids`; `num_computed` of them have their KV rows in `pages`
+(in order, page_size tokens per page). The runtime feeds tokens[num_computed:] in chunks; when a chunk
+reaches the last known token the logits give the next output token. A decoding request therefore has
+num_computed == num_tokens - 1 (its newest token is fed in the next step), and a request sent back to
+the waiting queue by preemption keeps its outputs and simply recomputes prompt + outputs.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from libs.engine.radix_cache import RadixNode
+from libs.engine.sampling import SamplingParams, TokenLogprob
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at (first) admission
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    cache_node: RadixNode | None = None  # locked radix node backing pages[:cache_len]
+    text: str = ""  # detokenized output so far (only kept when stop strings need it)
+    text_end: int | None = None  # where a stop string cut the text
+    arrival: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_decode(self) -> bool:
+        return self.num_computed == self.num_tokens - 1 and bool(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def pages_needed(self, num_tokens: int, page_size: int) -> int:
+        """Extra pages to hold KV for `num_tokens` tokens in total."""
+        return max(0, -(-num_tokens // page_size) - len(self.pages))
