@@ -1,0 +1,283 @@
+"""Placement policy of the scheduler: pure code, no I/O, no tensors.
+
+`WorkerTable` is the scheduler's view of the workers, built from heartbeats; `schedule(workers, request,
+config, prefix_hits)` decides for one request: a `Plan` (direct on a decode worker, or a
+disaggregated (prefill, decode) pair), `Wait` (no capacity now; retry on the next heartbeat), or
+`Refuse` (503: no live worker of a role; 400: the request can never fit any worker).
+
+Times are monotonic seconds passed in by the caller (`now`), never read here, so tests drive the clock.
+
+Rules (why, where it is not obvious):
+- Liveness: a worker is dead once unheard for `dead_after_intervals` x its own heartbeat interval, or at
+  once on `WorkerGone`. Receive time is local, so clock skew between hosts does not matter.
+- Heartbeats are stale the moment the scheduler acts on them: every placement made since a worker's last
+  heartbeat counts as load on it (`inflight`) and its pages as used (`inflight_pages`) until the next
+  heartbeat, which reports the truth. A worker that refused or timed out a reservation is `suspended`
+  (treated as full) until its next heartbeat, so the retry goes elsewhere instead of hammering it.
+- Draining workers take no new work and do not count as live for admission.
+- Decode choice: enough free pages for prompt + max_tokens (capped at its max_context), then least
+  loaded (running + inflight), then most free pages, then most cached prefix, then worker id.
+- Conditional disaggregation: when the chosen decode worker's uncached prompt part (prompt length minus
+  its cached prefix) is at most `direct_prefill_threshold` tokens, prefill runs on the decode worker
+  itself; a threshold of 0 disables this.
+- Prefill choice: least queued work (running + waiting + inflight), then most cached prefix, then id.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from proto.messages import ErrorCode, Role, WorkerHeartbeat
+
+# ---------------------------------------------------------------------------------------------
+# configuration and inputs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """`direct_prefill_threshold`: longest uncached prompt (tokens) prefilled on the decode worker
+    itself (0 disables). `dead_after_intervals`: heartbeat periods of silence after which a worker is dead."""
+
+    direct_prefill_threshold: int = 256
+    dead_after_intervals: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.direct_prefill_threshold < 0:
+            raise ValueError(f"direct_prefill_threshold must be >= 0, got {self.direct_prefill_threshold}")
+        if not self.dead_after_intervals > 0:
+            raise ValueError(f"dead_after_intervals must be > 0, got {self.dead_after_intervals}")
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What the policy needs to know of a request: its model, prompt length and generation budget."""
+
+    request_id: str
+    model: str
+    prompt_len: int
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1:
+            raise ValueError(f"request {self.request_id!r}: empty prompt")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.request_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker view
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerState:
+    """One worker as the scheduler sees it: its last heartbeat plus what was placed on it since."""
+
+    hb: WorkerHeartbeat
+    last_seen: float
+    inflight: int = 0
+    inflight_pages: int = 0
+    suspended: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.hb.worker_id
+
+    @property
+    def role(self) -> Role:
+        return self.hb.role
+
+    @property
+    def free_pages(self) -> int:
+        """Free pages after the placements made since the last heartbeat (0 while suspended)."""
+        return 0 if self.suspended else max(0, self.hb.free_pages - self.inflight_pages)
+
+    @property
+    def decode_load(self) -> int:
+        return self.hb.running + self.inflight
+
+    @property
+    def prefill_load(self) -> int:
+        return self.hb.running + self.hb.waiting + self.inflight
+
+    def expires_at(self, dead_after_intervals: float) -> float:
+        return self.last_seen + dead_after_intervals * self.hb.interval_ms / 1000.0
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages this worker needs for a sequence of `tokens` tokens, capped at its context length."""
+        return math.ceil(min(tokens, self.hb.max_context) / self.hb.page_size)
+
+
+class WorkerTable:
+    """Workers seen in heartbeats, with liveness and the scheduler's own placements since each heartbeat."""
+
+    def __init__(self, dead_after_intervals: float = 3.0) -> None:
+        if not dead_after_intervals > 0:
+            raise ValueError(f"dead_after_intervals must be > 0, got {dead_after_intervals}")
+        self.dead_after_intervals = dead_after_intervals
+        self._workers: dict[str, WorkerState] = {}
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._workers
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self._workers.get(worker_id)
+
+    def observe(self, hb: WorkerHeartbeat, now: float) -> None:
+        """Take a heartbeat: it replaces the load estimate and lifts a suspension."""
+        if hb.page_size < 1 or hb.interval_ms < 1 or hb.max_context < 1:
+            raise ValueError(
+                f"heartbeat of {hb.worker_id!r}: page_size, interval_ms and max_context must be >= 1 "
+                f"(got {hb.page_size}, {hb.interval_ms}, {hb.max_context})"
+            )
+        self._workers[hb.worker_id] = WorkerState(hb=hb, last_seen=now)
+
+    def gone(self, worker_id: str) -> bool:
+        """Forget a worker at once (graceful shutdown); True if it was known."""
+        return self._workers.pop(worker_id, None) is not None
+
+    def expire(self, now: float) -> list[str]:
+        """Drop workers unheard for too long; returns their ids."""
+        dead = [w for w, s in self._workers.items() if now > s.expires_at(self.dead_after_intervals)]
+        for w in dead:
+            del self._workers[w]
+        return dead
+
+    def live(self, now: float) -> list[WorkerState]:
+        """Workers alive at `now` (draining ones included; the policy decides what they may take)."""
+        return [s for s in self._workers.values() if now <= s.expires_at(self.dead_after_intervals)]
+
+    def next_expiry(self) -> float | None:
+        """When the next worker would be declared dead if it stays silent (to wake a waiting loop)."""
+        times = [s.expires_at(self.dead_after_intervals) for s in self._workers.values()]
+        return min(times) if times else None
+
+    def note_placement(self, worker_id: str, pages: int = 0) -> None:
+        """Count a placement on a worker until its next heartbeat reports it."""
+        s = self._workers.get(worker_id)
+        if s is not None:
+            s.inflight += 1
+            s.inflight_pages += pages
+
+    def suspend(self, worker_id: str) -> None:
+        """The worker refused or did not answer a reservation: place nothing on it until it is heard again."""
+        s = self._workers.get(worker_id)
+        if s is not None:
+            s.suspended = True
+
+
+# ---------------------------------------------------------------------------------------------
+# decisions
+# ---------------------------------------------------------------------------------------------
+
+
+class PlanKind(enum.Enum):
+    DIRECT = "direct"
+    DISAGGREGATED = "disaggregated"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Place the request: on `decode` alone (DIRECT) or prefill on `prefill` and decode on `decode`.
+    `decode_pages` is the decode worker's page need (prompt + max_tokens), `uncached` the prompt tokens
+    the prefilling worker must compute."""
+
+    kind: PlanKind
+    decode: str
+    prefill: str | None
+    num_tokens: int
+    decode_pages: int
+    uncached: int
+
+
+@dataclass(frozen=True)
+class Wait:
+    """No capacity now; the request stays queued until a heartbeat changes the picture or it times out."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """The request cannot be served: `code` is HTTP-like (503 no live worker, 400 never fits)."""
+
+    code: int
+    message: str
+
+
+Decision = Plan | Wait | Refuse
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    live: list[WorkerState] = field(default_factory=list)
+    fits_context: list[WorkerState] = field(default_factory=list)
+
+
+def _candidates(workers: Iterable[WorkerState], role: Role, req: PlacementRequest) -> _Candidates:
+    live = [w for w in workers if w.role == role and w.hb.model == req.model and not w.hb.draining]
+    # one token of room at least: a prompt that fills the whole context cannot generate anything
+    return _Candidates(live=live, fits_context=[w for w in live if req.prompt_len < w.hb.max_context])
+
+
+def schedule(
+    workers: Sequence[WorkerState],
+    req: PlacementRequest,
+    config: PolicyConfig,
+    prefix_hits: Mapping[str, int] | None = None,
+) -> Decision:
+    """Decide where `req` runs, from the live workers (see the module docstring for the rules).
+
+    `prefix_hits` maps worker id -> prompt tokens already in that worker's prefix cache (empty until
+    prefix-aware routing fills it); it lowers the uncached length and breaks ties."""
+    hits = prefix_hits or {}
+    decode = _candidates(workers, Role.DECODE, req)
+    if not decode.live:
+        return Refuse(ErrorCode.UNAVAILABLE, f"no live decode worker for model {req.model!r}")
+    if not decode.fits_context:
+        longest = max(w.hb.max_context for w in decode.live)
+        return Refuse(
+            ErrorCode.BAD_REQUEST,
+            f"prompt of {req.prompt_len} tokens does not fit the context of any decode worker "
+            f"(largest max_context {longest})",
+        )
+    total = req.prompt_len + req.max_tokens
+    if all(w.pages_for(total) > w.hb.total_pages for w in decode.fits_context):
+        return Refuse(
+            ErrorCode.BAD_REQUEST,
+            f"request needs more KV pages than any decode worker holds ({req.prompt_len} prompt + "
+            f"{req.max_tokens} max tokens)",
+        )
+    roomy = [w for w in decode.fits_context if w.free_pages >= w.pages_for(total)]
+    if not roomy:
+        return Wait("no decode worker has enough free KV pages")
+    d = min(roomy, key=lambda w: (w.decode_load, -w.free_pages, -hits.get(w.worker_id, 0), w.worker_id))
+    d_pages = d.pages_for(total)
+    uncached_on_decode = max(0, req.prompt_len - hits.get(d.worker_id, 0))
+    threshold = config.direct_prefill_threshold
+    if threshold > 0 and uncached_on_decode <= threshold:
+        return Plan(PlanKind.DIRECT, d.worker_id, None, req.prompt_len, d_pages, uncached_on_decode)
+
+    prefill = _candidates(workers, Role.PREFILL, req)
+    if not prefill.live:
+        return Refuse(ErrorCode.UNAVAILABLE, f"no live prefill worker for model {req.model!r}")
+    if not prefill.fits_context:
+        longest = max(w.hb.max_context for w in prefill.live)
+        return Refuse(
+            ErrorCode.BAD_REQUEST,
+            f"prompt of {req.prompt_len} tokens does not fit the context of any prefill worker "
+            f"(largest max_context {longest})",
+        )
+    usable = [w for w in prefill.fits_context if not w.suspended]
+    if not usable:
+        return Wait("every prefill worker is suspended until its next heartbeat")
+    p = min(usable, key=lambda w: (w.prefill_load, -hits.get(w.worker_id, 0), w.worker_id))
+    uncached = max(0, req.prompt_len - hits.get(p.worker_id, 0))
+    return Plan(PlanKind.DISAGGREGATED, d.worker_id, p.worker_id, req.prompt_len, d_pages, uncached)
