@@ -1,0 +1,58 @@
+"""DeepSeek's block-scaled FP8 weight format: float8_e4m3fn weights with one float32 scale per block.
+
+A weight W [M, N] is stored as `<name>` (float8_e4m3fn [M, N]) plus `<name>_scale_inv` (float32
+[ceil(M/bm), ceil(N/bn)], block (bm, bn) = quantization_config.weight_block_size, 128x128 in DeepSeek-V3).
+Dequantization is W = fp8 * scale_inv of its block; edge blocks are partial.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+SCALE_SUFFIX = "_scale_inv"
+
+
+def _expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    rows = scale.repeat_interleave(block[0], dim=0)[: shape[0]]
+    return rows.repeat_interleave(block[1], dim=1)[:, : shape[1]]
+
+
+def _check_scale_shape(weight_shape: tuple[int, int], scale: torch.Tensor, block: tuple[int, int]) -> None:
+    want = (-(-weight_shape[0] // block[0]), -(-weight_shape[1] // block[1]))
+    if tuple(scale.shape) != want:
+        raise ValueError(
+            f"FP8 scale has shape {tuple(scale.shape)}; a {weight_shape} weight in {block} blocks needs {want}"
+        )
+
+
+def dequantize_fp8_block(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # fmt: skip
+    """float8 [M, N] and its per-block scale_inv -> dequantized [M, N] in `dtype` (computed in float32)."""
+    if weight.dim() != 2:
+        raise ValueError(f"FP8 block weights must be 2-D, got shape {tuple(weight.shape)}")
+    shape = (weight.shape[0], weight.shape[1])
+    _check_scale_shape(shape, scale_inv, block)
+    w = weight.to(torch.float32) * _expand_blocks(scale_inv.to(torch.float32), shape, block)
+    return w.to(dtype)
+
+
+def quantize_fp8_block(
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, N] -> (float8_e4m3fn [M, N], float32 scale_inv [ceil(M/bm), ceil(N/bn)]), each block's amax -> 448."""
+    if weight.dim() != 2:
+        raise ValueError(f"FP8 block weights must be 2-D, got shape {tuple(weight.shape)}")
+    m, n = weight.shape
+    bm, bn = block
+    pm, pn = -(-m // bm) * bm, -(-n // bn) * bn
+    w = torch.zeros(pm, pn, dtype=torch.float32, device=weight.device)
+    w[:m, :n] = weight.to(torch.float32)
+    blocks = w.view(pm // bm, bm, pn // bn, bn)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [Mb, Nb]
+    scale_inv = amax / FP8_MAX
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(pm, pn)[:m, :n]
+    return q.to(FP8_DTYPE).contiguous(), scale_inv.contiguous()

@@ -1,0 +1,168 @@
+"""Load a Hugging Face checkpoint folder into DeepseekV3ForCausalLM.
+
+Reads `config.json`, then safetensors shards (listed by `model.safetensors.index.json`, or a single
+`model.safetensors`, or every `*.safetensors` in the folder). bf16/fp16/fp32 tensors are cast to the model
+dtype; float8_e4m3fn weights are dequantized on CPU with their `<name>_scale_inv` block scales. Tensors of
+the MTP layers DeepSeek appends after the last decoder layer, and legacy `rotary_emb.inv_freq` buffers, are
+skipped. Anything else the model does not have, or anything it needs and did not get, is a ValueError
+naming the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from libs.engine.config import ModelConfig
+from libs.engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_fp8_block
+from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+_PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _PLAIN_DTYPES:
+            raise ValueError(f"unsupported model dtype {dtype}: use float32, bfloat16 or float16")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported model dtype {dtype!r}: use float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> DeepseekV3ForCausalLM:
+    """Build the model from `path`/config.json and fill every parameter from the folder's safetensors."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"checkpoint folder {folder} does not exist")
+    cfg = ModelConfig.from_pretrained(folder)
+    model = DeepseekV3ForCausalLM(cfg, parse_dtype(dtype), device)
+    expected = model.checkpoint_weight_names()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in iter_checkpoint_tensors(folder, cfg, progress=progress):
+        if name not in expected:
+            if not _skippable(name, cfg):
+                unexpected.append(name)
+            continue
+        model.load_weight(name, tensor)
+        loaded.add(name)
+    if unexpected:
+        raise ValueError(
+            f"checkpoint {folder} has {len(unexpected)} unexpected tensors: {_listing(unexpected)}"
+        )
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {folder} is missing {len(missing)} tensors: {_listing(missing)}")
+    return model.eval()
+
+
+def checkpoint_weight_map(folder: Path) -> dict[str, Path]:
+    """tensor name -> shard file, from the index when there is one, else from the shards' headers."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e}") from e
+        files = {f: folder / f for f in set(weight_map.values())}
+        absent = sorted(f for f, p in files.items() if not p.is_file())
+        if absent:
+            raise ValueError(f"{index} lists shards that are not in the folder: {_listing(absent)}")
+        return {name: files[f] for name, f in weight_map.items()}
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"no safetensors weights in {folder} (expected {INDEX_FILE} or *.safetensors)")
+    result: dict[str, Path] = {}
+    for shard in shards:
+        with _open(shard) as f:
+            result.update({name: shard for name in f.keys()})  # noqa: SIM118 (safe_open is not a dict)
+    return result
+
+
+def iter_checkpoint_tensors(
+    folder: Path, cfg: ModelConfig, progress: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every checkpoint tensor, fp8 weights already dequantized to float32."""
+    weight_map = checkpoint_weight_map(folder)
+    block = cfg.fp8_block_size or (128, 128)
+    names = [n for n in weight_map if not n.endswith(SCALE_SUFFIX)]
+    orphans = sorted(
+        n for n in weight_map if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] not in weight_map
+    )
+    if orphans:
+        raise ValueError(f"FP8 scales without a weight: {_listing(orphans)}")
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def get(name: str) -> torch.Tensor:
+            shard = weight_map[name]
+            if shard not in handles:
+                handles[shard] = stack.enter_context(_open(shard))
+            try:
+                return handles[shard].get_tensor(name)
+            except (SafetensorError, OSError, RuntimeError) as e:
+                raise ValueError(f"cannot read tensor {name} from {shard}: {e}") from e
+
+        for name in tqdm(
+            sorted(names, key=_shard_order(weight_map)), desc="loading", unit="tensor", disable=not progress
+        ):
+            tensor = get(name)
+            if tensor.dtype == FP8_DTYPE:
+                scale_name = name + SCALE_SUFFIX
+                if scale_name not in weight_map:
+                    raise ValueError(f"FP8 tensor {name} has no {scale_name}")
+                try:
+                    tensor = dequantize_fp8_block(tensor, get(scale_name), block)
+                except ValueError as e:
+                    raise ValueError(f"tensor {name}: {e}") from e
+            elif tensor.dtype not in _PLAIN_DTYPES:
+                raise ValueError(f"tensor {name} has unsupported dtype {tensor.dtype}")
+            yield name, tensor
+
+
+def _shard_order(weight_map: dict[str, Path]):
+    return lambda name: (str(weight_map[name]), name)
+
+
+def _open(shard: Path):
+    try:
+        return safe_open(str(shard), framework="pt", device="cpu")
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ValueError(f"cannot open safetensors shard {shard}: {e}") from e
+
+
+def _skippable(name: str, cfg: ModelConfig) -> bool:
+    """Tensors a valid checkpoint may carry that this model does not use."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return True
+    m = _LAYER.match(name)
+    mtp_end = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    return m is not None and cfg.num_hidden_layers <= int(m.group(1)) < mtp_end
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

@@ -1,0 +1,300 @@
+"""DeepSeek-V3 architecture (also V2, V2-Lite, Kimi-K2, Moonlight): MLA attention and DeepSeekMoE.
+
+Legend: T new tokens in the batch, D hidden, H heads, N qk_nope_head_dim, r qk_rope_head_dim,
+R kv_lora_rank, V v_head_dim, E routed experts, I moe_intermediate_size, K experts per token.
+
+Module and parameter names are the Hugging Face checkpoint names, so a checkpoint tensor lands on the
+parameter of the same name. The one exception, routed experts, is stacked per layer ([E, 2I, D] gate+up,
+[E, D, I] down, as transformers 5 and grouped GEMMs want); `CHECKPOINT_EXPERT_NAME` is the mapping.
+Parameters are allocated uninitialized: the loader fills every one or fails naming what is missing.
+The router weight and correction bias stay float32 whatever the model dtype, as DeepSeek runs them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from libs.engine.config import ModelConfig
+from libs.engine.forward_batch import ForwardBatch
+from libs.engine.kv_pool import KVPool
+from libs.engine.layers.mla import AttentionMetadata, mla_absorbed, mla_expanded
+from libs.engine.layers.rope import RotaryEmbedding
+from libs.engine.layers.router import select_experts
+
+ATTN_MODES = ("auto", "absorbed", "expanded")
+
+# checkpoint name of one routed expert's projection -> (stacked parameter, which rows of it)
+CHECKPOINT_EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, d_in: int, d_out: int, bias: bool, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = _param(d_out, d_in, dtype=dtype, device=device)
+        self.bias = _param(d_out, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table; also the tied LM head (same Parameter) when tie_word_embeddings."""
+
+    def __init__(self, vocab: int, dim: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = _param(vocab, dim, dtype=dtype, device=device)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """MLA: writes each new token's latent row into the pool, then attends in expanded or absorbed form."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layer_id: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.layer_id = layer_id
+        self.rope = rope
+        self.num_heads, self.nope_dim, self.rope_dim = (
+            cfg.num_attention_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+        )
+        self.kv_lora_rank, self.v_dim, self.scale = cfg.kv_lora_rank, cfg.v_head_dim, cfg.softmax_scale
+        h, d, bias = cfg.num_attention_heads, cfg.hidden_size, cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(d, h * cfg.qk_head_dim, False, dtype, device)
+        else:
+            self.q_a_proj = Linear(d, cfg.q_lora_rank, bias, dtype, device)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype, device)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, False, dtype, device)
+        self.kv_a_proj_with_mqa = Linear(d, cfg.kv_row_dim, bias, dtype, device)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dtype, device)
+        self.kv_b_proj = Linear(
+            cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), False, dtype, device
+        )
+        self.o_proj = Linear(h * cfg.v_head_dim, d, bias, dtype, device)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+        kv: KVPool, out_slots: torch.Tensor, absorbed: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        t = x.shape[0]
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, N + r]
+        q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim :]
+        q_pe = self.rope.apply(q_pe, cos[:, None], sin[:, None])
+        latent = self.kv_a_proj_with_mqa(x)  # [T, R + r]
+        c_kv = self.kv_a_layernorm(latent[:, : self.kv_lora_rank])
+        k_pe = self.rope.apply(latent[:, self.kv_lora_rank :], cos, sin)
+        kv.write(self.layer_id, out_slots, torch.cat([c_kv, k_pe], dim=-1))
+        attend = mla_absorbed if absorbed else mla_expanded
+        out = attend(
+            q_nope, q_pe, kv.layer(self.layer_id), self.kv_b_proj.weight, meta, self.scale
+        )  # [T, H, V]
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: the dense layers and the shared experts."""
+
+    def __init__(self, d: int, inter: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.gate_proj = Linear(d, inter, False, dtype, device)
+        self.up_proj = Linear(d, inter, False, dtype, device)
+        self.down_proj = Linear(inter, d, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig, device):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = _param(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32, device=device)
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = _param(cfg.n_routed_experts, dtype=torch.float32, device=device)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> weights [T, K] float32, expert ids [T, K]."""
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        return select_experts(logits, self.cfg, self.e_score_correction_bias)
+
+
+class Experts(nn.Module):
+    """All routed experts of one layer, stacked. Runs each expert once over the tokens routed to it."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = _param(e, 2 * i, d, dtype=dtype, device=device)  # [E, 2I, D]: gate rows, then up
+        self.down_proj = _param(e, d, i, dtype=dtype, device=device)  # [E, D, I]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D], ids/weights [T, K] -> [T, D] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])."""
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)  # [T*K] token-slots sorted by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        token = order // k
+        xs = x[token]
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                gate, up = F.linear(xs[start : start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
+                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+                start += n
+        y = torch.cat(outs) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+class MoE(nn.Module):
+    """Router -> routed experts (+ shared experts). Expert parallelism slots in between router and experts."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        self.gate = Router(cfg, device)
+        self.experts = Experts(cfg, dtype, device)
+        shared = cfg.n_shared_experts * cfg.moe_intermediate_size
+        self.shared_experts = MLP(cfg.hidden_size, shared, dtype, device) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        y = self.experts(x, ids, weights)
+        return y + self.shared_experts(x) if self.shared_experts is not None else y
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layer_id: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.self_attn = Attention(cfg, rope, layer_id, dtype, device)
+        if cfg.is_moe_layer(layer_id):
+            self.mlp: nn.Module = MoE(cfg, dtype, device)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, x, cos, sin, meta, kv, out_slots, absorbed) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv, out_slots, absorbed)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, dtype: torch.dtype, device):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rope, i, dtype, device) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """One forward over a ForwardBatch: new tokens' latent rows go into `kv`; returns final-normed hidden."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ):
+        super().__init__()
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.rope = RotaryEmbedding(config.rope, config.qk_rope_head_dim, config.rope_interleave, self.device)
+        self.model = Model(config, self.rope, dtype, self.device)
+        self.lm_head: Linear | Embedding
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVPool, attn_mode: str = "auto") -> torch.Tensor:
+        """-> hidden [T, D] after the final norm. attn_mode "auto": absorbed iff every sequence adds 1 token."""
+        if attn_mode not in ATTN_MODES:
+            raise ValueError(f"attn_mode must be one of {ATTN_MODES}, got {attn_mode!r}")
+        _check_batch(batch, kv, self.config)
+        absorbed = batch.is_decode if attn_mode == "auto" else attn_mode == "absorbed"
+        meta = AttentionMetadata.from_batch(batch, kv.page_size, self.device)
+        cos, sin = self.rope.cos_sin(batch.positions.to(self.device))
+        out_slots = batch.out_slots.to(self.device)
+        x = F.embedding(batch.input_ids.to(self.device), self.model.embed_tokens.weight)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, meta, kv, out_slots, absorbed)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> logits [N, vocab] float32."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    # --- weights ---
+    def checkpoint_weight_names(self) -> set[str]:
+        """Every tensor name a checkpoint must provide (experts per expert, tied head omitted)."""
+        names = set()
+        for name, param in self.named_parameters():
+            if name.endswith(".experts.gate_up_proj"):
+                prefix = name.removesuffix(".gate_up_proj")
+                for e in range(param.shape[0]):
+                    names |= {f"{prefix}.{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+            elif not name.endswith(".experts.down_proj"):
+                names.add(name)
+        return names
+
+    def weight_target(self, name: str) -> torch.Tensor:
+        """The parameter (or slice of a stacked one) that checkpoint tensor `name` fills."""
+        m = CHECKPOINT_EXPERT_NAME.match(name)
+        if m is None:
+            return self.get_parameter(name)
+        experts, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        if proj == "down_proj":
+            return self.get_parameter(f"{experts}.down_proj")[e]
+        gate_up = self.get_parameter(f"{experts}.gate_up_proj")[e]
+        half = gate_up.shape[0] // 2
+        return gate_up[:half] if proj == "gate_proj" else gate_up[half:]
+
+    @torch.no_grad()
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        target = self.weight_target(name)
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"tensor {name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+
+
+def _check_batch(batch: ForwardBatch, kv: KVPool, cfg: ModelConfig) -> None:
+    t = batch.input_ids.shape[0]
+    if not batch.seq_lens or t == 0:
+        raise ValueError("empty forward batch")
+    if sum(batch.extend_lens) != t or batch.positions.shape[0] != t or batch.out_slots.shape[0] != t:
+        raise ValueError(f"batch has {t} input ids but extend_lens sum to {sum(batch.extend_lens)}")
+    if len(batch.extend_lens) != batch.num_seqs or len(batch.page_tables) != batch.num_seqs:
+        raise ValueError("extend_lens, seq_lens and page_tables must have one entry per sequence")
+    if any(e < 1 or e > s for e, s in zip(batch.extend_lens, batch.seq_lens, strict=True)):
+        raise ValueError("every sequence needs 1 <= extend_len <= seq_len")
+    if kv.num_layers != cfg.num_hidden_layers or kv.row_dim != cfg.kv_row_dim:
+        raise ValueError(
+            f"KV pool is [{kv.num_layers} layers, {kv.row_dim} wide]; model needs "
+            f"[{cfg.num_hidden_layers}, {cfg.kv_row_dim}]"
+        )
