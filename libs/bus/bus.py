@@ -1,0 +1,345 @@
+"""The NATS layer every service shares: typed publish, request/reply and subscriptions.
+
+Messages are proto Structs, msgpack-encoded through `proto.encode` / `proto.Decoder` (one decoder per
+type, built once). A subscription handler is `async def handler(msg) -> Struct | None`: a returned
+Struct is sent as the reply when the message has a reply subject. A handler that raises, or a message
+that does not decode, is logged and answered (when it has a reply subject) with `proto.messages.Rejected`;
+the subscription keeps serving. `request()` turns a `Rejected` answer back into `RequestRejected`.
+
+Every outgoing message carries the caller's trace context and deadline (libs.bus.context); `request()`
+also bounds its wait by the deadline in force and tells the receiver when it will stop waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import typing
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from libs.bus.context import incoming_context, now_ms, outgoing_headers, time_left
+from proto import Decoder, SchemaVersionError, encode
+from proto.messages import ErrorCode, Rejected
+
+log = logging.getLogger("moemesh.bus")
+
+T = TypeVar("T")
+Handler = Callable[[Any], Awaitable[msgspec.Struct | None]]
+
+
+class BusError(Exception):
+    """Base of the bus layer's errors."""
+
+
+class PayloadTooLarge(BusError, ValueError):
+    """The encoded message exceeds the server's max_payload; nothing was sent."""
+
+
+class NoResponders(BusError):
+    """Nobody subscribes to the subject of a request."""
+
+
+class RequestTimeout(BusError, TimeoutError):
+    """No reply before the timeout (or the deadline in force)."""
+
+
+class DeadlineExceeded(RequestTimeout):
+    """The deadline in force had already passed; nothing was sent."""
+
+
+class RequestRejected(BusError):
+    """A refusal with an HTTP-like code. Raise it in a handler to answer with `Rejected(code, message)`;
+    `request()` raises it when the answer is a `Rejected`."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code = int(code)
+        self.message = message
+
+
+@functools.cache
+def _decoder(typ: Any) -> Decoder:
+    return Decoder(typ)
+
+
+@functools.cache
+def _reply_decoder(reply_type: Any) -> Decoder:
+    return Decoder(typing.Union[reply_type, Rejected])  # noqa: UP007 - reply_type may itself be a union
+
+
+def _header_bytes(headers: dict[str, str] | None) -> int:
+    if not headers:
+        return 0
+    return len("NATS/1.0\r\n\r\n") + sum(len(k) + len(v) + 4 for k, v in headers.items())
+
+
+class Bus:
+    """One NATS connection with typed messaging. Build with `await Bus.connect(url, name)`."""
+
+    def __init__(self, nc: Client, name: str, registry: CollectorRegistry | None = None) -> None:
+        self.nc = nc
+        self.name = name
+        self.registry = registry
+        self._subs: list[Subscription] = []
+        self._inflight: set[asyncio.Task] = set()
+        self._msgs: Counter | None = None
+        self._seconds: Histogram | None = None
+        if registry is not None:
+            self._msgs = Counter(
+                "moemesh_bus_messages", "Messages handled, by subscription and outcome",
+                ["subscription", "outcome"], registry=registry,
+            )  # fmt: skip
+            self._seconds = Histogram(
+                "moemesh_bus_handler_seconds",
+                "Handler time by subscription",
+                ["subscription"],
+                registry=registry,
+            )
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str | list[str],
+        name: str,
+        *,
+        connect_deadline: float = 30.0,
+        reconnect_time_wait: float = 0.5,
+        drain_timeout: float = 10.0,
+        registry: CollectorRegistry | None = None,
+    ) -> Bus:
+        """Connect, retrying until `connect_deadline` seconds pass (a server that is still starting is
+        fine); afterwards reconnect forever, logging each disconnect and reconnect."""
+        nc = Client()
+
+        async def on_error(e: Exception) -> None:
+            log.warning("nats %s: %s: %s", name, type(e).__name__, e)
+
+        async def on_disconnect() -> None:
+            log.warning("nats %s: disconnected", name)
+
+        async def on_reconnect() -> None:
+            log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+
+        async def on_closed() -> None:
+            log.info("nats %s: connection closed", name)
+
+        opts: dict[str, Any] = dict(  # seconds as floats: nats-py annotates them int but sleeps on them
+            name=name, max_reconnect_attempts=-1, reconnect_time_wait=reconnect_time_wait, connect_timeout=2,
+            drain_timeout=drain_timeout, error_cb=on_error, disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect, closed_cb=on_closed,
+        )  # fmt: skip
+        try:
+            await asyncio.wait_for(nc.connect(url, **opts), connect_deadline)
+        except TimeoutError:
+            await nc.close()
+            raise BusError(f"could not connect to NATS at {url} within {connect_deadline}s") from None
+        return cls(nc, name, registry)
+
+    # --- state ---
+    @property
+    def is_connected(self) -> bool:
+        return self.nc.is_connected
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload
+
+    def jetstream(self) -> Any:
+        """The JetStream context of this connection (KV buckets, streams)."""
+        return self.nc.jetstream()
+
+    # --- sending ---
+    def _checked(self, subject: str, msg: msgspec.Struct, headers: dict[str, str] | None) -> bytes:
+        data = encode(msg)
+        size = len(data) + _header_bytes(headers)
+        if size > self.nc.max_payload:
+            raise PayloadTooLarge(
+                f"{type(msg).__name__} for {subject} is {size} bytes, over the server's max_payload of "
+                f"{self.nc.max_payload} bytes; nothing was sent"
+            )
+        return data
+
+    async def publish(self, subject: str, msg: msgspec.Struct, headers: dict[str, str] | None = None) -> None:
+        """Fire-and-forget publish of one message, with the current trace context and deadline."""
+        hdrs = outgoing_headers(headers)
+        await self.nc.publish(subject, self._checked(subject, msg, hdrs), headers=hdrs)
+
+    async def request(
+        self,
+        subject: str,
+        msg: msgspec.Struct,
+        reply_type: type[T] | Any,
+        timeout: float = 5.0,
+        headers: dict[str, str] | None = None,
+    ) -> T:
+        """Send and wait for one typed reply, for at most `timeout` s and never past the deadline in force.
+
+        Raises DeadlineExceeded (nothing sent), RequestTimeout, NoResponders, RequestRejected (the
+        receiver answered Rejected), PayloadTooLarge, or BusError for a reply that does not decode.
+        """
+        left = time_left()
+        if left is not None:
+            if left <= 0:
+                raise DeadlineExceeded(
+                    f"deadline passed {-left:.3f}s ago; {type(msg).__name__} not sent to {subject}"
+                )
+            timeout = min(timeout, left)
+        hdrs = outgoing_headers(headers, deadline_ms=now_ms() + int(timeout * 1000))
+        data = self._checked(subject, msg, hdrs)
+        try:
+            resp = await self.nc.request(subject, data, timeout=timeout, headers=hdrs)
+        except nats.errors.NoRespondersError:
+            raise NoResponders(f"no subscriber for {subject} ({type(msg).__name__})") from None
+        except nats.errors.TimeoutError:
+            raise RequestTimeout(
+                f"no reply to {type(msg).__name__} on {subject} within {timeout:.3f}s"
+            ) from None
+        try:
+            reply = _reply_decoder(reply_type).decode(resp.data)  # type: ignore[arg-type]
+        except (msgspec.DecodeError, msgspec.ValidationError, SchemaVersionError) as e:
+            raise BusError(f"reply to {type(msg).__name__} on {subject} does not decode: {e}") from e
+        if isinstance(reply, Rejected):
+            raise RequestRejected(reply.code, reply.message)
+        return reply
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        await self.nc.flush(timeout)  # type: ignore[arg-type]
+
+    # --- receiving ---
+    async def subscribe(
+        self,
+        subject: str,
+        msg_type: Any,
+        handler: Handler,
+        queue: str | None = None,
+        *,
+        concurrent: bool = False,
+        max_in_flight: int = 256,
+    ) -> Subscription:
+        """Handle every message on `subject` (a queue group shares them among subscribers).
+
+        By default messages are handled one at a time in arrival order (what a token stream needs);
+        `concurrent=True` runs each in its own task, at most `max_in_flight` at once (request/reply
+        services whose handlers wait on I/O).
+        """
+        dec = _decoder(msg_type)
+        if not concurrent:
+
+            async def cb(m: Msg) -> None:
+                await self._handle(m, dec, handler, subject)
+
+        else:
+            slots = asyncio.Semaphore(max_in_flight)
+
+            async def cb(m: Msg) -> None:
+                await slots.acquire()  # backpressure: holds this subscription's delivery, not the others
+                task = asyncio.create_task(self._handle(m, dec, handler, subject))
+                self._inflight.add(task)
+
+                def done(t: asyncio.Task) -> None:
+                    self._inflight.discard(t)
+                    slots.release()
+
+                task.add_done_callback(done)
+
+        sub = await self.nc.subscribe(subject, queue=queue or "", cb=cb)
+        self._subs.append(sub)
+        return sub
+
+    async def _handle(self, m: Msg, dec: Decoder, handler: Handler, label: str) -> None:
+        t0 = time.perf_counter()
+        outcome = "ok"
+        with incoming_context(m.headers):
+            try:
+                msg = dec.decode(m.data)
+            except (msgspec.DecodeError, msgspec.ValidationError, SchemaVersionError) as e:
+                outcome = "undecodable"
+                log.warning("undecodable message on %s (%d bytes): %s", m.subject, len(m.data), e)
+                await self._reject(m, ErrorCode.BAD_REQUEST, f"cannot decode message on {m.subject}: {e}")
+                self._count(label, outcome, t0)
+                return
+            try:
+                reply = await handler(msg)
+                if reply is not None:
+                    if m.reply:
+                        await self.publish(m.reply, reply)
+                    else:
+                        log.warning("%s handler returned %s but the message has no reply subject", label,
+                                    type(reply).__name__)  # fmt: skip
+            except RequestRejected as e:
+                outcome = "rejected"
+                log.info("%s on %s refused: %s", type(msg).__name__, m.subject, e)
+                await self._reject(m, e.code, e.message)
+            except Exception as e:
+                outcome = "error"
+                log.exception("handler for %s failed on %s", m.subject, type(msg).__name__)
+                await self._reject(m, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+        self._count(label, outcome, t0)
+
+    async def _reject(self, m: Msg, code: int, message: str) -> None:
+        if not m.reply:
+            return
+        try:
+            await self.publish(m.reply, Rejected(code=int(code), message=message[:2000]))
+        except Exception as e:  # the connection may be gone; the requester's timeout covers it
+            log.warning("could not send rejection to %s: %s", m.reply, e)
+
+    def _count(self, label: str, outcome: str, t0: float) -> None:
+        if self._msgs is not None and self._seconds is not None:
+            self._msgs.labels(label, outcome).inc()
+            self._seconds.labels(label).observe(time.perf_counter() - t0)
+
+    # --- shutdown ---
+    @property
+    def in_flight(self) -> int:
+        """Handler tasks of concurrent subscriptions still running."""
+        return len(self._inflight)
+
+    async def stop_subscriptions(self, timeout: float) -> bool:
+        """Stop taking new messages: unsubscribe every subscription, let the ones already delivered be
+        handled, and wait up to `timeout` s for running handlers; cancel what is left.
+        Returns True when everything finished in time."""
+        deadline = time.monotonic() + timeout
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            try:
+                await asyncio.wait_for(sub.drain(), max(0.0, deadline - time.monotonic()))
+            except (TimeoutError, nats.errors.Error) as e:
+                log.warning("draining subscription %s: %s", sub.subject, type(e).__name__)
+        clean = True
+        if self._inflight:
+            _, pending = await asyncio.wait(
+                set(self._inflight), timeout=max(0.0, deadline - time.monotonic())
+            )
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            clean = not pending
+            if pending:
+                log.warning("%d handlers still running at the drain deadline were cancelled", len(pending))
+        return clean
+
+    async def drain(self) -> None:
+        """Flush what was published and close the connection (subscriptions drained first)."""
+        if self.nc.is_closed:
+            return
+        try:
+            await self.nc.drain()
+        except nats.errors.Error as e:
+            log.warning("nats drain: %s", e)
+            await self.nc.close()
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.close()

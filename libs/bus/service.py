@@ -1,0 +1,203 @@
+"""The service shell: NATS connection, subscriptions, signals, graceful drain, health and metrics.
+
+A service subclasses `Service`, sets `name` and `settings_class`, subscribes in `setup()` and cleans up
+in `on_drain()`; `python -m services.<name>` calls `<Service>.main()`. Shutdown (SIGINT/SIGTERM or
+`request_stop()`) goes: /health turns 503 -> subscriptions unsubscribe (queue-group peers take new work)
+-> messages already delivered and running handlers finish, up to `drain_timeout_s` -> `on_drain()` ->
+the connection drains (pending publishes flushed) and closes -> the HTTP side port closes.
+
+HTTP side port (`http_port`; 0 off, -1 any free port): `GET /health` is 200 when connected and ready,
+503 otherwise (readiness probe); `GET /livez` is 200 while the process serves (liveness probe);
+`GET /metrics` is this service's prometheus registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import signal
+import sys
+from collections.abc import Sequence
+from typing import ClassVar
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+
+from libs.bus.bus import Bus
+from libs.bus.settings import ServiceSettings, SettingsError, load_settings
+
+log = logging.getLogger("moemesh.service")
+
+
+class Service:
+    """Base of every moemesh service. Construct with its settings; `await run()` serves until stopped."""
+
+    name: ClassVar[str] = "service"
+    settings_class: ClassVar[type[ServiceSettings]] = ServiceSettings
+
+    def __init__(self, settings: ServiceSettings, registry: CollectorRegistry | None = None) -> None:
+        self.settings = settings
+        self.instance_id = settings.instance_id or f"{self.name}-{secrets.token_hex(4)}"
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._bus: Bus | None = None
+        self._ready = False
+        self.draining = False
+        self.started = asyncio.Event()  # set once setup() is done and the service is ready
+        self.stopping = asyncio.Event()
+        self.http_port: int | None = None  # the bound port, once run() started the side port
+        self._ready_gauge = Gauge(
+            "moemesh_service_ready", "1 when this instance takes work", registry=self.registry
+        )
+
+    # --- hooks for subclasses ---
+    async def setup(self) -> None:
+        """Subscribe and prepare state; the bus is connected. Raising here aborts run()."""
+
+    async def on_drain(self) -> None:
+        """Called after subscriptions stopped and handlers finished, while the connection is still up
+        (e.g. publish WorkerGone, cancel background tasks)."""
+
+    def is_ready(self) -> bool:
+        """Extra readiness condition on top of 'connected, set up, not draining'."""
+        return True
+
+    # --- state ---
+    @property
+    def bus(self) -> Bus:
+        if self._bus is None:
+            raise RuntimeError(f"{self.name}: bus used before run() connected it")
+        return self._bus
+
+    def healthy(self) -> bool:
+        return (
+            self._bus is not None
+            and self._bus.is_connected
+            and self._ready
+            and not self.draining
+            and self.is_ready()
+        )
+
+    def request_stop(self) -> None:
+        """Begin the graceful drain (what SIGINT/SIGTERM do)."""
+        self.stopping.set()
+
+    # --- lifecycle ---
+    async def run(self, install_signals: bool = True) -> None:
+        """Connect, set up, serve until stopped, then drain gracefully (see the module docstring)."""
+        s = self.settings
+        self._bus = await Bus.connect(
+            s.nats_url, f"{self.name}:{self.instance_id}", connect_deadline=s.connect_timeout_s,
+            drain_timeout=s.drain_timeout_s, registry=self.registry,
+        )  # fmt: skip
+        http = await self._start_http() if s.http_port != 0 else None
+        signals = self._install_signals() if install_signals else []
+        try:
+            await self.setup()
+            self._ready = True
+            self._ready_gauge.set(1)
+            self.started.set()
+            log.info(
+                "%s %s ready (nats %s, http %s)", self.name, self.instance_id, s.nats_url, self.http_port
+            )
+            await self.stopping.wait()
+        finally:
+            await self._shutdown(http, signals)
+
+    async def _shutdown(self, http: asyncio.Server | None, signals: list[int]) -> None:
+        self.draining = True
+        self._ready_gauge.set(0)
+        log.info("%s %s draining", self.name, self.instance_id)
+        loop = asyncio.get_running_loop()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        bus = self.bus
+        try:
+            await bus.stop_subscriptions(self.settings.drain_timeout_s)
+            try:
+                await self.on_drain()
+            except Exception:
+                log.exception("%s on_drain failed", self.name)
+            await bus.drain()
+        finally:
+            await bus.close()
+            if http is not None:
+                http.close()
+                await http.wait_closed()
+            log.info("%s %s stopped", self.name, self.instance_id)
+
+    def _install_signals(self) -> list[int]:
+        loop = asyncio.get_running_loop()
+        installed: list[int] = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self.request_stop)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / platform
+                log.debug("cannot install handler for %s", sig)
+        return installed
+
+    # --- HTTP side port ---
+    async def _start_http(self) -> asyncio.Server:
+        port = max(self.settings.http_port, 0)
+        server = await asyncio.start_server(self._serve_http, self.settings.http_host, port)
+        self.http_port = server.sockets[0].getsockname()[1]
+        return server
+
+    async def _serve_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request_line = await asyncio.wait_for(reader.readline(), 5.0)
+            while (await asyncio.wait_for(reader.readline(), 5.0)) not in (b"\r\n", b"\n", b""):
+                pass  # headers are not needed
+            parts = request_line.decode("latin-1").split()
+            method, path = (parts[0], parts[1].split("?")[0]) if len(parts) >= 2 else ("", "")
+            status, ctype, body = self._route(method, path)
+            head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            writer.write(head.encode() + (body if method != "HEAD" else b""))
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
+        if method not in ("GET", "HEAD"):
+            return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
+        if path in ("/health", "/healthz", "/readyz"):
+            ok = self.healthy()
+            body = {
+                "status": "ok" if ok else "unavailable",
+                "service": self.name,
+                "instance": self.instance_id,
+                "connected": self._bus is not None and self._bus.is_connected,
+                "draining": self.draining,
+            }
+            return (
+                ("200 OK" if ok else "503 Service Unavailable"),
+                "application/json",
+                json.dumps(body).encode(),
+            )
+        if path == "/livez":
+            return "200 OK", "text/plain", b"ok\n"
+        if path == "/metrics":
+            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.registry)
+        return "404 Not Found", "text/plain", b"not found\n"
+
+    # --- entry point ---
+    @classmethod
+    def main(cls, argv: Sequence[str] | None = None) -> int:
+        """`python -m services.<name>`: settings from env + flags, logging, run until a signal."""
+        try:
+            settings = load_settings(cls.settings_class, cls.name, sys.argv[1:] if argv is None else argv)
+        except SettingsError as e:
+            print(f"{cls.name}: {e}", file=sys.stderr)
+            return 2
+        logging.basicConfig(
+            level=settings.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            force=True,
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(cls(settings).run())
+        return 0

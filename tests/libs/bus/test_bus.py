@@ -1,0 +1,212 @@
+import asyncio
+import time
+import uuid
+
+import msgspec
+import pytest
+from prometheus_client import CollectorRegistry
+
+from libs.bus import (
+    Bus,
+    DeadlineExceeded,
+    NoResponders,
+    PayloadTooLarge,
+    RequestRejected,
+    RequestTimeout,
+    current_deadline,
+    current_traceparent,
+    new_traceparent,
+    now_ms,
+    request_context,
+    time_left,
+)
+from proto import Decoder
+from proto.messages import Rejected
+
+
+class Ping(msgspec.Struct, frozen=True, tag=True):
+    n: int
+
+
+class Blob(msgspec.Struct, frozen=True, tag=True):
+    data: bytes
+
+
+class Pong(msgspec.Struct, frozen=True, tag=True):
+    n: int
+
+
+Inbox = Ping | Blob
+
+
+def subj() -> str:
+    return f"test.bus.{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+async def bus(nats_server):
+    b = await Bus.connect(nats_server, "test-bus", registry=CollectorRegistry())
+    yield b
+    await b.close()
+
+
+async def test_publish_subscribe_union_in_order(bus):
+    s, got, done = subj(), [], asyncio.Event()
+
+    async def handler(msg):
+        match msg:
+            case Ping(n=n):
+                got.append(n)
+            case Blob(data=d):
+                got.append(d)
+        if len(got) == 4:
+            done.set()
+
+    await bus.subscribe(s, Inbox, handler)
+    for m in (Ping(1), Blob(b"x"), Ping(2), Ping(3)):
+        await bus.publish(s, m)
+    await asyncio.wait_for(done.wait(), 5)
+    assert got == [1, b"x", 2, 3]
+
+
+async def test_request_reply_typed(bus):
+    s = subj()
+
+    async def handler(msg: Ping) -> Pong:
+        return Pong(msg.n * 2)
+
+    await bus.subscribe(s, Ping, handler)
+    assert await bus.request(s, Ping(21), Pong, timeout=5) == Pong(42)
+
+
+async def test_garbage_and_failing_handler_are_answered_and_service_keeps_serving(bus):
+    s = subj()
+
+    async def handler(msg: Ping) -> Pong:
+        if msg.n < 0:
+            raise RuntimeError("negative ping")
+        if msg.n == 429:
+            raise RequestRejected(429, "slow down")
+        return Pong(msg.n)
+
+    await bus.subscribe(s, Ping, handler)
+    raw = await bus.nc.request(s, b"\xc1garbage", timeout=5)
+    rej = Decoder(Rejected).decode(raw.data)
+    assert rej.code == 400 and "cannot decode" in rej.message
+    with pytest.raises(RequestRejected) as e:
+        await bus.request(s, Blob(b"wrong type"), Pong, timeout=5)
+    assert e.value.code == 400
+    with pytest.raises(RequestRejected) as e:
+        await bus.request(s, Ping(-1), Pong, timeout=5)
+    assert e.value.code == 500 and "negative ping" in e.value.message
+    with pytest.raises(RequestRejected) as e:
+        await bus.request(s, Ping(429), Pong, timeout=5)
+    assert (e.value.code, e.value.message) == (429, "slow down")
+    assert await bus.request(s, Ping(7), Pong, timeout=5) == Pong(7)
+    counts = {
+        o: bus.registry.get_sample_value("moemesh_bus_messages_total", {"subscription": s, "outcome": o})
+        for o in ("undecodable", "error", "rejected", "ok")
+    }
+    assert counts == {"undecodable": 2, "error": 1, "rejected": 1, "ok": 1}
+
+
+async def test_trace_and_deadline_propagate_across_hops(bus):
+    a, b = subj(), subj()
+    seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def hop_a(msg: Ping) -> None:
+        await bus.publish(b, Ping(msg.n + 1))
+
+    async def hop_b(msg: Ping) -> None:
+        seen.set_result((msg.n, current_traceparent(), current_deadline(), time_left()))
+
+    await bus.subscribe(a, Ping, hop_a)
+    await bus.subscribe(b, Ping, hop_b)
+    tp = new_traceparent()
+    with request_context(traceparent=tp, timeout=30):
+        deadline = current_deadline()
+        await bus.publish(a, Ping(1))
+    n, got_tp, got_deadline, left = await asyncio.wait_for(seen, 5)
+    assert (n, got_tp, got_deadline) == (2, tp, deadline)
+    assert 0 < left <= 30
+    assert current_traceparent() is None  # nothing leaked into the caller's context
+
+
+async def test_request_wait_is_bounded_by_the_deadline_in_force(bus):
+    s, release, seen_deadline = subj(), asyncio.Event(), []
+
+    async def never_in_time(msg: Ping) -> Pong:
+        seen_deadline.append(current_deadline())
+        await release.wait()
+        return Pong(0)
+
+    await bus.subscribe(s, Ping, never_in_time, concurrent=True)
+    t0, sent_ms = time.monotonic(), now_ms()
+    with request_context(timeout=0.2), pytest.raises(RequestTimeout):
+        await bus.request(s, Ping(1), Pong, timeout=30)
+    assert time.monotonic() - t0 < 2.0
+    assert sent_ms + 150 <= seen_deadline[0] <= sent_ms + 250  # the receiver knows when the caller gives up
+    release.set()
+
+
+async def test_expired_deadline_and_oversized_message_send_nothing(bus):
+    s, got, first = subj(), [], asyncio.Event()
+
+    async def handler(msg):
+        got.append(msg)
+        first.set()
+
+    await bus.subscribe(s, Inbox, handler)
+    with request_context(deadline_ms=now_ms() - 1), pytest.raises(DeadlineExceeded):
+        await bus.request(s, Ping(1), Pong)
+    with pytest.raises(PayloadTooLarge, match="max_payload"):
+        await bus.publish(s, Blob(b"x" * (bus.max_payload + 1)))
+    with pytest.raises(PayloadTooLarge):
+        await bus.request(s, Blob(b"x" * bus.max_payload), Pong)
+    await bus.publish(s, Ping(99))  # messages on one connection arrive in order: this must be first
+    await asyncio.wait_for(first.wait(), 5)
+    assert got[0] == Ping(99)
+
+
+async def test_no_responders(bus):
+    with pytest.raises(NoResponders, match="no subscriber"):
+        await bus.request(subj(), Ping(1), Pong, timeout=5)
+
+
+async def test_concurrent_handlers_overlap_and_drain_waits_for_them(bus):
+    s, release, started = subj(), asyncio.Event(), []
+    all_started = asyncio.Event()
+
+    async def slow(msg: Ping) -> Pong:
+        started.append(msg.n)
+        if len(started) == 5:
+            all_started.set()
+        await release.wait()
+        return Pong(msg.n)
+
+    await bus.subscribe(s, Ping, slow, concurrent=True)
+    requests = [asyncio.create_task(bus.request(s, Ping(i), Pong, timeout=10)) for i in range(5)]
+    await asyncio.wait_for(all_started.wait(), 5)  # only possible if all five run at once
+    assert bus.in_flight == 5
+    stopper = asyncio.create_task(bus.stop_subscriptions(timeout=10))
+    await asyncio.sleep(0)  # let the drain start while handlers are still blocked
+    assert not stopper.done()
+    release.set()
+    assert await asyncio.wait_for(stopper, 10) is True
+    assert sorted(r.n for r in await asyncio.gather(*requests)) == list(range(5))
+    with pytest.raises(NoResponders):
+        await bus.request(s, Ping(1), Pong, timeout=5)
+
+
+async def test_drain_deadline_cancels_stuck_handlers(bus):
+    s, entered = subj(), asyncio.Event()
+
+    async def stuck(msg: Ping) -> None:
+        entered.set()
+        await asyncio.Event().wait()
+
+    await bus.subscribe(s, Ping, stuck, concurrent=True)
+    await bus.publish(s, Ping(1))
+    await asyncio.wait_for(entered.wait(), 5)
+    assert await bus.stop_subscriptions(timeout=0.1) is False
+    assert bus.in_flight == 0

@@ -1,0 +1,139 @@
+import asyncio
+import inspect
+import os
+import signal
+import uuid
+
+import httpx
+import msgspec
+import pytest
+
+from libs.bus import Bus, NoResponders, Service, ServiceSettings
+from libs.natsd import start_nats_server
+
+
+class Ping(msgspec.Struct, frozen=True, tag=True):
+    n: int
+
+
+class Pong(msgspec.Struct, frozen=True, tag=True):
+    n: int
+
+
+class EchoService(Service):
+    name = "echo"
+
+    def __init__(self, settings, subject):
+        super().__init__(settings)
+        self.subject = subject
+        self.release = asyncio.Event()
+        self.entered = asyncio.Event()
+        self.drained = False
+
+    async def setup(self):
+        await self.bus.subscribe(self.subject, Ping, self.handle, queue="echo", concurrent=True)
+
+    async def handle(self, msg: Ping) -> Pong:
+        if msg.n < 0:  # a slow request, to observe the graceful drain
+            self.entered.set()
+            await self.release.wait()
+        return Pong(msg.n)
+
+    async def on_drain(self):
+        self.drained = True
+
+
+async def wait_until(cond, timeout=10.0):
+    """Wait for a condition owned by another party (the NATS client's reconnect loop); `cond` returns a
+    bool or an awaitable of one."""
+    async with asyncio.timeout(timeout):
+        while True:
+            ok = cond()
+            if inspect.isawaitable(ok):
+                ok = await ok
+            if ok:
+                return
+            await asyncio.sleep(0.02)
+
+
+async def get(svc, path):
+    async with httpx.AsyncClient() as c:
+        return await c.get(f"http://127.0.0.1:{svc.http_port}{path}")
+
+
+async def started(svc, install_signals=False):
+    task = asyncio.create_task(svc.run(install_signals=install_signals))
+    done, _ = await asyncio.wait({task, asyncio.ensure_future(svc.started.wait())}, timeout=10,
+                                 return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    if task in done:
+        task.result()  # setup failed: raise it here
+    assert svc.started.is_set()
+    return task
+
+
+async def test_health_metrics_and_graceful_drain(nats_server):
+    s = f"test.svc.{uuid.uuid4().hex}"
+    svc = EchoService(ServiceSettings(nats_url=nats_server, http_port=-1, http_host="127.0.0.1"), s)
+    task = await started(svc)
+    client = await Bus.connect(nats_server, "client")
+    try:
+        assert (await get(svc, "/health")).status_code == 200
+        assert await client.request(s, Ping(3), Pong, timeout=5) == Pong(3)
+        metrics = (await get(svc, "/metrics")).text
+        assert "moemesh_service_ready 1.0" in metrics
+        assert f'moemesh_bus_messages_total{{outcome="ok",subscription="{s}"}} 1.0' in metrics
+        assert (await get(svc, "/nope")).status_code == 404
+
+        slow = asyncio.create_task(client.request(s, Ping(-1), Pong, timeout=10))
+        await asyncio.wait_for(svc.entered.wait(), 5)
+        svc.request_stop()
+        await wait_until(lambda: svc.draining)
+        health = await get(svc, "/health")  # still draining: the slow request holds it open
+        assert health.status_code == 503 and health.json()["draining"] is True
+        assert not task.done()
+        svc.release.set()
+        assert await asyncio.wait_for(slow, 10) == Pong(-1)  # in-flight work finished, reply delivered
+        await asyncio.wait_for(task, 10)
+        assert svc.drained
+        with pytest.raises(NoResponders):
+            await client.request(s, Ping(1), Pong, timeout=5)
+    finally:
+        await client.close()
+
+
+async def test_sigterm_drains(nats_server):
+    svc = EchoService(ServiceSettings(nats_url=nats_server), f"test.svc.{uuid.uuid4().hex}")
+    task = await started(svc, install_signals=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # handled by the service's loop handler, removed on exit
+    await asyncio.wait_for(task, 10)
+    assert svc.drained and svc.http_port is None
+
+
+async def test_health_follows_the_connection_through_a_nats_restart():
+    server = start_nats_server(jetstream=False)
+    port = server.port
+    svc = EchoService(ServiceSettings(nats_url=server.url, http_port=-1, http_host="127.0.0.1"), "test.svc.r")
+    task = await started(svc)
+    try:
+
+        async def status_is(code):
+            return (await get(svc, "/health")).status_code == code
+
+        assert await status_is(200)
+        server.stop()
+        await wait_until(lambda: status_is(503))
+        server = start_nats_server(port=port, jetstream=False)
+        await wait_until(lambda: status_is(200))
+        client = await Bus.connect(server.url, "client")
+        assert await client.request("test.svc.r", Ping(5), Pong, timeout=5) == Pong(5)
+        await client.close()
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(task, 10)
+        server.stop()
+
+
+def test_main_rejects_bad_settings(monkeypatch, capsys):
+    monkeypatch.setenv("MOEMESH_ECHO_NO_SUCH_KEY", "1")
+    assert EchoService.main([]) == 2
+    assert "MOEMESH_ECHO_NO_SUCH_KEY" in capsys.readouterr().err
