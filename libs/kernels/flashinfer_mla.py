@@ -1,0 +1,47 @@
+"""Optional MLA decode backend: FlashInfer's BatchMLAPagedAttentionWrapper (fa3 on Hopper).
+
+FlashInfer is not a dependency: `available()` says whether it imports. The latent pool's rows
+[slots, 576] are viewed as FlashInfer's two caches ([pages, page_size, 512] and [.., 64]) without a copy.
+`plan` runs once per batch composition (host work, outside CUDA graphs); `run` once per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # any import failure (missing package, missing CUDA libraries) means "not here"
+        return False
+    return True
+
+
+class FlashInferMLA:
+    def __init__(self, device: torch.device | str, backend: str = "fa3", workspace_mb: int = 256) -> None:
+        import flashinfer
+
+        self._ws = torch.empty(workspace_mb << 20, dtype=torch.uint8, device=device)
+        self._wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(self._ws, backend=backend)
+        self._page_size = 0
+
+    def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_heads: int,
+             sm_scale: float, dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
+        """page_table [B, max_pages] int32, seq_lens [B] int32 (device tensors)."""
+        b = seq_lens.shape[0]
+        dev = seq_lens.device
+        pages = (seq_lens + page_size - 1) // page_size
+        kv_indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+        kv_indptr[1:] = torch.cumsum(pages, 0)
+        cols = torch.arange(page_table.shape[1], device=dev)
+        kv_indices = page_table[cols[None, :] < pages[:, None]].to(torch.int32)
+        qo_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self._page_size = page_size
+        self._wrapper.plan(qo_indptr, kv_indptr, kv_indices, seq_lens.to(torch.int32), num_heads, 512, 64,
+                           page_size, False, sm_scale, dtype, dtype)  # fmt: skip
+
+    def run(self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, 576], kv_layer [slots, 576] -> [B, H, 512]."""
+        paged = kv_layer.view(-1, self._page_size, kv_layer.shape[-1])
+        return self._wrapper.run(q[..., :512], q[..., 512:], paged[..., :512], paged[..., 512:], out=out)

@@ -1,0 +1,182 @@
+"""FP8 block-scaled GEMMs in Triton, with DeepSeek-V3's quantization: 1x128 activation scales, one per
+token and 128-wide group of K, computed on the fly; 128x128 weight scales (`weight_scale_inv`).
+
+    out[m, n] = sum_kb (xq[m, kb] . w[n, kb]) * xs[m, kb] * ws[n // 128, kb]      (kb: 128-wide K blocks)
+
+Three layouts share one kernel body:
+- dense: x [M, K] against one weight [N, K] (attention projections, shared and dense experts);
+- masked (CUDA-graph decode): x [E, M_max, K] with `counts[E]` valid rows per expert, as a low-latency
+  EP dispatch delivers them; tiles past an expert's count exit at once, so the grid is fixed;
+- contiguous (prefill): rows sorted by expert, each expert's run padded to BLOCK_M, with the expert of
+  each row tile in `tile_expert` (-1 for an empty tile).
+Program order keeps the row tiles of one column tile adjacent, so a weight tile read from HBM is reused
+from L2 by every row tile of its expert: for decode the weights are the bytes that matter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+GROUP = 128
+
+DENSE, MASKED, CONTIGUOUS = 0, 1, 2
+
+
+def _on_gpu() -> bool:
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@triton.jit
+def _fp8_gemm_body(
+    A, AS, B, BS, C, M, N, K, COUNTS, TILE_EXPERT,
+    stride_ae, stride_am, stride_se, stride_sm, stride_sk,
+    stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
+    stride_ce, stride_cm,
+    LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    expert = 0
+    rows = M
+    if LAYOUT == 1:
+        expert = tl.program_id(1)
+        rows = tl.load(COUNTS + expert)
+    if LAYOUT == 2:
+        expert = tl.load(TILE_EXPERT + pid_m)
+    if (pid_m * BLOCK_M < rows) & (expert >= 0):
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m = offs_m < rows
+        mask_n = offs_n < N
+        a_ptrs = A + expert * stride_ae + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        b_ptrs = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+        as_ptrs = AS + expert * stride_se + offs_m * stride_sm
+        bs_ptr = BS + expert * stride_bse + ((pid_n * BLOCK_N) // 128) * stride_bsn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            a_s = tl.load(as_ptrs + kb * stride_sk, mask=mask_m, other=0.0)
+            b_s = tl.load(bs_ptr + kb * stride_bsk)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        c_ptrs = C + expert * stride_ce + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": 128}, num_warps=w, num_stages=s)
+    for bm, w, s in [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 4), (32, 4, 4), (16, 4, 4)]
+]
+_fp8_gemm_tuned = triton.autotune(_CONFIGS, key=["M", "N", "K", "LAYOUT"])(_fp8_gemm_body)
+
+
+def _default_block_m(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def _launch(a, a_s, w, w_s, out, m, counts, tile_expert, layout, grid_e, block_m=None):
+    """Strides are given for 3-D (expert-major) tensors; 2-D ones are viewed with one expert."""
+    a3, s3, w3, ws3, c3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (a, a_s, w, w_s, out))
+    n, k = w3.shape[1], w3.shape[2]
+    per_expert_rows = layout == MASKED  # contiguous: rows are global, only the weight is per expert
+    a_es, s_es, c_es = (t.stride(0) if per_expert_rows else 0 for t in (a3, s3, c3))
+    args = (
+        a3, s3, w3, ws3, c3, m, n, k, counts, tile_expert,
+        a_es, a3.stride(1), s_es, s3.stride(1), s3.stride(2),
+        w3.stride(0), w3.stride(1), ws3.stride(0), ws3.stride(1), ws3.stride(2),
+        c_es, c3.stride(1),
+    )  # fmt: skip
+    if _on_gpu() and block_m is None:
+
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), grid_e)
+
+        _fp8_gemm_tuned[grid](*args, LAYOUT=layout, BLOCK_K=GROUP)
+    else:
+        bm = block_m or _default_block_m(m)
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, 128), grid_e)
+        _fp8_gemm_body[grid](*args, LAYOUT=layout, BLOCK_M=bm, BLOCK_N=128, BLOCK_K=GROUP, num_warps=4)
+
+
+def _check_weight(w: torch.Tensor, w_s: torch.Tensor, k: int) -> None:
+    if w.dtype != FP8 or w.shape[-1] != k or k % GROUP:
+        raise ValueError(
+            f"weight must be float8_e4m3fn [.., N, {k}] with K a multiple of {GROUP}, got {w.dtype} {tuple(w.shape)}"
+        )
+    if w_s.shape[-2:] != (triton.cdiv(w.shape[-2], GROUP), k // GROUP):
+        raise ValueError(f"weight scale shape {tuple(w_s.shape)} does not match weight {tuple(w.shape)}")
+
+
+def fp8_gemm(xq, xs, w, w_s, out_dtype=torch.bfloat16, out=None, block_m=None) -> torch.Tensor:
+    """Dense: xq [M, K] fp8, xs [M, K/128] f32, w [N, K] fp8, w_s [N/128, K/128] f32 -> [M, N]."""
+    m, k = xq.shape
+    _check_weight(w, w_s, k)
+    out = out if out is not None else torch.empty(m, w.shape[0], dtype=out_dtype, device=xq.device)
+    _launch(xq, xs, w, w_s, out, m, xs, xs, DENSE, 1, block_m)
+    return out
+
+
+def fp8_gemm_masked(xq, xs, w, w_s, counts, out_dtype=torch.bfloat16, out=None, block_m=None) -> torch.Tensor:
+    """Masked grouped: xq [E, M_max, K], xs [E, M_max, K/128], w [E, N, K], w_s [E, N/128, K/128],
+    counts [E] int32 -> [E, M_max, N]; rows at or past counts[e] are left unwritten."""
+    e, m_max, k = xq.shape
+    _check_weight(w, w_s, k)
+    if w.shape[0] != e or counts.shape != (e,):
+        raise ValueError(
+            f"{e} expert row blocks need {e} weights and counts, got {w.shape[0]} and {tuple(counts.shape)}"
+        )
+    out = out if out is not None else torch.empty(e, m_max, w.shape[1], dtype=out_dtype, device=xq.device)
+    _launch(xq, xs, w, w_s, out, m_max, counts, counts, MASKED, e, block_m)
+    return out
+
+
+def fp8_gemm_contiguous(xq, xs, w, w_s, tile_expert, block_m, out_dtype=torch.bfloat16, out=None):
+    """Contiguous grouped: rows sorted by expert, each run padded to `block_m`; tile_expert [M/block_m]
+    int32 names the expert of each row tile (-1: padding tile, skipped) -> [M, N]."""
+    m, k = xq.shape
+    _check_weight(w, w_s, k)
+    if m % block_m or tile_expert.shape != (m // block_m,):
+        raise ValueError(f"contiguous layout needs M ({m}) a multiple of block_m and one expert per tile")
+    out = out if out is not None else torch.empty(m, w.shape[1], dtype=out_dtype, device=xq.device)
+    _launch(
+        xq.unsqueeze(0),
+        xs.unsqueeze(0),
+        w,
+        w_s,
+        out.unsqueeze(0),
+        m,
+        tile_expert,
+        tile_expert,
+        CONTIGUOUS,
+        1,
+        block_m,
+    )
+    return out
+
+
+def fp8_gemm_reference(xq, xs, w, w_s, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """Dequantize both sides in float32 and multiply: the oracle for all three layouts."""
+    x = dequant_rows(xq, xs)
+    wf = dequant_blocks(w, w_s)
+    return (x @ wf.transpose(-1, -2)).to(out_dtype)
+
+
+def dequant_rows(xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+    return (xq.float().unflatten(-1, (-1, GROUP)) * xs.unsqueeze(-1)).flatten(-2)
+
+
+def dequant_blocks(w: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape[-2:]
+    s = w_s.repeat_interleave(GROUP, -2)[..., :n, :].repeat_interleave(GROUP, -1)
+    return w.float() * s

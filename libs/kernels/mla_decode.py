@@ -1,0 +1,209 @@
+"""MLA decode attention (absorbed form) over the paged latent KV cache, as a Triton split-K kernel.
+
+Each decode token has a query of H heads x (kv_lora_rank + rope) = 576 values: the absorbed
+q_nope @ W_UK (512) followed by the roped q_pe (64). Keys are the cached latent rows (576 values:
+normalized c_kv then roped k_pe); values are the first 512 values of the same rows, so one load of
+a row feeds both matrix products. Output is [B, H, 512] in latent space (the caller applies W_UV).
+
+Work split (flash-decoding): the grid is (head blocks, splits, sequences). Each program walks its
+share of one sequence's context in tiles of BLOCK_N rows through the page table, keeps an online
+softmax, and writes either the final output (one split) or a partial output plus its log-sum-exp
+for `_mla_combine`. The split count depends only on the batch size (and an upper bound of the
+context), never on the live sequence lengths, so a CUDA graph captured for a batch size stays valid.
+
+The latent cache may be bf16 or float8_e4m3fn with one per-tensor scale (`kv_scale`): fp8 rows are
+widened to bf16 in registers and the scale is folded into the softmax scale and the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LATENT_DIM = 512
+ROPE_DIM = 64
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Tile shape of the split kernel; the defaults are the ones the H200 sweep chose (bench/kernels.py)."""
+
+    block_h: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+@triton.jit
+def _mla_split_kernel(
+    Q, KV, PT, SEQ, O, OPART, LSE,
+    sm_scale_log2, out_scale,
+    stride_qb, stride_qh, stride_kv, stride_ptb, stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
+):  # fmt: skip
+    hb = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(SEQ + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D_LAT)
+    offs_r = tl.arange(0, D_ROPE)
+    q_row = Q + b * stride_qb + offs_h[:, None] * stride_qh
+    q_lat = tl.load(q_row + offs_d[None, :])
+    q_rope = tl.load(q_row + D_LAT + offs_r[None, :])
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D_LAT], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(PT + b * stride_ptb + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        row = KV + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * stride_kv
+        k_lat = tl.load(row + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q_lat.dtype)
+        k_rope = tl.load(row + D_LAT + offs_r[None, :], mask=mask_n[:, None], other=0.0).to(q_lat.dtype)
+        qk = tl.dot(q_lat, tl.trans(k_lat))
+        qk = tl.dot(q_rope, tl.trans(k_rope), qk)
+        qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc)
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None] * out_scale
+    if NUM_SPLITS == 1:
+        o_ptr = O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptr, out.to(O.dtype.element_ty))
+    else:
+        p_ptr = OPART + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
+        tl.store(p_ptr, out)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(LSE + b * stride_lb + offs_h * stride_lh + split, lse)
+
+
+@triton.jit
+def _mla_combine_kernel(
+    OPART, LSE, O,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, D_LAT: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_POW2)
+    offs_d = tl.arange(0, D_LAT)
+    mask_s = offs_s < NUM_SPLITS
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)
+    w = tl.where(mask_s, w, 0.0)
+    w = w / tl.sum(w, 0)
+    part = tl.load(
+        OPART + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=mask_s[:, None],
+        other=0.0,
+    )
+    out = tl.sum(part * w[:, None], 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
+
+
+def choose_num_splits(batch: int, num_heads: int, max_ctx: int, cfg: MLAConfig, num_sms: int = 132) -> int:
+    """Enough programs to fill the SMs about twice, but never a split shorter than four tiles."""
+    programs = batch * triton.cdiv(num_heads, cfg.block_h)
+    want = triton.cdiv(2 * num_sms, programs)
+    most = max(1, max_ctx // (4 * cfg.block_n))
+    return max(1, min(want, most, 64))
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    sm_scale: float,
+    *,
+    num_splits: int = 1,
+    kv_scale: float = 1.0,
+    cfg: MLAConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA decode: q [B, H, 576] attends over each sequence's cached rows -> [B, H, 512].
+
+    kv_cache: one layer's rows [slots, 576] (bf16, or float8_e4m3fn with `kv_scale`), slot =
+    page * page_size + offset; page_table [B, max_pages] int32; seq_lens [B] int32 (>= 1 each).
+    """
+    cfg = cfg or MLAConfig()
+    B, H, D = q.shape
+    if D != LATENT_DIM + ROPE_DIM or kv_cache.shape[-1] != D:
+        raise ValueError(
+            f"MLA decode expects 576-dim q and cache rows, got q {tuple(q.shape)}, cache {tuple(kv_cache.shape)}"
+        )
+    block_h = min(cfg.block_h, max(16, triton.next_power_of_2(H)))
+    if H % block_h:
+        raise ValueError(f"num_heads {H} must be a multiple of the head block {block_h}")
+    if page_table.dim() != 2 or page_table.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError("page_table must be [B, max_pages] and seq_lens [B]")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("q and kv_cache need a contiguous last dimension")
+    out = out if out is not None else torch.empty(B, H, LATENT_DIM, dtype=q.dtype, device=q.device)
+    log2e = 1.4426950408889634
+    scale_log2 = sm_scale * kv_scale * log2e
+    if num_splits > 1:
+        opart = torch.empty(B, H, num_splits, LATENT_DIM, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        opart, lse = out, out  # unused by the kernel when NUM_SPLITS == 1
+    grid = (H // block_h, num_splits, B)
+    _mla_split_kernel[grid](
+        q, kv_cache, page_table, seq_lens, out, opart, lse,
+        scale_log2, kv_scale,
+        q.stride(0), q.stride(1), kv_cache.stride(0), page_table.stride(0), out.stride(0), out.stride(1),
+        opart.stride(0), opart.stride(1), opart.stride(2) if num_splits > 1 else 0,
+        lse.stride(0), lse.stride(1),
+        PAGE_SIZE=page_size, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
+        D_LAT=LATENT_DIM, D_ROPE=ROPE_DIM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _mla_combine_kernel[(H, B)](
+            opart, lse, out,
+            opart.stride(0), opart.stride(1), opart.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D_LAT=LATENT_DIM,
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def mla_decode_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    sm_scale: float,
+    kv_scale: float = 1.0,
+) -> torch.Tensor:
+    """Plain-torch oracle (float32 math): gathers each sequence's rows and runs softmax attention."""
+    B, H, _ = q.shape
+    out = torch.empty(B, H, LATENT_DIM, dtype=q.dtype, device=q.device)
+    for b in range(B):
+        n = int(seq_lens[b])
+        pages = page_table[b, : triton.cdiv(n, page_size)].long()
+        slots = (pages[:, None] * page_size + torch.arange(page_size, device=q.device)).reshape(-1)[:n]
+        rows = kv_cache[slots].float() * kv_scale  # [n, 576]
+        scores = (q[b].float() @ rows.T) * sm_scale  # [H, n]
+        out[b] = (scores.softmax(-1) @ rows[:, :LATENT_DIM]).to(q.dtype)
+    return out

@@ -1,0 +1,94 @@
+"""Block-scaled FP8 GEMMs (dense, masked, contiguous) vs dequantize-then-multiply in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from libs.kernels import fp8_gemm as G  # noqa: E402
+from libs.kernels.quant import quant_fp8_groups  # noqa: E402
+
+from .conftest import HAS_CUDA  # noqa: E402
+
+
+def _weights(e, n, k, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(e, n, k, generator=g) * 2).to(G.FP8)
+    ws = torch.rand(e, -(-n // 128), k // 128, generator=g) * 0.02 + 0.005
+    return w.to(device), ws.to(device)
+
+
+def _acts(shape, device, seed=1):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(device)
+    return quant_fp8_groups(x)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_dense_with_ragged_n(device):
+    xq, xs = _acts((40, 256), device)
+    w, ws = _weights(1, 192, 256, device)  # N not a multiple of 128, like kv_a_proj's 576
+    out = G.fp8_gemm(xq, xs, w[0], ws[0])
+    assert out.shape == (40, 192)
+    assert _rel(out, G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
+
+
+def test_masked_writes_only_counted_rows(device):
+    xq, xs = _acts((3, 48, 256), device)
+    w, ws = _weights(3, 128, 256, device)
+    counts = torch.tensor([0, 17, 48], dtype=torch.int32, device=device)
+    out = torch.full((3, 48, 128), float("nan"), dtype=torch.bfloat16, device=device)
+    G.fp8_gemm_masked(xq, xs, w, ws, counts, out=out, block_m=16)
+    ref = G.fp8_gemm_reference(xq, xs, w, ws)
+    for e, c in enumerate(counts.tolist()):
+        assert out[e, c:].isnan().all()
+        if c:
+            assert _rel(out[e, :c], ref[e, :c]) < 1e-2
+
+
+def test_contiguous_uses_each_tiles_expert_and_skips_padding(device):
+    xq, xs = _acts((64, 256), device)
+    w, ws = _weights(3, 128, 256, device)
+    tile_expert = torch.tensor([2, 2, -1, 0], dtype=torch.int32, device=device)
+    out = torch.full((64, 128), float("nan"), dtype=torch.bfloat16, device=device)
+    G.fp8_gemm_contiguous(xq, xs, w, ws, tile_expert, 16, out=out)
+    for t, e in enumerate(tile_expert.tolist()):
+        rows = slice(16 * t, 16 * (t + 1))
+        if e < 0:
+            assert out[rows].isnan().all()
+        else:
+            assert _rel(out[rows], G.fp8_gemm_reference(xq[rows], xs[rows], w[e], ws[e])) < 1e-2
+
+
+def test_rejects_mismatched_scales(device):
+    xq, xs = _acts((4, 256), device)
+    w, ws = _weights(1, 128, 256, device)
+    with pytest.raises(ValueError, match="scale"):
+        G.fp8_gemm(xq, xs, w[0], ws[0, :, :1])
+    with pytest.raises(ValueError, match="float8"):
+        G.fp8_gemm(xq, xs, w[0].float(), ws[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m,n,k", [(256, 4096, 7168), (7, 576, 7168), (300, 7168, 2048)])
+def test_dense_real_shapes_on_gpu(m, n, k):
+    xq, xs = _acts((m, k), "cuda")
+    w, ws = _weights(1, n, k, "cuda")
+    assert _rel(G.fp8_gemm(xq, xs, w[0], ws[0]), G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_masked_real_shapes_on_gpu():
+    xq, xs = _acts((4, 512, 7168), "cuda")
+    w, ws = _weights(4, 4096, 7168, "cuda")
+    counts = torch.tensor([512, 300, 1, 257], dtype=torch.int32, device="cuda")
+    out = G.fp8_gemm_masked(xq, xs, w, ws, counts)
+    for e, c in enumerate(counts.tolist()):
+        ref = G.fp8_gemm_reference(xq[e, :c], xs[e, :c], w[e], ws[e])
+        assert _rel(out[e, :c], ref) < 1e-2

@@ -1,0 +1,64 @@
+"""Activation quantization (plain and fused SwiGLU) and the fused router vs their torch oracles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from libs.kernels import quant as Q  # noqa: E402
+from libs.kernels.routing import route, route_reference  # noqa: E402
+
+from .conftest import HAS_CUDA  # noqa: E402
+
+
+def test_quant_matches_reference_bit_for_bit(device):
+    x = (torch.randn(5, 384) * torch.logspace(-3, 3, 384)).to(torch.bfloat16).to(device)
+    xq, xs = Q.quant_fp8_groups(x)
+    rq, rs = Q.quant_fp8_groups_reference(x)
+    torch.testing.assert_close(xs, rs, rtol=1e-6, atol=0)
+    assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
+
+
+def test_silu_mul_quant_skips_rows_past_counts(device):
+    gu = torch.randn(2, 6, 512).to(torch.bfloat16).to(device)
+    counts = torch.tensor([3, 6], dtype=torch.int32, device=device)
+    q, s = Q.silu_mul_quant(gu, counts)
+    rq, rs = Q.quant_fp8_groups_reference(Q.silu_mul_reference(gu))
+    torch.testing.assert_close(s[0, :3], rs[0, :3], rtol=1e-5, atol=0)
+    torch.testing.assert_close(s[1], rs[1], rtol=1e-5, atol=0)
+    ok = (q.float() - rq.float()).abs() <= rq.float().abs() / 8 + 1e-6  # within one fp8 step
+    assert ok[0, :3].all() and ok[1].all()
+
+
+def test_quant_rejects_ragged_width(device):
+    with pytest.raises(ValueError, match="multiple of 128"):
+        Q.quant_fp8_groups(torch.randn(2, 100, device=device))
+
+
+@pytest.mark.parametrize("t", [1, 9])
+def test_route_matches_transformers_router(device, t):
+    g = torch.Generator().manual_seed(t)
+    logits = torch.randn(t, 256, generator=g).to(device)
+    bias = (torch.randn(256, generator=g) * 0.5).to(device)
+    w, ids = route(logits, bias, 8, 8, 4, 2.5)
+    rw, rids = route_reference(logits, bias, 8, 8, 4, 2.5)
+    mine, theirs = ids.long().sort(-1), rids.long().sort(-1)
+    assert torch.equal(mine.values, theirs.values)
+    torch.testing.assert_close(w.gather(1, mine.indices), rw.gather(1, theirs.indices))
+
+
+def test_route_rejects_bad_grouping(device):
+    with pytest.raises(ValueError, match="groups"):
+        route(torch.randn(2, 96, device=device), torch.zeros(96, device=device), 8, 3, 2, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_route_real_batch_on_gpu():
+    logits = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(256, device="cuda") * 0.1
+    w, ids = route(logits, bias, 8, 8, 4, 2.5)
+    rw, rids = route_reference(logits, bias, 8, 8, 4, 2.5)
+    assert torch.equal(ids.long().sort(-1).values, rids.long().sort(-1).values)
