@@ -27,8 +27,8 @@ class DuplicateRequest(ValueError):
 
 @dataclass
 class Entry:
-    """One admitted request. `attempts` counts failed placements; `traceparent`/`deadline_ms` are the
-    submit's header context, carried onto the messages sent for it later."""
+    """One admitted request. `attempts` counts failed placements; `traceparent` is the submit's trace
+    context, carried onto the messages sent for it later."""
 
     submit: Submit
     deadline: float
@@ -38,7 +38,6 @@ class Entry:
     cancelled: bool = False
     last_error: str = ""
     traceparent: str | None = None
-    deadline_ms: int | None = None
 
     @property
     def request_id(self) -> str:
@@ -87,14 +86,13 @@ class AdmissionQueue:
         now: float,
         deadline: float,
         traceparent: str | None = None,
-        deadline_ms: int | None = None,
     ) -> Entry:
         """Queue a request; raises QueueFull or DuplicateRequest."""
         if submit.request_id in self:
             raise DuplicateRequest(f"request {submit.request_id!r} is already queued")
         if len(self) >= self.max_queue:
             raise QueueFull(f"queue full ({self.max_queue} requests)")
-        entry = Entry(submit, deadline, now, self._seq, traceparent=traceparent, deadline_ms=deadline_ms)
+        entry = Entry(submit, deadline, now, self._seq, traceparent=traceparent)
         self._seq += 1
         self._pending[entry.request_id] = entry
         heapq.heappush(self._order, (entry.seq, entry.request_id))

@@ -1,0 +1,355 @@
+"""The scheduler service: the NATS shell around the pure policy (policy.py) and queue (queue.py).
+
+Subscriptions: SCHED_SUBMIT in queue group QUEUE_SCHEDULER (replicas share the work; each request is
+answered at once with SubmitReply: admitted, or refused 400 / 429 / 503 / 504), HEARTBEAT (the worker
+view) and CANCEL (drop a queued request). One placement loop walks the queue in FIFO order whenever
+something changes (a submit, a heartbeat, a cancel, a finished placement: an asyncio.Event) or a
+deadline / worker expiry comes due, and stops at the first request that must wait, so a large request
+is not starved by small ones behind it.
+
+Placing a request: direct -> publish DecodeDirect to the decode worker; disaggregated -> ReserveKv
+request/reply to the decode worker (bounded by reserve_timeout_s and the request's deadline), then
+PrefillTask with the returned KvHandle to the prefill worker. A refused or unanswered reservation
+suspends that decode worker until its next heartbeat and puts the request back in line (up to
+max_retries); a request that is not placed before its deadline, or runs out of retries, gets a
+RequestError on its stream subject, which ends the gateway's stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from libs.bus import (
+    BusError,
+    DeadlineExceeded,
+    PayloadTooLarge,
+    Service,
+    ServiceSettings,
+    current_traceparent,
+    request_context,
+)
+from proto import messages as m
+from proto import subjects
+from services.scheduler.policy import (
+    PlacementRequest,
+    Plan,
+    PlanKind,
+    PolicyConfig,
+    Refuse,
+    WorkerTable,
+    schedule,
+)
+from services.scheduler.queue import AdmissionQueue, DuplicateRequest, Entry, QueueFull, Retry
+
+log = logging.getLogger("moemesh.scheduler")
+
+
+class SchedulerSettings(ServiceSettings, frozen=True, kw_only=True):
+    """Env prefix MOEMESH_SCHEDULER_ (nats_url also from MOEMESH_NATS_URL); flags --<field>."""
+
+    direct_prefill_threshold: Annotated[int, msgspec.Meta(ge=0)] = 256  # tokens; 0 disables direct
+    max_queue: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    queue_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # longest wait for a placement
+    reserve_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    lease_ms: Annotated[int, msgspec.Meta(ge=1)] = 30_000
+    max_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
+    dead_after_intervals: Annotated[float, msgspec.Meta(gt=0)] = 3.0
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.queue_depth = Gauge(
+            "moemesh_scheduler_queue_depth", "Requests waiting for a placement", registry=registry
+        )
+        self.placing = Gauge(
+            "moemesh_scheduler_placing", "Placements in flight (reservations)", registry=registry
+        )
+        self.placements = Counter(
+            "moemesh_scheduler_placements", "Requests placed, by kind", ["kind"], registry=registry
+        )
+        self.refusals = Counter(
+            "moemesh_scheduler_refusals", "Requests refused or failed, by code", ["code"], registry=registry
+        )
+        self.retries = Counter(
+            "moemesh_scheduler_retries", "Placements retried after a failed reservation", registry=registry
+        )
+        self.placement_seconds = Histogram(
+            "moemesh_scheduler_placement_seconds",
+            "Admission to placement (task sent to the workers)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
+        self.live_workers = Gauge(
+            "moemesh_scheduler_live_workers", "Workers heard recently, by role", ["role"], registry=registry
+        )
+
+
+class _ReservationRefused(Exception):
+    pass
+
+
+def _placement_request(s: m.Submit) -> PlacementRequest:
+    """Validate a submit (ValueError names the problem)."""
+    if not s.request_id:
+        raise ValueError("empty request_id")
+    if not s.stream_subject or any(c in s.stream_subject for c in " \t\r\n*>"):
+        raise ValueError(f"invalid stream_subject {s.stream_subject!r}")
+    return PlacementRequest(s.request_id, s.model, len(s.prompt_ids), s.sampling.max_tokens)
+
+
+class SchedulerService(Service):
+    """Admission, queueing and placement of requests on workers (see the module docstring)."""
+
+    name: ClassVar[str] = "scheduler"
+    settings_class: ClassVar[type[ServiceSettings]] = SchedulerSettings
+    settings: SchedulerSettings
+
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(settings, registry)
+        self.clock = clock
+        self.config = PolicyConfig(settings.direct_prefill_threshold, settings.dead_after_intervals)
+        self.workers = WorkerTable(settings.dead_after_intervals)
+        self.queue = AdmissionQueue(settings.max_queue, settings.max_retries)
+        self.metrics = _Metrics(self.registry)
+        self._wake = asyncio.Event()
+        self._tick = asyncio.Event()  # replaced on every wake(): lets observers wait for the next change
+        self._loop_task: asyncio.Task | None = None
+        self._placements: set[asyncio.Task] = set()
+
+    # --- lifecycle ---
+    async def setup(self) -> None:
+        bus = self.bus
+        await bus.subscribe(subjects.SCHED_SUBMIT, m.Submit, self._on_submit, queue=subjects.QUEUE_SCHEDULER)
+        await bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, self._on_heartbeat)
+        await bus.subscribe(subjects.CANCEL, m.Cancel, self._on_cancel)
+        await bus.flush()
+        self._loop_task = asyncio.create_task(self._placement_loop(), name="scheduler-placement")
+
+    async def on_drain(self) -> None:
+        """Stop placing, let placements in flight finish, then fail what is still queued: no other
+        replica knows those requests, and the gateway should hear now rather than at its deadline."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._placements:
+            await asyncio.wait(set(self._placements), timeout=self.settings.reserve_timeout_s + 1.0)
+        while (e := self.queue.head()) is not None:
+            self.queue.remove(e.request_id)
+            await self._fail(e, m.ErrorCode.UNAVAILABLE, "scheduler is shutting down")
+        self._update_gauges()
+
+    def wake(self) -> None:
+        """Something changed (submit, heartbeat, cancel, placement done): run a placement pass."""
+        self._wake.set()
+        self._tick.set()
+        self._tick = asyncio.Event()
+
+    async def next_change(self) -> None:
+        """Return at the next wake() (tests and admin tools wait on conditions with this)."""
+        await self._tick.wait()
+
+    # --- handlers ---
+    async def _on_submit(self, s: m.Submit) -> m.SubmitReply:
+        try:
+            req = _placement_request(s)
+        except ValueError as e:
+            return self._refuse(s.request_id, m.ErrorCode.BAD_REQUEST, str(e))
+        now = self.clock()
+        decision = schedule(self.workers.live(now), req, self.config)
+        if isinstance(decision, Refuse):
+            return self._refuse(s.request_id, decision.code, decision.message)
+        # The submit's deadline header is when the gateway stops waiting for this reply, not the
+        # request's deadline, so it is not carried onward; the queue wait has its own bound, and the
+        # gateway ends a request earlier with Cancel.
+        deadline = now + self.settings.queue_timeout_s
+        try:
+            self.queue.admit(s, now, deadline, current_traceparent())
+        except QueueFull as e:
+            return self._refuse(s.request_id, m.ErrorCode.TOO_MANY_REQUESTS, str(e))
+        except DuplicateRequest as e:
+            return self._refuse(s.request_id, m.ErrorCode.BAD_REQUEST, str(e))
+        self._update_gauges()
+        self.wake()
+        return m.SubmitReply(request_id=s.request_id, ok=True)
+
+    def _refuse(self, request_id: str, code: int, message: str) -> m.SubmitReply:
+        self.metrics.refusals.labels(str(int(code))).inc()
+        log.info("refused %s: [%d] %s", request_id, code, message)
+        return m.SubmitReply(request_id=request_id, ok=False, code=int(code), message=message)
+
+    async def _on_heartbeat(self, hb: m.WorkerHeartbeat | m.WorkerGone) -> None:
+        match hb:
+            case m.WorkerHeartbeat():
+                try:
+                    self.workers.observe(hb, self.clock())
+                except ValueError as e:
+                    log.warning("ignored heartbeat: %s", e)
+                    return
+            case m.WorkerGone(worker_id=wid):
+                if self.workers.gone(wid):
+                    log.info("worker %s left", wid)
+        self.wake()
+
+    async def _on_cancel(self, c: m.Cancel) -> None:
+        if self.queue.cancel(c.request_id):
+            log.info("cancelled %s while queued (%s)", c.request_id, c.reason)
+            self._update_gauges()
+            self.wake()
+
+    # --- placement ---
+    async def _placement_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                await self._place_ready()
+            except Exception:  # a bug here must not stop placement for good
+                log.exception("placement pass failed")
+            timeout = self._next_timer()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _next_timer(self) -> float | None:
+        times = [t for t in (self.queue.next_deadline(), self.workers.next_expiry()) if t is not None]
+        return max(0.0, min(times) - self.clock()) + 0.001 if times else None
+
+    async def _place_ready(self) -> None:
+        """One pass: drop the dead, fail the late, place from the head until a request must wait."""
+        now = self.clock()
+        for wid in self.workers.expire(now):
+            log.warning("worker %s missed its heartbeats: considered dead", wid)
+        for late in self.queue.expire(now):
+            why = late.last_error or "queued"
+            await self._fail(late, m.ErrorCode.TIMEOUT, f"not placed before its deadline ({why})")
+        live = self.workers.live(now)
+        for role in m.Role:
+            self.metrics.live_workers.labels(role.name.lower()).set(sum(w.role == role for w in live))
+        while (e := self.queue.head()) is not None:
+            s = e.submit
+            req = PlacementRequest(s.request_id, s.model, len(s.prompt_ids), s.sampling.max_tokens)
+            decision = schedule(self.workers.live(now), req, self.config)
+            if isinstance(decision, Refuse):
+                self.queue.remove(e.request_id)
+                await self._fail(e, decision.code, decision.message)
+                continue
+            if not isinstance(decision, Plan):
+                e.last_error = decision.reason
+                break
+            self.queue.start(e.request_id)
+            self.workers.note_placement(decision.decode, decision.decode_pages)
+            if decision.prefill is not None:
+                self.workers.note_placement(decision.prefill)
+            task = asyncio.create_task(self._place(e, decision))
+            self._placements.add(task)
+            task.add_done_callback(self._placements.discard)
+        self._update_gauges()
+
+    async def _place(self, e: Entry, plan: Plan) -> None:
+        s = e.submit
+        with request_context(traceparent=e.traceparent):
+            try:
+                if plan.kind is PlanKind.DIRECT:
+                    msg: Any = m.DecodeDirect(
+                        request_id=s.request_id, prompt_ids=s.prompt_ids, sampling=s.sampling,
+                        stream_subject=s.stream_subject,
+                    )  # fmt: skip
+                    await self.bus.publish(subjects.decode_inbox(plan.decode), msg)
+                else:
+                    handle = await self._reserve(e, plan)
+                    if self.queue.is_cancelled(s.request_id):
+                        await self.bus.publish(
+                            subjects.CANCEL,
+                            m.Cancel(request_id=s.request_id, reason="cancelled while placing"),
+                        )
+                        self.queue.finish(s.request_id)
+                        return
+                    assert plan.prefill is not None
+                    task = m.PrefillTask(
+                        request_id=s.request_id, prompt_ids=s.prompt_ids, sampling=s.sampling,
+                        stream_subject=s.stream_subject, handle=handle,
+                    )  # fmt: skip
+                    await self.bus.publish(subjects.prefill_inbox(plan.prefill), task)
+            except _ReservationRefused as err:
+                self.workers.suspend(plan.decode)
+                await self._retry_or_fail(e, str(err))
+                return
+            except DeadlineExceeded as err:
+                self.queue.finish(s.request_id)
+                await self._fail(e, m.ErrorCode.TIMEOUT, str(err))
+                return
+            except PayloadTooLarge as err:
+                self.queue.finish(s.request_id)
+                await self._fail(e, m.ErrorCode.BAD_REQUEST, str(err))
+                return
+            except Exception as err:
+                log.exception("placing %s failed", s.request_id)
+                await self._retry_or_fail(e, f"{type(err).__name__}: {err}")
+                return
+        self.queue.finish(s.request_id)
+        self.metrics.placements.labels(plan.kind.value).inc()
+        self.metrics.placement_seconds.observe(self.clock() - e.admitted_at)
+        self.wake()
+
+    async def _reserve(self, e: Entry, plan: Plan) -> m.KvHandle:
+        s = e.submit
+        ask = m.ReserveKv(
+            request_id=s.request_id, num_tokens=plan.num_tokens, lease_ms=self.settings.lease_ms
+        )
+        try:
+            reply: m.ReserveKvReply = await self.bus.request(
+                subjects.decode_inbox(plan.decode),
+                ask,
+                m.ReserveKvReply,
+                timeout=self.settings.reserve_timeout_s,
+            )
+        except DeadlineExceeded:
+            raise
+        except BusError as err:  # timeout, no responders, Rejected, undecodable reply
+            raise _ReservationRefused(f"decode worker {plan.decode}: {err}") from err
+        if not reply.ok or reply.handle is None:
+            raise _ReservationRefused(f"decode worker {plan.decode} refused: [{reply.code}] {reply.message}")
+        return reply.handle
+
+    async def _retry_or_fail(self, e: Entry, error: str) -> None:
+        log.info("placement of %s failed (attempt %d): %s", e.request_id, e.attempts + 1, error)
+        match self.queue.fail(e.request_id, error):
+            case Retry.RETRY:
+                self.metrics.retries.inc()
+            case Retry.EXHAUSTED:
+                await self._fail(
+                    e,
+                    m.ErrorCode.UNAVAILABLE,
+                    f"could not place the request in {e.attempts} attempts: {error}",
+                )
+            case Retry.GONE:
+                pass
+        self.wake()
+
+    async def _fail(self, e: Entry, code: int, message: str) -> None:
+        """End an admitted request: the gateway ends its stream with this error."""
+        self.metrics.refusals.labels(str(int(code))).inc()
+        log.info("failing %s: [%d] %s", e.request_id, code, message)
+        err = m.RequestError(request_id=e.request_id, code=int(code), message=message)
+        try:
+            with request_context(traceparent=e.traceparent):
+                await self.bus.publish(e.submit.stream_subject, err)
+        except Exception as exc:
+            log.warning(
+                "could not send the error for %s to %s: %s", e.request_id, e.submit.stream_subject, exc
+            )
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_depth.set(self.queue.depth)
+        self.metrics.placing.set(self.queue.placing)
