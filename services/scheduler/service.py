@@ -161,6 +161,11 @@ class SchedulerService(Service):
         """Return at the next wake() (tests and admin tools wait on conditions with this)."""
         await self._tick.wait()
 
+    def prefix_hits(self, submit: m.Submit) -> dict[str, int]:
+        """Cached prompt tokens per worker id, for the policy. Empty until prefix-aware routing feeds
+        it from the kv-broker's prefix index (then: longest cached prefix of submit.prompt_ids)."""
+        return {}
+
     # --- handlers ---
     async def _on_submit(self, s: m.Submit) -> m.SubmitReply:
         try:
@@ -168,7 +173,7 @@ class SchedulerService(Service):
         except ValueError as e:
             return self._refuse(s.request_id, m.ErrorCode.BAD_REQUEST, str(e))
         now = self.clock()
-        decision = schedule(self.workers.live(now), req, self.config)
+        decision = schedule(self.workers.live(now), req, self.config, self.prefix_hits(s))
         if isinstance(decision, Refuse):
             return self._refuse(s.request_id, decision.code, decision.message)
         # The submit's deadline header is when the gateway stops waiting for this reply, not the
@@ -239,7 +244,7 @@ class SchedulerService(Service):
         while (e := self.queue.head()) is not None:
             s = e.submit
             req = PlacementRequest(s.request_id, s.model, len(s.prompt_ids), s.sampling.max_tokens)
-            decision = schedule(self.workers.live(now), req, self.config)
+            decision = schedule(self.workers.live(now), req, self.config, self.prefix_hits(s))
             if isinstance(decision, Refuse):
                 self.queue.remove(e.request_id)
                 await self._fail(e, decision.code, decision.message)
