@@ -8,6 +8,9 @@ emits the difference. A delta ending in U+FFFD is held back until the character 
 concatenated deltas always equal a full decode of every token so far, minus a trailing partial
 character; `flush()` releases what is still held (a genuinely invalid byte sequence) at the end.
 Cost per step is bounded by the window, not by the length of the output.
+
+Ids the tokenizer does not know decode to nothing (a model's vocab may be padded past the tokenizer's,
+as DeepSeek-V3's is), so a stream never fails halfway; `Tokenizer.decode` itself stays strict.
 """
 
 from __future__ import annotations
@@ -30,16 +33,17 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
-        self._prompt_len = len(self._ids)
+        self._vocab_size = tokenizer.vocab_size
+        self._ids: list[int] = self._known(prompt_ids)[-_PROMPT_CONTEXT:]
+        self._output_ids: list[int] = []
         self._prefix_offset = 0
-        self._read_offset = self._prompt_len
+        self._read_offset = len(self._ids)
         self._text: list[str] = []
 
     @property
     def token_ids(self) -> list[int]:
         """The output token ids added so far (not the prompt)."""
-        return self._ids[self._prompt_len :]
+        return list(self._output_ids)
 
     @property
     def text(self) -> str:
@@ -49,9 +53,11 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Iterable[int] | int) -> str:
         """Append output token ids (one or several); return the new text that is now certain ("" if none)."""
         new = [token_ids] if isinstance(token_ids, int) else list(token_ids)
-        if not new:
+        self._output_ids.extend(new)
+        known = self._known(new)
+        if not known:
             return ""
-        self._ids.extend(new)
+        self._ids.extend(known)
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         full_text = self._decode(self._prefix_offset, len(self._ids))
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
@@ -76,3 +82,6 @@ class IncrementalDetokenizer:
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
+
+    def _known(self, ids: Iterable[int]) -> list[int]:
+        return [i for i in ids if 0 <= i < self._vocab_size]

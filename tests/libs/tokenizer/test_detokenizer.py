@@ -100,3 +100,12 @@ def test_prompt_context_and_special_tokens(tok: Tokenizer) -> None:
     keep = IncrementalDetokenizer(tok, prompt_ids=prompt, skip_special_tokens=False)
     assert keep.add(out) == " Hello 世界<｜end▁of▁sentence｜>"
     assert IncrementalDetokenizer(tok).add([]) == ""
+
+
+def test_ids_past_the_tokenizer_vocab_decode_to_nothing(tok: Tokenizer) -> None:
+    # a model's vocab may be padded past the tokenizer's; a stream must not fail on such an id
+    detok = IncrementalDetokenizer(tok, prompt_ids=[tok.vocab_size + 7, *tok.encode("Hi")])
+    hello = tok.encode(" hello", add_special_tokens=False)
+    assert detok.add(tok.vocab_size) == ""
+    assert "".join(detok.add(i) for i in hello) == " hello"
+    assert detok.token_ids == [tok.vocab_size, *hello]
