@@ -1,0 +1,28 @@
+"""One thread owns the engine: every engine call from the asyncio side goes through `EngineThread.call`.
+
+The engine is synchronous torch code and not thread-safe; running all of it on one dedicated thread
+serializes calls (a reserve never races a step) while the event loop keeps serving the bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,38 @@
+"""Settings every worker service has (env prefix MOEMESH_PREFILL_WORKER_ / MOEMESH_DECODE_WORKER_)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from libs.bus.settings import ServiceSettings
+
+
+class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
+    model_dir: str = ""  # a Hugging Face checkpoint folder (required)
+    served_model_name: str = ""  # empty: the folder's name
+    device: str = "cpu"
+    dtype: str = "float32"
+    page_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
+    num_pages: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: the engine's default
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 64
+    max_prefill_tokens: Annotated[int, msgspec.Meta(ge=1)] = 2048
+    enable_prefix_cache: bool = True
+    transfer_protocol: str = "tcp"  # tcp | rdma | nvlink_intra | inprocess (tests)
+    transfer_hostname: str = "127.0.0.1"
+    transfer_device: str = ""  # RDMA device names, e.g. "mlx5_0"
+    heartbeat_interval_ms: Annotated[int, msgspec.Meta(ge=10)] = 250
+    broker_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.model_dir:
+            raise ValueError("model_dir is required (a Hugging Face checkpoint folder)")
+        if self.transfer_protocol not in ("tcp", "rdma", "nvlink_intra", "inprocess"):
+            raise ValueError(
+                f"transfer_protocol must be tcp, rdma, nvlink_intra or inprocess, got {self.transfer_protocol!r}"
+            )
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_dir.rstrip("/").rsplit("/", 1)[-1]

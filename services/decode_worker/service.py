@@ -1,0 +1,271 @@
+"""The decode worker's bus shell around the engine.
+
+Inbox (`proto.subjects.decode_inbox(id)`, union DecodeInbox):
+- ReserveKv (request/reply): allocate pages for a prompt, register the KV handle at the kv-broker.
+- KvReady: the prefill worker wrote the pages; join the request to the running batch and stream its
+  first token at once.
+- DecodeDirect: a short prompt, prefilled here (conditional disaggregation).
+- PrefillFailed / HandleExpired: free the reservation.
+Plus `Cancel` (broadcast) and admin (stats, slow-down). One loop runs `engine.step()` on the engine
+thread while any request is live and publishes one TokenBatch per (step, gateway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Annotated
+
+import msgspec
+from prometheus_client import Counter, Gauge, Histogram
+
+from libs.bus import Service
+from libs.engine.pages import OutOfPagesError
+from libs.worker.common import Heartbeater, load_engine, open_transport, register_at_broker, to_params
+from libs.worker.engine_thread import EngineThread
+from libs.worker.settings import WorkerSettings
+from proto import messages as m
+from proto import subjects
+from services.decode_worker.streams import Live, group_by_stream
+
+log = logging.getLogger("moemesh.decode")
+
+
+class DecodeWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
+    forward_sleep_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # slow-down (off by default)
+
+
+class DecodeWorker(Service):
+    name = "decode-worker"
+    settings_class = DecodeWorkerSettings
+    settings: DecodeWorkerSettings
+
+    async def setup(self) -> None:
+        s = self.settings
+        subjects.check_token(self.instance_id)
+        self.engine = await asyncio.to_thread(load_engine, s)
+        self.et = EngineThread(self.engine)
+        self.transport = open_transport(s, self.engine)
+        await register_at_broker(
+            self.bus, self.instance_id, m.Role.DECODE, self.transport, self.engine, s.broker_timeout_s
+        )
+        self.live: dict[str, Live] = {}
+        self.reserved: dict[str, str] = {}  # request id -> handle id (pages reserved, KV not yet joined)
+        self.forward_sleep_ms = s.forward_sleep_ms
+        self.work = asyncio.Event()
+        self._metrics()
+        await self.bus.subscribe(subjects.decode_inbox(self.instance_id), m.DecodeInbox, self.on_inbox)
+        await self.bus.subscribe(subjects.CANCEL, m.Cancel, self.on_cancel)
+        await self.bus.subscribe(subjects.admin(self.name, self.instance_id), m.AdminRequest, self.on_admin)
+        self.heartbeat = Heartbeater(
+            self.bus, self.instance_id, m.Role.DECODE, s.model_name, s.heartbeat_interval_ms, self.load
+        )
+        self.heartbeat.start()
+        self.loop_task = asyncio.create_task(self._step_loop())
+
+    def _metrics(self) -> None:
+        r = self.registry
+        self.m_tokens = Counter("moemesh_decode_tokens_total", "tokens generated", registry=r)
+        self.m_step = Histogram("moemesh_decode_step_seconds", "engine step time", registry=r)
+        self.m_batch = Gauge("moemesh_decode_running", "requests in the running batch", registry=r)
+        self.m_free = Gauge("moemesh_kv_pages_free", "free KV pages", registry=r)
+        self.m_used = Gauge("moemesh_kv_pages_used", "KV pages in use", registry=r)
+
+    def load(self) -> dict[str, int]:
+        st = self.engine.stats()
+        self.m_free.set(st["free_pages"])
+        self.m_used.set(st["used_pages"])
+        self.m_batch.set(st["running"])
+        return {
+            **st,
+            "free_pages": st["free_pages"] + st["evictable_pages"],
+            "page_size": self.engine.page_size,
+            "max_context": self.engine.config.max_position_embeddings,
+        }
+
+    # --- inbox ---
+    async def on_inbox(self, msg: m.DecodeInbox) -> msgspec.Struct | None:
+        match msg:
+            case m.ReserveKv():
+                return await self.reserve(msg)
+            case m.KvReady():
+                await self.join_prefilled(msg)
+            case m.DecodeDirect():
+                await self.start_direct(msg)
+            case m.PrefillFailed():
+                await self.drop_reservation(msg.request_id, msg.handle_id, f"prefill failed: {msg.message}")
+            case m.HandleExpired():
+                await self.drop_reservation(msg.request_id, msg.handle_id, "lease expired")
+        return None
+
+    async def reserve(self, msg: m.ReserveKv) -> m.ReserveKvReply:
+        rid = msg.request_id
+        if self.draining:
+            return m.ReserveKvReply(request_id=rid, ok=False, code=503, message="decode worker is draining")
+        try:
+            pages = await self.et.call(self.engine.reserve, rid, msg.num_tokens)
+        except OutOfPagesError as e:
+            return m.ReserveKvReply(request_id=rid, ok=False, code=429, message=str(e))
+        except ValueError as e:
+            return m.ReserveKvReply(request_id=rid, ok=False, code=400, message=str(e))
+        handle = m.KvHandle(
+            handle_id=uuid.uuid4().hex, request_id=rid, decode_worker=self.instance_id,
+            session_id=self.transport.session_id, page_ids=pages, num_tokens=msg.num_tokens,
+            lease_expires_ms=int(time.time() * 1000) + msg.lease_ms,
+        )  # fmt: skip
+        try:
+            reply = await self.bus.request(
+                subjects.BROKER,
+                m.CreateHandle(handle=handle),
+                m.BrokerReply,
+                timeout=self.settings.broker_timeout_s,
+            )
+            if not reply.ok:
+                raise RuntimeError(reply.message)
+        except Exception as e:
+            await self.et.call(self.engine.cancel_reservation, rid)
+            return m.ReserveKvReply(request_id=rid, ok=False, code=503, message=f"kv-broker: {e}")
+        self.reserved[rid] = handle.handle_id
+        return m.ReserveKvReply(request_id=rid, ok=True, handle=handle)
+
+    async def join_prefilled(self, msg: m.KvReady) -> None:
+        rid = msg.request_id
+        if self.reserved.get(rid) != msg.handle_id:
+            log.warning("KvReady for %s (handle %s) without a live reservation: dropped", rid, msg.handle_id)
+            return
+        del self.reserved[rid]
+        try:
+            await self.et.call(
+                self.engine.add_prefilled,
+                rid,
+                msg.prompt_ids,
+                msg.first_token.token_id,
+                to_params(msg.sampling),
+            )
+        except ValueError as e:
+            await self.et.call(self.engine.cancel_reservation, rid)
+            await self._broker_fire(m.ReleaseHandle(handle_id=msg.handle_id, reason="rejected"))
+            await self._error(msg.stream_subject, rid, 400, str(e))
+            return
+        live = Live(msg.stream_subject, len(msg.prompt_ids), msg.cached_tokens, completion_tokens=1)
+        self.live[rid] = live
+        first = m.TokenDelta(
+            rid, [msg.first_token.token_id], [msg.first_token] if msg.sampling.logprobs else []
+        )
+        await self.bus.publish(msg.stream_subject, m.TokenBatch(deltas=[first]))
+        self.m_tokens.inc()
+        self.work.set()
+        await self._broker_fire(m.HandleConsumed(handle_id=msg.handle_id))
+
+    async def start_direct(self, msg: m.DecodeDirect) -> None:
+        rid = msg.request_id
+        try:
+            await self.et.call(self.engine.add_request, rid, msg.prompt_ids, to_params(msg.sampling))
+        except ValueError as e:
+            await self._error(msg.stream_subject, rid, 400, str(e))
+            return
+        self.live[rid] = Live(msg.stream_subject, len(msg.prompt_ids))
+        self.work.set()
+
+    async def drop_reservation(self, rid: str, handle_id: str, why: str) -> None:
+        if self.reserved.get(rid) != handle_id:
+            return
+        del self.reserved[rid]
+        await self.et.call(self.engine.cancel_reservation, rid)
+        await self._broker_fire(m.ReleaseHandle(handle_id=handle_id, reason=why))
+        log.info("reservation of %s freed: %s", rid, why)
+
+    async def on_cancel(self, msg: m.Cancel) -> None:
+        rid = msg.request_id
+        if rid in self.reserved:
+            await self.drop_reservation(rid, self.reserved[rid], f"cancelled: {msg.reason}")
+        if self.live.pop(rid, None) is not None:
+            await self.et.call(self.engine.abort, rid)
+            log.info("request %s cancelled: %s", rid, msg.reason)
+
+    async def on_admin(self, msg: m.AdminRequest) -> m.AdminReply:
+        match msg:
+            case m.SetSlowdown():
+                self.forward_sleep_ms = max(0.0, msg.forward_sleep_ms)
+                self.work.set()
+        return m.AdminReply(ok=True, stats=self.worker_stats())
+
+    def worker_stats(self) -> m.WorkerStats:
+        st = self.engine.stats()
+        return m.WorkerStats(
+            worker_id=self.instance_id, role=m.Role.DECODE, running=st["running"], waiting=st["waiting"],
+            free_pages=st["free_pages"], total_pages=st["total_pages"], reserved_handles=len(self.reserved),
+            requests=sorted(self.live), forward_sleep_ms=self.forward_sleep_ms,
+        )  # fmt: skip
+
+    # --- the step loop ---
+    def _step_once(self) -> tuple[list, bool]:
+        outputs = self.engine.step()
+        return outputs, self.engine.has_unfinished()
+
+    async def _step_loop(self) -> None:
+        while True:
+            await self.work.wait()
+            if self.forward_sleep_ms:
+                await asyncio.sleep(self.forward_sleep_ms / 1000)
+            t0 = time.perf_counter()
+            try:
+                outputs, more = await self.et.call(self._step_once)
+            except Exception as e:  # a failed step fails its batch, never the worker
+                log.exception("engine step failed")
+                await self._fail_all(500, f"decode step failed: {e}")
+                continue
+            self.m_step.observe(time.perf_counter() - t0)
+            await self._publish(outputs)
+            if not more:
+                self.work.clear()
+
+    async def _publish(self, outputs: list) -> None:
+        for subject, deltas in group_by_stream(outputs, self.live).items():
+            await self.bus.publish(subject, m.TokenBatch(deltas=deltas))
+        for out in outputs:
+            self.m_tokens.inc(len(out.token_ids))
+            if out.finished:
+                self.live.pop(out.rid, None)
+
+    async def _fail_all(self, code: int, message: str) -> None:
+        for rid, live in list(self.live.items()):
+            with contextlib.suppress(Exception):
+                await self.et.call(self.engine.abort, rid)
+            await self._error(live.stream_subject, rid, code, message)
+        self.live.clear()
+        self.work.clear()
+
+    async def _error(self, subject: str, rid: str, code: int, message: str) -> None:
+        self.live.pop(rid, None)
+        with contextlib.suppress(Exception):
+            await self.bus.publish(subject, m.RequestError(request_id=rid, code=code, message=message))
+
+    async def _broker_fire(self, msg: msgspec.Struct) -> None:
+        try:
+            await self.bus.request(
+                subjects.BROKER, msg, m.BrokerReply, timeout=self.settings.broker_timeout_s
+            )
+        except Exception as e:
+            log.warning("kv-broker %s failed: %s", type(msg).__name__, e)
+
+    async def on_drain(self) -> None:
+        """Finish the running batch (up to the drain timeout), then end what is left with 503."""
+        self.heartbeat.draining = True
+        with contextlib.suppress(Exception):
+            await self.heartbeat.beat()
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the step loop is running the batch down
+        await self._fail_all(503, "decode worker shut down")
+        for rid, handle_id in list(self.reserved.items()):
+            await self.drop_reservation(rid, handle_id, "decode worker shut down")
+        self.loop_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.loop_task
+        await self.heartbeat.stop()
+        self.et.shutdown()
+        self.transport.close()

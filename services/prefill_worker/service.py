@@ -1,0 +1,195 @@
+"""The prefill worker's bus shell around the engine.
+
+Inbox (`proto.subjects.prefill_inbox(id)`): PrefillTask. For each: look up the decode worker's pool
+geometry at the kv-broker (cached), run the prompt on the engine thread (prefix cache reused; its pages
+stay pinned), write the pages into the handle's pages with the transfer engine (a plan of merged
+contiguous runs, off the engine thread so the next prompt can start), mark the handle written, send
+KvReady (first token) to the decode worker, unpin. Failures send PrefillFailed to the decode worker and
+RequestError to the gateway. `Cancel` drops a queued or running task before its KvReady.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from prometheus_client import Counter, Histogram
+
+from libs.bus import Service
+from libs.engine.pages import OutOfPagesError
+from libs.kvtransfer import PageGeometry, plan_page_runs
+from libs.worker.common import (
+    Heartbeater,
+    load_engine,
+    open_transport,
+    register_at_broker,
+    to_params,
+    to_wire_logprob,
+)
+from libs.worker.engine_thread import EngineThread
+from libs.worker.settings import WorkerSettings
+from proto import messages as m
+from proto import subjects
+
+log = logging.getLogger("moemesh.prefill")
+
+
+class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
+    pass
+
+
+class PrefillWorker(Service):
+    name = "prefill-worker"
+    settings_class = PrefillWorkerSettings
+    settings: PrefillWorkerSettings
+
+    async def setup(self) -> None:
+        s = self.settings
+        subjects.check_token(self.instance_id)
+        self.engine = await asyncio.to_thread(load_engine, s)
+        self.et = EngineThread(self.engine)
+        self.transport = open_transport(s, self.engine)
+        self.src_geom = PageGeometry.of_pool(self.engine.kv_pool)
+        await register_at_broker(
+            self.bus, self.instance_id, m.Role.PREFILL, self.transport, self.engine, s.broker_timeout_s
+        )
+        self.dst_geoms: dict[str, m.KvGeometry] = {}
+        self.active: set[str] = set()  # tasks received and not finished
+        self.cancelled: set[str] = set()
+        r = self.registry
+        self.m_tokens = Counter(
+            "moemesh_prefill_tokens_total", "prompt tokens prefilled", ["cached"], registry=r
+        )
+        self.m_seconds = Histogram("moemesh_prefill_seconds", "prefill compute time", registry=r)
+        self.m_xfer_bytes = Counter(
+            "moemesh_kv_transfer_bytes_total", "KV bytes written to decode workers", registry=r
+        )
+        self.m_xfer_seconds = Histogram(
+            "moemesh_kv_transfer_seconds", "KV transfer time per request", registry=r
+        )
+        await self.bus.subscribe(
+            subjects.prefill_inbox(self.instance_id), m.PrefillInbox, self.on_task, concurrent=True
+        )
+        await self.bus.subscribe(subjects.CANCEL, m.Cancel, self.on_cancel)
+        await self.bus.subscribe(subjects.admin(self.name, self.instance_id), m.AdminRequest, self.on_admin)
+        self.heartbeat = Heartbeater(
+            self.bus, self.instance_id, m.Role.PREFILL, s.model_name, s.heartbeat_interval_ms, self.load
+        )
+        self.heartbeat.start()
+
+    def load(self) -> dict[str, int]:
+        st = self.engine.stats()
+        return {
+            **st,
+            "running": len(self.active),
+            "waiting": 0,
+            "free_pages": st["free_pages"] + st["evictable_pages"],
+            "page_size": self.engine.page_size,
+            "max_context": self.engine.config.max_position_embeddings,
+        }
+
+    async def on_cancel(self, msg: m.Cancel) -> None:
+        if msg.request_id in self.active:
+            self.cancelled.add(msg.request_id)
+
+    async def on_admin(self, msg: m.AdminRequest) -> m.AdminReply:
+        st = self.engine.stats()
+        stats = m.WorkerStats(
+            worker_id=self.instance_id, role=m.Role.PREFILL, running=len(self.active), waiting=0,
+            free_pages=st["free_pages"], total_pages=st["total_pages"], reserved_handles=st["pinned"],
+            requests=sorted(self.active),
+        )  # fmt: skip
+        return m.AdminReply(ok=True, stats=stats)
+
+    async def _dst_geometry(self, worker_id: str) -> m.KvGeometry:
+        geom = self.dst_geoms.get(worker_id)
+        if geom is None:
+            reply = await self.bus.request(
+                subjects.BROKER,
+                m.LookupWorker(worker_id=worker_id),
+                m.BrokerReply,
+                timeout=self.settings.broker_timeout_s,
+            )
+            if not reply.ok or reply.worker is None:
+                raise RuntimeError(f"kv-broker does not know decode worker {worker_id}: {reply.message}")
+            geom = self.dst_geoms[worker_id] = reply.worker.geometry
+        return geom
+
+    async def on_task(self, task: m.PrefillTask) -> None:
+        rid = task.request_id
+        self.active.add(rid)
+        try:
+            await self._run(task)
+        except Exception as e:
+            code = 400 if isinstance(e, ValueError) else 503 if isinstance(e, OutOfPagesError) else 500
+            log.warning("prefill of %s failed: %s", rid, e)
+            await self._fail(task, code, str(e))
+        finally:
+            self.active.discard(rid)
+            self.cancelled.discard(rid)
+            with contextlib.suppress(Exception):
+                await self.et.call(self.engine.release, rid)
+
+    async def _run(self, task: m.PrefillTask) -> None:
+        rid, handle = task.request_id, task.handle
+        dst = await self._dst_geometry(handle.decode_worker)
+        if rid in self.cancelled:
+            return
+        t0 = time.perf_counter()
+        res = await self.et.call(self.engine.prefill, rid, task.prompt_ids, to_params(task.sampling))
+        self.m_seconds.observe(time.perf_counter() - t0)
+        self.m_tokens.labels("yes").inc(res.cached_tokens)
+        self.m_tokens.labels("no").inc(len(task.prompt_ids) - res.cached_tokens)
+        if rid in self.cancelled:
+            return
+        if len(handle.page_ids) < len(res.page_ids):
+            raise ValueError(
+                f"handle {handle.handle_id} has {len(handle.page_ids)} pages, prompt needs {len(res.page_ids)}"
+            )
+        runs = plan_page_runs(
+            self.src_geom.num_layers, res.page_ids, handle.page_ids[: len(res.page_ids)], self.src_geom, dst
+        )
+        t0 = time.perf_counter()
+        nbytes = await asyncio.to_thread(self.transport.write, handle.session_id, runs)
+        self.m_xfer_seconds.observe(time.perf_counter() - t0)
+        self.m_xfer_bytes.inc(nbytes)
+        await self.et.call(self.engine.release, rid)
+        if rid in self.cancelled:
+            return
+        await self.bus.request(
+            subjects.BROKER,
+            m.HandleWritten(handle_id=handle.handle_id),
+            m.BrokerReply,
+            timeout=self.settings.broker_timeout_s,
+        )
+        first = (
+            m.TokenLogprob(res.first_token, 0.0) if res.logprobs is None else to_wire_logprob(res.logprobs)
+        )
+        await self.bus.publish(
+            subjects.decode_inbox(handle.decode_worker),
+            m.KvReady(
+                request_id=rid, handle_id=handle.handle_id, prompt_ids=task.prompt_ids, sampling=task.sampling,
+                stream_subject=task.stream_subject, first_token=first, cached_tokens=res.cached_tokens,
+                prefill_worker=self.instance_id,
+            ),
+        )  # fmt: skip
+
+    async def _fail(self, task: m.PrefillTask, code: int, message: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.bus.publish(
+                subjects.decode_inbox(task.handle.decode_worker),
+                m.PrefillFailed(request_id=task.request_id, handle_id=task.handle.handle_id, message=message),
+            )
+            await self.bus.publish(
+                task.stream_subject, m.RequestError(request_id=task.request_id, code=code, message=message)
+            )
+
+    async def on_drain(self) -> None:
+        self.heartbeat.draining = True
+        await self.heartbeat.stop()
+        self.et.shutdown()
+        self.transport.close()
+
+
