@@ -78,7 +78,7 @@ _CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": 128}, num_warps=w, num_stages=s)
     for bm, w, s in [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 4), (32, 4, 4), (16, 4, 4)]
 ]
-_fp8_gemm_tuned = triton.autotune(_CONFIGS, key=["M", "N", "K", "LAYOUT"])(_fp8_gemm_body)
+_fp8_gemm_tuned = triton.autotune(_CONFIGS, key=["M", "N", "K", "LAYOUT"], warmup=5, rep=20)(_fp8_gemm_body)
 
 
 def _default_block_m(m: int) -> int:

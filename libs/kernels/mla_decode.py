@@ -39,9 +39,9 @@ class MLAConfig:
 
 @triton.jit
 def _mla_split_kernel(
-    Q, KV, PT, SEQ, O, OPART, LSE,
+    QL, QR, KV, PT, SEQ, O, OPART, LSE,
     sm_scale_log2, out_scale,
-    stride_qb, stride_qh, stride_kv, stride_ptb, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_rb, stride_rh, stride_kv, stride_ptb, stride_ob, stride_oh,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
@@ -57,9 +57,8 @@ def _mla_split_kernel(
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D_LAT)
     offs_r = tl.arange(0, D_ROPE)
-    q_row = Q + b * stride_qb + offs_h[:, None] * stride_qh
-    q_lat = tl.load(q_row + offs_d[None, :])
-    q_rope = tl.load(q_row + D_LAT + offs_r[None, :])
+    q_lat = tl.load(QL + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :])
+    q_rope = tl.load(QR + b * stride_rb + offs_h[:, None] * stride_rh + offs_r[None, :])
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -139,24 +138,32 @@ def mla_decode(
     kv_scale: float = 1.0,
     cfg: MLAConfig | None = None,
     out: torch.Tensor | None = None,
+    q_rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode: q [B, H, 576] attends over each sequence's cached rows -> [B, H, 512].
 
+    q may also come in two parts, q [B, H, 512] and q_rope [B, H, 64], each with any batch and head
+    strides (e.g. the transposed output of the W_UK bmm), which saves a copy.
     kv_cache: one layer's rows [slots, 576] (bf16, or float8_e4m3fn with `kv_scale`), slot =
     page * page_size + offset; page_table [B, max_pages] int32; seq_lens [B] int32 (>= 1 each).
     """
     cfg = cfg or MLAConfig()
+    if q_rope is None:
+        if q.shape[-1] != LATENT_DIM + ROPE_DIM:
+            raise ValueError(f"MLA decode expects 576-dim q, got {tuple(q.shape)}")
+        q, q_rope = q[..., :LATENT_DIM], q[..., LATENT_DIM:]
     B, H, D = q.shape
-    if D != LATENT_DIM + ROPE_DIM or kv_cache.shape[-1] != D:
+    if D != LATENT_DIM or q_rope.shape != (B, H, ROPE_DIM) or kv_cache.shape[-1] != LATENT_DIM + ROPE_DIM:
         raise ValueError(
-            f"MLA decode expects 576-dim q and cache rows, got q {tuple(q.shape)}, cache {tuple(kv_cache.shape)}"
+            f"MLA decode expects 512 + 64-dim q and 576-dim cache rows, got {tuple(q.shape)}, "
+            f"{tuple(q_rope.shape)}, cache {tuple(kv_cache.shape)}"
         )
     block_h = min(cfg.block_h, max(16, triton.next_power_of_2(H)))
     if H % block_h:
         raise ValueError(f"num_heads {H} must be a multiple of the head block {block_h}")
     if page_table.dim() != 2 or page_table.shape[0] != B or seq_lens.shape != (B,):
         raise ValueError("page_table must be [B, max_pages] and seq_lens [B]")
-    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+    if q.stride(-1) != 1 or q_rope.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("q and kv_cache need a contiguous last dimension")
     out = out if out is not None else torch.empty(B, H, LATENT_DIM, dtype=q.dtype, device=q.device)
     log2e = 1.4426950408889634
@@ -168,9 +175,9 @@ def mla_decode(
         opart, lse = out, out  # unused by the kernel when NUM_SPLITS == 1
     grid = (H // block_h, num_splits, B)
     _mla_split_kernel[grid](
-        q, kv_cache, page_table, seq_lens, out, opart, lse,
+        q, q_rope, kv_cache, page_table, seq_lens, out, opart, lse,
         scale_log2, kv_scale,
-        q.stride(0), q.stride(1), kv_cache.stride(0), page_table.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), kv_cache.stride(0), page_table.stride(0), out.stride(0), out.stride(1),
         opart.stride(0), opart.stride(1), opart.stride(2) if num_splits > 1 else 0,
         lse.stride(0), lse.stride(1),
         PAGE_SIZE=page_size, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=cfg.block_n,

@@ -22,7 +22,8 @@ def align_masked(local_ids: torch.Tensor, num_experts: int, m_max: int) -> tuple
     counts [E] int32). A pair's row is its rank among the pairs of its expert, in pair order."""
     ids = local_ids.long()
     valid = ids >= 0
-    onehot = torch.nn.functional.one_hot(ids.clamp(min=0), num_experts) * valid[:, None]  # [P, E]
+    # a comparison, not one_hot: one_hot checks its input range on the host, which breaks graph capture
+    onehot = (ids[:, None] == torch.arange(num_experts, device=ids.device)[None, :]).long()  # [P, E]
     rank = onehot.cumsum(0).gather(1, ids.clamp(min=0)[:, None]).squeeze(1) - 1
     dest = torch.where(valid & (rank < m_max), ids * m_max + rank, -1)
     return dest, onehot.sum(0).clamp(max=m_max).to(torch.int32)

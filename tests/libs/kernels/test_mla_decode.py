@@ -82,3 +82,11 @@ def test_real_shapes_on_gpu(heads, kv_dtype):
     for splits in (1, 4):
         out = mla_decode(q, kv, table, seq, 64, 0.1352, num_splits=splits, kv_scale=scale)
         assert _rel(out, ref) < 1e-2
+
+
+def test_split_query_parts_with_transposed_strides(device):
+    q, kv, table, seq = _case(device, 3, 16, 16, [9, 40, 17], seed=4)
+    q_lat = q[..., :512].transpose(0, 1).contiguous().transpose(0, 1)  # [B, H, 512] with head-major storage
+    q_rope = q[..., 512:].contiguous()
+    out = mla_decode(q_lat, kv, table, seq, 16, 0.1, num_splits=2, cfg=SMALL, q_rope=q_rope)
+    assert _rel(out, mla_decode_reference(q, kv, table, seq, 16, 0.1)) < 1e-2

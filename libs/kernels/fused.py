@@ -1,0 +1,110 @@
+"""Small fused kernels of the decode step that would otherwise be many tiny launches per layer:
+residual add + RMSNorm, and MLA's RoPE + latent-row write into the paged KV cache.
+
+RoPE follows DeepSeek-V3's interleaved convention as transformers applies it: input pairs
+(x[2i], x[2i+1]) rotate by position * inv_freq[i], and the output is laid out de-interleaved
+([rotated evens | rotated odds]); q and k get the same layout, so their dot products are RoPE's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    X, R, W, OUT, N, eps, stride_x, stride_r, stride_o, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(R + row * stride_r + offs, x.to(R.dtype.element_ty), mask=mask)
+    var = tl.sum(x * x, 0) / N
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(var + eps) * w
+    tl.store(OUT + row * stride_o + offs, y.to(OUT.dtype.element_ty), mask=mask)
+
+
+def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """RMSNorm of x (+ residual, which is updated in place to x + residual) over the last dim, x [T, N]."""
+    t, n = x.shape
+    if x.stride(-1) != 1 or (residual is not None and residual.shape != x.shape):
+        raise ValueError("add_rmsnorm needs [T, N] rows with a contiguous last dim and a same-shape residual")
+    out = out if out is not None else torch.empty_like(x)
+    r = residual if residual is not None else x
+    _add_rmsnorm_kernel[(t,)](
+        x, r, weight, out, n, eps, x.stride(0), r.stride(0), out.stride(0),
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=8 if n > 2048 else 4,
+    )  # fmt: skip
+    return out
+
+
+def add_rmsnorm_reference(x, weight, eps, residual=None):
+    xf = x.float() + (residual.float() if residual is not None else 0)
+    if residual is not None:
+        residual.copy_(xf.to(residual.dtype))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+@triton.jit
+def _rope_kv_kernel(
+    QPE, QOUT, KPE, CKV, KV, POS, SLOTS, COS_SIN,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_cb, stride_kv, stride_cs,
+    H: tl.constexpr, HALF: tl.constexpr, D_LAT: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    pos = tl.load(POS + b)
+    i = tl.arange(0, HALF)
+    cos = tl.load(COS_SIN + pos * stride_cs + i)
+    sin = tl.load(COS_SIN + pos * stride_cs + HALF + i)
+    h = tl.arange(0, H)
+    q = QPE + b * stride_qb + h[:, None] * stride_qh + 2 * i[None, :]
+    q0 = tl.load(q).to(tl.float32)
+    q1 = tl.load(q + 1).to(tl.float32)
+    o = QOUT + b * stride_ob + h[:, None] * stride_oh + i[None, :]
+    tl.store(o, (q0 * cos - q1 * sin).to(QOUT.dtype.element_ty))
+    tl.store(o + HALF, (q0 * sin + q1 * cos).to(QOUT.dtype.element_ty))
+    k0 = tl.load(KPE + b * stride_kb + 2 * i).to(tl.float32)
+    k1 = tl.load(KPE + b * stride_kb + 2 * i + 1).to(tl.float32)
+    row = KV + tl.load(SLOTS + b).to(tl.int64) * stride_kv
+    tl.store(row + D_LAT + i, (k0 * cos - k1 * sin).to(KV.dtype.element_ty))
+    tl.store(row + D_LAT + HALF + i, (k0 * sin + k1 * cos).to(KV.dtype.element_ty))
+    d = tl.arange(0, D_LAT)
+    tl.store(row + d, tl.load(CKV + b * stride_cb + d).to(KV.dtype.element_ty))
+
+
+def rope_and_write_kv(q_pe, q_out, k_pe, c_kv, kv_layer, positions, slots, cos_sin) -> None:
+    """Rotate q_pe [T, H, 64] into q_out [T, H, 64] and write each token's latent row
+    [c_kv (512) | rotated k_pe (64)] into kv_layer [slots, 576] at slots [T]; cos_sin [max_pos, 64]
+    holds cos (32) then sin (32) per position."""
+    t, h, r = q_pe.shape
+    if r != 64 or c_kv.shape[-1] != 512 or kv_layer.shape[-1] != 576 or k_pe.shape != (t, 64):
+        raise ValueError("rope_and_write_kv expects 64-dim rope parts, 512-dim c_kv and 576-dim cache rows")
+    if t == 0:
+        return
+    _rope_kv_kernel[(t,)](
+        q_pe, q_out, k_pe, c_kv, kv_layer, positions, slots, cos_sin,
+        q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1), k_pe.stride(0), c_kv.stride(0),
+        kv_layer.stride(0), cos_sin.stride(0), H=h, HALF=32, D_LAT=512, num_warps=4,
+    )  # fmt: skip
+
+
+def rope_cos_sin(max_pos: int, base: float = 10000.0, dim: int = 64, device="cpu") -> torch.Tensor:
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    ang = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], -1).to(device)
+
+
+def rope_reference(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, ..., 64] interleaved pairs -> de-interleaved rotated, as transformers' DeepseekV3."""
+    cs = cos_sin[positions.long()]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (32,)
+    cos, sin = cs[:, :32].view(shape), cs[:, 32:].view(shape)
+    x0, x1 = x[..., 0::2].float(), x[..., 1::2].float()
+    return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).to(x.dtype)

@@ -1,0 +1,43 @@
+"""Fused residual-add RMSNorm and RoPE + KV-row write vs their torch oracles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from libs.kernels import fused as F  # noqa: E402
+
+
+def test_add_rmsnorm_updates_residual(device):
+    x = torch.randn(3, 300).to(torch.bfloat16).to(device)
+    res = torch.randn(3, 300).to(torch.bfloat16).to(device)
+    w = torch.rand(300).to(device)
+    res2 = res.clone()
+    out = F.add_rmsnorm(x, w, 1e-6, residual=res)
+    ref = F.add_rmsnorm_reference(x, w, 1e-6, residual=res2)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(res, res2)
+    torch.testing.assert_close(
+        F.add_rmsnorm(x, w, 1e-6), F.add_rmsnorm_reference(x, w, 1e-6), rtol=2e-2, atol=2e-2
+    )
+
+
+def test_rope_and_kv_write(device):
+    t, h = 3, 4
+    cs = F.rope_cos_sin(64, device=device)
+    pos = torch.tensor([0, 5, 63], device=device)
+    q = torch.randn(t, h, 192, device=device)
+    q_pe = q[..., 128:]  # strided view, as the q_b projection's output
+    k_pe, c_kv = torch.randn(t, 64, device=device), torch.randn(t, 512, device=device)
+    kv = torch.full((16, 576), float("nan"), device=device)
+    slots = torch.tensor([7, 2, 11], device=device)
+    q_out = torch.empty(t, h, 64, device=device)
+    F.rope_and_write_kv(q_pe, q_out, k_pe, c_kv, kv, pos, slots, cs)
+    torch.testing.assert_close(q_out, F.rope_reference(q_pe, pos, cs), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv[slots, 512:], F.rope_reference(k_pe, pos, cs), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv[slots, :512], c_kv)
+    untouched = torch.ones(16, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert kv[untouched].isnan().all()
