@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 COMMANDS: list[str] = [
     "libs.cli.tiny_model",
+    "libs.cli.up",
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import msgspec
@@ -35,4 +36,4 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model_dir.rstrip("/").rsplit("/", 1)[-1]
+        return self.served_model_name or Path(self.model_dir).resolve().name

@@ -1,0 +1,71 @@
+"""`moemesh up [--model DIR]`: start nats-server and every service on loopback; Ctrl-C stops them all."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TINY = Path.home() / ".cache" / "moemesh" / "tiny-v3"
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "up",
+        help="run the whole mesh (nats-server, kv-broker, scheduler, workers, gateway) on this machine",
+        description="Starts the embedded default: every service as its own process on 127.0.0.1. Without "
+        "--model it serves a tiny random DeepSeek-V3-architecture model (written on first use).",
+    )
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the tiny model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (0: any free port)")
+    p.add_argument("--nats-port", type=int, default=0, help="nats-server port (0: any free port)")
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--transfer-protocol", default="tcp", choices=["tcp", "rdma", "nvlink_intra"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--served-model-name", default="")
+    p.add_argument("--log-dir", default=None, help="where each service writes its log (default: a temp dir)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from libs.launch.mesh import Mesh, MeshConfig
+
+    model = Path(args.model) if args.model else _tiny_model()
+    if not (model / "config.json").is_file():
+        raise ValueError(f"{model} is not a checkpoint folder (no config.json)")
+    cfg = MeshConfig(
+        model_dir=model, host=args.host, port=args.port, nats_port=args.nats_port,
+        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+        served_model_name=args.served_model_name, transfer_protocol=args.transfer_protocol,
+        device=args.device, dtype=args.dtype, log_dir=Path(args.log_dir) if args.log_dir else None,
+    )  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    mesh = Mesh(cfg)
+    print(f"starting moemesh ({model}); logs in {mesh.log_dir}", flush=True)
+    mesh.start()
+    try:
+        print(
+            f"moemesh is up: {mesh.url}/v1  (model {mesh.model_name!r}, nats {mesh.nats_url}); Ctrl-C stops",
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            mesh.sup.check_alive()
+    finally:
+        print("stopping moemesh ...", flush=True)
+        mesh.stop()
+    return 0
+
+
+def _tiny_model() -> Path:
+    if not (DEFAULT_TINY / "config.json").is_file():
+        from libs.engine.tiny import write_tiny_model
+
+        write_tiny_model(DEFAULT_TINY, seed=0, overwrite=True)
+    return DEFAULT_TINY

@@ -1,0 +1,172 @@
+"""The whole mesh on one machine: nats-server plus every service as its own process, on loopback.
+
+`moemesh up` and the e2e tests use it. Readiness is observed, not assumed: the mesh is up when every
+worker has sent a heartbeat (it loaded its model and registered its KV pool at the kv-broker) and the
+gateway's /health answers 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+
+from libs.launch.supervisor import ServiceSpec, Supervisor
+from libs.natsd import NatsServer, start_nats_server
+from proto import decoder, subjects
+from proto import messages as m
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class MeshConfig:
+    model_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000  # gateway; 0 picks a free port
+    nats_port: int = 0  # 0 picks a free port
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    served_model_name: str = ""
+    transfer_protocol: str = "tcp"
+    device: str = "cpu"
+    dtype: str = "float32"
+    log_dir: Path | None = None
+    # extra MOEMESH_* settings per service module name, e.g. {"services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": "8"}}
+    extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+class Mesh:
+    def __init__(self, cfg: MeshConfig) -> None:
+        self.cfg = cfg
+        self.log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="moemesh-logs-"))
+        self.nats: NatsServer | None = None
+        self.sup = Supervisor(self.log_dir)
+        self.port = cfg.port or free_port(cfg.host)
+        self.model_name = cfg.served_model_name or Path(cfg.model_dir).resolve().name
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def nats_url(self) -> str:
+        assert self.nats is not None
+        return self.nats.url
+
+    def worker_ids(self, role: m.Role) -> list[str]:
+        n, p = (
+            (self.cfg.prefill_workers, "prefill")
+            if role == m.Role.PREFILL
+            else (self.cfg.decode_workers, "decode")
+        )
+        return [f"{p}-{i}" for i in range(n)]
+
+    def specs(self) -> list[ServiceSpec]:
+        c = self.cfg
+        model = str(Path(c.model_dir).resolve())
+
+        def spec(name: str, module: str, prefix: str, **fields: object) -> ServiceSpec:
+            env = {"MOEMESH_NATS_URL": self.nats_url, "MOEMESH_LOG_LEVEL": "INFO"}
+            env.update({f"{prefix}{k.upper()}": str(v) for k, v in fields.items()})
+            env.update(c.extra_env.get(module, {}))
+            return ServiceSpec(name, module, env)
+
+        worker = dict(
+            model_dir=model,
+            served_model_name=self.model_name,
+            transfer_protocol=c.transfer_protocol,
+            device=c.device,
+            dtype=c.dtype,
+        )
+        out = [
+            spec("kv-broker", "services.kv_broker", "MOEMESH_KV_BROKER_"),
+            spec("scheduler", "services.scheduler", "MOEMESH_SCHEDULER_"),
+        ]
+        out += [
+            spec(w, "services.prefill_worker", "MOEMESH_PREFILL_WORKER_", instance_id=w, **worker)
+            for w in self.worker_ids(m.Role.PREFILL)
+        ]
+        out += [
+            spec(w, "services.decode_worker", "MOEMESH_DECODE_WORKER_", instance_id=w, **worker)
+            for w in self.worker_ids(m.Role.DECODE)
+        ]
+        out.append(
+            spec(
+                "gateway",
+                "services.gateway",
+                "MOEMESH_GATEWAY_",
+                host=c.host,
+                port=self.port,
+                model_dir=model,
+                served_model_name=self.model_name,
+            )
+        )
+        return out
+
+    def start(self, timeout: float = 120.0) -> Mesh:
+        self.nats = start_nats_server(self.cfg.nats_port, jetstream=True, host="127.0.0.1")
+        try:
+            for s in self.specs():
+                self.sup.start(s)
+            asyncio.run(self._wait_ready(timeout))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def _wait_ready(self, timeout: float) -> None:
+        want = set(self.worker_ids(m.Role.PREFILL)) | set(self.worker_ids(m.Role.DECODE))
+        seen: set[str] = set()
+        dec = decoder(m.Heartbeat)
+        nc = await nats.connect(self.nats_url)
+
+        async def on_hb(msg: object) -> None:
+            hb = dec.decode(msg.data)  # type: ignore[attr-defined]
+            if isinstance(hb, m.WorkerHeartbeat):
+                seen.add(hb.worker_id)
+
+        await nc.subscribe(subjects.HEARTBEAT, cb=on_hb)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                self.sup.check_alive()
+                if want <= seen and self._gateway_healthy():
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"mesh not ready after {timeout:.0f}s: workers heard {sorted(seen)} of {sorted(want)}, "
+                        f"gateway healthy={self._gateway_healthy()}; logs in {self.log_dir}"
+                    )
+                await asyncio.sleep(0.1)  # readiness poll of child processes; each check is a real condition
+        finally:
+            await nc.close()
+
+    def _gateway_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        self.sup.stop_all()
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+
+    def __enter__(self) -> Mesh:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
