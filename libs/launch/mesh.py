@@ -54,6 +54,7 @@ class Mesh:
         self.sup = Supervisor(self.log_dir)
         self.port = cfg.port or free_port(cfg.host)
         self.model_name = cfg.served_model_name or Path(cfg.model_dir).resolve().name
+        self.http_ports: dict[str, int] = {}  # service name -> its /health and /metrics side port
 
     @property
     def url(self) -> str:
@@ -78,6 +79,9 @@ class Mesh:
 
         def spec(name: str, module: str, prefix: str, **fields: object) -> ServiceSpec:
             env = {"MOEMESH_NATS_URL": self.nats_url, "MOEMESH_LOG_LEVEL": "INFO"}
+            if module != "services.gateway":  # the gateway serves /health and /metrics on its API port
+                self.http_ports[name] = free_port(c.host)
+                fields = {"http_host": c.host, "http_port": self.http_ports[name], **fields}
             env.update({f"{prefix}{k.upper()}": str(v) for k, v in fields.items()})
             env.update(c.extra_env.get(module, {}))
             return ServiceSpec(name, module, env)
@@ -151,6 +155,12 @@ class Mesh:
                 await asyncio.sleep(0.1)  # readiness poll of child processes; each check is a real condition
         finally:
             await nc.close()
+
+    def metrics_url(self, service: str) -> str:
+        """Prometheus endpoint of one service ("gateway", "scheduler", "prefill-0", ...)."""
+        if service == "gateway":
+            return f"{self.url}/metrics"
+        return f"http://{self.cfg.host}:{self.http_ports[service]}/metrics"
 
     def _gateway_healthy(self) -> bool:
         try:

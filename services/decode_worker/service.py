@@ -54,6 +54,9 @@ class DecodeWorker(Service):
         )
         self.live: dict[str, Live] = {}
         self.reserved: dict[str, str] = {}  # request id -> handle id (pages reserved, KV not yet joined)
+        # Cancelled while reserved: the pages stay until the prefill side answers (KvReady / PrefillFailed)
+        # or the lease expires, because a Mooncake write into them may still be landing.
+        self.cancelled: set[str] = set()
         self.forward_sleep_ms = s.forward_sleep_ms
         self.work = asyncio.Event()
         self._metrics()
@@ -136,6 +139,9 @@ class DecodeWorker(Service):
         if self.reserved.get(rid) != msg.handle_id:
             log.warning("KvReady for %s (handle %s) without a live reservation: dropped", rid, msg.handle_id)
             return
+        if rid in self.cancelled:
+            await self.drop_reservation(rid, msg.handle_id, "cancelled before its KV arrived")
+            return
         del self.reserved[rid]
         try:
             await self.et.call(
@@ -174,6 +180,7 @@ class DecodeWorker(Service):
         if self.reserved.get(rid) != handle_id:
             return
         del self.reserved[rid]
+        self.cancelled.discard(rid)
         await self.et.call(self.engine.cancel_reservation, rid)
         await self._broker_fire(m.ReleaseHandle(handle_id=handle_id, reason=why))
         log.info("reservation of %s freed: %s", rid, why)
@@ -181,7 +188,7 @@ class DecodeWorker(Service):
     async def on_cancel(self, msg: m.Cancel) -> None:
         rid = msg.request_id
         if rid in self.reserved:
-            await self.drop_reservation(rid, self.reserved[rid], f"cancelled: {msg.reason}")
+            self.cancelled.add(rid)  # freed when the prefill side answers or the lease expires
         if self.live.pop(rid, None) is not None:
             await self.et.call(self.engine.abort, rid)
             log.info("request %s cancelled: %s", rid, msg.reason)

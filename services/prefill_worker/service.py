@@ -36,6 +36,11 @@ from proto import subjects
 log = logging.getLogger("moemesh.prefill")
 
 
+class Cancelled(Exception):
+    """The request was cancelled while its task ran; the decode worker still needs PrefillFailed so it
+    frees the reservation (it must not free pages a write may still be landing in before then)."""
+
+
 class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     pass
 
@@ -122,6 +127,8 @@ class PrefillWorker(Service):
         self.active.add(rid)
         try:
             await self._run(task)
+        except Cancelled:
+            await self._fail(task, 499, "cancelled", tell_gateway=False)
         except Exception as e:
             code = 400 if isinstance(e, ValueError) else 503 if isinstance(e, OutOfPagesError) else 500
             log.warning("prefill of %s failed: %s", rid, e)
@@ -135,15 +142,13 @@ class PrefillWorker(Service):
     async def _run(self, task: m.PrefillTask) -> None:
         rid, handle = task.request_id, task.handle
         dst = await self._dst_geometry(handle.decode_worker)
-        if rid in self.cancelled:
-            return
+        self._check_cancelled(rid)
         t0 = time.perf_counter()
         res = await self.et.call(self.engine.prefill, rid, task.prompt_ids, to_params(task.sampling))
         self.m_seconds.observe(time.perf_counter() - t0)
         self.m_tokens.labels("yes").inc(res.cached_tokens)
         self.m_tokens.labels("no").inc(len(task.prompt_ids) - res.cached_tokens)
-        if rid in self.cancelled:
-            return
+        self._check_cancelled(rid)
         if len(handle.page_ids) < len(res.page_ids):
             raise ValueError(
                 f"handle {handle.handle_id} has {len(handle.page_ids)} pages, prompt needs {len(res.page_ids)}"
@@ -156,8 +161,7 @@ class PrefillWorker(Service):
         self.m_xfer_seconds.observe(time.perf_counter() - t0)
         self.m_xfer_bytes.inc(nbytes)
         await self.et.call(self.engine.release, rid)
-        if rid in self.cancelled:
-            return
+        self._check_cancelled(rid)
         await self.bus.request(
             subjects.BROKER,
             m.HandleWritten(handle_id=handle.handle_id),
@@ -191,5 +195,3 @@ class PrefillWorker(Service):
         await self.heartbeat.stop()
         self.et.shutdown()
         self.transport.close()
-
-
