@@ -56,3 +56,32 @@ def quantize_fp8_block(
     scale_inv = amax / FP8_MAX
     q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(pm, pn)[:m, :n]
     return q.to(FP8_DTYPE).contiguous(), scale_inv.contiguous()
+
+
+def is_fp8_weight_name(name: str) -> bool:
+    """DeepSeek-V3 quantizes every projection inside the decoder layers (attention, dense MLP, shared and
+    routed experts); embeddings, LM head, router gate and norms stay in high precision."""
+    return name.startswith("model.layers.") and name.endswith("proj.weight")
+
+
+def quantize_state_dict(
+    tensors: dict[str, torch.Tensor], block: tuple[int, int] = (128, 128)
+) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors in DeepSeek's FP8 layout: each projection -> fp8 weight + `_scale_inv`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if is_fp8_weight_name(name) and tensor.dim() == 2:
+            out[name], out[name + SCALE_SUFFIX] = quantize_fp8_block(tensor, block)
+        else:
+            out[name] = tensor
+    return out
+
+
+def fp8_quantization_config(block: tuple[int, int] = (128, 128)) -> dict:
+    """The `quantization_config` entry DeepSeek-V3's config.json carries for these weights."""
+    return {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
