@@ -16,6 +16,7 @@ import torch
 
 from libs.engine.radix_cache import RadixNode
 from libs.engine.sampling import SamplingParams, TokenLogprob
+from libs.engine.stopping import StopChecker
 
 
 class Status(enum.Enum):
@@ -35,13 +36,13 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at (first) admission
+    num_cached_pages: int = 0  # pages[:num_cached_pages] are shared from the prefix cache
+    admitted: bool = False
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    cache_node: RadixNode | None = None  # locked radix node backing pages[:cache_len]
-    text: str = ""  # detokenized output so far (only kept when stop strings need it)
-    text_end: int | None = None  # where a stop string cut the text
-    arrival: int = 0
+    cache_node: RadixNode | None = None  # locked radix node backing pages[:num_cached_pages]
+    stopper: StopChecker | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -53,12 +54,9 @@ class Request:
 
     @property
     def in_decode(self) -> bool:
+        """Prompt done: the next forward feeds exactly the newest output token."""
         return self.num_computed == self.num_tokens - 1 and bool(self.output_ids)
 
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
-
-    def pages_needed(self, num_tokens: int, page_size: int) -> int:
-        """Extra pages to hold KV for `num_tokens` tokens in total."""
-        return max(0, -(-num_tokens // page_size) - len(self.pages))

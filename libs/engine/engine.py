@@ -1,0 +1,417 @@
+"""The engine: a model, its paged latent KV pool, a radix prefix cache and continuous batching.
+
+Offline use: `Engine.from_pretrained(dir).generate(prompts, SamplingParams(...))`. Workers use the
+incremental API: `add_request` / `step` / `abort`, and for prefill/decode disaggregation the prefill
+side calls `prefill` + `release` while the decode side calls `reserve` + `add_prefilled` (the prompt's
+KV rows are written into the reserved pages of `kv_pool` from outside, between the two calls).
+
+Page ownership (see pages.py): a request holds one reference on every page in its table, including the
+prefix pages it matched in the cache (whose radix node it also locks); a PD reservation holds its pages
+until `add_prefilled` hands them to a request or `cancel_reservation` drops them. Every way out of the
+engine (finish, abort, preemption, an exception in generate) drops those references, so the pool always
+returns to "free + cached" with nothing leaked.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from libs.engine.config import ModelConfig
+from libs.engine.kv_pool import KVPool
+from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
+from libs.engine.pages import OutOfPagesError, PageAllocator
+from libs.engine.radix_cache import RadixCache
+from libs.engine.request import Request, Status
+from libs.engine.runner import Chunk, ModelRunner
+from libs.engine.sampling import SamplingParams, make_generator, sample
+from libs.engine.scheduler import Plan, Scheduler, SeqView, pages_for
+from libs.engine.stopping import StopChecker
+from libs.engine.validation import Limits, check_prompt, check_token
+from libs.tokenizer import Tokenizer
+
+DEFAULT_KV_BYTES = 1 << 30  # CPU default pool size cap when num_pages is not given
+_gen_ids = itertools.count()
+
+
+def default_num_pages(cfg: ModelConfig, page_size: int, max_num_seqs: int, bytes_per_token: int) -> int:
+    """Room for max_num_seqs sequences of min(context, 4096) tokens, capped at DEFAULT_KV_BYTES, but
+    never less than one sequence of that length."""
+    seq = min(cfg.max_position_embeddings, 4096)
+    tokens = max(min(max_num_seqs * seq, DEFAULT_KV_BYTES // bytes_per_token), seq)
+    return pages_for(tokens, page_size)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        *,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_num_seqs: int = 64,
+        max_prefill_tokens: int = 2048,
+        enable_prefix_cache: bool = True,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.model = model
+        self.config: ModelConfig = model.config
+        cfg = self.config
+        dtype, device = model.dtype, model.device
+        row_bytes = cfg.kv_row_dim * torch.empty((), dtype=dtype).element_size() * cfg.num_hidden_layers
+        if num_pages is None:
+            num_pages = default_num_pages(cfg, page_size, max_num_seqs, row_bytes)
+        self.kv_pool = KVPool(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_row_dim, dtype, device)
+        self.page_size = page_size
+        self.limits = Limits(cfg.vocab_size, cfg.max_position_embeddings, page_size, num_pages)
+        self.allocator = PageAllocator(num_pages)
+        self.cache = RadixCache(self.allocator, page_size) if enable_prefix_cache else None
+        self.scheduler = Scheduler(page_size, max_num_seqs, max_prefill_tokens)
+        self.runner = ModelRunner(model, self.kv_pool)
+        self.tokenizer = tokenizer
+        self.eos_ids: tuple[int, ...] = cfg.eos_token_ids
+        if not self.eos_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids = (tokenizer.eos_token_id,)
+        self.requests: dict[str, Request] = {}  # every live request, whatever its state
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.pinned: dict[str, Request] = {}  # PD prefill side: prompt pages held until release()
+        self.reservations: dict[str, list[int]] = {}  # PD decode side: pages awaiting add_prefilled()
+        self._pending: list[StepOutput] = []  # finished outside step(), reported by the next step()
+        self._stalled = False  # the last step() had nothing to run and nothing to report
+        self.num_preemptions = 0
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        **kwargs,
+    ) -> Engine:
+        """Load a Hugging Face checkpoint folder; its tokenizer too when tokenizer.json is there."""
+        from libs.engine.loader import load_model
+
+        model = load_model(path, dtype=dtype, device=device)
+        tokenizer = Tokenizer.from_pretrained(path) if (Path(path) / "tokenizer.json").exists() else None
+        return cls(model, tokenizer=tokenizer, **kwargs)
+
+    # --- offline API ---
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[GenerationOutput]:
+        """Run every prompt to completion under continuous batching; outputs in prompt order."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() cannot run while incremental requests are in the engine")
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+            check_prompt(prompt, p, self.limits, f"prompt {i}")
+        rids = [f"gen-{next(_gen_ids)}" for _ in prompts]
+        reqs = []
+        try:
+            for rid, prompt, p in zip(rids, prompts, plist, strict=True):
+                self.add_request(rid, prompt, p)
+                reqs.append(self.requests[rid])
+            while self.has_unfinished():
+                if not self.step() and self._stalled:
+                    raise RuntimeError(f"engine cannot make progress: {self.stats()}")
+        except BaseException:
+            for rid in rids:
+                self.abort(rid)
+            raise
+        return [self._generation_output(r) for r in reqs]
+
+    def prefill_logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        """[T, V] float32 logits at every position of `tokens` (no prefix cache, chunked like prefill)."""
+        tokens = check_prompt(tokens, None, self.limits, "tokens")
+        pages = self._alloc(pages_for(len(tokens), self.page_size))
+        try:
+            step = self.scheduler.max_prefill_tokens
+            parts = [
+                self.runner.forward_all(Chunk(list(tokens[s : s + step]), s, pages))
+                for s in range(0, len(tokens), step)
+            ]
+        finally:
+            self.allocator.free(pages)
+        return torch.cat(parts)
+
+    # --- incremental API ---
+    def add_request(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Queue a request; its tokens come out of step(). ValueError on bad input (nothing is queued)."""
+        prompt_ids = check_prompt(prompt_ids, params, self.limits, f"request {rid!r}")
+        self._check_new_rid(rid)
+        req = self._new_request(rid, prompt_ids, params)
+        self.requests[rid] = req
+        self.waiting.append(req)
+
+    def step(self) -> list[StepOutput]:
+        """Plan and run one batch (prefill chunks + one decode token per running request)."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule(
+            [self._view(r) for r in self.running], self._waiting_views(), self._available_pages()
+        )
+        self._stalled = plan.empty and not outputs
+        # Admit before preempting: a preempted request's KV enters the cache and must not lengthen an
+        # admitted request's prefix match beyond what the plan was made for.
+        for rid in plan.admit:
+            self._admit(self.requests[rid])
+        for rid in plan.preempt:
+            self._preempt(self.requests[rid])
+        if not plan.empty:
+            outputs += self._run(plan)
+        return outputs
+
+    def abort(self, rid: str) -> bool:
+        """Drop a request in any state (queued, running, pinned, reserved) and free its pages."""
+        if rid in self.reservations:
+            self.allocator.free(self.reservations.pop(rid))
+            return True
+        req = self.requests.pop(rid, None) or self.pinned.pop(rid, None)
+        if req is None:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+        req.status = Status.FINISHED
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting or self._pending)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "total_pages": self.allocator.num_pages,
+            "free_pages": self.allocator.num_free,
+            "used_pages": self.allocator.num_used,
+            "cached_pages": self.cache.cached_pages if self.cache else 0,
+            "evictable_pages": self.cache.evictable_pages if self.cache else 0,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "pinned": len(self.pinned),
+            "reserved": len(self.reservations),
+            "preemptions": self.num_preemptions,
+        }
+
+    def flush_prefix_cache(self) -> int:
+        """Evict every unlocked cached page; returns pages freed."""
+        return self.cache.reset() if self.cache else 0
+
+    # --- PD disaggregation: prefill side ---
+    def prefill(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> PrefillResult:
+        """Run a prompt now (reusing the prefix cache) and sample its first token; its pages stay pinned
+        (not reused, not evicted) until release(rid), so the caller can copy them out."""
+        prompt_ids = check_prompt(prompt_ids, params, self.limits, f"request {rid!r}")
+        self._check_new_rid(rid)
+        req = self._new_request(rid, prompt_ids, params)
+        self.pinned[rid] = req
+        try:
+            self._admit(req, join_running=False)
+            req.pages += self._alloc(pages_for(len(req.prompt_ids), self.page_size) - len(req.pages))
+            while req.num_computed < len(req.prompt_ids):
+                n = min(len(req.prompt_ids) - req.num_computed, self.scheduler.max_prefill_tokens)
+                logits = self.runner.forward_last([self._chunk(req, n)])
+                req.num_computed += n
+            out = sample(logits, [params], [req.generator])
+        except BaseException:
+            self.abort(rid)
+            raise
+        if self.cache is not None:
+            self.cache.insert(req.prompt_ids, req.pages)
+        return PrefillResult(out.token_ids[0], out.logprobs[0], list(req.pages), req.cached_tokens)
+
+    def release(self, rid: str) -> bool:
+        """Unpin a prefilled prompt's pages (after its KV was copied out, or on cancel)."""
+        if rid not in self.pinned:
+            return False
+        return self.abort(rid)
+
+    # --- PD disaggregation: decode side ---
+    def reserve(self, rid: str, num_tokens: int) -> list[int]:
+        """Allocate pages for a prompt whose KV rows will be written into kv_pool from outside."""
+        self._check_new_rid(rid)
+        limit = self.config.max_position_embeddings
+        if not isinstance(num_tokens, int) or not 1 <= num_tokens <= limit:
+            raise ValueError(
+                f"reserve: num_tokens must be in 1..{limit} (the context length), got {num_tokens!r}"
+            )
+        pages = self._alloc(pages_for(num_tokens, self.page_size))
+        self.reservations[rid] = pages
+        return list(pages)
+
+    def cancel_reservation(self, rid: str) -> bool:
+        return rid in self.reservations and self.abort(rid)
+
+    def add_prefilled(
+        self, rid: str, prompt_ids: Sequence[int], first_token: int, params: SamplingParams
+    ) -> None:
+        """Join the decode batch with the prompt's KV already in the reserved pages. The first token (sampled
+        by the prefill side) counts toward max_tokens and the stop checks; if it already ends the request,
+        the next step() reports the finish with no new tokens."""
+        if rid not in self.reservations:
+            raise ValueError(f"add_prefilled: no reservation for request {rid!r}")
+        prompt_ids = check_prompt(prompt_ids, params, self.limits, f"request {rid!r}")
+        first_token = check_token(first_token, self.limits, "first_token")
+        pages = self.reservations[rid]
+        if len(pages) * self.page_size < len(prompt_ids):
+            raise ValueError(
+                f"add_prefilled: {len(pages)} reserved pages cannot hold {len(prompt_ids)} tokens"
+            )
+        req = self._new_request(rid, prompt_ids, params)
+        req.pages, req.num_computed, req.admitted = self.reservations.pop(rid), len(prompt_ids), True
+        req.status = Status.RUNNING
+        self.requests[rid] = req
+        self.running.append(req)
+        reason, stop_reason = req.stopper.check(first_token, 1) if req.stopper else (None, None)
+        req.output_ids.append(first_token)
+        if reason is not None:
+            self._pending.append(self._finish(req, reason, stop_reason, [], None))
+
+    # --- internals: request lifecycle ---
+    def _new_request(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        prompt = [int(t) for t in prompt_ids]
+        req = Request(rid, prompt, params, make_generator(params.seed, self.kv_pool.buffer.device))
+        req.stopper = StopChecker(params, self.eos_ids, self.tokenizer, prompt)
+        return req
+
+    def _admit(self, req: Request, join_running: bool = True) -> None:
+        """Start from the longest cached prefix (at least one token is always left to compute)."""
+        if self.cache is not None:
+            match = self.cache.match_prefix(req.tokens[: req.num_tokens - 1])
+            self.cache.lock(match.node)
+            self.allocator.incref(match.pages)
+            req.cache_node, req.pages = match.node, list(match.pages)
+            req.num_computed, req.num_cached_pages = match.length, len(match.pages)
+        if not req.admitted:
+            req.cached_tokens, req.admitted = req.num_computed, True
+        req.status = Status.RUNNING
+        if join_running:
+            self.waiting.remove(req)
+            self.running.append(req)
+
+    def _release(self, req: Request) -> None:
+        if self.cache is not None and req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        self.allocator.free(req.pages)
+        req.pages, req.cache_node, req.num_cached_pages, req.num_computed = [], None, 0, 0
+
+    def _cache_and_release(self, req: Request) -> None:
+        if self.cache is not None and req.num_computed:
+            self.cache.insert(req.tokens[: req.num_computed], req.pages)
+        self._release(req)
+
+    def _preempt(self, req: Request) -> None:
+        """Back to the front of the queue; its KV goes to the prefix cache so recompute is mostly a hit."""
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self._cache_and_release(req)
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    def _finish(self, req, reason, stop_reason, new_tokens, new_logprobs) -> StepOutput:
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        self.running.remove(req)
+        del self.requests[req.rid]
+        self._cache_and_release(req)
+        req.status = Status.FINISHED
+        return self._step_output(req, new_tokens, new_logprobs)
+
+    def _alloc(self, n: int) -> list[int]:
+        short = n - self.allocator.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        if n > self.allocator.num_free:
+            raise OutOfPagesError(
+                f"out of KV pages: need {n}, {self.allocator.num_free} free of {self.allocator.num_pages} "
+                f"after evicting the prefix cache ({self.stats()})"
+            )
+        return self.allocator.alloc(n)
+
+    def _available_pages(self) -> int:
+        return self.allocator.num_free + (self.cache.evictable_pages if self.cache else 0)
+
+    # --- internals: one step ---
+    def _view(self, r: Request) -> SeqView:
+        return SeqView(r.rid, r.num_computed, r.num_tokens, len(r.pages), r.num_cached_pages, r.in_decode)
+
+    def _waiting_views(self) -> list[SeqView]:
+        """Only the requests that could be admitted now are matched against the cache."""
+        room = self.scheduler.max_num_seqs - len(self.running)
+        views = []
+        for r in itertools.islice(self.waiting, max(room, 0)):
+            hit = self.cache.match_prefix(r.tokens[: r.num_tokens - 1]).length if self.cache else 0
+            views.append(SeqView(r.rid, hit, r.num_tokens))
+        return views
+
+    def _chunk(self, req: Request, n: int) -> Chunk:
+        start = req.num_computed
+        return Chunk(req.tokens[start : start + n], start, req.pages)
+
+    def _run(self, plan: Plan) -> list[StepOutput]:
+        items = [(self.requests[rid], n) for rid, n in plan.prefill]
+        items += [(self.requests[rid], 1) for rid in plan.decode]
+        for req, _ in items:
+            req.pages += self._alloc(plan.new_pages[req.rid])
+        logits_parts, sampled = [], []
+        for group in (items[: len(plan.prefill)], items[len(plan.prefill) :]):
+            if not group:
+                continue
+            want = [req.num_computed + n == req.num_tokens for req, n in group]
+            chunks = [self._chunk(req, n) for req, n in group]
+            if any(want):
+                logits_parts.append(self.runner.forward_last(chunks, want))
+            else:
+                self.runner.forward_last(chunks, want)
+            for req, n in group:
+                req.num_computed += n
+            sampled += [req for (req, _), w in zip(group, want, strict=True) if w]
+        if not sampled:
+            return []
+        out = sample(torch.cat(logits_parts), [r.params for r in sampled], [r.generator for r in sampled])
+        return [
+            self._accept(req, tok, lp)
+            for req, tok, lp in zip(sampled, out.token_ids, out.logprobs, strict=True)
+        ]
+
+    def _accept(self, req: Request, token: int, logprob) -> StepOutput:
+        req.output_ids.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        assert req.stopper is not None
+        reason, stop_reason = req.stopper.check(token, len(req.output_ids))
+        lps = [logprob] if logprob is not None else None
+        if reason is not None:
+            return self._finish(req, reason, stop_reason, [token], lps)
+        return self._step_output(req, [token], lps)
+
+    def _step_output(self, req: Request, tokens: list[int], logprobs) -> StepOutput:
+        return StepOutput(
+            req.rid, tokens, logprobs, req.finished, req.finish_reason, req.stop_reason,
+            len(req.prompt_ids), req.cached_tokens,
+        )  # fmt: skip
+
+    def _generation_output(self, req: Request) -> GenerationOutput:
+        assert req.finish_reason is not None and req.stopper is not None
+        text = req.stopper.final_text(req.output_ids, isinstance(req.stop_reason, str))
+        return GenerationOutput(
+            prompt_token_ids=req.prompt_ids,
+            token_ids=req.output_ids,
+            finish_reason=req.finish_reason,
+            logprobs=req.logprobs if req.params.wants_logprobs else None,
+            stop_reason=req.stop_reason,
+            text=text,
+            cached_tokens=req.cached_tokens,
+        )
+
+    # --- internals: validation ---
+    def _check_new_rid(self, rid: str) -> None:
+        if rid in self.requests or rid in self.pinned or rid in self.reservations:
+            raise ValueError(f"request id {rid!r} is already in use")

@@ -1,0 +1,50 @@
+"""What the engine hands back: per step (incremental API), per finished request (generate), per PD prefill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from libs.engine.sampling import TokenLogprob
+
+
+@dataclass
+class StepOutput:
+    """One request's news from one `Engine.step()`.
+
+    token_ids are the tokens produced this step (empty when a request ends without a new token, e.g. a
+    PD request whose prefill-side first token already finished it). stop_reason is the stop token id or
+    stop string that ended it; the caller cuts text at a stop string itself (the engine does too, for
+    `GenerationOutput.text`).
+    """
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class GenerationOutput:
+    """A finished request from `Engine.generate`."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: int | str | None = None
+    text: str | None = None  # when the checkpoint folder has a tokenizer; cut before a stop string
+    cached_tokens: int = 0
+
+
+@dataclass
+class PrefillResult:
+    """PD prefill side: the first token and where the prompt's KV rows are (pinned until release)."""
+
+    first_token: int
+    logprobs: TokenLogprob | None
+    page_ids: list[int]  # covers the whole prompt, in order; the last page may be partly filled
+    cached_tokens: int

@@ -1,0 +1,74 @@
+"""Turns planned chunks into one ForwardBatch, runs the model, and returns logits.
+
+A `Chunk` is the part of one sequence fed in a forward: its new tokens, the position of the first one,
+and the sequence's page table (which must already cover start + len(tokens) tokens). The new tokens'
+KV rows go to the slots their positions map to in those pages, so a chunk continues exactly where the
+sequence's cached or previously computed rows end.
+
+Legend: T new tokens, S sequences (chunks), V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from libs.engine.forward_batch import ForwardBatch
+from libs.engine.kv_pool import KVPool
+
+
+@dataclass
+class Chunk:
+    tokens: list[int]
+    start: int  # position of tokens[0] (= KV rows already in place for this sequence)
+    pages: list[int]
+
+
+def build_batch(chunks: Sequence[Chunk], page_size: int) -> ForwardBatch:
+    if not chunks or any(not c.tokens for c in chunks):
+        raise ValueError("a forward needs at least one chunk, each with at least one token")
+    ids, pos, slots, tables = [], [], [], []
+    for c in chunks:
+        end = c.start + len(c.tokens)
+        if len(c.pages) * page_size < end:
+            raise ValueError(
+                f"chunk ends at token {end} but its {len(c.pages)} pages hold {len(c.pages) * page_size}"
+            )
+        table = torch.tensor(c.pages, dtype=torch.int64)
+        p = torch.arange(c.start, end, dtype=torch.int64)
+        ids.append(torch.tensor(c.tokens, dtype=torch.int64))
+        pos.append(p)
+        slots.append(table[p // page_size] * page_size + p % page_size)
+        tables.append(table)
+    return ForwardBatch(
+        input_ids=torch.cat(ids),
+        positions=torch.cat(pos),
+        out_slots=torch.cat(slots),
+        extend_lens=[len(c.tokens) for c in chunks],
+        seq_lens=[c.start + len(c.tokens) for c in chunks],
+        page_tables=tables,
+    )
+
+
+class ModelRunner:
+    """Owns nothing but the model and the pool it writes to; the engine decides what to run."""
+
+    def __init__(self, model: torch.nn.Module, kv_pool: KVPool) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+
+    def forward_last(self, chunks: Sequence[Chunk], want: Sequence[bool] | None = None) -> torch.Tensor:
+        """[S', V] float32 logits at the last token of each chunk with want[i] (all chunks when None)."""
+        batch = build_batch(chunks, self.kv_pool.page_size)
+        hidden = self.model(batch, self.kv_pool)  # [T, D]
+        last = batch.last_token_index().to(hidden.device)
+        if want is not None:
+            last = last[torch.tensor(list(want), dtype=torch.bool, device=hidden.device)]
+        return self.model.compute_logits(hidden[last])
+
+    def forward_all(self, chunk: Chunk) -> torch.Tensor:
+        """[len(chunk.tokens), V] float32 logits at every new token of one chunk."""
+        batch = build_batch([chunk], self.kv_pool.page_size)
+        return self.model.compute_logits(self.model(batch, self.kv_pool))
