@@ -180,15 +180,20 @@ class PrefillWorker(Service):
             ),
         )  # fmt: skip
 
-    async def _fail(self, task: m.PrefillTask, code: int, message: str) -> None:
+    def _check_cancelled(self, rid: str) -> None:
+        if rid in self.cancelled:
+            raise Cancelled(rid)
+
+    async def _fail(self, task: m.PrefillTask, code: int, message: str, tell_gateway: bool = True) -> None:
         with contextlib.suppress(Exception):
             await self.bus.publish(
                 subjects.decode_inbox(task.handle.decode_worker),
                 m.PrefillFailed(request_id=task.request_id, handle_id=task.handle.handle_id, message=message),
             )
-            await self.bus.publish(
-                task.stream_subject, m.RequestError(request_id=task.request_id, code=code, message=message)
-            )
+            if tell_gateway:
+                await self.bus.publish(
+                    task.stream_subject, m.RequestError(request_id=task.request_id, code=code, message=message)
+                )
 
     async def on_drain(self) -> None:
         self.heartbeat.draining = True
