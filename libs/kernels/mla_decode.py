@@ -43,8 +43,8 @@ def _mla_split_kernel(
     sm_scale_log2, out_scale,
     stride_qb, stride_qh, stride_rb, stride_rh, stride_kv, stride_ptb, stride_ob, stride_oh,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
+    NUM_SPLITS, PAGE_SIZE: tl.constexpr, DIRECT_OUT: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
 ):  # fmt: skip
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -83,7 +83,7 @@ def _mla_split_kernel(
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None] * out_scale
-    if NUM_SPLITS == 1:
+    if DIRECT_OUT:
         o_ptr = O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptr, out.to(O.dtype.element_ty))
     else:
@@ -97,7 +97,7 @@ def _mla_split_kernel(
 def _mla_combine_kernel(
     OPART, LSE, O,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, D_LAT: tl.constexpr,
+    NUM_SPLITS, SPLITS_POW2: tl.constexpr, D_LAT: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)
     b = tl.program_id(1)
@@ -180,7 +180,7 @@ def mla_decode(
         q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), kv_cache.stride(0), page_table.stride(0), out.stride(0), out.stride(1),
         opart.stride(0), opart.stride(1), opart.stride(2) if num_splits > 1 else 0,
         lse.stride(0), lse.stride(1),
-        PAGE_SIZE=page_size, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
+        num_splits, PAGE_SIZE=page_size, DIRECT_OUT=num_splits == 1, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         D_LAT=LATENT_DIM, D_ROPE=ROPE_DIM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -188,7 +188,7 @@ def mla_decode(
             opart, lse, out,
             opart.stride(0), opart.stride(1), opart.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D_LAT=LATENT_DIM,
+            num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D_LAT=LATENT_DIM,
             num_warps=4,
         )  # fmt: skip
     return out

@@ -1,0 +1,194 @@
+"""Kernel micro-benchmarks on one GPU: MLA decode (Triton, FlashInfer where installed) and the FP8
+block-scaled grouped GEMM at DeepGEMM's published MoE shapes.
+
+    python -m bench.kernels [--quick]
+
+MLA: FLOPs = B*H*L*(576 + 512)*2 (QK^T over 576 dims, PV over 512); bytes = KV rows read once
+(B*L*576*elem) + q + out. With 128 heads (DP attention) the kernel is compute-bound: judge TFLOP/s;
+with 16 heads (a TP-8 layout) it is memory-bound: judge GB/s. The tile sweep at B=256, L=2048,
+128 heads picks the config used for the rest (and written to mla_best.json for bench.decode_rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from bench.harness import bench_ms, environment, write_results
+from libs.kernels import flashinfer_mla
+from libs.kernels import fp8_gemm as G
+from libs.kernels.mla_decode import MLAConfig, choose_num_splits, mla_decode, mla_decode_reference
+from libs.kernels.quant import quant_fp8_groups
+
+PAGE = 64
+SWEEP_128 = [
+    MLAConfig(64, n, w, s)
+    for n, w, s in [(32, 8, 2), (64, 8, 2), (32, 8, 3), (64, 8, 1), (32, 4, 2), (16, 4, 3), (64, 4, 2)]
+]
+SWEEP_16 = [
+    MLAConfig(16, n, w, s) for n, w, s in [(64, 4, 2), (32, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3)]
+]
+
+
+def mla_inputs(b, h, ctx, kv_dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = -(-ctx // PAGE)
+    kv = torch.randn(b * pages * PAGE, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    if kv_dtype != torch.bfloat16:
+        kv = (kv / 4).to(kv_dtype)
+    table = torch.randperm(b * pages, device="cuda", generator=g).view(b, pages).int()
+    q = torch.randn(b, h, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    seq = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    return q, kv, table, seq
+
+
+def mla_record(b, h, ctx, ms, kv_dtype, backend, cfg=None, splits=None):
+    flops = b * h * ctx * (576 + 512) * 2
+    byts = b * ctx * 576 * torch.empty(0, dtype=kv_dtype).element_size() + b * h * (576 + 512) * 2
+    return {
+        "benchmark": "mla_decode", "backend": backend, "batch": b, "ctx": ctx, "heads": h,
+        "kv_dtype": str(kv_dtype).removeprefix("torch."), "ms": ms, "TFLOPs": flops / ms / 1e9,
+        "GBps": byts / ms / 1e6, "config": asdict(cfg) if cfg else None, "num_splits": splits,
+    }  # fmt: skip
+
+
+def time_mla(q, kv, table, seq, cfg, splits, kv_scale=1.0):
+    def run():
+        mla_decode(q, kv, table, seq, PAGE, 0.1352, num_splits=splits, cfg=cfg, kv_scale=kv_scale)
+
+    return bench_ms(run)
+
+
+def sweep(b, h, ctx, configs, log):
+    q, kv, table, seq = mla_inputs(b, h, ctx)
+    ref = mla_decode_reference(q[:4], kv, table[:4], seq[:4], PAGE, 0.1352)
+    best = None
+    for cfg in configs:
+        splits = choose_num_splits(b, h, ctx, cfg)
+        try:
+            out = mla_decode(q, kv, table, seq, PAGE, 0.1352, num_splits=splits, cfg=cfg)
+            err = ((out[:4].float() - ref.float()).norm() / ref.float().norm()).item()
+            ms = time_mla(q, kv, table, seq, cfg, splits)
+        except Exception as e:  # a tile that does not fit (shared memory, registers) is skipped
+            log(f"  {cfg}: failed {type(e).__name__}: {str(e)[:120]}")
+            continue
+        rec = mla_record(b, h, ctx, ms, torch.bfloat16, "triton-sweep", cfg, splits)
+        log(
+            f"  {cfg} splits={splits}: {ms * 1e3:.0f} us {rec['TFLOPs']:.0f} TFLOP/s {rec['GBps']:.0f} GB/s err {err:.1e}"
+        )
+        if err < 1e-2 and (best is None or ms < best[1]):
+            best = (cfg, ms)
+    return best[0]
+
+
+def mla_suite(batches, ctxs, log) -> list[dict]:
+    records = []
+    best = {128: sweep(256, 128, 2048, SWEEP_128, log), 16: sweep(256, 16, 8192, SWEEP_16, log)}
+    out_dir = Path(os.environ.get("OUT") or "bench/results")
+    (out_dir / "mla_best.json").write_text(json.dumps({str(k): asdict(v) for k, v in best.items()}))
+    fi = flashinfer_mla.FlashInferMLA("cuda") if flashinfer_mla.available() else None
+    for h in (128, 16):
+        for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            for b in batches:
+                for ctx in ctxs:
+                    q, kv, table, seq = mla_inputs(b, h, ctx, kv_dtype)
+                    cfg = best[h]
+                    auto = choose_num_splits(b, h, ctx, cfg)
+                    tried = {
+                        s: time_mla(q, kv, table, seq, cfg, s, 4.0)
+                        for s in sorted({auto, 2 * auto, 4 * auto})
+                    }
+                    splits = min(tried, key=tried.get)
+                    rec = mla_record(b, h, ctx, tried[splits], kv_dtype, "triton", cfg, splits)
+                    rec["ms_auto_splits"] = tried[auto]
+                    records.append(rec)
+                    log(f"mla h={h} {rec['kv_dtype']} B={b} L={ctx}: {rec['ms'] * 1e3:.0f} us "
+                        f"{rec['TFLOPs']:.0f} TFLOP/s {rec['GBps']:.0f} GB/s (splits {splits}; auto {auto}: {tried[auto] * 1e3:.0f} us)")  # fmt: skip
+                    if fi is not None and kv_dtype == torch.bfloat16:
+                        fi.plan(table, seq, PAGE, h, 0.1352)
+                        ms = bench_ms(lambda q=q, kv=kv: fi.run(q, kv))
+                        rec = mla_record(b, h, ctx, ms, kv_dtype, "flashinfer-fa3")
+                        records.append(rec)
+                        log(
+                            f"  flashinfer fa3: {ms * 1e3:.0f} us {rec['TFLOPs']:.0f} TFLOP/s {rec['GBps']:.0f} GB/s"
+                        )
+    return records
+
+
+def gemm_inputs(e, m, n, k, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(e, m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    xq, xs = quant_fp8_groups(x)
+    w = torch.randn(e, n, k, device="cuda", generator=g, dtype=torch.bfloat16).to(G.FP8)
+    ws = torch.rand(e, n // 128, k // 128, device="cuda", generator=g) * 0.01 + 0.001
+    return xq, xs, w, ws
+
+
+def gemm_case(e, m, n, k, log) -> list[dict]:
+    xq, xs, w, ws = gemm_inputs(e, m, n, k)
+    counts = torch.full((e,), m, dtype=torch.int32, device="cuda")
+    out = G.fp8_gemm_masked(xq, xs, w, ws, counts)
+    ref = G.fp8_gemm_reference(xq[0], xs[0], w[0], ws[0])
+    err = ((out[0].float() - ref.float()).norm() / ref.float().norm()).item()
+    flops = 2 * e * m * n * k
+    variants = {"masked-autotuned": lambda: G.fp8_gemm_masked(xq, xs, w, ws, counts, out=out)}
+    flat_q, flat_s = xq.view(e * m, k), xs.view(e * m, k // 128)
+    for bm in (64, 128):
+        te = torch.arange(e, device="cuda", dtype=torch.int32).repeat_interleave(m // bm)
+        variants[f"contiguous-bm{bm}"] = lambda te=te, bm=bm: G.fp8_gemm_contiguous(
+            flat_q, flat_s, w, ws, te, bm
+        )
+    variants["dense-one-expert"] = lambda: G.fp8_gemm(xq[0], xs[0], w[0], ws[0])
+    records = []
+    for name, fn in variants.items():
+        fn()
+        ms = bench_ms(fn)
+        f = flops / e if name.startswith("dense") else flops
+        cfg = str(G._fp8_gemm_tuned.best_config) if name == "masked-autotuned" else None
+        records.append({"benchmark": "moe_gemm", "variant": name, "experts": e, "tokens_per_expert": m,
+                        "N": n, "K": k, "ms": ms, "TFLOPs": f / ms / 1e9, "rel_err": err, "config": cfg})  # fmt: skip
+        log(
+            f"gemm {name} {e}x{m} N={n} K={k}: {ms * 1e3:.1f} us {f / ms / 1e9:.0f} TFLOP/s (err {err:.1e}) {cfg or ''}"
+        )
+    return records
+
+
+def gemm_suite(log) -> list[dict]:
+    records = []
+    for e, m, n, k in [
+        (4, 256, 4096, 7168),
+        (4, 256, 7168, 2048),
+        (4, 512, 4096, 7168),
+        (4, 512, 7168, 2048),
+    ]:
+        records += gemm_case(e, m, n, k, log)
+    return records
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer MLA shapes")
+    ap.add_argument("--skip-mla", action="store_true")
+    a = ap.parse_args()
+    env = environment()
+    print(env, flush=True)
+
+    def log(s):
+        print(s, flush=True)
+
+    records = []
+    records += gemm_suite(log)
+    if not a.skip_mla:
+        records += mla_suite([32, 128, 256] if not a.quick else [256], [2048, 8192], log)
+    for r in records:
+        r.update(env)
+    print("wrote", write_results("kernels", records))
+
+
+if __name__ == "__main__":
+    main()
