@@ -1,0 +1,334 @@
+"""The OpenAI-compatible HTTP API (FastAPI): routes, auth, body limits, errors, SSE and disconnects.
+
+Bodies are read and validated here, not by FastAPI's injection, so every refusal has OpenAI's error
+body and status (400, not FastAPI's 422) and the size limit is enforced while reading. A request is
+converted (convert.py), submitted (generation.py), then either streamed as SSE or collected.
+Disconnects: a streaming client that goes away cancels the SSE generator (Starlette), whose `finally`
+closes the generation (Cancel on the bus); a non-streaming client is watched for `http.disconnect`
+while its result is collected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from libs.bus.context import TRACEPARENT, context_from_headers, new_traceparent, request_context
+from libs.tokenizer import Tokenizer
+from services.gateway import formatting as fmt
+from services.gateway.convert import ModelInfo, Plan, plan_chat, plan_completion
+from services.gateway.errors import ApiError, error_body
+from services.gateway.generation import Generation
+from services.gateway.mesh import MeshClient
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.output import TokenText
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.settings import GatewaySettings
+
+log = logging.getLogger("moemesh.gateway")
+
+CLIENT_GONE = 499  # nginx's "client closed request", for metrics only
+
+
+@dataclass
+class GatewayContext:
+    """Everything the routes use; built once per process by the service."""
+
+    settings: GatewaySettings
+    tokenizer: Tokenizer
+    info: ModelInfo
+    mesh: MeshClient
+    metrics: GatewayMetrics
+    healthy: Callable[[], bool]
+    started: int = 0
+    tokens: TokenText = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = TokenText(self.tokenizer)
+        self.started = self.started or int(time.time())
+
+
+# --- request parsing -------------------------------------------------------------------------
+
+
+def _authorize(ctx: GatewayContext, request: Request) -> None:
+    key = ctx.settings.api_key
+    if not key:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise ApiError(
+            401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key"
+        )
+
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body over the limit of {limit} bytes", code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body over the limit of {limit} bytes", code="body_too_large")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def validation_error(e: pydantic.ValidationError | RequestValidationError) -> ApiError:
+    """pydantic's errors as one 400 naming the first offending parameter."""
+    errors = e.errors()
+    parts = []
+    for err in errors[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        msg = "unrecognized request argument" if err.get("type") == "extra_forbidden" else err.get("msg", "")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    first = errors[0].get("loc", ()) if errors else ()
+    param = next((str(x) for x in first if x != "body"), None)
+    return ApiError(400, "; ".join(parts) + more, param=param, code="invalid_value")
+
+
+def _parse(model: type[pydantic.BaseModel], data: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise validation_error(e) from None
+
+
+def _check_model(ctx: GatewayContext, name: str) -> None:
+    if name != ctx.info.name:
+        raise ApiError(
+            404, f"The model `{name}` does not exist (this server serves `{ctx.info.name}`)",
+            param="model", code="model_not_found",
+        )  # fmt: skip
+
+
+# --- streaming -------------------------------------------------------------------------------
+
+
+class _SSEResponse(StreamingResponse):
+    """An SSE stream that owns its generation: when the response ends for any reason (done, client
+    gone, server shutdown, or never started) the event generator is closed and the generation with
+    it, now rather than at garbage collection."""
+
+    def __init__(self, events: AsyncIterator[bytes], gen: Generation, done: Callable[[int], None]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events, self._gen, self._done = events, gen, done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()  # type: ignore[attr-defined]
+            self._gen.close("client disconnected")
+            self._done(CLIENT_GONE)  # no-op when the stream already counted itself
+
+
+def _chunk(gen: Generation, chat: bool, index: int, text: str, step_lp: Any, finish: str | None) -> dict:
+    usage_field = gen.plan.include_usage
+    if chat:
+        delta = {"content": text} if text or finish is None else {}
+        return fmt.chat_chunk(
+            gen.id, gen.created, gen.model, index, delta, logprobs=step_lp, finish_reason=finish,
+            with_usage_field=usage_field,
+        )  # fmt: skip
+    return fmt.completion_chunk(
+        gen.id, gen.created, gen.model, index, text, logprobs=step_lp, finish_reason=finish,
+        with_usage_field=usage_field,
+    )  # fmt: skip
+
+
+async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) -> AsyncIterator[bytes]:
+    status = CLIENT_GONE
+    try:
+        try:
+            if chat:
+                for out in gen.outputs:
+                    yield fmt.sse(
+                        fmt.chat_chunk(
+                            gen.id,
+                            gen.created,
+                            gen.model,
+                            out.index,
+                            {"role": "assistant", "content": ""},
+                            with_usage_field=gen.plan.include_usage,
+                        )  # fmt: skip
+                    )
+            async for out, step in gen.steps():
+                if step.text or step.logprobs or step.done:
+                    yield fmt.sse(_chunk(gen, chat, out.index, step.text, step.logprobs, step.finish_reason))
+            if gen.plan.include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield fmt.sse(fmt.usage_chunk(gen.id, obj, gen.created, gen.model, gen.usage()))
+            status = 200
+        except ApiError as e:
+            status = e.status
+            log.info("request %s ended with %d mid-stream: %s", gen.id, e.status, e.message)
+            yield fmt.sse(e.body())
+        yield fmt.SSE_DONE
+    finally:
+        gen.close("client disconnected")
+        done(status)
+
+
+# --- non-streaming ---------------------------------------------------------------------------
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body was already read, so receive() only waits)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(gen: Generation, request: Request) -> None:
+    async def consume() -> None:
+        async for _ in gen.steps():
+            pass
+
+    work = asyncio.ensure_future(consume())
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise ApiError(CLIENT_GONE, "client disconnected")
+        work.result()
+    finally:
+        for t in (work, watch):
+            t.cancel()
+        gen.close("client disconnected")
+
+
+def _response(gen: Generation, chat: bool) -> dict[str, Any]:
+    build = fmt.chat_response if chat else fmt.completion_response
+    return build(gen.id, gen.created, gen.model, gen.choices(), gen.usage())
+
+
+# --- the generation endpoints ----------------------------------------------------------------
+
+
+async def _generate(ctx: GatewayContext, request: Request, chat: bool) -> Response:
+    arrival = time.monotonic()
+    endpoint = "chat" if chat else "completions"
+    finished = False
+
+    def done(status: int) -> None:
+        nonlocal finished
+        if not finished:
+            finished = True
+            ctx.metrics.in_flight.dec()
+            ctx.metrics.requests.labels(endpoint, str(status)).inc()
+
+    ctx.metrics.in_flight.inc()
+    gen: Generation | None = None
+    handed_off = False  # once the SSE response owns the generation, it closes it
+    try:
+        _authorize(ctx, request)
+        data = await _read_json(request, ctx.settings.max_body_bytes)
+        req = _parse(ChatCompletionRequest if chat else CompletionRequest, data)
+        _check_model(ctx, req.model)
+        plan: Plan = (plan_chat if chat else plan_completion)(req, ctx.tokenizer, ctx.info)  # type: ignore[arg-type]
+        gen = Generation(
+            ctx.mesh, plan, ctx.tokenizer, ctx.tokens, ctx.info.name, ctx.metrics,
+            arrival=arrival, deadline=arrival + ctx.settings.request_timeout_s,
+            id_prefix="chatcmpl" if chat else "cmpl",
+        )  # fmt: skip
+        traceparent, _ = context_from_headers({TRACEPARENT: request.headers.get(TRACEPARENT, "")})
+        with request_context(traceparent=traceparent or new_traceparent()):
+            await gen.start(ctx.settings.submit_timeout_s)
+        if plan.stream:
+            handed_off = True
+            return _SSEResponse(_sse_events(gen, chat, done), gen, done)
+        await _collect(gen, request)
+        done(200)
+        return JSONResponse(_response(gen, chat))
+    except ApiError as e:
+        done(e.status)
+        raise
+    except asyncio.CancelledError:
+        done(CLIENT_GONE)
+        raise
+    except Exception:
+        done(500)
+        raise
+    finally:
+        if gen is not None and not handed_off:
+            gen.close("request abandoned")
+
+
+# --- app -------------------------------------------------------------------------------------
+
+
+def create_app(ctx: GatewayContext) -> FastAPI:
+    app = FastAPI(title="moemesh gateway", version="0.1.0", docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    _install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(ctx, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(ctx, request, chat=False)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        _authorize(ctx, request)
+        return JSONResponse(fmt.models_list([ctx.info.name], ctx.started, ctx.info.max_context))
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = ctx.healthy()
+        body = {"status": "ok" if ok else "unavailable", "gateway_id": ctx.mesh.gateway_id}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> Response:
+        if e.status == CLIENT_GONE:
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> Response:
+        err = validation_error(e)
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> Response:
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> Response:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)

@@ -1,0 +1,161 @@
+"""OpenAI request -> what the mesh runs: prompt token ids and one `proto.messages.Sampling` per choice.
+
+Pure code (the tokenizer is a CPU-only library, no I/O): every check that needs the prompt's length
+(context limit, token-id range, empty prompt) happens here, before anything is sent on the bus.
+Choice `i` of prompt `p` gets index `p * n + i` (OpenAI's layout for completions with several prompts)
+and, when the request has a seed, seed + i, so n samples of one request differ but are reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from libs.tokenizer import Tokenizer
+from proto.messages import Sampling
+from services.gateway.errors import ApiError, bad_param
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+# OpenAI's default for the legacy completions API; chat defaults to "the rest of the context".
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the gateway needs to know of the checkpoint, read from config.json without torch."""
+
+    name: str
+    max_context: int
+    vocab_size: int
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, name: str) -> ModelInfo:
+        path = Path(model_dir) / "config.json"
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the model config {path}: {e}") from e
+        missing = [k for k in ("max_position_embeddings", "vocab_size") if not isinstance(cfg.get(k), int)]
+        if missing:
+            raise ValueError(f"{path} lacks integer field(s) {', '.join(missing)}")
+        return cls(name=name, max_context=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"])
+
+
+@dataclass(frozen=True)
+class ChoicePlan:
+    index: int
+    prompt_index: int
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the request needs from here on; `prompts[c.prompt_index]` is choice c's prompt."""
+
+    prompts: list[list[int]]
+    choices: list[ChoicePlan]
+    stop: list[str]
+    logprobs: bool
+    top_logprobs: int
+    stream: bool
+    include_usage: bool
+
+
+def _max_tokens(
+    requested: int | None, default: int | None, prompt_len: int, info: ModelInfo, param: str
+) -> int:
+    room = info.max_context - prompt_len
+    if requested is None:
+        requested = room if default is None else min(default, room)
+        if requested >= 1:
+            return requested
+        requested = 1  # the prompt alone fills the context: report it as the error below
+    if prompt_len + requested > info.max_context:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {info.max_context} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the {param}, {requested} in the completion). "
+            f"Please reduce the length of the {param} or completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def _check_ids(ids: Sequence[int], info: ModelInfo, param: str) -> None:
+    if not ids:
+        raise bad_param(param, "the prompt is empty")
+    bad = next((i for i in ids if not 0 <= i < info.vocab_size), None)
+    if bad is not None:
+        raise bad_param(param, f"token id {bad} is out of range for a vocabulary of {info.vocab_size}")
+
+
+def _sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, i: int, lp: tuple[bool, int]):
+    seed = None if req.seed is None else (req.seed + i) % 2**63
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if not req.top_k else req.top_k,
+        min_p=req.min_p or 0.0,
+        seed=seed,
+        stop_token_ids=list(req.stop_token_ids or []),
+        stop=req.stop_list(),
+        ignore_eos=req.ignore_eos,
+        logprobs=lp[0],
+        top_logprobs=lp[1],
+    )
+
+
+def _plan(
+    req: ChatCompletionRequest | CompletionRequest,
+    prompts: list[list[int]],
+    requested: int | None,
+    default: int | None,
+    lp: tuple[bool, int],
+    info: ModelInfo,
+    param: str,
+) -> Plan:
+    choices = []
+    for p, ids in enumerate(prompts):
+        _check_ids(ids, info, param)
+        max_tokens = _max_tokens(requested, default, len(ids), info, param)
+        for i in range(req.n):
+            choices.append(ChoicePlan(p * req.n + i, p, _sampling(req, max_tokens, i, lp)))
+    return Plan(
+        prompts=prompts,
+        choices=choices,
+        stop=req.stop_list(),
+        logprobs=lp[0],
+        top_logprobs=lp[1],
+        stream=req.stream,
+        include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
+    )
+
+
+def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, info: ModelInfo) -> Plan:
+    """Render the conversation with the checkpoint's chat template and tokenize it."""
+    req.check_unsupported()
+    messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
+    try:
+        ids = tok.encode_chat(messages, add_generation_prompt=True)
+    except ValueError as e:
+        raise bad_param("messages", f"cannot apply the chat template: {e}") from e
+    lp = (req.logprobs, req.top_logprobs or 0)
+    return _plan(req, [ids], req.requested_max_tokens(), None, lp, info, "messages")
+
+
+def _tokenize(tok: Tokenizer, prompt: str | list[int]) -> list[int]:
+    if not isinstance(prompt, str):
+        return prompt
+    return tok.encode(prompt) if prompt else []  # "" stays empty (refused), not a lone BOS
+
+
+def plan_completion(req: CompletionRequest, tok: Tokenizer, info: ModelInfo) -> Plan:
+    """Text prompts are tokenized (with the BOS the tokenizer asks for); token-id prompts go as they are."""
+    req.check_unsupported()
+    prompts = [_tokenize(tok, p) for p in req.prompt_list()]
+    lp = (req.logprobs is not None, req.logprobs or 0)
+    return _plan(req, prompts, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, lp, info, "prompt")

@@ -1,0 +1,145 @@
+"""One HTTP request in flight on the mesh: its n (x prompts) choices, their queue and its deadline.
+
+`start()` registers every choice and submits them (n separate mesh requests); if any is refused the
+others are cancelled and the refusal is raised. `steps()` yields (choice, Step) as deltas arrive,
+until every choice is done, raising ApiError on a mesh error or when the deadline passes. `close()`
+must run whichever way the request ends (the HTTP layer calls it in `finally`): it cancels the
+choices still running and removes every entry from the mesh client's table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from libs.tokenizer import Tokenizer
+from proto.messages import RequestError, Submit
+from services.gateway.convert import Plan
+from services.gateway.errors import ApiError, mesh_error
+from services.gateway.formatting import Choice, Usage
+from services.gateway.mesh import MeshClient, StreamItem
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.output import ChoiceOutput, Step, TokenText
+
+
+class Generation:
+    def __init__(
+        self,
+        mesh: MeshClient,
+        plan: Plan,
+        tok: Tokenizer,
+        tokens: TokenText,
+        model: str,
+        metrics: GatewayMetrics,
+        *,
+        arrival: float,
+        deadline: float,
+        id_prefix: str,
+    ) -> None:
+        self.mesh, self.plan, self.model, self.metrics = mesh, plan, model, metrics
+        self.arrival, self.deadline = arrival, deadline  # time.monotonic() values
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.queue: asyncio.Queue[tuple[int, StreamItem]] = asyncio.Queue()
+        self.outputs = [
+            ChoiceOutput.create(c.index, tok, tokens, plan.prompts[c.prompt_index], plan.stop, plan.logprobs)
+            for c in plan.choices
+        ]
+        self.request_ids = [f"{self.id}-{c.index}" for c in plan.choices]
+        self._last_token_at: list[float | None] = [None] * len(plan.choices)
+        self._first_token = False
+        self._closed = False
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    async def start(self, submit_timeout: float) -> None:
+        for k, rid in enumerate(self.request_ids):
+            self.mesh.open(rid, self.queue, k)
+        subs = [
+            Submit(
+                request_id=rid,
+                model=self.model,
+                prompt_ids=self.plan.prompts[c.prompt_index],
+                sampling=c.sampling,
+                stream_subject=self.mesh.stream_subject,
+                arrival_ms=time.time_ns() // 1_000_000,
+            )
+            for rid, c in zip(self.request_ids, self.plan.choices, strict=True)
+        ]
+        timeout = max(0.001, min(submit_timeout, self.time_left()))
+        results = await asyncio.gather(*(self.mesh.submit(s, timeout) for s in subs), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.close("another choice of the request was refused")
+            raise errors[0]
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in self.plan.prompts))
+
+    async def steps(self) -> AsyncIterator[tuple[ChoiceOutput, Step]]:
+        """(choice, what it gained) per delta, until all choices are done; ApiError on failure."""
+        remaining = sum(not o.done for o in self.outputs)
+        while remaining:
+            left = self.time_left()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                async with asyncio.timeout(left):
+                    k, item = await self.queue.get()
+            except TimeoutError:
+                self.close("deadline")
+                raise ApiError(
+                    504, "the request did not finish before its deadline", code="timeout"
+                ) from None
+            out = self.outputs[k]
+            if out.done:
+                continue
+            if isinstance(item, RequestError):
+                self.close("another choice failed")
+                raise mesh_error(item.code, item.message)
+            self._observe(k, len(item.token_ids))
+            step = out.feed(item)
+            if step.done:
+                remaining -= 1
+                self.mesh.close(self.request_ids[k], "stop string" if step.cancel else None)
+            yield out, step
+
+    def _observe(self, k: int, n_tokens: int) -> None:
+        if not n_tokens:
+            return
+        now = time.monotonic()
+        if not self._first_token:
+            self._first_token = True
+            self.metrics.ttft.observe(now - self.arrival)
+        last = self._last_token_at[k]
+        if last is not None:
+            gap = (now - last) / n_tokens
+            for _ in range(n_tokens):
+                self.metrics.itl.observe(gap)
+        self._last_token_at[k] = now
+        self.metrics.generation_tokens.inc(n_tokens)
+
+    def close(self, reason: str = "client went away") -> None:
+        """Cancel every unfinished choice and forget all of them. Idempotent and synchronous."""
+        if self._closed:
+            return
+        self._closed = True
+        for out, rid in zip(self.outputs, self.request_ids, strict=True):
+            self.mesh.close(rid, None if out.done else reason)
+
+    def usage(self) -> Usage:
+        cached: dict[int, int] = {}
+        for c, out in zip(self.plan.choices, self.outputs, strict=True):
+            cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), out.cached_tokens)
+        return Usage(
+            prompt_tokens=sum(len(p) for p in self.plan.prompts),
+            completion_tokens=sum(o.completion_tokens for o in self.outputs),
+            cached_tokens=sum(cached.values()),
+        )
+
+    def choices(self) -> list[Choice]:
+        return [
+            Choice(o.index, o.full_text(), o.finish_reason, o.logprobs if self.plan.logprobs else None)
+            for o in self.outputs
+        ]

@@ -1,0 +1,153 @@
+"""One choice's output, assembled from the mesh's TokenDeltas: text, stop strings, logprobs, finish.
+
+Pure code. Token ids become text through libs.tokenizer's IncrementalDetokenizer, then pass a
+StopMatcher, so every text returned is final (never retracted): text that might begin a stop string
+is held back until the next delta decides. When a stop string matches, the choice ends there with
+finish_reason "stop" even though the decode worker has not finished: `Step.cancel` tells the caller
+to send a Cancel so the worker stops spending steps on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from libs.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+from proto.messages import FinishReason, TokenDelta, TokenLogprob
+from services.gateway.errors import ApiError
+from services.gateway.formatting import LogprobEntry, TopEntry
+
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: the printable stand-ins byte-level BPE uses for raw bytes."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+class TokenText:
+    """A token id's text and raw bytes, as logprobs show them (cached: the same ids recur)."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+        self.lookup = lru_cache(maxsize=65536)(self._lookup)
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        try:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+        except ValueError:  # an id of the model's vocab padding, beyond the tokenizer's
+            return f"<id:{token_id}>", []
+        piece = self._tok.id_to_token(token_id) or ""
+        if piece and all(c in _BYTE_DECODER for c in piece):
+            # byte-level BPE: the piece spells the token's exact bytes, even half of a UTF-8 character
+            return text, [_BYTE_DECODER[c] for c in piece]
+        return text, list(text.encode("utf-8"))
+
+
+@dataclass
+class Step:
+    """What one delta added to a choice: final text, logprob entries, and the end when reached."""
+
+    text: str = ""
+    logprobs: list[LogprobEntry] | None = None
+    finish_reason: str | None = None
+    cancel: bool = False  # ended by a stop string before the worker finished: send Cancel
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class ChoiceOutput:
+    """Accumulates one choice (for the non-streaming response and the usage counts)."""
+
+    index: int
+    tokens: TokenText
+    detok: IncrementalDetokenizer
+    stop: StopMatcher
+    want_logprobs: bool
+    text: list[str] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    _detok_len: int = 0  # characters the detokenizer has produced (text_offset of the next token)
+
+    @classmethod
+    def create(
+        cls,
+        index: int,
+        tok: Tokenizer,
+        tokens: TokenText,
+        prompt_ids: list[int],
+        stop: list[str],
+        want_logprobs: bool,
+    ) -> ChoiceOutput:
+        return cls(index, tokens, IncrementalDetokenizer(tok, prompt_ids), StopMatcher(stop), want_logprobs)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self, delta: TokenDelta) -> Step:
+        """Apply one delta. Raises ApiError when the mesh ended the request abnormally."""
+        step = Step(logprobs=[] if self.want_logprobs else None)
+        if self.done:
+            return Step()
+        for k, token_id in enumerate(delta.token_ids):
+            self.completion_tokens += 1
+            offset = self._detok_len
+            piece = self.detok.add(token_id)
+            self._detok_len += len(piece)
+            if step.logprobs is not None:
+                lp = delta.logprobs[k] if k < len(delta.logprobs) else TokenLogprob(token_id, 0.0)
+                step.logprobs.append(self._entry(lp, offset))
+            emitted, hit = self.stop.feed(piece)
+            step.text += emitted
+            if hit:
+                step.finish_reason = "stop"
+                step.cancel = delta.finish == FinishReason.NONE or k < len(delta.token_ids) - 1
+                break
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+        if not step.done and delta.finish != FinishReason.NONE:
+            self._finish(delta, step)
+        self.text.append(step.text)
+        if step.logprobs:
+            self.logprobs.extend(step.logprobs)
+        self.finish_reason = step.finish_reason
+        return step
+
+    def _finish(self, delta: TokenDelta, step: Step) -> None:
+        if delta.finish not in _FINISH:
+            what = "cancelled" if delta.finish == FinishReason.ABORT else "failed"
+            raise ApiError(500, f"the mesh {what} the request", code="internal_error")
+        emitted, hit = self.stop.feed(self.detok.flush())
+        step.text += emitted if hit else emitted + self.stop.flush()
+        step.finish_reason = "stop" if hit else _FINISH[delta.finish]
+
+    def _entry(self, lp: TokenLogprob, offset: int) -> LogprobEntry:
+        text, raw = self.tokens.lookup(lp.token_id)
+        top = []
+        for t in lp.top:
+            ttext, traw = self.tokens.lookup(t.token_id)
+            top.append(TopEntry(ttext, traw, t.logprob))
+        return LogprobEntry(text, raw, lp.logprob, top, offset)
+
+    def full_text(self) -> str:
+        return "".join(self.text)

@@ -1,0 +1,90 @@
+"""The gateway process: the Service shell (bus, signals, drain) around uvicorn serving the API.
+
+Shutdown order matters here: HTTP stops first (no new requests; requests in flight may finish, up to
+drain_timeout_s), and only then does the Service shell unsubscribe the token stream and drain the bus,
+so a stream in progress keeps receiving tokens while it winds down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+
+from libs.bus.service import Service
+from libs.tokenizer import Tokenizer
+from services.gateway.app import GatewayContext, create_app
+from services.gateway.convert import ModelInfo
+from services.gateway.mesh import MeshClient
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.settings import GatewaySettings
+
+log = logging.getLogger("moemesh.gateway")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the Service shell owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Gateway(Service):
+    name = "gateway"
+    settings_class = GatewaySettings
+
+    def __init__(self, settings: GatewaySettings, **kwargs) -> None:
+        super().__init__(settings, **kwargs)
+        self.settings: GatewaySettings = settings
+        self.tokenizer = Tokenizer.from_pretrained(settings.model_dir)
+        self.info = ModelInfo.from_dir(settings.model_dir, settings.model_name)
+        self.metrics = GatewayMetrics(self.registry)
+        self.mesh: MeshClient | None = None
+        self.port: int | None = None  # the bound API port, once set up
+        self._server: _Server | None = None
+        self._serve_task: asyncio.Task | None = None
+        self._stop_task: asyncio.Task | None = None
+
+    async def setup(self) -> None:
+        s = self.settings
+        self.mesh = MeshClient(self.bus, self.instance_id)
+        await self.mesh.start()
+        mesh = self.mesh
+        self.metrics.track_mesh_in_flight(lambda: mesh.in_flight)
+        ctx = GatewayContext(s, self.tokenizer, self.info, mesh, self.metrics, self.healthy)
+        sock = socket.create_server((s.host, s.port), reuse_port=False)  # bind errors surface here, clearly
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            create_app(ctx), log_config=None, access_log=False, lifespan="off",
+            timeout_graceful_shutdown=max(1, int(s.drain_timeout_s)),
+        )  # fmt: skip
+        self._server = _Server(config)
+        self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        self._serve_task.add_done_callback(lambda _: self._http_stopped())
+        log.info(
+            "gateway %s serving %s on http://%s:%d/v1", self.instance_id, self.info.name, s.host, self.port
+        )
+
+    def request_stop(self) -> None:
+        """Stop HTTP first; the bus drains (Service.request_stop) once uvicorn has finished."""
+        if self._server is None or self._serve_task is None or self._serve_task.done():
+            super().request_stop()
+            return
+        self._server.should_exit = True
+
+    def _http_stopped(self) -> None:
+        super().request_stop()
+
+    async def on_drain(self) -> None:
+        if self._serve_task is not None and not self._serve_task.done():
+            assert self._server is not None
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._serve_task
+        if self.mesh is not None:
+            await self.mesh.wait_background()

@@ -1,0 +1,34 @@
+"""Gateway settings: env `MOEMESH_GATEWAY_<FIELD>` or `--<field>` flags (libs.bus.load_settings).
+
+The gateway's id on the bus is `instance_id` (random per process unless set): tokens for this
+gateway arrive on `mesh.stream.<instance_id>`, so two gateways must never share one. The Service
+side port (`http_port`) stays off by default: the API port serves /health and /metrics itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from libs.bus.settings import ServiceSettings
+
+
+class GatewaySettings(ServiceSettings, frozen=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000  # 0: any free port
+    model_dir: str = ""  # checkpoint folder: config.json + tokenizer files (no weights needed)
+    served_model_name: str = ""  # the `model` clients name; default: the folder's name
+    api_key: str = ""  # when set, `Authorization: Bearer <api_key>` is required on /v1/*
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0  # a whole request, first byte to last
+    submit_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # waiting for the scheduler's answer
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.model_dir:
+            raise ValueError("model_dir is required (MOEMESH_GATEWAY_MODEL_DIR or --model-dir)")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).resolve().name

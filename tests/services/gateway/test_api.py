@@ -1,0 +1,165 @@
+"""The gateway through the official `openai` client, against a real nats-server and a scripted mesh."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from libs.tokenizer import Tokenizer
+from proto.messages import Sampling
+from services.gateway.service import Gateway
+from tests.services.gateway.conftest import MODEL
+from tests.services.gateway.fake_mesh import TEXT, FakeMesh
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def script_text(tokenizer: Tokenizer, n_tokens: int) -> str:
+    return tokenizer.decode(tokenizer.encode(TEXT, add_special_tokens=False)[:n_tokens])
+
+
+async def test_chat_non_streaming(
+    client: openai.AsyncOpenAI, fake_mesh: FakeMesh, tokenizer: Tokenizer
+) -> None:
+    r = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=9, temperature=0.3, top_p=0.8, seed=5,
+        extra_body={"top_k": 4, "min_p": 0.05, "stop_token_ids": [7], "ignore_eos": True},
+    )  # fmt: skip
+    (sub,) = fake_mesh.submits
+    assert sub.prompt_ids == tokenizer.encode_chat(MESSAGES) and sub.model == MODEL
+    assert sub.sampling == Sampling(
+        max_tokens=9,
+        temperature=0.3,
+        top_p=0.8,
+        top_k=4,
+        min_p=0.05,
+        seed=5,
+        stop_token_ids=[7],
+        ignore_eos=True,
+    )
+    assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
+    (choice,) = r.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == script_text(tokenizer, 9)
+    assert choice.finish_reason == "length"
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(sub.prompt_ids), 9)
+    assert r.usage.total_tokens == len(sub.prompt_ids) + 9
+    assert r.usage.prompt_tokens_details is not None and r.usage.prompt_tokens_details.cached_tokens == 3
+
+
+async def test_chat_streaming_with_usage(
+    client: openai.AsyncOpenAI, fake_mesh: FakeMesh, tokenizer: Tokenizer
+) -> None:
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_completion_tokens=100,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    first, *middle, last_choice, usage = chunks
+    assert first.choices[0].delta.role == "assistant" and first.choices[0].delta.content == ""
+    assert len(middle) >= 3, "tokens arrive over several chunks"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == TEXT  # the script ran to EOS, which is not rendered
+    assert last_choice.choices[0].finish_reason == "stop"
+    assert all(c.usage is None for c in chunks[:-1])
+    assert usage.choices == [] and usage.usage is not None
+    n_out = len(tokenizer.encode(TEXT, add_special_tokens=False)) + 1
+    assert usage.usage.completion_tokens == n_out
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_completions_several_prompts_and_n(
+    client: openai.AsyncOpenAI, fake_mesh: FakeMesh, tokenizer: Tokenizer
+) -> None:
+    r = await client.completions.create(model=MODEL, prompt=["one", "two"], n=2, max_tokens=4, seed=100)
+    assert r.object == "text_completion"
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.text == script_text(tokenizer, 4) and c.finish_reason == "length" for c in r.choices)
+    by_id = {s.request_id: s for s in fake_mesh.submits}
+    assert len(by_id) == 4, "n separate mesh requests"
+    seeds = sorted((s.prompt_ids == tokenizer.encode("two"), s.sampling.seed) for s in by_id.values())
+    assert seeds == [(False, 100), (False, 101), (True, 100), (True, 101)]
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == len(tokenizer.encode("one")) + len(tokenizer.encode("two"))
+    assert r.usage.completion_tokens == 16
+
+
+async def test_completions_streaming_token_ids(
+    client: openai.AsyncOpenAI, fake_mesh: FakeMesh, tokenizer: Tokenizer
+) -> None:
+    stream = await client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=6, stream=True)
+    chunks = [c async for c in stream]
+    assert fake_mesh.submits[0].prompt_ids == [5, 6, 7]
+    assert "".join(c.choices[0].text for c in chunks) == script_text(tokenizer, 6)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "text_completion" for c in chunks)
+
+
+async def test_chat_logprobs(client: openai.AsyncOpenAI, fake_mesh: FakeMesh, tokenizer: Tokenizer) -> None:
+    r = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=2
+    )
+    assert fake_mesh.submits[0].sampling.logprobs and fake_mesh.submits[0].sampling.top_logprobs == 2
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)[:5]
+    assert [c.token for c in content] == [tokenizer.decode([i]) for i in ids]
+    assert [c.logprob for c in content] == [-0.125 * (k + 1) for k in range(5)]
+    assert b"".join(bytes(c.bytes) for c in content).decode() == r.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
+    assert content[0].top_logprobs[1].logprob == content[0].logprob - 1
+
+
+async def test_completions_logprobs_streaming(
+    client: openai.AsyncOpenAI, fake_mesh: FakeMesh, tokenizer: Tokenizer
+) -> None:
+    stream = await client.completions.create(model=MODEL, prompt="hi", max_tokens=5, logprobs=1, stream=True)
+    tokens, offsets, text = [], [], ""
+    async for c in stream:
+        lp = c.choices[0].logprobs
+        if lp is not None:
+            tokens += lp.tokens or []
+            offsets += lp.text_offset or []
+            assert all(len(t) == 1 for t in lp.top_logprobs or [])
+        text += c.choices[0].text
+    assert "".join(tokens) == text == script_text(tokenizer, 5)
+    assert offsets == [len("".join(tokens[:k])) for k in range(len(tokens))]
+
+
+async def test_stop_string_truncates_and_cancels_the_worker(
+    client: openai.AsyncOpenAI, fake_mesh: FakeMesh, gateway: Gateway
+) -> None:
+    fake_mesh.mode = "forever"
+    r = await client.completions.create(model=MODEL, prompt="hi", max_tokens=100, stop=["prompt", "zz"])
+    assert r.choices[0].text == TEXT[: TEXT.index("prompt")] and r.choices[0].finish_reason == "stop"
+    (sub,) = fake_mesh.submits
+    cancel = await fake_mesh.wait_cancel(sub.request_id)
+    assert cancel.reason == "stop string"
+    assert r.usage is not None and r.usage.completion_tokens < 100
+
+
+async def test_models_health_metrics(client: openai.AsyncOpenAI, url: str, fake_mesh: FakeMesh) -> None:
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    async with httpx.AsyncClient(base_url=url) as h:
+        health = await h.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        await h.post("/v1/chat/completions", json={"model": "nope", "messages": MESSAGES})
+        text = (await h.get("/metrics")).text
+    assert 'moemesh_gateway_requests_total{endpoint="chat",status="200"} 1.0' in text
+    assert 'moemesh_gateway_requests_total{endpoint="chat",status="404"} 1.0' in text
+    assert "moemesh_gateway_ttft_seconds_count 1.0" in text
+    assert "moemesh_gateway_itl_seconds_count" in text
+    assert "moemesh_gateway_generation_tokens_total 3.0" in text
+    assert "moemesh_gateway_requests_in_flight 0.0" in text
+    assert "moemesh_gateway_mesh_requests_in_flight 0.0" in text

@@ -1,0 +1,245 @@
+"""Refusals, mesh failures, deadlines and disconnects, over raw HTTP (httpx) against a real nats-server.
+
+Every test ends with the fixture's check that the gateway's in-flight table is empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from services.gateway.service import Gateway
+from tests.services.gateway.conftest import MAX_CONTEXT, MODEL, StartGateway, base_url
+from tests.services.gateway.fake_mesh import FakeMesh
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
+
+
+def error_of(r: httpx.Response) -> dict[str, Any]:
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+async def post(url: str, path: str, body: Any, **kw: Any) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=url, timeout=10) as h:
+        if isinstance(body, (bytes, str)):
+            return await h.post(path, content=body, headers={"content-type": "application/json"}, **kw)
+        return await h.post(path, json=body, **kw)
+
+
+def sse_events(text: str) -> list[str]:
+    assert text.endswith("\n\n")
+    events = text.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events)
+    return [e[len("data: ") :] for e in events]
+
+
+async def test_malformed_json_is_400(url: str) -> None:
+    for body in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        r = await post(url, "/v1/chat/completions", body)
+        assert r.status_code == 400, body
+        assert error_of(r)["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "path, extra, param",
+    [
+        ("/v1/chat/completions", {"temperature": 3}, "temperature"),
+        ("/v1/chat/completions", {"top_p": 0}, "top_p"),
+        ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"n": 17}, "n"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"frequency_penalty": 1}, "frequency_penalty"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": MAX_CONTEXT}, "prompt"),
+    ],
+)
+async def test_bad_requests_are_400_naming_the_param(
+    url: str, fake_mesh: FakeMesh, path: str, extra: dict, param: str
+) -> None:
+    body = {**CHAT, **extra}
+    if path == "/v1/completions":
+        body.pop("messages")
+    r = await post(url, path, body)
+    assert r.status_code == 400
+    assert error_of(r)["param"] == param
+    assert fake_mesh.submits == [], "nothing reaches the mesh"
+
+
+async def test_context_length_and_unknown_model(url: str) -> None:
+    r = await post(
+        url, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "word " * 300}]}
+    )
+    assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded"
+    r = await post(url, "/v1/chat/completions", {**CHAT, "model": "gpt-4"})
+    assert (
+        r.status_code == 404
+        and error_of(r)["code"] == "model_not_found"
+        and "gpt-4" in error_of(r)["message"]
+    )
+    async with httpx.AsyncClient(base_url=url) as h:
+        assert error_of(await h.get("/v1/nothing"))["type"] == "not_found_error"
+        assert (await h.get("/v1/completions")).status_code == 405
+
+
+async def test_body_size_limit(start_gateway: StartGateway, fake_mesh: FakeMesh) -> None:
+    gw = await start_gateway(max_body_bytes=2048)
+    r = await post(base_url(gw), "/v1/completions", {"model": MODEL, "prompt": "x" * 4000})
+    assert r.status_code == 413 and "limit" in error_of(r)["message"]
+
+
+async def test_api_key(start_gateway: StartGateway, fake_mesh: FakeMesh) -> None:
+    gw = await start_gateway(api_key="sekret")
+    url = base_url(gw)
+    assert (await post(url, "/v1/chat/completions", CHAT)).status_code == 401
+    r = await post(url, "/v1/chat/completions", CHAT, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+    assert (
+        await post(url, "/v1/chat/completions", CHAT, headers={"Authorization": "Bearer sekret"})
+    ).status_code == 200
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+    assert [m.id for m in (await client.models.list()).data] == [MODEL]
+    async with httpx.AsyncClient(base_url=url) as h:
+        assert (await h.get("/v1/models")).status_code == 401
+        assert (await h.get("/health")).status_code == 200  # probes need no key
+
+
+@pytest.mark.parametrize(
+    "code, message", [(429, "queue full (2 waiting)"), (503, "no decode worker is alive")]
+)
+async def test_scheduler_refusal_keeps_its_code(
+    url: str, fake_mesh: FakeMesh, code: int, message: str
+) -> None:
+    fake_mesh.mode, fake_mesh.refuse = "refuse", (code, message)
+    r = await post(url, "/v1/chat/completions", {**CHAT, "stream": True})
+    assert r.status_code == code and error_of(r)["message"] == message
+
+
+async def test_one_refused_choice_cancels_the_admitted_ones(url: str, fake_mesh: FakeMesh) -> None:
+    fake_mesh.mode, fake_mesh.admit_first = "forever", 1
+    r = await post(url, "/v1/chat/completions", {**CHAT, "n": 3, "max_tokens": 100})
+    assert r.status_code == 429
+    admitted = fake_mesh.submits[0].request_id
+    assert (await fake_mesh.wait_cancel(admitted)).request_id == admitted
+
+
+async def test_no_scheduler_is_503(start_gateway: StartGateway) -> None:
+    gw = await start_gateway()
+    r = await post(base_url(gw), "/v1/chat/completions", CHAT)
+    assert r.status_code == 503 and "no scheduler" in error_of(r)["message"]
+
+
+async def test_silent_scheduler_is_503_after_the_submit_timeout(
+    start_gateway: StartGateway, fake_mesh: FakeMesh
+) -> None:
+    fake_mesh.mode = "silent"
+    gw = await start_gateway(submit_timeout_s=0.3)
+    r = await post(base_url(gw), "/v1/completions", {"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 503 and "within 0.3s" in error_of(r)["message"]
+    await fake_mesh.wait_cancel(fake_mesh.submits[0].request_id)  # it may have been admitted after all
+
+
+async def test_mesh_error_mid_stream_is_an_sse_error_then_done(url: str, fake_mesh: FakeMesh) -> None:
+    fake_mesh.mode, fake_mesh.error_after = "error", 4
+    r = await post(url, "/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 50})
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["message"] == "decode worker d0 died" and err["type"] == "service_unavailable_error"
+    content = [json.loads(e)["choices"][0]["delta"].get("content") for e in events[:-2]]
+    assert "".join(c or "" for c in content), "tokens before the error were streamed"
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=CHAT["messages"], stream=True, max_tokens=50
+    )
+    with pytest.raises(openai.APIError, match="decode worker d0 died"):
+        async for _ in stream:
+            pass
+
+
+async def test_mesh_error_non_streaming_keeps_its_code(url: str, fake_mesh: FakeMesh) -> None:
+    fake_mesh.mode = "error"
+    r = await post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 50, "n": 2})
+    assert r.status_code == 503 and error_of(r)["message"] == "decode worker d0 died"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_request_deadline_cancels_and_answers(
+    start_gateway: StartGateway, fake_mesh: FakeMesh, stream: bool
+) -> None:
+    fake_mesh.mode = "forever"
+    gw = await start_gateway(request_timeout_s=0.3)
+    r = await post(base_url(gw), "/v1/chat/completions", {**CHAT, "max_tokens": 100, "stream": stream})
+    if stream:
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "timeout"
+    else:
+        assert r.status_code == 504 and "deadline" in error_of(r)["message"]
+    assert (await fake_mesh.wait_cancel(fake_mesh.submits[0].request_id)).reason == "deadline"
+
+
+async def test_streaming_client_disconnect_cancels(gateway: Gateway, fake_mesh: FakeMesh) -> None:
+    fake_mesh.mode = "forever"
+    async with (
+        httpx.AsyncClient(base_url=base_url(gateway)) as h,
+        h.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 100, "stream": True}) as r,
+    ):
+        lines = r.aiter_lines()
+        content = 0
+        while content < 2:
+            line = await anext(lines)
+            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                content += 1
+    (sub,) = fake_mesh.submits
+    assert (await fake_mesh.wait_cancel(sub.request_id)).reason == "client disconnected"
+    assert gateway.mesh is not None and gateway.mesh.in_flight == 0
+    text = generate_metrics(gateway)
+    assert 'moemesh_gateway_requests_total{endpoint="chat",status="499"} 1.0' in text
+
+
+async def test_non_streaming_client_disconnect_cancels(gateway: Gateway, fake_mesh: FakeMesh) -> None:
+    fake_mesh.mode = "forever"
+    call = asyncio.create_task(
+        post(base_url(gateway), "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100})
+    )
+    (sub,) = await fake_mesh.wait_submits(1)
+    call.cancel()  # closes the connection mid-request
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert (await fake_mesh.wait_cancel(sub.request_id)).reason == "client disconnected"
+
+
+def generate_metrics(gw: Gateway) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(gw.registry).decode()
+
+
+async def test_table_is_empty_after_every_kind_of_ending(
+    start_gateway: StartGateway, fake_mesh: FakeMesh
+) -> None:
+    gw = await start_gateway(request_timeout_s=0.5)
+    url = base_url(gw)
+    assert (await post(url, "/v1/chat/completions", CHAT)).status_code == 200  # normal
+    fake_mesh.mode = "error"
+    assert (await post(url, "/v1/chat/completions", {**CHAT, "max_tokens": 50})).status_code == 503  # failed
+    fake_mesh.mode = "forever"
+    assert (
+        await post(url, "/v1/chat/completions", {**CHAT, "max_tokens": 100, "stop": "reads"})
+    ).status_code == 200
+    assert (
+        await post(url, "/v1/chat/completions", {**CHAT, "max_tokens": 100})
+    ).status_code == 504  # timed out
+    fake_mesh.mode = "refuse"
+    assert (await post(url, "/v1/chat/completions", CHAT)).status_code == 429  # refused
+    assert gw.mesh is not None and gw.mesh.in_flight == 0
