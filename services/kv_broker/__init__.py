@@ -1,0 +1,1 @@
+"""kv-broker: worker registry and KV-handle leases, state in NATS JetStream KV."""

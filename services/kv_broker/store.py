@@ -1,0 +1,167 @@
+"""JetStream KV buckets as the broker's only state, mirrored in memory.
+
+Each bucket holds one record type (msgpack). A watcher keeps an in-memory mirror of every key, so reads
+cost no round trip and a freshly started broker (or a second replica) sees everything the others
+wrote. Writes are compare-and-set on the revision the writer read: two replicas (or two concurrent
+handlers) changing one handle cannot both win; the loser re-reads and re-decides (`Conflict`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import nats.js.errors
+from nats.js import api
+from nats.js.kv import KeyValue
+
+log = logging.getLogger("moemesh.kv_broker.store")
+
+R = TypeVar("R", bound=msgspec.Struct)
+
+
+class Conflict(Exception):
+    """Someone else changed (or deleted) the key since it was read."""
+
+
+class Bucket(Generic[R]):
+    def __init__(self, js: Any, name: str, record_type: type[R], replicas: int = 1) -> None:
+        self._js = js
+        self.name = name
+        self._replicas = replicas
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(record_type)
+        self._kv: KeyValue | None = None
+        self._mirror: dict[str, tuple[R, int]] = {}
+        self._deleted: dict[str, int] = {}  # key -> last revision seen before our own delete
+        self._watch_task: asyncio.Task | None = None
+        self._watcher: Any = None
+        self.changed = asyncio.Event()  # set on every change seen by the watcher (consumers clear it)
+
+    @property
+    def kv(self) -> KeyValue:
+        if self._kv is None:
+            raise RuntimeError(f"bucket {self.name} is not open")
+        return self._kv
+
+    async def open(self, timeout: float = 10.0) -> None:
+        """Create the bucket if needed (file storage, latest value only), then load every key."""
+        try:
+            self._kv = await self._js.key_value(self.name)
+        except nats.js.errors.BucketNotFoundError:
+            self._kv = await self._js.create_key_value(
+                bucket=self.name, history=1, replicas=self._replicas, storage=api.StorageType.FILE
+            )
+        self._watcher = await self.kv.watchall()
+        loaded = asyncio.get_running_loop().create_future()
+        self._watch_task = asyncio.create_task(self._watch(loaded))
+        await asyncio.wait_for(loaded, timeout)
+
+    async def _watch(self, loaded: asyncio.Future) -> None:
+        try:
+            async for entry in self._watcher:
+                if entry is None:  # the initial snapshot is complete
+                    if not loaded.done():
+                        loaded.set_result(None)
+                    continue
+                self._apply(entry)
+        except Exception as e:  # the mirror would go stale silently: make it loud
+            log.exception("watcher of bucket %s stopped", self.name)
+            if not loaded.done():
+                loaded.set_exception(e)
+
+    def _apply(self, entry: Any) -> None:
+        gone = self._deleted.get(entry.key)
+        if gone is not None:
+            if entry.revision <= gone:
+                return  # an older write, overtaken by our delete
+            del self._deleted[entry.key]
+        current = self._mirror.get(entry.key)
+        if current is not None and current[1] >= entry.revision:
+            return  # our own write got here first
+        if entry.operation in ("DEL", "PURGE"):
+            self._mirror.pop(entry.key, None)
+        else:
+            try:
+                self._mirror[entry.key] = (self._decoder.decode(entry.value), entry.revision)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.error(
+                    "bucket %s key %s holds an undecodable record, ignored: %s", self.name, entry.key, e
+                )
+                return
+        self.changed.set()
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            with contextlib.suppress(Exception):
+                await self._watcher.stop()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+
+    # --- reads (mirror) ---
+    def get(self, key: str) -> tuple[R, int] | None:
+        return self._mirror.get(key)
+
+    def items(self) -> Iterator[tuple[str, R]]:
+        return ((k, rec) for k, (rec, _) in list(self._mirror.items()))
+
+    def __len__(self) -> int:
+        return len(self._mirror)
+
+    async def fetch(self, key: str) -> tuple[R, int] | None:
+        """The key read from the server itself (after a Conflict, the mirror may lag)."""
+        try:
+            entry = await self.kv.get(key)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        if entry.value is None or entry.revision is None:
+            return None
+        pair = (self._decoder.decode(entry.value), entry.revision)
+        self._remember(key, *pair)
+        return pair
+
+    def _remember(self, key: str, rec: R, revision: int) -> None:
+        current = self._mirror.get(key)
+        if current is None or current[1] < revision:
+            self._mirror[key] = (rec, revision)
+
+    # --- writes (compare-and-set) ---
+    async def create(self, key: str, rec: R) -> int:
+        """Write a key that must not exist; Conflict if it does."""
+        try:
+            rev = await self.kv.create(key, self._encoder.encode(rec))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise Conflict(key) from None
+        self._remember(key, rec, rev)
+        return rev
+
+    async def update(self, key: str, rec: R, revision: int) -> int:
+        """Replace the key only if it is still at `revision`; Conflict otherwise."""
+        try:
+            rev = await self.kv.update(key, self._encoder.encode(rec), last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise Conflict(key) from None
+        self._remember(key, rec, rev)
+        return rev
+
+    async def put(self, key: str, rec: R) -> int:
+        """Unconditional write (last writer wins: worker registrations)."""
+        rev = await self.kv.put(key, self._encoder.encode(rec))
+        self._remember(key, rec, rev)
+        return rev
+
+    async def delete(self, key: str, revision: int | None = None) -> None:
+        """Delete (only if still at `revision`, when given); gone from the mirror at once."""
+        try:
+            await self.kv.delete(key, last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise Conflict(key) from None
+        current = self._mirror.pop(key, None)
+        if current is not None:  # else the watcher already applied the delete marker
+            self._deleted[key] = max(revision or 0, current[1])
