@@ -96,10 +96,13 @@ def mla_absorbed(
     w = kv_b_weight.view(h, -1, kv_b_weight.shape[1])  # [H, N + V, R]
     w_uk, w_uv = w[:, :n], w[:, n:]
     q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
-    q = torch.cat([q_latent, q_pe], dim=-1)[meta.q_index].transpose(1, 2)  # [S, H, Q, C]
+    q = torch.cat([q_latent, q_pe], dim=-1)[meta.q_index]  # [S, Q, H, C]
+    s, q_len = q.shape[0], q.shape[1]
     rows = layer_rows[meta.kv_slots].to(q.dtype)[:, None]  # [S, 1, K, C]
+    # every head reads the same rows: fold heads into the query axis (one-head attention, [S, 1, Q*H, C])
+    mask = meta.mask.repeat_interleave(h, dim=2)  # [S, 1, Q*H, K], row q*H + h is query q's mask
     out_latent = F.scaled_dot_product_attention(
-        q, rows, rows[..., :-r], attn_mask=meta.mask, scale=scale, enable_gqa=True
-    )  # [S, H, Q, R]
-    out = torch.einsum("shqr,hvr->sqhv", out_latent, w_uv)  # [S, Q, H, V]
+        q.reshape(s, 1, q_len * h, -1), rows, rows[..., :-r], attn_mask=mask, scale=scale
+    ).view(s, q_len, h, -1)  # [S, Q, H, R]
+    out = torch.einsum("sqhr,hvr->sqhv", out_latent, w_uv)  # [S, Q, H, V]
     return out[meta.q_valid]
