@@ -13,6 +13,7 @@ also bounds its wait by the deadline in force and tells the receiver when it wil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -275,7 +276,7 @@ class Bus:
                     if m.reply:
                         await self.publish(m.reply, reply)
                     else:
-                        log.warning("%s handler returned %s but the message has no reply subject", label,
+                        log.debug("%s handler returned %s but the message has no reply subject", label,
                                     type(reply).__name__)  # fmt: skip
             except RequestRejected as e:
                 outcome = "rejected"
@@ -336,9 +337,10 @@ class Bus:
             return
         try:
             await self.nc.drain()
-        except nats.errors.Error as e:
-            log.warning("nats drain: %s", e)
-            await self.nc.close()
+        except (nats.errors.Error, OSError, TimeoutError) as e:  # server gone, or drain_timeout hit
+            log.warning("nats drain of %s: %s: %s", self.name, type(e).__name__, e)
+            with contextlib.suppress(Exception):
+                await self.nc.close()
 
     async def close(self) -> None:
         if not self.nc.is_closed:

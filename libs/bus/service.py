@@ -95,6 +95,7 @@ class Service:
         signals = self._install_signals() if install_signals else []
         try:
             await self.setup()
+            await self.bus.flush()  # subscriptions are known to the server before anyone is told we are ready
             self._ready = True
             self._ready_gauge.set(1)
             self.started.set()
