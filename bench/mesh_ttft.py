@@ -1,0 +1,139 @@
+"""TTFT through the mesh vs the in-process engine on the same prompts, and streamed tokens/s under load.
+
+    python -m bench.mesh_ttft [--requests 100] [--prompt-lens 5,40,200] [--clients 64]
+
+Starts the embedded mesh (nats-server, kv-broker, scheduler, prefill + decode worker, gateway; real
+Mooncake TCP between the workers) on the tiny model, then:
+1. sequential streaming completions (one at a time, max_tokens=1) per prompt length: TTFT = request sent
+   -> first content chunk; the same prompts through an in-process Engine: add_request -> first token;
+   the difference is what the mesh adds (HTTP, tokenizer-free token-id prompts, bus hops, KV transfer).
+2. `--clients` concurrent streaming clients, each generating `--gen-tokens`: total streamed tokens/s.
+Writes bench/results/mesh_ttft.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from libs.engine import Engine, SamplingParams
+from libs.engine.tiny import write_tiny_model
+from libs.launch.mesh import Mesh, MeshConfig
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def prompt_of(n: int, salt: int) -> list[int]:
+    return [(salt * 31 + 7 * i) % 1000 + 3 for i in range(n)]
+
+
+def engine_ttft(engine: Engine, prompts: list[list[int]]) -> list[float]:
+    out = []
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        t0 = time.perf_counter()
+        engine.add_request(f"b{i}", p, params)
+        while not any(o.token_ids for o in engine.step()):
+            pass
+        out.append((time.perf_counter() - t0) * 1e3)
+        while engine.has_unfinished():
+            engine.step()
+    return out
+
+
+async def mesh_ttft(url: str, model: str, prompts: list[list[int]]) -> list[float]:
+    out = []
+    async with httpx.AsyncClient(timeout=60) as h:
+        for p in prompts:
+            body = {"model": model, "prompt": p, "max_tokens": 1, "temperature": 0, "stream": True, "ignore_eos": True}
+            t0 = time.perf_counter()
+            first = None
+            async with h.stream("POST", f"{url}/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if first is None and line.startswith("data: ") and '"text"' in line:
+                        first = (time.perf_counter() - t0) * 1e3
+            assert first is not None, "no token streamed"
+            out.append(first)
+    return out
+
+
+async def load(url: str, model: str, clients: int, gen_tokens: int, prompt_len: int) -> dict:
+    async def one(h: httpx.AsyncClient, i: int) -> int:
+        body = {
+            "model": model, "prompt": prompt_of(prompt_len, 1000 + i), "max_tokens": gen_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        n = 0
+        async with h.stream("POST", f"{url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                    n = json.loads(line[6:])["usage"]["completion_tokens"]
+        return n
+
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as h:
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(h, i) for i in range(clients)))
+        wall = time.perf_counter() - t0
+    return {"clients": clients, "gen_tokens": gen_tokens, "prompt_len": prompt_len, "tokens": sum(counts),
+            "wall_s": wall, "tokens_per_s": sum(counts) / wall}  # fmt: skip
+
+
+def summarize(xs: list[float]) -> dict:
+    return {"p50_ms": statistics.median(xs), "p99_ms": pct(xs, 99), "mean_ms": statistics.fmean(xs), "n": len(xs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--prompt-lens", default="5,40,200")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: a fresh tiny model)")
+    ap.add_argument("--direct-threshold", type=int, default=16, help="scheduler's direct-prefill threshold")
+    ap.add_argument("--out", default="bench/results/mesh_ttft.json")
+    args = ap.parse_args()
+
+    model = Path(args.model) if args.model else write_tiny_model(Path("/tmp/moemesh-bench-tiny"), overwrite=True)
+    lens = [int(x) for x in args.prompt_lens.split(",")]
+    engine = Engine.from_pretrained(model, enable_prefix_cache=False)
+    cfg = MeshConfig(
+        model_dir=model, port=0,
+        extra_env={
+            "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(args.direct_threshold)},
+            "services.prefill_worker": {"MOEMESH_PREFILL_WORKER_ENABLE_PREFIX_CACHE": "false"},
+            "services.decode_worker": {"MOEMESH_DECODE_WORKER_ENABLE_PREFIX_CACHE": "false"},
+        },
+    )  # fmt: skip
+    results: dict = {"benchmark": "mesh_ttft", "machine": platform.node(), "cpus": __import__("os").cpu_count(), "ttft": []}
+    with Mesh(cfg) as mesh:
+        for n in lens:
+            prompts = [prompt_of(n, i) for i in range(args.requests)]
+            asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts[:5]))  # warm-up
+            engine_ttft(engine, prompts[:5])
+            e = summarize(engine_ttft(engine, prompts))
+            mm = summarize(asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts)))
+            path = "direct (decode-local prefill)" if n <= args.direct_threshold else "disaggregated (Mooncake TCP)"
+            row = {"prompt_len": n, "path": path, "engine": e, "mesh": mm, "added_p50_ms": mm["p50_ms"] - e["p50_ms"]}
+            results["ttft"].append(row)
+            print(json.dumps(row), flush=True)
+        results["load"] = asyncio.run(load(mesh.url, mesh.model_name, args.clients, args.gen_tokens, 40))
+        print(json.dumps(results["load"]), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
