@@ -122,7 +122,7 @@ class ChoiceOutput:
             step.text += emitted
             if hit:
                 step.finish_reason = "stop"
-                step.cancel = delta.finish == FinishReason.NONE or k < len(delta.token_ids) - 1
+                step.cancel = delta.finish == FinishReason.NONE  # a finished worker needs no Cancel
                 break
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         if not step.done and delta.finish != FinishReason.NONE:

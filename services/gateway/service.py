@@ -34,6 +34,22 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """A bound TCP socket whose `proto` is IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted
+    sockets of such a listener, and without it every response pays Nagle + delayed ACK (~40 ms)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class Gateway(Service):
     name = "gateway"
     settings_class = GatewaySettings
@@ -57,7 +73,7 @@ class Gateway(Service):
         mesh = self.mesh
         self.metrics.track_mesh_in_flight(lambda: mesh.in_flight)
         ctx = GatewayContext(s, self.tokenizer, self.info, mesh, self.metrics, self.healthy)
-        sock = socket.create_server((s.host, s.port), reuse_port=False)  # bind errors surface here, clearly
+        sock = _bind(s.host, s.port)  # bind errors surface here, clearly, not as uvicorn's sys.exit
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             create_app(ctx), log_config=None, access_log=False, lifespan="off",
