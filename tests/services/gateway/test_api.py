@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -163,3 +165,14 @@ async def test_models_health_metrics(client: openai.AsyncOpenAI, url: str, fake_
     assert "moemesh_gateway_generation_tokens_total 3.0" in text
     assert "moemesh_gateway_requests_in_flight 0.0" in text
     assert "moemesh_gateway_mesh_requests_in_flight 0.0" in text
+
+
+async def test_responses_are_not_held_by_nagle(url: str) -> None:
+    """Without TCP_NODELAY on accepted sockets every response waits for a delayed ACK (~40 ms)."""
+    async with httpx.AsyncClient(base_url=url) as h:
+        times = []
+        for _ in range(21):
+            t0 = time.perf_counter()
+            assert (await h.get("/v1/models")).status_code == 200
+            times.append(time.perf_counter() - t0)
+    assert sorted(times)[10] < 0.02, f"median GET /v1/models took {sorted(times)[10] * 1000:.1f} ms"
