@@ -14,7 +14,6 @@ HTTP side port (`http_port`; 0 off, -1 any free port): `GET /health` is 200 when
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import secrets
@@ -25,7 +24,7 @@ from typing import ClassVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
-from libs.bus.bus import Bus
+from libs.bus.bus import Bus, BusError
 from libs.bus.settings import ServiceSettings, SettingsError, load_settings
 
 log = logging.getLogger("moemesh.service")
@@ -199,6 +198,11 @@ class Service:
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
             force=True,
         )
-        with contextlib.suppress(KeyboardInterrupt):
+        try:
             asyncio.run(cls(settings).run())
+        except KeyboardInterrupt:
+            pass
+        except BusError as e:  # NATS unreachable within connect_timeout_s: say so, no traceback
+            log.error("%s: %s", cls.name, e)
+            return 1
         return 0
