@@ -45,6 +45,7 @@ class TokenText:
 
     def __init__(self, tok: Tokenizer) -> None:
         self._tok = tok
+        self.vocab_size = tok.vocab_size
         self.lookup = lru_cache(maxsize=65536)(self._lookup)
 
     def _lookup(self, token_id: int) -> tuple[str, list[int]]:
@@ -113,7 +114,8 @@ class ChoiceOutput:
         for k, token_id in enumerate(delta.token_ids):
             self.completion_tokens += 1
             offset = self._detok_len
-            piece = self.detok.add(token_id)
+            # A model's vocab may be padded past the tokenizer's; such an id has no text.
+            piece = self.detok.add(token_id) if token_id < self.tokens.vocab_size else ""
             self._detok_len += len(piece)
             if step.logprobs is not None:
                 lp = delta.logprobs[k] if k < len(delta.logprobs) else TokenLogprob(token_id, 0.0)

@@ -106,6 +106,15 @@ def test_special_token_text_in_logprobs(tokenizer: Tokenizer) -> None:
     assert text == tokenizer.eos_token and bytes(raw).decode() == text
 
 
+def test_ids_past_the_tokenizer_vocab_have_no_text(tokenizer: Tokenizer) -> None:
+    ok = tokenizer.encode(" ok", add_special_tokens=False)
+    out = make(tokenizer, logprobs=True)
+    out.feed(TokenDelta("r", [tokenizer.vocab_size + 3], [TokenLogprob(tokenizer.vocab_size + 3, -1.0)]))
+    out.feed(TokenDelta("r", ok, finish=FinishReason.LENGTH))
+    assert out.full_text() == " ok" and out.completion_tokens == 1 + len(ok)
+    assert out.logprobs[0].token == f"<id:{tokenizer.vocab_size + 3}>"
+
+
 @pytest.mark.parametrize("finish", [FinishReason.ABORT, FinishReason.ERROR])
 def test_abnormal_finish_is_an_error(tokenizer: Tokenizer, finish: FinishReason) -> None:
     out = make(tokenizer)
