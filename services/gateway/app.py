@@ -166,17 +166,17 @@ async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) 
     try:
         try:
             if chat:
+                role = {"role": "assistant", "content": ""}
                 for out in gen.outputs:
-                    yield fmt.sse(
-                        fmt.chat_chunk(
-                            gen.id,
-                            gen.created,
-                            gen.model,
-                            out.index,
-                            {"role": "assistant", "content": ""},
-                            with_usage_field=gen.plan.include_usage,
-                        )  # fmt: skip
+                    first = fmt.chat_chunk(
+                        gen.id,
+                        gen.created,
+                        gen.model,
+                        out.index,
+                        role,
+                        with_usage_field=gen.plan.include_usage,
                     )
+                    yield fmt.sse(first)
             async for out, step in gen.steps():
                 if step.text or step.logprobs or step.done:
                     yield fmt.sse(_chunk(gen, chat, out.index, step.text, step.logprobs, step.finish_reason))
