@@ -57,6 +57,8 @@ class DecodeWorker(Service):
         # Cancelled while reserved: the pages stay until the prefill side answers (KvReady / PrefillFailed)
         # or the lease expires, because a Mooncake write into them may still be landing.
         self.cancelled: set[str] = set()
+        self._creates: dict[str, asyncio.Task] = {}  # handle id -> its CreateHandle call at the broker
+        self._background: set[asyncio.Task] = set()
         self.forward_sleep_ms = s.forward_sleep_ms
         self.work = asyncio.Event()
         self._metrics()
@@ -119,19 +121,9 @@ class DecodeWorker(Service):
             session_id=self.transport.session_id, page_ids=pages, num_tokens=msg.num_tokens,
             lease_expires_ms=int(time.time() * 1000) + msg.lease_ms,
         )  # fmt: skip
-        try:
-            reply = await self.bus.request(
-                subjects.BROKER,
-                m.CreateHandle(handle=handle),
-                m.BrokerReply,
-                timeout=self.settings.broker_timeout_s,
-            )
-            if not reply.ok:
-                raise RuntimeError(reply.message)
-        except Exception as e:
-            await self.et.call(self.engine.cancel_reservation, rid)
-            return m.ReserveKvReply(request_id=rid, ok=False, code=503, message=f"kv-broker: {e}")
         self.reserved[rid] = handle.handle_id
+        # Registered at the broker off the critical path; later broker messages for this handle wait for it.
+        self._creates[handle.handle_id] = self._spawn(self._broker_call(m.CreateHandle(handle=handle)))
         return m.ReserveKvReply(request_id=rid, ok=True, handle=handle)
 
     async def join_prefilled(self, msg: m.KvReady) -> None:
@@ -143,28 +135,27 @@ class DecodeWorker(Service):
             await self.drop_reservation(rid, msg.handle_id, "cancelled before its KV arrived")
             return
         del self.reserved[rid]
-        try:
-            await self.et.call(
-                self.engine.add_prefilled,
-                rid,
-                msg.prompt_ids,
-                msg.first_token.token_id,
-                to_params(msg.sampling),
-            )
-        except ValueError as e:
-            await self.et.call(self.engine.cancel_reservation, rid)
-            await self._broker_fire(m.ReleaseHandle(handle_id=msg.handle_id, reason="rejected"))
-            await self._error(msg.stream_subject, rid, 400, str(e))
-            return
-        live = Live(msg.stream_subject, len(msg.prompt_ids), msg.cached_tokens, completion_tokens=1)
-        self.live[rid] = live
+        # The first token is known: stream it now (TTFT), not after the engine thread finishes its step.
         first = m.TokenDelta(
             rid, [msg.first_token.token_id], [msg.first_token] if msg.sampling.logprobs else []
         )
+        self.live[rid] = Live(msg.stream_subject, len(msg.prompt_ids), msg.cached_tokens, completion_tokens=1)
         await self.bus.publish(msg.stream_subject, m.TokenBatch(deltas=[first]))
         self.m_tokens.inc()
+        try:
+            params = to_params(msg.sampling)
+            await self.et.call(
+                self.engine.add_prefilled, rid, msg.prompt_ids, msg.first_token.token_id, params
+            )
+        except ValueError as e:
+            await self.et.call(self.engine.cancel_reservation, rid)
+            self._broker_fire(msg.handle_id, m.ReleaseHandle(handle_id=msg.handle_id, reason="rejected"))
+            await self._error(msg.stream_subject, rid, 400, str(e))
+            return
+        if rid not in self.live:  # cancelled while it was joining
+            await self.et.call(self.engine.abort, rid)
         self.work.set()
-        await self._broker_fire(m.HandleConsumed(handle_id=msg.handle_id))
+        self._broker_fire(msg.handle_id, m.HandleConsumed(handle_id=msg.handle_id))
 
     async def start_direct(self, msg: m.DecodeDirect) -> None:
         rid = msg.request_id
@@ -182,7 +173,7 @@ class DecodeWorker(Service):
         del self.reserved[rid]
         self.cancelled.discard(rid)
         await self.et.call(self.engine.cancel_reservation, rid)
-        await self._broker_fire(m.ReleaseHandle(handle_id=handle_id, reason=why))
+        self._broker_fire(handle_id, m.ReleaseHandle(handle_id=handle_id, reason=why))
         log.info("reservation of %s freed: %s", rid, why)
 
     async def on_cancel(self, msg: m.Cancel) -> None:
@@ -251,13 +242,27 @@ class DecodeWorker(Service):
         with contextlib.suppress(Exception):
             await self.bus.publish(subject, m.RequestError(request_id=rid, code=code, message=message))
 
-    async def _broker_fire(self, msg: msgspec.Struct) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _broker_call(self, msg: msgspec.Struct, after: asyncio.Task | None = None) -> None:
+        if after is not None:
+            with contextlib.suppress(Exception):
+                await after
         try:
-            await self.bus.request(
-                subjects.BROKER, msg, m.BrokerReply, timeout=self.settings.broker_timeout_s
-            )
+            timeout = self.settings.broker_timeout_s
+            reply = await self.bus.request(subjects.BROKER, msg, m.BrokerReply, timeout=timeout)
+            if not reply.ok:
+                log.warning("kv-broker refused %s: %s", type(msg).__name__, reply.message)
         except Exception as e:
             log.warning("kv-broker %s failed: %s", type(msg).__name__, e)
+
+    def _broker_fire(self, handle_id: str, msg: msgspec.Struct) -> None:
+        """Tell the broker, in the background, once this handle's CreateHandle has been answered."""
+        self._spawn(self._broker_call(msg, after=self._creates.pop(handle_id, None)))
 
     async def on_drain(self) -> None:
         """Finish the running batch (up to the drain timeout), then end what is left with 503."""
@@ -273,6 +278,8 @@ class DecodeWorker(Service):
         self.loop_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.loop_task
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=self.settings.broker_timeout_s)
         await self.heartbeat.stop()
         self.et.shutdown()
         self.transport.close()

@@ -42,7 +42,7 @@ class Cancelled(Exception):
 
 
 class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
-    pass
+    lease_margin_ms: int = 1000  # no KV write starts into a handle whose lease ends sooner than this
 
 
 class PrefillWorker(Service):
@@ -63,6 +63,7 @@ class PrefillWorker(Service):
         self.dst_geoms: dict[str, m.KvGeometry] = {}
         self.active: set[str] = set()  # tasks received and not finished
         self.cancelled: set[str] = set()
+        self._background: set[asyncio.Task] = set()
         r = self.registry
         self.m_tokens = Counter(
             "moemesh_prefill_tokens_total", "prompt tokens prefilled", ["cached"], registry=r
@@ -153,6 +154,9 @@ class PrefillWorker(Service):
             raise ValueError(
                 f"handle {handle.handle_id} has {len(handle.page_ids)} pages, prompt needs {len(res.page_ids)}"
             )
+        left_ms = handle.lease_expires_ms - int(time.time() * 1000)
+        if left_ms < self.settings.lease_margin_ms:  # past the lease the decode side may reuse the pages
+            raise TimeoutError(f"lease of handle {handle.handle_id} has {left_ms} ms left; not writing")
         runs = plan_page_runs(
             self.src_geom.num_layers, res.page_ids, handle.page_ids[: len(res.page_ids)], self.src_geom, dst
         )
@@ -162,12 +166,6 @@ class PrefillWorker(Service):
         self.m_xfer_bytes.inc(nbytes)
         await self.et.call(self.engine.release, rid)
         self._check_cancelled(rid)
-        await self.bus.request(
-            subjects.BROKER,
-            m.HandleWritten(handle_id=handle.handle_id),
-            m.BrokerReply,
-            timeout=self.settings.broker_timeout_s,
-        )
         first = (
             m.TokenLogprob(res.first_token, 0.0) if res.logprobs is None else to_wire_logprob(res.logprobs)
         )
@@ -179,6 +177,19 @@ class PrefillWorker(Service):
                 prefill_worker=self.instance_id,
             ),
         )  # fmt: skip
+        # Off the critical path: KvReady already told the decode worker; the broker's record follows.
+        task_ = asyncio.create_task(self._mark_written(handle.handle_id))
+        self._background.add(task_)
+        task_.add_done_callback(self._background.discard)
+
+    async def _mark_written(self, handle_id: str) -> None:
+        try:
+            msg, timeout = m.HandleWritten(handle_id=handle_id), self.settings.broker_timeout_s
+            reply = await self.bus.request(subjects.BROKER, msg, m.BrokerReply, timeout=timeout)
+            if not reply.ok:
+                log.warning("kv-broker refused HandleWritten(%s): %s", handle_id, reply.message)
+        except Exception as e:
+            log.warning("kv-broker HandleWritten(%s) failed: %s", handle_id, e)
 
     def _check_cancelled(self, rid: str) -> None:
         if rid in self.cancelled:
@@ -192,11 +203,14 @@ class PrefillWorker(Service):
             )
             if tell_gateway:
                 await self.bus.publish(
-                    task.stream_subject, m.RequestError(request_id=task.request_id, code=code, message=message)
+                    task.stream_subject,
+                    m.RequestError(request_id=task.request_id, code=code, message=message),
                 )
 
     async def on_drain(self) -> None:
         self.heartbeat.draining = True
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=self.settings.broker_timeout_s)
         await self.heartbeat.stop()
         self.et.shutdown()
         self.transport.close()
