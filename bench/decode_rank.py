@@ -103,7 +103,8 @@ class Rank:
     cos_sin: torch.Tensor
     local_experts: int
     mla_cfg: MLAConfig
-    comm: object = None  # callable(dispatch_bytes, combine_bytes) or None
+    comm: object = None  # callable("dispatch" | "combine") or None
+    fi: object = None  # libs.kernels.flashinfer_mla.FlashInferMLA when --attn flashinfer
 
 
 @dataclass
@@ -142,6 +143,8 @@ def make_batch(rank: Rank, b: int, ctx: int, gen: int, max_ctx: int, gen_seed: i
     bt.scratch["bq"] = torch.zeros(e, bt.m_max, D, device=DEV, dtype=G.FP8)
     bt.scratch["bs"] = torch.ones(e, bt.m_max, D // 128, device=DEV)
     bt.scratch["next"] = torch.empty(b, device=DEV, dtype=torch.long)
+    if rank.fi is not None:  # host-side planning, once per batch composition, outside the graph
+        rank.fi.plan(table, bt.seq_lens, PAGE, HEADS, SM_SCALE)
     return bt
 
 
@@ -162,7 +165,9 @@ def attention(rank: Rank, bt: Batch, i: int, lw: Layer, x: torch.Tensor, parts: 
         fused.rope_and_write_kv(
             q[..., NOPE:], sc["q_rope"], qkv[:, QR + KVR :], c_kv, kv, bt.positions, bt.slots, rank.cos_sin
         )
-    if "attn" in parts:
+    if "attn" in parts and rank.fi is not None:
+        rank.fi.run(sc["q_lat"].transpose(0, 1), sc["q_rope"], kv, out=sc["o_lat"])
+    elif "attn" in parts:
         mla_decode(sc["q_lat"].transpose(0, 1), kv, bt.table, bt.seq_lens, PAGE, SM_SCALE, num_splits=bt.num_splits,
                    cfg=rank.mla_cfg, out=sc["o_lat"], q_rope=sc["q_rope"])  # fmt: skip
     if "other" in parts:
@@ -292,8 +297,36 @@ def make_comm(b: int, world: int):
     return comm, per_rank
 
 
+def check_attention(rank: Rank, bt: Batch) -> float:
+    """Relative difference of the configured attention backend vs the Triton kernel on layer 0."""
+    sc = bt.scratch
+    sc["q_rope"].normal_()
+    q_lat = sc["q_lat"].transpose(0, 1)
+    attention(rank, bt, 0, rank.layers[0], None, {"attn"})
+    ref = mla_decode(q_lat, rank.kv[0], bt.table, bt.seq_lens, PAGE, SM_SCALE, num_splits=bt.num_splits,
+                     cfg=rank.mla_cfg, q_rope=sc["q_rope"])  # fmt: skip
+    return float((sc["o_lat"].float() - ref.float()).norm() / ref.float().norm())
+
+
+def profile_step(rank: Rank, bt: Batch, path: Path) -> None:
+    """One eager step under torch.profiler: per-kernel CUDA time, to see what a part is made of."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decode_step(rank, bt, {"attn", "moe", "other"})
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decode_step(rank, bt, {"attn", "moe", "other"})
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    path.write_text(table)
+    print(table[:6000])
+
+
 def run_batch(rank: Rank, b: int, a, env: dict, world: int) -> list[dict]:
     bt = make_batch(rank, b, a.ctx, a.gen, a.ctx + a.gen)
+    attn_err = check_attention(rank, bt)
+    if a.profile == b:
+        profile_step(rank, bt, Path(os.environ.get("OUT") or "bench/results") / f"profile-b{b}-{a.attn}.txt")
     times = {}
     for name, parts in [("full", {"attn", "moe", "other"}), ("attention", {"attn"}), ("moe", {"moe"})]:
         g = capture(rank, bt, parts)
@@ -318,7 +351,8 @@ def run_batch(rank: Rank, b: int, a, env: dict, world: int) -> list[dict]:
         "roofline_step_ms": roof["step_s"] * 1e3, "roofline_fraction": roof["step_s"] * 1e3 / step,
         "roofline_tokens_per_s": roof["tokens_per_s"], "num_splits": bt.num_splits, "m_max": bt.m_max,
         "mla_config": asdict(rank.mla_cfg),
-        "cuda_graph": True, "ep": 72, "local_experts": rank.local_experts,
+        "cuda_graph": True, "ep": 72, "local_experts": rank.local_experts, "attention_backend": a.attn,
+        "attention_rel_err_vs_triton": attn_err,
     }  # fmt: skip
     if comm_ms is not None:
         rec.update({"step_ms_with_comm": comm_ms, "tokens_per_s_per_gpu_with_comm": b / comm_ms * 1e3,
@@ -341,6 +375,10 @@ def worker(local_rank: int, world: int, a) -> None:
     batches = [int(x) for x in a.batch.split(",")]
     env = environment()
     rank = build_rank(max(batches), a.ctx + a.gen, a.physical // a.ep, load_mla_config())
+    if a.attn == "flashinfer":
+        from libs.kernels.flashinfer_mla import FlashInferMLA
+
+        rank.fi = FlashInferMLA("cuda")
     records = []
     for b in batches:
         records += run_batch(rank, b, a, env, world)
@@ -353,9 +391,9 @@ def worker(local_rank: int, world: int, a) -> None:
             )
             print(f"B={b} ctx={r['ctx']:.0f}: step {r['step_ms']:.2f} ms -> {r['tokens_per_s_per_gpu']:.0f} tok/s/GPU "
                   f"(attn {r['attention_ms']:.2f}, moe {r['moe_ms']:.2f}, other {r['other_ms']:.2f}); "
-                  f"roofline {r['roofline_step_ms']:.1f} ms = {r['roofline_fraction']:.2f}{extra}", flush=True)  # fmt: skip
+                  f"roofline {r['roofline_step_ms']:.1f} ms = {r['roofline_fraction']:.2f}; attn err {r['attention_rel_err_vs_triton']:.1e}{extra}", flush=True)  # fmt: skip
     if local_rank == 0:
-        print("wrote", write_results(f"decode_rank-w{world}", records))
+        print("wrote", write_results(f"decode_rank-w{world}-{a.attn}", records))
     if world > 1:
         torch.distributed.destroy_process_group()
 
@@ -369,6 +407,8 @@ def main() -> None:
     ap.add_argument("--physical", type=int, default=288)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--world", type=int, default=1, help="2: also move EP traffic over NVLink")
+    ap.add_argument("--attn", choices=["triton", "flashinfer"], default="triton")
+    ap.add_argument("--profile", type=int, default=0, help="batch size to profile one eager step of")
     a = ap.parse_args()
     if a.world > 1:
         torch.multiprocessing.spawn(worker, args=(a.world, a), nprocs=a.world)

@@ -111,8 +111,12 @@ def mla_suite(batches, ctxs, log) -> list[dict]:
                         f"{rec['TFLOPs']:.0f} TFLOP/s {rec['GBps']:.0f} GB/s (splits {splits}; auto {auto}: {tried[auto] * 1e3:.0f} us)")  # fmt: skip
                     if fi is not None and kv_dtype == torch.bfloat16:
                         fi.plan(table, seq, PAGE, h, 0.1352)
-                        ms = bench_ms(lambda q=q, kv=kv: fi.run(q, kv))
+                        ms = bench_ms(lambda q=q, kv=kv: fi.run(q[..., :512], q[..., 512:], kv))
+                        ref = mla_decode(q, kv, table, seq, PAGE, 0.1352, num_splits=splits, cfg=cfg)
+                        got = fi.run(q[..., :512], q[..., 512:], kv)
+                        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
                         rec = mla_record(b, h, ctx, ms, kv_dtype, "flashinfer-fa3")
+                        rec["rel_err_vs_triton"] = err
                         records.append(rec)
                         log(
                             f"  flashinfer fa3: {ms * 1e3:.0f} us {rec['TFLOPs']:.0f} TFLOP/s {rec['GBps']:.0f} GB/s"

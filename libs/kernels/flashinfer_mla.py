@@ -41,7 +41,8 @@ class FlashInferMLA:
         self._wrapper.plan(qo_indptr, kv_indptr, kv_indices, seq_lens.to(torch.int32), num_heads, 512, 64,
                            page_size, False, sm_scale, dtype, dtype)  # fmt: skip
 
-    def run(self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """q [B, H, 576], kv_layer [slots, 576] -> [B, H, 512]."""
+    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """q_nope [B, H, 512] and q_pe [B, H, 64] (batch/head strides free), kv_layer [slots, 576] -> [B, H, 512]."""
         paged = kv_layer.view(-1, self._page_size, kv_layer.shape[-1])
-        return self._wrapper.run(q[..., :512], q[..., 512:], paged[..., :512], paged[..., 512:], out=out)
+        return self._wrapper.run(q_nope, q_pe, paged[..., :512], paged[..., 512:], out=out)

@@ -75,9 +75,12 @@ def _fp8_gemm_body(
 
 
 _CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": 128}, num_warps=w, num_stages=s)
-    for bm, w, s in [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 4), (32, 4, 4), (16, 4, 4)]
-]
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+    for bm, bn, w, st in [
+        (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (128, 128, 8, 3), (32, 128, 4, 5),
+        (16, 128, 4, 5), (64, 64, 4, 5), (32, 64, 4, 6), (16, 64, 4, 6),
+    ]
+]  # fmt: skip
 _fp8_gemm_tuned = triton.autotune(_CONFIGS, key=["M", "N", "K", "LAYOUT"], warmup=5, rep=20)(_fp8_gemm_body)
 
 

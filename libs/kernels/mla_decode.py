@@ -59,6 +59,9 @@ def _mla_split_kernel(
     offs_r = tl.arange(0, D_ROPE)
     q_lat = tl.load(QL + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :])
     q_rope = tl.load(QR + b * stride_rb + offs_h[:, None] * stride_rh + offs_r[None, :])
+    if KV.dtype.element_ty == tl.float8e4nv:  # fp8 widens to fp16 in one instruction; compute in fp16
+        q_lat = q_lat.to(tl.float16)
+        q_rope = q_rope.to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
