@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 COMMANDS: list[str] = [
+    "libs.cli.bench",
     "libs.cli.generate",
     "libs.cli.tiny_model",
     "libs.cli.up",
