@@ -17,6 +17,7 @@ import uvicorn
 
 from libs.bus.service import Service
 from libs.tokenizer import Tokenizer
+from services.gateway.admin import AdminMesh, install_admin
 from services.gateway.app import GatewayContext, create_app
 from services.gateway.convert import ModelInfo
 from services.gateway.mesh import MeshClient
@@ -75,8 +76,13 @@ class Gateway(Service):
         ctx = GatewayContext(s, self.tokenizer, self.info, mesh, self.metrics, self.healthy)
         sock = _bind(s.host, s.port)  # bind errors surface here, clearly, not as uvicorn's sys.exit
         self.port = sock.getsockname()[1]
+        app = create_app(ctx)
+        if s.enable_admin:  # worker stats and the decode slow-down (admin.py)
+            admin = AdminMesh(self.bus)
+            await admin.start()
+            install_admin(app, admin, s.api_key)
         config = uvicorn.Config(
-            create_app(ctx), log_config=None, access_log=False, lifespan="off",
+            app, log_config=None, access_log=False, lifespan="off",
             timeout_graceful_shutdown=max(1, int(s.drain_timeout_s)),
         )  # fmt: skip
         self._server = _Server(config)

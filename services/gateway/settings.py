@@ -24,6 +24,7 @@ class GatewaySettings(ServiceSettings, frozen=True, kw_only=True):
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0  # a whole request, first byte to last
     submit_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # waiting for the scheduler's answer
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
+    enable_admin: bool = False  # /admin/* (worker stats, decode slow-down), behind api_key when set
 
     def __post_init__(self) -> None:
         if not self.model_dir:
