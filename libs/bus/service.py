@@ -9,6 +9,9 @@ the connection drains (pending publishes flushed) and closes -> the HTTP side po
 HTTP side port (`http_port`; 0 off, -1 any free port): `GET /health` is 200 when connected and ready,
 503 otherwise (readiness probe); `GET /livez` is 200 while the process serves (liveness probe);
 `GET /metrics` is this service's prometheus registry.
+
+Tracing: `self.telemetry` (libs.telemetry) is built from the OTEL_* environment with `service.name` =
+`name`; it is a no-op unless an OTLP endpoint is configured, and is flushed after the bus closes.
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ class Service:
         self._ready_gauge = Gauge(
             "moemesh_service_ready", "1 when this instance takes work", registry=self.registry
         )
+        from libs.telemetry.tracing import Telemetry  # here: libs.telemetry itself imports libs.bus
+
+        # Tracing from the OTEL_* environment (a no-op without an endpoint); replace before run() to
+        # send the spans elsewhere (tests use an in-memory exporter).
+        self.telemetry = Telemetry.from_env(self.name, self.instance_id)
 
     # --- hooks for subclasses ---
     async def setup(self) -> None:
@@ -125,6 +133,7 @@ class Service:
             if http is not None:
                 http.close()
                 await http.wait_closed()
+            await self.telemetry.aclose()  # export the last spans
             log.info("%s %s stopped", self.name, self.instance_id)
 
     def _install_signals(self) -> list[int]:
