@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, ClassVar
 
 import msgspec
+from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from libs.bus import (
@@ -36,6 +37,8 @@ from libs.bus import (
     current_traceparent,
     request_context,
 )
+from libs.telemetry import attributes as span_attrs
+from libs.telemetry import mark_error
 from proto import messages as m
 from proto import subjects
 from services.scheduler.policy import (
@@ -89,6 +92,13 @@ class _Metrics:
         )
         self.live_workers = Gauge(
             "moemesh_scheduler_live_workers", "Workers heard recently, by role", ["role"], registry=registry
+        )
+        # received == placements + refusals + cancelled + queue_depth + placing, at any time
+        self.received = Counter(
+            "moemesh_scheduler_requests_received", "Submits handled (admitted or refused)", registry=registry
+        )
+        self.cancelled = Counter(
+            "moemesh_scheduler_cancelled", "Admitted requests cancelled before placement", registry=registry
         )
 
 
@@ -168,6 +178,7 @@ class SchedulerService(Service):
 
     # --- handlers ---
     async def _on_submit(self, s: m.Submit) -> m.SubmitReply:
+        self.metrics.received.inc()
         try:
             req = _placement_request(s)
         except ValueError as e:
@@ -209,7 +220,10 @@ class SchedulerService(Service):
         self.wake()
 
     async def _on_cancel(self, c: m.Cancel) -> None:
+        depth = self.queue.depth
         if self.queue.cancel(c.request_id):
+            if self.queue.depth < depth:  # it was waiting; one being placed is counted where it stops
+                self.metrics.cancelled.inc()
             log.info("cancelled %s while queued (%s)", c.request_id, c.reason)
             self._update_gauges()
             self.wake()
@@ -263,7 +277,14 @@ class SchedulerService(Service):
 
     async def _place(self, e: Entry, plan: Plan) -> None:
         s = e.submit
-        with request_context(traceparent=e.traceparent):
+        queued_s = max(0.0, self.clock() - e.admitted_at)
+        attrs = {**span_attrs.submit(s), "moemesh.placement": plan.kind.value, "moemesh.decode_worker": plan.decode,
+                 "moemesh.prefill_worker": plan.prefill or "", "moemesh.queue_seconds": queued_s,
+                 "moemesh.attempt": e.attempts + 1}  # fmt: skip
+        with self.telemetry.span(
+            "scheduler.place", parent=e.traceparent, kind=SpanKind.CONSUMER, attributes=attrs,
+            start_time_ns=time.time_ns() - int(queued_s * 1e9),  # the span covers the wait in the queue
+        ) as span:  # fmt: skip
             try:
                 if plan.kind is PlanKind.DIRECT:
                     msg: Any = m.DecodeDirect(
@@ -279,6 +300,8 @@ class SchedulerService(Service):
                             m.Cancel(request_id=s.request_id, reason="cancelled while placing"),
                         )
                         self.queue.finish(s.request_id)
+                        self.metrics.cancelled.inc()
+                        span.set_attribute("moemesh.cancelled", True)
                         return
                     assert plan.prefill is not None
                     task = m.PrefillTask(
@@ -287,18 +310,22 @@ class SchedulerService(Service):
                     )  # fmt: skip
                     await self.bus.publish(subjects.prefill_inbox(plan.prefill), task)
             except _ReservationRefused as err:
+                mark_error(span, err)
                 self.workers.suspend(plan.decode)
                 await self._retry_or_fail(e, str(err))
                 return
             except DeadlineExceeded as err:
+                mark_error(span, err)
                 self.queue.finish(s.request_id)
                 await self._fail(e, m.ErrorCode.TIMEOUT, str(err))
                 return
             except PayloadTooLarge as err:
+                mark_error(span, err)
                 self.queue.finish(s.request_id)
                 await self._fail(e, m.ErrorCode.BAD_REQUEST, str(err))
                 return
             except Exception as err:
+                mark_error(span, err)
                 log.exception("placing %s failed", s.request_id)
                 await self._retry_or_fail(e, f"{type(err).__name__}: {err}")
                 return
@@ -339,7 +366,7 @@ class SchedulerService(Service):
                     f"could not place the request in {e.attempts} attempts: {error}",
                 )
             case Retry.GONE:
-                pass
+                self.metrics.cancelled.inc()
         self.wake()
 
     async def _fail(self, e: Entry, code: int, message: str) -> None:
