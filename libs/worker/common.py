@@ -20,6 +20,10 @@ log = logging.getLogger("moemesh.worker")
 
 
 def load_engine(s: WorkerSettings) -> Engine:
+    if s.torch_threads and s.device == "cpu":
+        import torch
+
+        torch.set_num_threads(s.torch_threads)
     return Engine.from_pretrained(
         s.model_dir, device=s.device, dtype=s.dtype, page_size=s.page_size,
         num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,

@@ -23,6 +23,8 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     transfer_protocol: str = "tcp"  # tcp | rdma | nvlink_intra | inprocess (tests)
     transfer_hostname: str = "127.0.0.1"
     transfer_device: str = ""  # RDMA device names, e.g. "mlx5_0"
+    # torch intra-op threads on CPU; several worker processes share a host's cores (0: torch's default)
+    torch_threads: Annotated[int, msgspec.Meta(ge=0)] = 1
     heartbeat_interval_ms: Annotated[int, msgspec.Meta(ge=10)] = 250
     broker_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
 
