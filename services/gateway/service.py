@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from libs.bus.service import Service
+from libs.telemetry.asgi import TracedApp
 from libs.tokenizer import Tokenizer
 from services.gateway.admin import AdminMesh, install_admin
 from services.gateway.app import GatewayContext, create_app
@@ -82,7 +83,8 @@ class Gateway(Service):
             await admin.start()
             install_admin(app, admin, s.api_key)
         config = uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="off",
+            TracedApp(app, self.telemetry, self.registry),  # the trace's root span, e2e latency
+            log_config=None, access_log=False, lifespan="off",
             timeout_graceful_shutdown=max(1, int(s.drain_timeout_s)),
         )  # fmt: skip
         self._server = _Server(config)
