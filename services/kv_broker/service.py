@@ -22,9 +22,11 @@ from collections.abc import Callable
 from typing import Annotated, ClassVar
 
 import msgspec
+from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from libs.bus import BusError, Service, ServiceSettings, now_ms
+from libs.telemetry import attributes as span_attrs
 from proto import messages as m
 from proto import subjects
 from services.kv_broker import handles
@@ -102,7 +104,7 @@ class KvBroker(Service):
             if rec.state == m.HandleState.EXPIRED:
                 await self._announce(rec)
         await self.bus.subscribe(
-            subjects.BROKER, m.BrokerRequest, self.handle, queue=subjects.QUEUE_BROKER, concurrent=True,
+            subjects.BROKER, m.BrokerRequest, self._traced, queue=subjects.QUEUE_BROKER, concurrent=True,
             max_in_flight=s.max_in_flight,
         )  # fmt: skip
         self._sweeper = asyncio.create_task(self._sweep_loop())
@@ -117,6 +119,14 @@ class KvBroker(Service):
                 await bucket.close()
 
     # --- requests ---
+    async def _traced(self, req: m.BrokerRequest) -> m.BrokerReply:
+        """handle() in a span, for requests made inside a traced request (CreateHandle: the reservation)."""
+        name, attrs = f"kv_broker.{type(req).__name__}", span_attrs.broker_request(req)
+        with self.telemetry.span(name, kind=SpanKind.SERVER, attributes=attrs, root=False) as span:
+            reply = await self.handle(req)
+            span.set_attribute("moemesh.ok", reply.ok)
+            return reply
+
     async def handle(self, req: m.BrokerRequest) -> m.BrokerReply:
         try:
             match req:
