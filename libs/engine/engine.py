@@ -358,7 +358,9 @@ class Engine:
     def _run(self, plan: Plan) -> list[StepOutput]:
         items = [(self.requests[rid], n) for rid, n in plan.prefill]
         items += [(self.requests[rid], 1) for rid in plan.decode]
-        for req, _ in items:
+        for req, n in items:
+            if req.num_computed + n > req.num_tokens:
+                raise RuntimeError(f"plan feeds {req.rid!r} past its last token: {req.num_computed} + {n}")
             req.pages += self._alloc(plan.new_pages[req.rid])
         logits_parts, sampled = [], []
         for group in (items[: len(plan.prefill)], items[len(plan.prefill) :]):

@@ -17,6 +17,7 @@ import torch
 
 from libs.engine.forward_batch import ForwardBatch
 from libs.engine.kv_pool import KVPool
+from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 
 
 @dataclass
@@ -55,7 +56,7 @@ def build_batch(chunks: Sequence[Chunk], page_size: int) -> ForwardBatch:
 class ModelRunner:
     """Owns nothing but the model and the pool it writes to; the engine decides what to run."""
 
-    def __init__(self, model: torch.nn.Module, kv_pool: KVPool) -> None:
+    def __init__(self, model: DeepseekV3ForCausalLM, kv_pool: KVPool) -> None:
         self.model = model
         self.kv_pool = kv_pool
 
