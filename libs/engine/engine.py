@@ -23,6 +23,7 @@ import torch
 
 from libs.engine.config import ModelConfig
 from libs.engine.kv_pool import KVPool
+from libs.engine.loader import load_model
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
 from libs.engine.pages import OutOfPagesError, PageAllocator
@@ -92,14 +93,21 @@ class Engine:
         path: str | Path,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
-        **kwargs,
+        *,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_num_seqs: int = 64,
+        max_prefill_tokens: int = 2048,
+        enable_prefix_cache: bool = True,
     ) -> Engine:
-        """Load a Hugging Face checkpoint folder; its tokenizer too when tokenizer.json is there."""
-        from libs.engine.loader import load_model
-
+        """Load a Hugging Face checkpoint folder; its tokenizer too when tokenizer.json is there.
+        num_pages None sizes the pool by `default_num_pages`."""
         model = load_model(path, dtype=dtype, device=device)
         tokenizer = Tokenizer.from_pretrained(path) if (Path(path) / "tokenizer.json").exists() else None
-        return cls(model, tokenizer=tokenizer, **kwargs)
+        return cls(
+            model, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
+            max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=enable_prefix_cache, tokenizer=tokenizer,
+        )  # fmt: skip
 
     # --- offline API ---
     def generate(
@@ -255,7 +263,8 @@ class Engine:
     ) -> None:
         """Join the decode batch with the prompt's KV already in the reserved pages. The first token (sampled
         by the prefill side) counts toward max_tokens and the stop checks; if it already ends the request,
-        the next step() reports the finish with no new tokens."""
+        the next step() reports the finish with no new tokens. A seeded request continues the seed's
+        random stream where the prefill side left it, so it samples what a single engine would."""
         if rid not in self.reservations:
             raise ValueError(f"add_prefilled: no reservation for request {rid!r}")
         prompt_ids = check_prompt(prompt_ids, params, self.limits, f"request {rid!r}")
@@ -270,6 +279,10 @@ class Engine:
         req.status = Status.RUNNING
         self.requests[rid] = req
         self.running.append(req)
+        if not params.greedy:  # the prefill side drew the first token from this seed's stream: skip that draw
+            torch.empty(self.config.vocab_size, device=self.kv_pool.buffer.device).exponential_(
+                generator=req.generator
+            )
         reason, stop_reason = req.stopper.check(first_token, 1) if req.stopper else (None, None)
         req.output_ids.append(first_token)
         if reason is not None:

@@ -255,25 +255,31 @@ def test_no_leaked_pages_on_abort_and_error(engine, monkeypatch):
 def test_pd_reserve_add_prefilled_matches_single_engine(ckpt, engine, greedy_ref):
     """Prefill on one engine, copy its KV rows into pages reserved on another, decode there."""
     prefill_side = make_engine(ckpt, num_pages=64)
-    decode_side = make_engine(ckpt, num_pages=64, page_size=4)
+    decode_side = make_engine(ckpt, num_pages=64)
     prefill_side.generate([PROMPTS[2][:13]], SamplingParams(max_tokens=1))  # warm its prefix cache
-    for rid, prompt, ref in [("p0", PROMPTS[2], greedy_ref[2]), ("p1", PROMPTS[1], greedy_ref[1])]:
-        res = prefill_side.prefill(rid, prompt, GREEDY)
-        assert res.first_token == ref[0]
-        assert res.cached_tokens == (12 if rid == "p0" else 0)
-        dst = decode_side.reserve(rid, len(prompt))
-        assert len(dst) == len(res.page_ids)
-        src_pool, dst_pool = prefill_side.kv_pool, decode_side.kv_pool
-        src = src_pool.buffer.view(src_pool.num_layers, src_pool.num_pages, 4, -1)
-        dst_view = dst_pool.buffer.view(dst_pool.num_layers, dst_pool.num_pages, 4, -1)
-        dst_view[:, dst] = src[:, res.page_ids]
+    seeded = SamplingParams(max_tokens=32, temperature=1.0, seed=5, ignore_eos=True)
+    (seeded_ref,) = engine.generate([PROMPTS[3]], seeded)
+    cases = {
+        "p0": (PROMPTS[2], GREEDY, greedy_ref[2], 12),
+        "p1": (PROMPTS[1], GREEDY, greedy_ref[1], 0),
+        "p2": (PROMPTS[3], seeded, seeded_ref.token_ids, 0),
+    }
+    src = prefill_side.kv_pool.buffer.view(prefill_side.kv_pool.num_layers, 64, 4, -1)
+    dst = decode_side.kv_pool.buffer.view(decode_side.kv_pool.num_layers, 64, 4, -1)
+    tokens = {}
+    for rid, (prompt, params, ref, cached) in cases.items():
+        res = prefill_side.prefill(rid, prompt, params)
+        assert res.first_token == ref[0] and res.cached_tokens == cached
+        pages = decode_side.reserve(rid, len(prompt))
+        assert len(pages) == len(res.page_ids)
+        dst[:, pages] = src[:, res.page_ids]  # what the KV transfer does, by KVPool rows
         prefill_side.release(rid)
-        decode_side.add_prefilled(rid, prompt, res.first_token, GREEDY)
-    tokens = {"p0": [greedy_ref[2][0]], "p1": [greedy_ref[1][0]]}
+        decode_side.add_prefilled(rid, prompt, res.first_token, params)
+        tokens[rid] = [res.first_token]
     while decode_side.has_unfinished():
         for out in decode_side.step():
             tokens[out.rid] += out.token_ids
-    assert tokens == {"p0": greedy_ref[2], "p1": greedy_ref[1]}
+    assert tokens == {rid: case[2] for rid, case in cases.items()}
     assert_no_leak(prefill_side)
     assert_no_leak(decode_side)
 
