@@ -20,10 +20,13 @@ import uuid
 from typing import Annotated
 
 import msgspec
+from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.bus import Service
 from libs.engine.pages import OutOfPagesError
+from libs.telemetry import RequestTracker
+from libs.telemetry import attributes as span_attrs
 from libs.worker.common import Heartbeater, load_engine, open_transport, register_at_broker, to_params
 from libs.worker.engine_thread import EngineThread
 from libs.worker.settings import WorkerSettings
@@ -76,14 +79,17 @@ class DecodeWorker(Service):
         self.m_tokens = Counter("moemesh_decode_tokens_total", "tokens generated", registry=r)
         self.m_step = Histogram("moemesh_decode_step_seconds", "engine step time", registry=r)
         self.m_batch = Gauge("moemesh_decode_running", "requests in the running batch", registry=r)
+        self.m_waiting = Gauge("moemesh_decode_waiting", "requests waiting to join the batch", registry=r)
         self.m_free = Gauge("moemesh_kv_pages_free", "free KV pages", registry=r)
         self.m_used = Gauge("moemesh_kv_pages_used", "KV pages in use", registry=r)
+        self.tracker = RequestTracker(self.telemetry, r, "decode")  # spans + request outcome metrics
 
     def load(self) -> dict[str, int]:
         st = self.engine.stats()
         self.m_free.set(st["free_pages"])
         self.m_used.set(st["used_pages"])
         self.m_batch.set(st["running"])
+        self.m_waiting.set(st["waiting"])
         return {
             **st,
             "free_pages": st["free_pages"] + st["evictable_pages"],
@@ -95,7 +101,9 @@ class DecodeWorker(Service):
     async def on_inbox(self, msg: m.DecodeInbox) -> msgspec.Struct | None:
         match msg:
             case m.ReserveKv():
-                return await self.reserve(msg)
+                attrs = {"moemesh.request_id": msg.request_id, "moemesh.kv.tokens": msg.num_tokens}
+                with self.telemetry.span("decode.reserve", kind=SpanKind.SERVER, attributes=attrs):
+                    return await self.reserve(msg)
             case m.KvReady():
                 await self.join_prefilled(msg)
             case m.DecodeDirect():
@@ -135,12 +143,17 @@ class DecodeWorker(Service):
             await self.drop_reservation(rid, msg.handle_id, "cancelled before its KV arrived")
             return
         del self.reserved[rid]
+        model = self.settings.model_name
+        self.tracker.start(
+            rid, "prefilled", span_attrs.decode_start(msg.prompt_ids, msg.sampling, model, msg.cached_tokens)
+        )
         # The first token is known: stream it now (TTFT), not after the engine thread finishes its step.
         first = m.TokenDelta(
             rid, [msg.first_token.token_id], [msg.first_token] if msg.sampling.logprobs else []
         )
         self.live[rid] = Live(msg.stream_subject, len(msg.prompt_ids), msg.cached_tokens, completion_tokens=1)
         await self.bus.publish(msg.stream_subject, m.TokenBatch(deltas=[first]))
+        self.tracker.first_token(rid)
         self.m_tokens.inc()
         try:
             params = to_params(msg.sampling)
@@ -159,6 +172,9 @@ class DecodeWorker(Service):
 
     async def start_direct(self, msg: m.DecodeDirect) -> None:
         rid = msg.request_id
+        self.tracker.start(
+            rid, "direct", span_attrs.decode_start(msg.prompt_ids, msg.sampling, self.settings.model_name)
+        )
         try:
             await self.et.call(self.engine.add_request, rid, msg.prompt_ids, to_params(msg.sampling))
         except ValueError as e:
@@ -181,6 +197,7 @@ class DecodeWorker(Service):
         if rid in self.reserved:
             self.cancelled.add(rid)  # freed when the prefill side answers or the lease expires
         if self.live.pop(rid, None) is not None:
+            self.tracker.finish(rid, "cancelled")
             await self.et.call(self.engine.abort, rid)
             log.info("request %s cancelled: %s", rid, msg.reason)
 
@@ -226,8 +243,12 @@ class DecodeWorker(Service):
             await self.bus.publish(subject, m.TokenBatch(deltas=deltas))
         for out in outputs:
             self.m_tokens.inc(len(out.token_ids))
-            if out.finished:
-                self.live.pop(out.rid, None)
+            if out.token_ids:
+                self.tracker.first_token(out.rid)
+            if out.finished and (live := self.live.pop(out.rid, None)) is not None:
+                self.tracker.finish(
+                    out.rid, out.finish_reason or "stop", output_tokens=live.completion_tokens
+                )
 
     async def _fail_all(self, code: int, message: str) -> None:
         for rid, live in list(self.live.items()):
@@ -239,6 +260,7 @@ class DecodeWorker(Service):
 
     async def _error(self, subject: str, rid: str, code: int, message: str) -> None:
         self.live.pop(rid, None)
+        self.tracker.finish(rid, "error", error=f"[{code}] {message}")
         with contextlib.suppress(Exception):
             await self.bus.publish(subject, m.RequestError(request_id=rid, code=code, message=message))
 

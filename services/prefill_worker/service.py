@@ -15,11 +15,14 @@ import contextlib
 import logging
 import time
 
-from prometheus_client import Counter, Histogram
+from opentelemetry.trace import SpanKind
+from prometheus_client import Counter, Gauge, Histogram
 
 from libs.bus import Service
 from libs.engine.pages import OutOfPagesError
 from libs.kvtransfer import PageGeometry, plan_page_runs
+from libs.telemetry import RequestTracker
+from libs.telemetry import attributes as span_attrs
 from libs.worker.common import (
     Heartbeater,
     load_engine,
@@ -75,6 +78,9 @@ class PrefillWorker(Service):
         self.m_xfer_seconds = Histogram(
             "moemesh_kv_transfer_seconds", "KV transfer time per request", registry=r
         )
+        self.tracker = RequestTracker(self.telemetry, r, "prefill")  # spans + request outcome metrics
+        for name, key in (("moemesh_kv_pages_free", "free_pages"), ("moemesh_kv_pages_used", "used_pages")):
+            Gauge(name, f"KV pages ({key})", registry=r).set_function(lambda k=key: self.engine.stats()[k])
         await self.bus.subscribe(
             subjects.prefill_inbox(self.instance_id), m.PrefillInbox, self.on_task, concurrent=True
         )
@@ -127,7 +133,10 @@ class PrefillWorker(Service):
         rid = task.request_id
         self.active.add(rid)
         try:
-            await self._run(task)
+            with self.tracker.request(
+                rid, "prefill", span_attrs.prefill_task(task, self.settings.model_name)
+            ):
+                await self._run(task)
         except Cancelled:
             await self._fail(task, 499, "cancelled", tell_gateway=False)
         except Exception as e:
@@ -149,6 +158,7 @@ class PrefillWorker(Service):
         self.m_seconds.observe(time.perf_counter() - t0)
         self.m_tokens.labels("yes").inc(res.cached_tokens)
         self.m_tokens.labels("no").inc(len(task.prompt_ids) - res.cached_tokens)
+        self.tracker.prefix_cache(rid, res.cached_tokens, len(task.prompt_ids))
         self._check_cancelled(rid)
         if len(handle.page_ids) < len(res.page_ids):
             raise ValueError(
@@ -160,9 +170,13 @@ class PrefillWorker(Service):
         runs = plan_page_runs(
             self.src_geom.num_layers, res.page_ids, handle.page_ids[: len(res.page_ids)], self.src_geom, dst
         )
-        t0 = time.perf_counter()
-        nbytes = await asyncio.to_thread(self.transport.write, handle.session_id, runs)
-        self.m_xfer_seconds.observe(time.perf_counter() - t0)
+        protocol = self.settings.transfer_protocol
+        with self.telemetry.span("kv_transfer", kind=SpanKind.CLIENT) as span:
+            t0 = time.perf_counter()
+            nbytes = await asyncio.to_thread(self.transport.write, handle.session_id, runs)
+            dt = time.perf_counter() - t0
+            span.set_attributes(span_attrs.transfer(protocol, nbytes, dt, len(runs), handle.decode_worker))
+        self.m_xfer_seconds.observe(dt)
         self.m_xfer_bytes.inc(nbytes)
         await self.et.call(self.engine.release, rid)
         self._check_cancelled(rid)
