@@ -1,0 +1,181 @@
+"""One streamed request against an OpenAI-compatible server, timed chunk by chunk.
+
+Backends: `openai` posts to `/v1/completions` (prompt as text or token ids), `openai-chat` to
+`/v1/chat/completions` (one user message of text). Every request streams with
+`stream_options.include_usage`, so the token counts come from the server's usage, and sets
+`ignore_eos: true` so each output runs to its max_tokens (vLLM and SGLang accept the field; a strict
+OpenAI server may not, which `extra_body` cannot remove: use it against servers that do).
+
+Parsing (`parse_chunk`) is pure; `send` does the I/O and never raises for a failed request: the
+failure is recorded in the RequestRecord (HTTP status, error event, broken stream).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from libs.bench.datasets import BenchRequest
+from libs.bench.metrics import RequestRecord
+
+BACKENDS = ("openai", "openai-chat")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where and how to send: base URL (without /v1), backend, model, key, extra body fields.
+
+    `chunk_logprobs` asks for logprobs (completions: 0 alternatives; chat: true) only so that each
+    chunk names its tokens: exact per-chunk token counts, at the cost of the server computing them.
+    """
+
+    base_url: str
+    backend: str = "openai"
+    model: str = ""
+    api_key: str = ""
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    chunk_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base URL must start with http:// or https://, got {self.base_url!r}")
+
+    @property
+    def chat(self) -> bool:
+        return self.backend == "openai-chat"
+
+    @property
+    def url(self) -> str:
+        path = "/v1/chat/completions" if self.chat else "/v1/completions"
+        return self.base_url.rstrip("/") + path
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def request_body(ep: Endpoint, req: BenchRequest) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": ep.model,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    if ep.chat:
+        if not isinstance(req.prompt, str):
+            raise ValueError("the openai-chat backend sends text prompts (datasets.to_text converts ids)")
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+        if ep.chunk_logprobs:
+            body["logprobs"] = True
+    else:
+        body["prompt"] = req.prompt
+        if ep.chunk_logprobs:
+            body["logprobs"] = 0
+    body.update(ep.extra_body)
+    return body
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What one SSE event means for timing: tokens it carried (0: no content), usage, error."""
+
+    tokens: int = 0
+    usage: dict[str, Any] | None = None
+    error: str = ""
+
+
+def _logprob_tokens(choice: dict[str, Any], chat: bool) -> int | None:
+    lp = choice.get("logprobs")
+    if not isinstance(lp, dict):
+        return None
+    items = lp.get("content") if chat else lp.get("tokens")
+    return len(items) if isinstance(items, list) else None
+
+
+def parse_chunk(data: dict[str, Any], chat: bool) -> Chunk:
+    """One decoded `data:` event. Content tokens: the logprob entries when present, else 1 for a
+    chunk with text (a role-only or finish-only chunk carries none)."""
+    if "error" in data:
+        err = data["error"]
+        return Chunk(error=str(err.get("message", err) if isinstance(err, dict) else err))
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
+    tokens = 0
+    for choice in data.get("choices") or []:
+        named = _logprob_tokens(choice, chat)
+        if named is not None:
+            tokens += named
+            continue
+        text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        tokens += 1 if text else 0
+    return Chunk(tokens=tokens, usage=usage)
+
+
+def _finish(rec: RequestRecord, usage: dict[str, Any] | None, now: float) -> None:
+    rec.end = now
+    if usage:
+        rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
+        rec.completion_tokens = int(usage.get("completion_tokens") or 0)
+    else:
+        rec.completion_tokens = sum(rec.chunk_tokens)
+    if not rec.chunk_times:
+        rec.error = rec.error or "the stream carried no tokens"
+    rec.ok = not rec.error
+
+
+async def send(
+    client: httpx.AsyncClient, ep: Endpoint, req: BenchRequest, index: int, clock: Callable[[], float]
+) -> RequestRecord:
+    """Stream one request; every chunk's arrival is stamped with `clock()` (seconds, monotonic)."""
+    body = request_body(ep, req)
+    rec = RequestRecord(index=index, start=clock(), prompt_tokens=req.input_len)
+    usage: dict[str, Any] | None = None
+    try:
+        async with client.stream("POST", ep.url, json=body, headers=ep.headers()) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode("utf-8", "replace")
+                rec.error = f"HTTP {resp.status_code}: {text[:500]}"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, SSE comments
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        break
+                    chunk = parse_chunk(json.loads(payload), ep.chat)
+                    now = clock()
+                    if chunk.error:
+                        rec.error = chunk.error
+                    if chunk.tokens:
+                        rec.chunk_times.append(now)
+                        rec.chunk_tokens.append(chunk.tokens)
+                    usage = chunk.usage or usage
+    except (httpx.HTTPError, ValueError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+    _finish(rec, usage, clock())
+    return rec
+
+
+def perf_clock(t0: float | None = None) -> Callable[[], float]:
+    """A clock of seconds since t0 (now by default) on time.perf_counter."""
+    base = time.perf_counter() if t0 is None else t0
+    return lambda: time.perf_counter() - base
+
+
+async def first_model(client: httpx.AsyncClient, base_url: str, api_key: str = "") -> str:
+    """The first model id the server lists at /v1/models (bench_serving's default --model)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    resp = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+    if resp.status_code != 200:
+        raise ValueError(f"GET /v1/models answered {resp.status_code}: {resp.text[:300]}")
+    data = resp.json().get("data") or []
+    if not data:
+        raise ValueError(f"{base_url} lists no model at /v1/models; pass --model")
+    return str(data[0]["id"])

@@ -1,0 +1,89 @@
+"""Request bodies and SSE chunk parsing (pure); the slow-down release policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.bench.client import Endpoint, parse_chunk, request_body
+from libs.bench.datasets import BenchRequest
+from libs.bench.slowdown import SlowdownConfig, release_reason
+
+
+def test_completion_body_streams_with_usage_and_holds_the_output_length() -> None:
+    ep = Endpoint("http://h:1", model="m", extra_body={"top_k": 5})
+    body = request_body(ep, BenchRequest([4, 5, 6], 3, 7))
+    assert ep.url == "http://h:1/v1/completions"
+    assert body == {
+        "model": "m", "prompt": [4, 5, 6], "max_tokens": 7, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True, "top_k": 5,
+    }  # fmt: skip
+
+
+def test_chat_body_sends_text_and_asks_logprobs_when_counting_chunks() -> None:
+    ep = Endpoint("http://h:1/", backend="openai-chat", model="m", api_key="k", chunk_logprobs=True)
+    body = request_body(ep, BenchRequest("hi", 1, 3))
+    assert ep.url == "http://h:1/v1/chat/completions"
+    assert ep.headers() == {"Authorization": "Bearer k"}
+    assert body["messages"] == [{"role": "user", "content": "hi"}] and body["logprobs"] is True
+    with pytest.raises(ValueError, match="text prompts"):
+        request_body(ep, BenchRequest([1], 1, 3))
+    assert request_body(Endpoint("http://h", chunk_logprobs=True), BenchRequest([1], 1, 3))["logprobs"] == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [(dict(backend="vllm"), "backend"), (dict(base_url="h:1"), "http")]
+)
+def test_bad_endpoints_are_refused(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Endpoint(**({"base_url": "http://h"} | kwargs))
+
+
+def test_chunks_count_tokens_from_logprobs_or_one_per_text() -> None:
+    text = {"choices": [{"index": 0, "text": " the", "logprobs": None}], "usage": None}
+    assert parse_chunk(text, chat=False).tokens == 1
+    empty = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+    assert parse_chunk(empty, chat=False).tokens == 0
+    named = {"choices": [{"text": "ab", "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-1, -2]}}]}
+    assert parse_chunk(named, chat=False).tokens == 2
+    unnamed = {"choices": [{"text": "", "logprobs": {"tokens": ["\ufffd"]}}]}  # no text, still a token
+    assert parse_chunk(unnamed, chat=False).tokens == 1
+
+
+def test_chat_chunks_role_delta_content_and_usage() -> None:
+    assert parse_chunk({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, chat=True).tokens == 0
+    assert parse_chunk({"choices": [{"delta": {"content": "x"}}]}, chat=True).tokens == 1
+    lp = {
+        "choices": [{"delta": {"content": "xy"}, "logprobs": {"content": [{"token": "x"}, {"token": "y"}]}}]
+    }
+    assert parse_chunk(lp, chat=True).tokens == 2
+    usage = parse_chunk({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}, chat=True)
+    assert (usage.tokens, usage.usage) == (0, {"prompt_tokens": 3, "completion_tokens": 4})
+
+
+def test_error_events_are_reported() -> None:
+    assert parse_chunk({"error": {"message": "worker died", "code": 503}}, chat=False).error == "worker died"
+
+
+CFG = SlowdownConfig(slowdown_ms=100, release_at_batch=8, stall_s=2.0, timeout_s=30.0)
+
+
+@pytest.mark.parametrize(
+    ("batch", "peak", "since_growth", "elapsed", "want"),
+    [
+        (3, 3, 0.1, 1.0, None),  # still filling
+        (8, 8, 0.0, 1.0, "target"),
+        (9, 9, 0.0, 1.0, "target"),
+        (5, 5, 2.0, 3.0, "stalled"),  # the workers' maximum: no growth for stall_s
+        (0, 0, 5.0, 5.0, None),  # nothing joined yet (prefill still running): not a stall
+        (0, 0, 5.0, 30.0, "timeout"),
+    ],
+)
+def test_release_policy(batch: int, peak: int, since_growth: float, elapsed: float, want: str | None) -> None:
+    assert release_reason(batch, peak, since_growth, elapsed, CFG) == want
+
+
+def test_slowdown_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="slowdown_ms"):
+        SlowdownConfig(slowdown_ms=0, release_at_batch=4)
+    with pytest.raises(ValueError, match="release_at_batch"):
+        SlowdownConfig(slowdown_ms=10, release_at_batch=0)
