@@ -18,11 +18,16 @@ from libs.kvtransfer.base import Run
 class Geometry(Protocol):
     """What the planner needs of a pool's layout (proto.messages.KvGeometry and PageGeometry have it)."""
 
-    base_addr: int
-    layer_stride: int
-    page_bytes: int
-    num_layers: int
-    num_pages: int
+    @property
+    def base_addr(self) -> int: ...
+    @property
+    def layer_stride(self) -> int: ...
+    @property
+    def page_bytes(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_pages(self) -> int: ...
 
 
 class PageGeometry(msgspec.Struct, frozen=True, kw_only=True):

@@ -52,7 +52,7 @@ async def register_at_broker(
     msg = m.RegisterWorker(
         worker_id=worker_id, role=role, session_id=transport.session_id, geometry=geometry(engine)
     )
-    reply = await bus.request(subjects.BROKER, msg, m.BrokerReply, timeout=timeout)
+    reply: m.BrokerReply = await bus.request(subjects.BROKER, msg, m.BrokerReply, timeout=timeout)
     if not reply.ok:
         raise RuntimeError(f"kv-broker refused registration of {worker_id}: {reply.message}")
 
@@ -61,7 +61,7 @@ def to_params(s: m.Sampling) -> SamplingParams:
     """Wire sampling -> engine SamplingParams (which validates again: ValueError on bad values)."""
     return SamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-        seed=s.seed, stop_token_ids=list(s.stop_token_ids), stop=list(s.stop), ignore_eos=s.ignore_eos,
+        seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop), ignore_eos=s.ignore_eos,
         logprobs=s.logprobs, top_logprobs=s.top_logprobs,
     )  # fmt: skip
 
