@@ -85,7 +85,7 @@ def build_layer(i: int, local_experts: int) -> Layer:
         layer.dense = (fp8_weight(2 * INTER_DENSE, D), fp8_weight(D, INTER_DENSE))
     else:
         layer.moe = {
-            "gate": torch.randn(EXPERTS, D, device=DEV, dtype=torch.bfloat16) / math.sqrt(D),
+            "gate_t": torch.randn(D, EXPERTS, device=DEV, dtype=torch.bfloat16) / math.sqrt(D),  # [D, E]
             "bias": 0.01 * torch.randn(EXPERTS, device=DEV),
             "shared": (fp8_weight(2 * INTER_MOE, D), fp8_weight(D, INTER_MOE)),
             "w13": fp8_weight(2 * INTER_MOE, D, local_experts), "w2": fp8_weight(D, INTER_MOE, local_experts),
@@ -135,7 +135,6 @@ def make_batch(rank: Rank, b: int, ctx: int, gen: int, max_ctx: int, gen_seed: i
     ids = torch.randint(0, VOCAB, (b,), device=DEV, generator=g)
     splits = choose_num_splits(b, HEADS, ctx + gen // 2, rank.mla_cfg)
     bt = Batch(b, ids, pos, slots, table, seq_lens, splits, m_max=b * TOPK)
-    bt.scratch["pair_token"] = torch.arange(b, device=DEV).repeat_interleave(TOPK)
     bt.scratch["q_rope"] = torch.empty(b, HEADS, ROPE, device=DEV, dtype=torch.bfloat16)
     bt.scratch["o_lat"] = torch.zeros(b, HEADS, KVR, device=DEV, dtype=torch.bfloat16)
     bt.scratch["q_lat"] = torch.randn(HEADS, b, KVR, device=DEV, dtype=torch.bfloat16)
@@ -178,22 +177,20 @@ def attention(rank: Rank, bt: Batch, i: int, lw: Layer, x: torch.Tensor, parts: 
 
 def moe(rank: Rank, bt: Batch, lw: Layer, x: torch.Tensor) -> torch.Tensor:
     sc, m = bt.scratch, lw.moe
-    logits = F.linear(x, m["gate"]).float()
+    logits = torch.mm(x, m["gate_t"]).float()
     weights, ids = routing.route(logits, m["bias"], TOPK, N_GROUP, TOPK_GROUP, SCALING)
     (gu, gus), (dn, dns) = m["shared"]
     hq, hs = quant.silu_mul_quant(linear(x, (gu, gus)))
     shared = G.fp8_gemm(hq, hs, dn, dns)
-    xq, xs = quant.quant_fp8_groups(x)
     local = (ids % rank.local_experts).view(-1)  # stands in for the pairs other ranks send here
     dest, counts = moe_ops.align_masked(local, rank.local_experts, bt.m_max)
-    moe_ops.scatter_rows(xq, dest, sc["pair_token"], sc["bq"])
-    moe_ops.scatter_rows(xs, dest, sc["pair_token"], sc["bs"])
+    moe_ops.dispatch_quant(x, dest, sc["bq"], sc["bs"])  # quantize once, land in the masked layout
     if rank.comm is not None:
         rank.comm("dispatch")
     out = moe_ops.moe_masked(sc["bq"], sc["bs"], counts, *m["w13"], *m["w2"])
     if rank.comm is not None:
         rank.comm("combine")
-    return moe_ops.combine(out, dest, weights) + shared
+    return moe_ops.combine_fused(out, dest, weights, add=shared)
 
 
 def mlp(rank: Rank, bt: Batch, lw: Layer, x: torch.Tensor, parts: set) -> torch.Tensor | None:

@@ -27,11 +27,10 @@ from libs.kernels.quant import quant_fp8_groups
 
 PAGE = 64
 SWEEP_128 = [
-    MLAConfig(64, n, w, s)
-    for n, w, s in [(32, 8, 2), (64, 8, 2), (32, 8, 3), (64, 8, 1), (32, 4, 2), (16, 4, 3), (64, 4, 2)]
+    MLAConfig(64, n, w, s) for n, w, s in [(64, 8, 2), (64, 16, 2), (128, 8, 1), (64, 8, 3), (128, 16, 1)]
 ]
 SWEEP_16 = [
-    MLAConfig(16, n, w, s) for n, w, s in [(64, 4, 2), (32, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3)]
+    MLAConfig(16, n, w, s) for n, w, s in [(128, 4, 2), (128, 4, 3), (256, 8, 2), (256, 4, 2), (128, 8, 2)]
 ]
 
 
@@ -147,13 +146,20 @@ def gemm_case(e, m, n, k, log) -> list[dict]:
         variants[f"contiguous-bm{bm}"] = lambda te=te, bm=bm: G.fp8_gemm_contiguous(
             flat_q, flat_s, w, ws, te, bm
         )
-    variants["dense-one-expert"] = lambda: G.fp8_gemm(xq[0], xs[0], w[0], ws[0])
+    variants["dense-one-expert"] = lambda: G.fp8_gemm(xq[0], xs[0], w[0], ws[0])  # split-K chosen by shape
+    variants["dense-one-expert-nosplit"] = lambda: G.fp8_gemm(xq[0], xs[0], w[0], ws[0], split_k=1)
     records = []
     for name, fn in variants.items():
         fn()
         ms = bench_ms(fn)
         f = flops / e if name.startswith("dense") else flops
-        cfg = str(G._fp8_gemm_tuned.best_config) if name == "masked-autotuned" else None
+        cfg = (
+            str(G._fp8_gemm_tuned.best_config)
+            if name in ("masked-autotuned", "dense-one-expert-nosplit")
+            else None
+        )
+        if name == "dense-one-expert":
+            cfg = f"split_k={G.split_k_for(m, n, k)}"
         records.append({"benchmark": "moe_gemm", "variant": name, "experts": e, "tokens_per_expert": m,
                         "N": n, "K": k, "ms": ms, "TFLOPs": f / ms / 1e9, "rel_err": err, "config": cfg})  # fmt: skip
         log(

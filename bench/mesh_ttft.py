@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -55,7 +57,14 @@ async def mesh_ttft(url: str, model: str, prompts: list[list[int]]) -> list[floa
     out = []
     async with httpx.AsyncClient(timeout=60) as h:
         for p in prompts:
-            body = {"model": model, "prompt": p, "max_tokens": 1, "temperature": 0, "stream": True, "ignore_eos": True}
+            body = {
+                "model": model,
+                "prompt": p,
+                "max_tokens": 1,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            }
             t0 = time.perf_counter()
             first = None
             async with h.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -91,7 +100,12 @@ async def load(url: str, model: str, clients: int, gen_tokens: int, prompt_len: 
 
 
 def summarize(xs: list[float]) -> dict:
-    return {"p50_ms": statistics.median(xs), "p99_ms": pct(xs, 99), "mean_ms": statistics.fmean(xs), "n": len(xs)}
+    return {
+        "p50_ms": statistics.median(xs),
+        "p99_ms": pct(xs, 99),
+        "mean_ms": statistics.fmean(xs),
+        "n": len(xs),
+    }
 
 
 def main() -> None:
@@ -103,9 +117,17 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint folder (default: a fresh tiny model)")
     ap.add_argument("--direct-threshold", type=int, default=16, help="scheduler's direct-prefill threshold")
     ap.add_argument("--out", default="bench/results/mesh_ttft.json")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads of the in-process engine (workers use 1)"
+    )
     args = ap.parse_args()
+    import torch
 
-    model = Path(args.model) if args.model else write_tiny_model(Path("/tmp/moemesh-bench-tiny"), overwrite=True)
+    torch.set_num_threads(args.threads)
+
+    model = (
+        Path(args.model) if args.model else write_tiny_model(Path("/tmp/moemesh-bench-tiny"), overwrite=True)
+    )
     lens = [int(x) for x in args.prompt_lens.split(",")]
     engine = Engine.from_pretrained(model, enable_prefix_cache=False)
     cfg = MeshConfig(
@@ -116,7 +138,15 @@ def main() -> None:
             "services.decode_worker": {"MOEMESH_DECODE_WORKER_ENABLE_PREFIX_CACHE": "false"},
         },
     )  # fmt: skip
-    results: dict = {"benchmark": "mesh_ttft", "machine": platform.node(), "cpus": __import__("os").cpu_count(), "ttft": []}
+    results: dict = {
+        "benchmark": "mesh_ttft",
+        "machine": platform.node(),
+        "cpus": os.cpu_count(),
+        "torch_threads": args.threads,
+        "command": "python -m bench.mesh_ttft " + " ".join(sys.argv[1:]),
+        "load_avg_before": os.getloadavg(),
+        "ttft": [],
+    }
     with Mesh(cfg) as mesh:
         for n in lens:
             prompts = [prompt_of(n, i) for i in range(args.requests)]
@@ -124,12 +154,23 @@ def main() -> None:
             engine_ttft(engine, prompts[:5])
             e = summarize(engine_ttft(engine, prompts))
             mm = summarize(asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts)))
-            path = "direct (decode-local prefill)" if n <= args.direct_threshold else "disaggregated (Mooncake TCP)"
-            row = {"prompt_len": n, "path": path, "engine": e, "mesh": mm, "added_p50_ms": mm["p50_ms"] - e["p50_ms"]}
+            path = (
+                "direct (decode-local prefill)"
+                if n <= args.direct_threshold
+                else "disaggregated (Mooncake TCP)"
+            )
+            row = {
+                "prompt_len": n,
+                "path": path,
+                "engine": e,
+                "mesh": mm,
+                "added_p50_ms": mm["p50_ms"] - e["p50_ms"],
+            }
             results["ttft"].append(row)
             print(json.dumps(row), flush=True)
         results["load"] = asyncio.run(load(mesh.url, mesh.model_name, args.clients, args.gen_tokens, 40))
         print(json.dumps(results["load"]), flush=True)
+    results["load_avg_after"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")

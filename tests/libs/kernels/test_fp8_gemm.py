@@ -92,3 +92,16 @@ def test_masked_real_shapes_on_gpu():
     for e, c in enumerate(counts.tolist()):
         ref = G.fp8_gemm_reference(xq[e, :c], xs[e, :c], w[e], ws[e])
         assert _rel(out[e, :c], ref) < 1e-2
+
+
+def test_split_k_sums_every_slice(device):
+    xq, xs = _acts((20, 1024), device)
+    w, ws = _weights(1, 256, 1024, device)
+    ref = G.fp8_gemm_reference(xq, xs, w[0], ws[0])
+    for split in (2, 3):  # 8 K blocks: 3 slices of 3, 3, 2
+        assert _rel(G.fp8_gemm(xq, xs, w[0], ws[0], split_k=split), ref) < 1e-2
+
+
+def test_split_k_choice():
+    assert G.split_k_for(256, 4096, 7168) > 1
+    assert G.split_k_for(4096, 24576, 1536) == 1

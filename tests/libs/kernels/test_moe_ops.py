@@ -74,3 +74,25 @@ def test_contiguous_moe_matches_per_token_loop(device):
     y.index_add_(0, pair_token[order[valid]], out_rows[valid].float() * w.view(-1)[order[valid]][:, None])
     ref = _reference(xq, xs, ids, w, weights)
     assert ((y - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_fused_dispatch_and_combine_match_the_unfused_ops(device):
+    x, ids, w, _ = _setup(device)
+    m_max = T * K
+    dest, _ = M.align_masked(ids.view(-1), E, m_max)
+    dest[3] = -1  # a dropped pair is neither written nor summed
+    bq = torch.zeros(E, m_max, D, dtype=G.FP8, device=device)
+    bs = torch.full((E, m_max, D // 128), -1.0, device=device)
+    M.dispatch_quant(x, dest, bq, bs)
+    xq, xs = Q.quant_fp8_groups(x)
+    pair_token = torch.arange(T, device=device).repeat_interleave(K)
+    for p, row in enumerate(dest.tolist()):
+        if row >= 0:
+            assert torch.equal(bq.view(-1, D)[row].view(torch.uint8), xq[pair_token[p]].view(torch.uint8))
+            assert torch.equal(bs.view(-1, D // 128)[row], xs[pair_token[p]])
+    assert (bs.view(-1, D // 128) == -1).all(-1).sum() == E * m_max - (dest >= 0).sum()
+    rows = torch.randn(E, m_max, D).to(torch.bfloat16).to(device)
+    shared = torch.randn(T, D).to(torch.bfloat16).to(device)
+    got = M.combine_fused(rows, dest, w, add=shared)
+    ref = M.combine(rows, dest, w).float() + shared.float()
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
