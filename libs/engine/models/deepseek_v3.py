@@ -13,6 +13,7 @@ The router weight and correction bias stay float32 whatever the model dtype, as 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -179,10 +180,13 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype, device)
         shared = cfg.n_shared_experts * cfg.moe_intermediate_size
         self.shared_experts = MLP(cfg.hidden_size, shared, dtype, device) if shared else None
+        # Expert parallelism, set from outside (libs/ep): ep(x, ids, weights) -> [T, D] replaces the local
+        # routed experts with dispatch -> this rank's experts -> combine.
+        self.ep: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        y = self.experts(x, ids, weights)
+        y = self.experts(x, ids, weights) if self.ep is None else self.ep(x, ids, weights)
         return y + self.shared_experts(x) if self.shared_experts is not None else y
 
 
