@@ -1,0 +1,34 @@
+"""The real mesh for e2e tests: nats-server, kv-broker, scheduler, prefill + decode workers and gateway as
+separate processes on loopback, with real Mooncake TCP between the workers, serving a tiny checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from libs.engine.tiny import write_tiny_model
+from libs.launch.mesh import Mesh, MeshConfig
+
+# Prompts longer than this go prefill -> Mooncake -> decode; shorter ones are prefilled on the decode worker.
+DIRECT_THRESHOLD = 8
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-v3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    cfg = MeshConfig(
+        model_dir=tiny_model,
+        port=0,
+        log_dir=tmp_path_factory.mktemp("mesh-logs"),
+        extra_env={
+            "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(DIRECT_THRESHOLD)},
+        },
+    )
+    with Mesh(cfg) as m:
+        yield m
