@@ -16,6 +16,7 @@ from collections.abc import Sequence
 COMMANDS: list[str] = [
     "libs.cli.bench",
     "libs.cli.generate",
+    "libs.cli.serve",
     "libs.cli.tiny_model",
     "libs.cli.up",
 ]

@@ -15,16 +15,14 @@ checks the app's own accounting), and `moemesh_gateway_e2e_request_latency_secon
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from libs.bus.context import TRACEPARENT, context_from_headers, current_traceparent
 from libs.telemetry.tracing import Telemetry
-
-ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
 # path -> (endpoint label, as the gateway's own request counter names it; gen_ai.operation.name)
 ENDPOINTS: Mapping[str, tuple[str, str]] = {
@@ -55,7 +53,7 @@ class TracedApp:
             ["endpoint"], buckets=_E2E, registry=registry,
         )  # fmt: skip
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = self.endpoints.get(scope.get("path", "")) if scope["type"] == "http" else None
         if route is None:
             await self.app(scope, receive, send)
@@ -71,7 +69,7 @@ class TracedApp:
         finally:
             self.e2e.labels(endpoint).observe(time.perf_counter() - t0)
 
-    async def _traced(self, scope: dict, receive: Any, send: Any, operation: str) -> None:
+    async def _traced(self, scope: Scope, receive: Receive, send: Send, operation: str) -> None:
         headers: list[tuple[bytes, bytes]] = list(scope.get("headers") or [])
         client_tp = next((v.decode("latin-1") for k, v in headers if k.lower() == _TP), None)
         parent, _ = context_from_headers({TRACEPARENT: client_tp} if client_tp else None)
@@ -90,7 +88,7 @@ class TracedApp:
                 "headers": [(k, v) for k, v in headers if k.lower() != _TP] + [(_TP, tp.encode())],
             }
 
-            async def traced_send(message: dict) -> None:
+            async def traced_send(message: Message) -> None:
                 if message["type"] == "http.response.start":
                     status = int(message["status"])
                     span.set_attribute("http.response.status_code", status)

@@ -46,7 +46,8 @@ class _Current:
 
 CURRENT: Any = _Current()  # `parent=CURRENT`: the traceparent in force (libs.bus.context)
 
-AttributeValue = str | bool | int | float | list[str] | list[int] | list[float] | list[bool]
+# str, bool, int, float or a list of one of those (OpenTelemetry's rule; the SDK drops anything else)
+AttributeValue = Any
 
 
 def traceparent_of(span: Span) -> str | None:

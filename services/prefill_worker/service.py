@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 
@@ -80,7 +81,7 @@ class PrefillWorker(Service):
         )
         self.tracker = RequestTracker(self.telemetry, r, "prefill")  # spans + request outcome metrics
         for name, key in (("moemesh_kv_pages_free", "free_pages"), ("moemesh_kv_pages_used", "used_pages")):
-            Gauge(name, f"KV pages ({key})", registry=r).set_function(lambda k=key: self.engine.stats()[k])
+            Gauge(name, f"KV pages ({key})", registry=r).set_function(functools.partial(self._stat, key))
         await self.bus.subscribe(
             subjects.prefill_inbox(self.instance_id), m.PrefillInbox, self.on_task, concurrent=True
         )
@@ -90,6 +91,9 @@ class PrefillWorker(Service):
             self.bus, self.instance_id, m.Role.PREFILL, s.model_name, s.heartbeat_interval_ms, self.load
         )
         self.heartbeat.start()
+
+    def _stat(self, key: str) -> int:
+        return self.engine.stats()[key]
 
     def load(self) -> dict[str, int]:
         st = self.engine.stats()
