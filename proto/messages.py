@@ -98,7 +98,11 @@ class KvGeometry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class KvHandle(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a request's prompt KV must be written: pages reserved in a decode worker's pool."""
+    """Where a request's prompt KV must be written: pages reserved in a decode worker's pool.
+
+    The decode worker already holds the prompt's first `cached_tokens` tokens (whole pages, from its own
+    prefix cache); `page_ids` are the pages for the tokens after them, so the prefill side writes its
+    pages from index cached_tokens // page_size on, into page_ids in order."""
 
     handle_id: str
     request_id: str
@@ -107,6 +111,7 @@ class KvHandle(msgspec.Struct, frozen=True, kw_only=True):
     page_ids: list[int]
     num_tokens: int
     lease_expires_ms: int  # epoch ms; unclaimed after this, the pages are reclaimed
+    cached_tokens: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,11 +184,14 @@ Heartbeat = WorkerHeartbeat | WorkerGone
 
 
 class ReserveKv(Kind, frozen=True):
-    """Request/reply: allocate pages for `num_tokens` prompt tokens and register a KV handle."""
+    """Request/reply: allocate pages for `num_tokens` prompt tokens and register a KV handle. With
+    `prompt_ids` (len == num_tokens) the decode worker reuses the prompt's prefix from its own cache and
+    reserves only the pages after it (the handle's `cached_tokens`)."""
 
     request_id: str
     num_tokens: int
     lease_ms: int
+    prompt_ids: list[int] = []
 
 
 class ReserveKvReply(Kind, frozen=True):
@@ -378,6 +386,68 @@ class HandleExpired(Kind, frozen=True):
 
     handle_id: str
     request_id: str
+
+
+# ---------------------------------------------------------------------------------------------
+# prefix-cache events: worker -> kv-broker (broadcast on proto.subjects.kv_events(worker)), snapshots
+# (request/reply on proto.subjects.kv_snapshot(worker)), overlap queries (proto.subjects.BROKER_PREFIX)
+# ---------------------------------------------------------------------------------------------
+
+
+class BlocksStored(Kind, frozen=True):
+    """Full KV pages that entered a worker's prefix cache, by block hash (libs.prefix: the hash of page i
+    stands for the tokens of pages 0..i, the same on every worker). `seq` numbers one worker's events
+    from 1 within its `epoch` (one process lifetime, so a restart is told apart from a gap); a receiver
+    that sees a seq jump has missed events and asks for a KvSnapshot."""
+
+    worker_id: str
+    epoch: str
+    seq: int
+    hashes: list[int]
+
+
+class BlocksRemoved(Kind, frozen=True):
+    """Blocks evicted from a worker's prefix cache (same numbering as BlocksStored)."""
+
+    worker_id: str
+    epoch: str
+    seq: int
+    hashes: list[int]
+
+
+KvEvent = BlocksStored | BlocksRemoved
+
+
+class KvSnapshotRequest(Kind, frozen=True):
+    """kv-broker -> worker: every block hash the worker's prefix cache holds now (resync after a gap,
+    a broker start, a worker not yet known)."""
+
+    worker_id: str
+
+
+class KvSnapshot(Kind, frozen=True):
+    """Reply to KvSnapshotRequest: the complete set of cached block hashes as of event `seq` of `epoch`;
+    it replaces what the receiver knew of the worker, and events after `seq` apply on top."""
+
+    worker_id: str
+    epoch: str
+    seq: int
+    hashes: list[int]
+
+
+class PrefixQuery(Kind, frozen=True):
+    """scheduler -> kv-broker: how much of a prompt each worker holds. `hashes` are the prompt's block
+    hashes at `page_size` tokens per block, in order."""
+
+    page_size: int
+    hashes: list[int]
+
+
+class PrefixReply(Kind, frozen=True):
+    """Cached prompt tokens per worker (its run of leading blocks found, times page_size); workers
+    holding none of the prompt are left out."""
+
+    cached_tokens: dict[str, int] = {}
 
 
 # ---------------------------------------------------------------------------------------------

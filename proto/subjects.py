@@ -47,8 +47,20 @@ def admin(service: str, instance_id: str) -> str:
 
 
 def kv_events(worker_id: str) -> str:
-    """A worker's KV cache events (blocks stored / removed), for prefix-aware routing."""
+    """A worker's KV cache events (blocks stored / removed), for prefix-aware routing: KvEvent union."""
     return f"{PREFIX}.kv_events.{worker_id}"
+
+
+# every worker's KV cache events (the kv-broker's prefix index listens to all, no queue group)
+KV_EVENTS_ALL = f"{PREFIX}.kv_events.*"
+
+# prefix overlap queries (request/reply, queue group QUEUE_BROKER): PrefixQuery -> PrefixReply
+BROKER_PREFIX = f"{PREFIX}.broker.prefix"
+
+
+def kv_snapshot(worker_id: str) -> str:
+    """A worker's snapshot subject (request/reply): KvSnapshotRequest -> KvSnapshot."""
+    return f"{PREFIX}.kv_snapshot.{worker_id}"
 
 
 def check_token(token: str) -> str:

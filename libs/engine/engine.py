@@ -27,7 +27,7 @@ from libs.engine.loader import load_model
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
 from libs.engine.pages import OutOfPagesError, PageAllocator
-from libs.engine.radix_cache import RadixCache
+from libs.engine.radix_cache import CacheListener, RadixCache, RadixNode
 from libs.engine.request import Request, Status
 from libs.engine.runner import Chunk, ModelRunner
 from libs.engine.sampling import SamplingParams, make_generator, sample
@@ -83,6 +83,7 @@ class Engine:
         self.running: list[Request] = []  # admission order
         self.pinned: dict[str, Request] = {}  # PD prefill side: prompt pages held until release()
         self.reservations: dict[str, list[int]] = {}  # PD decode side: pages awaiting add_prefilled()
+        self._reserved_prefix: dict[str, tuple[RadixNode, int]] = {}  # reservation's locked cached pages
         self._pending: list[StepOutput] = []  # finished outside step(), reported by the next step()
         self._stalled = False  # the last step() had nothing to run and nothing to report
         self.num_preemptions = 0
@@ -180,6 +181,8 @@ class Engine:
         """Drop a request in any state (queued, running, pinned, reserved) and free its pages."""
         if rid in self.reservations:
             self.allocator.free(self.reservations.pop(rid))
+            if rid in self._reserved_prefix and self.cache is not None:
+                self.cache.unlock(self._reserved_prefix.pop(rid)[0])
             return True
         req = self.requests.pop(rid, None) or self.pinned.pop(rid, None)
         if req is None:
@@ -212,6 +215,11 @@ class Engine:
     def flush_prefix_cache(self) -> int:
         """Evict every unlocked cached page; returns pages freed."""
         return self.cache.reset() if self.cache else 0
+
+    def set_cache_listener(self, listener: CacheListener | None) -> None:
+        """Report prefix-cache block changes (radix_cache.CacheListener) on the thread driving the engine."""
+        if self.cache is not None:
+            self.cache.set_listener(listener)
 
     # --- PD disaggregation: prefill side ---
     def prefill(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> PrefillResult:
@@ -255,6 +263,28 @@ class Engine:
         self.reservations[rid] = pages
         return list(pages)
 
+    def reserve_cached(self, rid: str, prompt_ids: Sequence[int]) -> tuple[int, list[int]]:
+        """reserve() for a known prompt, reusing its longest cached whole-page prefix (at least one token
+        is left to receive): returns (cached tokens, pages for the rest). The cached pages stay locked in
+        the cache until add_prefilled() joins them (first) with the received ones, or the reservation
+        is cancelled."""
+        prompt_ids = check_prompt(prompt_ids, None, self.limits, f"request {rid!r}")
+        self._check_new_rid(rid)
+        if self.cache is None:
+            return 0, self.reserve(rid, len(prompt_ids))
+        match = self.cache.match_prefix(prompt_ids[:-1])
+        self.cache.lock(match.node)  # before reserve() allocates, which may evict
+        self.allocator.incref(match.pages)
+        try:
+            pages = self.reserve(rid, len(prompt_ids) - match.length)
+        except BaseException:
+            self.cache.unlock(match.node)
+            self.allocator.free(match.pages)
+            raise
+        self.reservations[rid] = list(match.pages) + pages
+        self._reserved_prefix[rid] = (match.node, len(match.pages))
+        return match.length, pages
+
     def cancel_reservation(self, rid: str) -> bool:
         return rid in self.reservations and self.abort(rid)
 
@@ -276,6 +306,7 @@ class Engine:
             )
         req = self._new_request(rid, prompt_ids, params)
         req.pages, req.num_computed, req.admitted = self.reservations.pop(rid), len(prompt_ids), True
+        req.cache_node, req.num_cached_pages = self._reserved_prefix.pop(rid, (None, 0))
         req.status = Status.RUNNING
         self.requests[rid] = req
         self.running.append(req)

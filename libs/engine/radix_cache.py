@@ -10,6 +10,10 @@ Invariants:
   whoever matched a prefix takes its own references too, so a page lives while anyone holds it.
 - `lock(node)` pins the path root..node while a request uses it; only unlocked leaves are evicted,
   least recently used first. `evictable_pages` counts pages in unlocked nodes.
+
+Events (prefix-aware routing): with a `CacheListener` set, every node also keeps its pages' block hashes
+(libs.prefix) and the listener hears each run of pages that enters the cache (`blocks_stored`) or leaves
+it (`blocks_removed`), on the thread that changed the cache. Without one, nothing is hashed.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from libs.engine.pages import PageAllocator
+from libs.prefix import extend_hashes, root_hash
 
 _clock = itertools.count()
 
@@ -32,6 +38,7 @@ class RadixNode:
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    hashes: list[int] = field(default_factory=list)  # block hash per page, while a listener is set
 
     def __lt__(self, other: RadixNode) -> bool:
         return self.last_access < other.last_access
@@ -44,6 +51,14 @@ class PrefixMatch:
     node: RadixNode  # deepest matched node: lock it while the pages are in use
 
 
+class CacheListener(Protocol):
+    """Told of every block run entering or leaving the cache (hashes in prefix order)."""
+
+    def blocks_stored(self, hashes: list[int]) -> None: ...
+
+    def blocks_removed(self, hashes: list[int]) -> None: ...
+
+
 class RadixCache:
     def __init__(self, allocator: PageAllocator, page_size: int) -> None:
         if page_size < 1:
@@ -54,6 +69,19 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self.cached_pages = 0
         self.evictable_pages = 0
+        self.listener: CacheListener | None = None
+
+    def set_listener(self, listener: CacheListener | None) -> None:
+        """Report cache changes to `listener` from now on; what is cached already is reported as stored."""
+        self.listener = listener
+        if listener is None:
+            return
+        stack = [(child, root_hash(self.page_size)) for child in self.root.children.values()]
+        while stack:  # parents before children, so every run's parent hash is known
+            node, parent = stack.pop()
+            node.hashes = extend_hashes(parent, node.key, self.page_size)
+            listener.blocks_stored(list(node.hashes))
+            stack.extend((c, node.hashes[-1]) for c in node.children.values())
 
     def _page_key(self, tokens: Sequence[int], start: int) -> tuple[int, ...]:
         return tuple(tokens[start : start + self.page_size])
@@ -105,6 +133,10 @@ class RadixCache:
             match.node.children[self._page_key(leaf.key, 0)] = leaf
             self.cached_pages += len(new_pages)
             self.evictable_pages += len(new_pages)
+            if self.listener is not None:
+                parent = match.node.hashes[-1] if match.node.hashes else root_hash(self.page_size)
+                leaf.hashes = extend_hashes(parent, leaf.key, self.page_size)
+                self.listener.blocks_stored(list(leaf.hashes))
         return match.length
 
     def lock(self, node: RadixNode) -> None:
@@ -150,6 +182,8 @@ class RadixCache:
         del leaf.parent.children[self._page_key(leaf.key, 0)]
         self.cached_pages -= len(leaf.pages)
         self.evictable_pages -= len(leaf.pages)
+        if self.listener is not None:
+            self.listener.blocks_removed(list(leaf.hashes))
         return self.allocator.free(leaf.pages)
 
     def _split(self, child: RadixNode, n_pages: int) -> RadixNode:
@@ -158,6 +192,7 @@ class RadixCache:
         cut = n_pages * self.page_size
         upper = RadixNode(child.key[:cut], child.pages[:n_pages], child.parent)
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        upper.hashes, child.hashes = child.hashes[:n_pages], child.hashes[n_pages:]
         child.parent.children[self._page_key(upper.key, 0)] = upper
         child.key, child.pages, child.parent = child.key[cut:], child.pages[n_pages:], upper
         upper.children[self._page_key(child.key, 0)] = child

@@ -110,6 +110,20 @@ EXAMPLES: list[msgspec.Struct] = [
         ),
     ),
     m.Rejected(code=400, message="garbage"),
+    m.BlocksStored(worker_id="p0", epoch="e1", seq=1, hashes=[2**64 - 1, 0, 12345]),
+    m.BlocksRemoved(worker_id="p0", epoch="e1", seq=2, hashes=[12345]),
+    m.KvSnapshotRequest(worker_id="p0"),
+    m.KvSnapshot(worker_id="p0", epoch="e1", seq=2, hashes=[2**64 - 1, 0]),
+    m.PrefixQuery(page_size=16, hashes=[1, 2, 3]),
+    m.PrefixReply(cached_tokens={"p0": 32, "d0": 16}),
+    m.ReserveKv(request_id="r2", num_tokens=3, lease_ms=100, prompt_ids=[5, 6, 7]),
+    m.PrefillTask(
+        request_id="r2",
+        prompt_ids=[5, 6, 7],
+        sampling=SAMPLING,
+        stream_subject="s",
+        handle=msgspec.structs.replace(HANDLE, cached_tokens=16),
+    ),  # fmt: skip
 ]
 
 
@@ -131,7 +145,8 @@ def test_round_trip(msg: msgspec.Struct) -> None:
 
 
 @pytest.mark.parametrize(
-    "union", [m.DecodeInbox, m.PrefillInbox, m.StreamMessage, m.BrokerRequest, m.Heartbeat, m.AdminRequest]
+    "union",
+    [m.DecodeInbox, m.PrefillInbox, m.StreamMessage, m.BrokerRequest, m.Heartbeat, m.AdminRequest, m.KvEvent],
 )
 def test_unions_dispatch_on_tag(union: object) -> None:
     members = typing.get_args(union) or (union,)
