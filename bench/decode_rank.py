@@ -45,6 +45,7 @@ LAYERS, DENSE_LAYERS, INTER_DENSE, INTER_MOE, EXPERTS, TOPK, VOCAB = 61, 3, 1843
 N_GROUP, TOPK_GROUP, SCALING, EPS = 8, 4, 2.5, 1e-6
 PAGE = 64
 DEV = "cuda"
+FUSE_SHARED = True
 SM_SCALE = 1.0 / math.sqrt(NOPE + ROPE)
 
 
@@ -87,8 +88,10 @@ def build_layer(i: int, local_experts: int) -> Layer:
         layer.moe = {
             "gate_t": torch.randn(D, EXPERTS, device=DEV, dtype=torch.bfloat16) / math.sqrt(D),  # [D, E]
             "bias": 0.01 * torch.randn(EXPERTS, device=DEV),
-            "shared": (fp8_weight(2 * INTER_MOE, D), fp8_weight(D, INTER_MOE)),
-            "w13": fp8_weight(2 * INTER_MOE, D, local_experts), "w2": fp8_weight(D, INTER_MOE, local_experts),
+            # the shared expert: [local_experts] of w13/w2 when fused, this pair when not
+            "shared": (fp8_weight(2 * INTER_MOE, D), fp8_weight(D, INTER_MOE)) if not FUSE_SHARED else None,
+            "w13": fp8_weight(2 * INTER_MOE, D, local_experts + FUSE_SHARED),
+            "w2": fp8_weight(D, INTER_MOE, local_experts + FUSE_SHARED),
         }  # fmt: skip
     return layer
 
@@ -103,6 +106,7 @@ class Rank:
     cos_sin: torch.Tensor
     local_experts: int
     mla_cfg: MLAConfig
+    fuse_shared: bool = True
     comm: object = None  # callable("dispatch" | "combine") or None
     fi: object = None  # libs.kernels.flashinfer_mla.FlashInferMLA when --attn flashinfer
 
@@ -138,7 +142,9 @@ def make_batch(rank: Rank, b: int, ctx: int, gen: int, max_ctx: int, gen_seed: i
     bt.scratch["q_rope"] = torch.empty(b, HEADS, ROPE, device=DEV, dtype=torch.bfloat16)
     bt.scratch["o_lat"] = torch.zeros(b, HEADS, KVR, device=DEV, dtype=torch.bfloat16)
     bt.scratch["q_lat"] = torch.randn(HEADS, b, KVR, device=DEV, dtype=torch.bfloat16)
-    e = rank.local_experts
+    e = rank.local_experts + (1 if rank.fuse_shared else 0)
+    bt.scratch["shared_id"] = torch.full((b, 1), rank.local_experts, device=DEV, dtype=torch.int32)
+    bt.scratch["ones"] = torch.ones(b, 1, device=DEV)
     bt.scratch["bq"] = torch.zeros(e, bt.m_max, D, device=DEV, dtype=G.FP8)
     bt.scratch["bs"] = torch.ones(e, bt.m_max, D // 128, device=DEV)
     bt.scratch["next"] = torch.empty(b, device=DEV, dtype=torch.long)
@@ -179,11 +185,16 @@ def moe(rank: Rank, bt: Batch, lw: Layer, x: torch.Tensor) -> torch.Tensor:
     sc, m = bt.scratch, lw.moe
     logits = torch.mm(x, m["gate_t"]).float()
     weights, ids = routing.route(logits, m["bias"], TOPK, N_GROUP, TOPK_GROUP, SCALING)
-    (gu, gus), (dn, dns) = m["shared"]
-    hq, hs = quant.silu_mul_quant(linear(x, (gu, gus)))
-    shared = G.fp8_gemm(hq, hs, dn, dns)
-    local = (ids % rank.local_experts).view(-1)  # stands in for the pairs other ranks send here
-    dest, counts = moe_ops.align_masked(local, rank.local_experts, bt.m_max)
+    local = ids % rank.local_experts  # stands in for the pairs other ranks send here
+    shared = None
+    if rank.fuse_shared:  # the shared expert is one more local expert that every token visits, weight 1
+        local = torch.cat([local, sc["shared_id"]], 1)
+        weights = torch.cat([weights, sc["ones"]], 1)
+    else:
+        (gu, gus), (dn, dns) = m["shared"]
+        hq, hs = quant.silu_mul_quant(linear(x, (gu, gus)))
+        shared = G.fp8_gemm(hq, hs, dn, dns)
+    dest, counts = moe_ops.align_masked(local.view(-1), sc["bq"].shape[0], bt.m_max)
     moe_ops.dispatch_quant(x, dest, sc["bq"], sc["bs"])  # quantize once, land in the masked layout
     if rank.comm is not None:
         rank.comm("dispatch")
@@ -330,11 +341,16 @@ def run_batch(rank: Rank, b: int, a, env: dict, world: int) -> list[dict]:
         times[name] = sorted(graph_ms(g, a.iters))[a.iters // 2]
         del g
     comm_ms = None
+    comm_err = None
     if world > 1:
         rank.comm, per_rank = make_comm(b, world)
-        g = capture(rank, bt, {"attn", "moe", "other"})
-        comm_ms = sorted(graph_ms(g, a.iters))[a.iters // 2]
-        del g
+        try:
+            g = capture(rank, bt, {"attn", "moe", "other"})
+            comm_ms = sorted(graph_ms(g, a.iters))[a.iters // 2]
+            del g
+        except Exception as e:  # NCCL inside graph capture unavailable: say so rather than stop
+            comm_err = f"{type(e).__name__}: {str(e)[:300]}"
+            print("comm capture failed:", comm_err, flush=True)
         rank.comm = None
     torch.cuda.empty_cache()
     mean_ctx = float(bt.seq_lens.float().mean())
@@ -349,8 +365,10 @@ def run_batch(rank: Rank, b: int, a, env: dict, world: int) -> list[dict]:
         "roofline_tokens_per_s": roof["tokens_per_s"], "num_splits": bt.num_splits, "m_max": bt.m_max,
         "mla_config": asdict(rank.mla_cfg),
         "cuda_graph": True, "ep": 72, "local_experts": rank.local_experts, "attention_backend": a.attn,
-        "attention_rel_err_vs_triton": attn_err,
+        "attention_rel_err_vs_triton": attn_err, "shared_expert_fused": rank.fuse_shared,
     }  # fmt: skip
+    if comm_err is not None:
+        rec["comm_error"] = comm_err
     if comm_ms is not None:
         rec.update({"step_ms_with_comm": comm_ms, "tokens_per_s_per_gpu_with_comm": b / comm_ms * 1e3,
                     "comm_bytes_per_layer": per_rank, "world": world})  # fmt: skip
@@ -371,7 +389,10 @@ def worker(local_rank: int, world: int, a) -> None:
     torch.manual_seed(local_rank)
     batches = [int(x) for x in a.batch.split(",")]
     env = environment()
+    global FUSE_SHARED
+    FUSE_SHARED = not a.separate_shared
     rank = build_rank(max(batches), a.ctx + a.gen, a.physical // a.ep, load_mla_config())
+    rank.fuse_shared = FUSE_SHARED
     if a.attn == "flashinfer":
         from libs.kernels.flashinfer_mla import FlashInferMLA
 
@@ -405,6 +426,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--world", type=int, default=1, help="2: also move EP traffic over NVLink")
     ap.add_argument("--attn", choices=["triton", "flashinfer"], default="triton")
+    ap.add_argument(
+        "--separate-shared", action="store_true", help="shared expert as dense GEMMs, not a 5th local expert"
+    )
     ap.add_argument("--profile", type=int, default=0, help="batch size to profile one eager step of")
     a = ap.parse_args()
     if a.world > 1:

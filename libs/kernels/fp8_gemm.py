@@ -93,7 +93,7 @@ _CONFIGS = [
         (16, 128, 4, 5), (64, 64, 4, 5), (32, 64, 4, 6), (16, 64, 4, 6),
     ]
 ]  # fmt: skip
-_fp8_gemm_tuned = triton.autotune(_CONFIGS, key=["M", "N", "K", "LAYOUT"], warmup=5, rep=20)(_fp8_gemm_body)
+_fp8_gemm_tuned = triton.autotune(_CONFIGS, key=["M", "N", "K", "LAYOUT"])(_fp8_gemm_body)
 
 
 def _default_block_m(m: int) -> int:
@@ -140,6 +140,31 @@ def split_k_for(m: int, n: int, k: int, num_sms: int = 132) -> int:
     return max(1, min(triton.cdiv(4 * num_sms, tiles), k // GROUP // 4))
 
 
+_SPLIT_CHOICE: dict[tuple[int, int, int], int] = {}
+
+
+def _measured_split(xq, xs, w, w_s, out) -> int:
+    """Split-K helps some decode shapes and hurts others (atomics, zero-fill, cast); time both once
+    per shape on first use (never during graph capture: callers warm up first) and keep the faster."""
+    m, k = xq.shape
+    key = (m, w.shape[0], k)
+    if key not in _SPLIT_CHOICE:
+        split = split_k_for(*key)
+        if split == 1:
+            _SPLIT_CHOICE[key] = 1
+        else:
+            import triton.testing
+
+            plain = triton.testing.do_bench(
+                lambda: fp8_gemm(xq, xs, w, w_s, out=out, split_k=1), return_mode="median"
+            )
+            sk = triton.testing.do_bench(
+                lambda: _fp8_gemm_split_k(xq, xs, w, w_s, out, split), return_mode="median"
+            )
+            _SPLIT_CHOICE[key] = split if sk < plain else 1
+    return _SPLIT_CHOICE[key]
+
+
 def _fp8_gemm_split_k(xq, xs, w, w_s, out, split: int) -> None:
     m, k = xq.shape
     n = w.shape[0]
@@ -163,7 +188,7 @@ def fp8_gemm(xq, xs, w, w_s, out_dtype=torch.bfloat16, out=None, block_m=None, s
     _check_weight(w, w_s, k)
     out = out if out is not None else torch.empty(m, w.shape[0], dtype=out_dtype, device=xq.device)
     if split_k is None:
-        split_k = split_k_for(m, w.shape[0], k) if _on_gpu() and block_m is None else 1
+        split_k = _measured_split(xq, xs, w, w_s, out) if _on_gpu() and block_m is None else 1
     if split_k > 1:
         _fp8_gemm_split_k(xq, xs, w, w_s, out, split_k)
         return out
