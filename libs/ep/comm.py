@@ -1,0 +1,115 @@
+"""The collectives an EP rank needs, over torch.distributed (gloo on CPU, NCCL on GPU) or in one process.
+
+Every rank of a group calls the same collectives in the same order (the dispatcher and the weight exchange
+do; the lockstep protocol in runtime.py makes idle ranks join too). Tensors go as raw bytes (rows viewed as
+uint8), so any dtype (fp8, bf16) crosses gloo and NCCL alike.
+
+`InProcessHub` runs N ranks as N threads of one process, for unit tests of the dispatch logic: a barrier
+and a shared mailbox stand in for the network, and a broken barrier (a rank that never arrives) raises
+instead of hanging.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+
+class Comm(ABC):
+    rank: int
+    size: int
+    device: torch.device
+
+    @abstractmethod
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's `values` (same length on every rank), in rank order."""
+
+    @abstractmethod
+    def _all_to_all_bytes(
+        self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]
+    ) -> torch.Tensor:
+        """send [sum(send_rows), B] uint8 -> [sum(recv_rows), B] uint8; rows to rank j are contiguous."""
+
+    def all_to_all(
+        self, send: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int]
+    ) -> torch.Tensor:
+        """Rows of `send` [R, ...] go to ranks in order (send_rows[j] rows to rank j); returns the rows received,
+        recv_rows[i] from rank i, in rank order, same trailing shape and dtype."""
+        if len(send_rows) != self.size or len(recv_rows) != self.size or sum(send_rows) != send.shape[0]:
+            raise ValueError(
+                f"all_to_all: {send.shape[0]} rows, send_rows {list(send_rows)}, group of {self.size}"
+            )
+        tail = tuple(send.shape[1:])
+        raw = send.contiguous().view(send.shape[0], math.prod(tail)).view(torch.uint8)
+        out = self._all_to_all_bytes(raw, list(send_rows), list(recv_rows))
+        return out.view(send.dtype).view(sum(recv_rows), *tail)
+
+
+class TorchComm(Comm):
+    """torch.distributed over `group` (None: the default group). Small control tensors live on `device`
+    (CPU for gloo, the rank's GPU for NCCL)."""
+
+    def __init__(self, group=None, device: torch.device | str = "cpu") -> None:
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.device = torch.device(device)
+
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.size)]
+        self.dist.all_gather(out, mine, group=self.group)
+        return torch.stack(out).tolist()
+
+    def _all_to_all_bytes(
+        self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]
+    ) -> torch.Tensor:
+        out = torch.empty(sum(recv_rows), send.shape[1], dtype=torch.uint8, device=send.device)
+        self.dist.all_to_all_single(out, send, recv_rows, send_rows, group=self.group)
+        return out
+
+
+class InProcessHub:
+    """A group of `size` ranks inside one process (one thread per rank); `comm(rank)` is each one's Comm."""
+
+    def __init__(self, size: int, timeout_s: float = 30.0) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=timeout_s)
+        self.box: list[object] = [None] * size
+
+    def comm(self, rank: int) -> InProcessComm:
+        return InProcessComm(self, rank)
+
+    def exchange(self, rank: int, item: object) -> list[object]:
+        """Everyone posts one item and gets everyone's, in rank order."""
+        self.box[rank] = item
+        self.barrier.wait()
+        items = list(self.box)
+        self.barrier.wait()  # nobody posts the next item before everyone has read this one
+        return items
+
+
+class InProcessComm(Comm):
+    def __init__(self, hub: InProcessHub, rank: int) -> None:
+        self.hub, self.rank, self.size = hub, rank, hub.size
+        self.device = torch.device("cpu")
+
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        return [list(v) for v in self.hub.exchange(self.rank, list(values))]  # type: ignore[call-overload]
+
+    def _all_to_all_bytes(
+        self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]
+    ) -> torch.Tensor:
+        parts = list(torch.split(send, send_rows))
+        posted = self.hub.exchange(self.rank, parts)
+        got = [posted[src][self.rank] for src in range(self.size)]  # type: ignore[index]
+        if [p.shape[0] for p in got] != recv_rows:
+            raise RuntimeError(
+                f"rank {self.rank} expected {recv_rows} rows, peers sent {[p.shape[0] for p in got]}"
+            )
+        return torch.cat(got).clone() if got else send.new_empty((0, send.shape[1]))

@@ -1,0 +1,110 @@
+"""DeepEP backend: `deep_ep.Buffer` normal kernels for prefill-sized rounds, low-latency kernels for decode.
+
+UNRUN: deep_ep is not installed on the machine this was written on (no GPU); the code follows DeepEP's
+documented Python API (deep_ep/buffer.py: get_dispatch_layout / dispatch / combine, low_latency_dispatch /
+low_latency_combine, the buffer size hints) and needs a GPU run before it is trusted.
+
+The mode is picked per round from the header every rank exchanges first (runtime.py's lockstep): when the
+largest token count on any rank fits `ll_max_tokens`, every rank uses the low-latency kernels, else every
+rank uses the normal ones, so all ranks always launch the same collective. Normal mode returns the "tokens"
+layout (each token once per rank, local expert ids, weights; the experts return the weighted sum and
+combine adds without weights); low-latency returns the "experts" layout ([S, cap, D] per local expert with
+counts; combine applies the top-k weights). FP8 dispatch uses DeepEP's per-128 scales; combine is BF16.
+Two separate buffers (normal, low-latency) so switching modes needs no buffer cleaning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from libs.ep.comm import Comm
+from libs.ep.dispatch import Dispatched, Dispatcher, dequantize_fp8, quantize_fp8
+
+MODES = ("auto", "normal", "low_latency")
+
+
+class DeepEPDispatcher(Dispatcher):
+    def __init__(
+        self, group: Any, header: Comm, num_physical: int, hidden: int, dtype: torch.dtype,
+        fp8: bool = True, mode: str = "auto", ll_max_tokens: int = 128,
+    ) -> None:  # fmt: skip
+        try:
+            from deep_ep import Buffer
+        except ImportError as e:
+            raise RuntimeError(
+                "EP backend 'deepep' needs the deep_ep package (https://github.com/deepseek-ai/DeepEP) built "
+                f"for this GPU and NVSHMEM; it does not import here: {e}"
+            ) from e
+        if mode not in MODES:
+            raise ValueError(f"DeepEP mode must be one of {MODES}, got {mode!r}")
+        n = header.size
+        self.header, self.num_physical, self.fp8, self.ll_max_tokens = (
+            header,
+            num_physical,
+            fp8,
+            ll_max_tokens,
+        )
+        self.normal = self.ll = None
+        if mode != "low_latency":
+            hidden_bytes = hidden * 2  # sized for BF16 rows, which also covers FP8 + scales
+            nvl = rdma = 0
+            for config in (Buffer.get_dispatch_config(n), Buffer.get_combine_config(n)):
+                nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, n))
+                rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, n))
+            self.normal = Buffer(group, nvl, rdma)
+        if mode != "normal":
+            rdma = Buffer.get_low_latency_rdma_size_hint(ll_max_tokens, hidden, n, num_physical)
+            self.ll = Buffer(
+                group, 0, rdma, low_latency_mode=True, num_qps_per_rank=max(1, num_physical // n)
+            )
+
+    def dispatch(
+        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, active: bool = True
+    ) -> Dispatched | None:
+        table = self.header.all_gather_ints([int(active), x.shape[0]])
+        if not any(row[0] for row in table):
+            return None
+        peak = max(row[1] for row in table)
+        if self.ll is not None and (self.normal is None or peak <= self.ll_max_tokens):
+            if peak > self.ll_max_tokens:
+                raise RuntimeError(
+                    f"{peak} tokens on one rank exceed DeepEP low-latency's {self.ll_max_tokens}"
+                )
+            return self._dispatch_ll(x, slots, weights)
+        return self._dispatch_normal(x, slots, weights)
+
+    def _dispatch_normal(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> Dispatched:
+        buf = self.normal
+        assert buf is not None
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(slots, self.num_physical)
+        payload = quantize_fp8(x) if self.fp8 else x.to(torch.bfloat16).contiguous()
+        recv, recv_ids, recv_w, _, handle, _ = buf.dispatch(
+            payload, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=slots,
+            topk_weights=weights.float(),
+        )  # fmt: skip
+        rx = dequantize_fp8(recv[0], recv[1], x.dtype) if self.fp8 else recv.to(x.dtype)
+        return Dispatched("tokens", rx, recv_ids, recv_w, handle=("normal", handle, x.dtype))
+
+    def _dispatch_ll(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> Dispatched:
+        assert self.ll is not None
+        recv, counts, handle, _, _ = self.ll.low_latency_dispatch(
+            x.to(torch.bfloat16).contiguous(), slots, self.ll_max_tokens, self.num_physical, use_fp8=self.fp8
+        )
+        rx = dequantize_fp8(recv[0], recv[1], x.dtype) if self.fp8 else recv.to(x.dtype)
+        return Dispatched(
+            "experts", rx, counts=counts.tolist(), handle=("ll", handle, slots, weights, x.dtype)
+        )
+
+    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
+        if d.handle[0] == "normal":
+            _, handle, dtype = d.handle
+            assert self.normal is not None
+            out, _, _ = self.normal.combine(y.to(torch.bfloat16), handle)
+            return out.to(dtype)
+        _, handle, slots, weights, dtype = d.handle
+        assert self.ll is not None
+        out, _, _ = self.ll.low_latency_combine(y.to(torch.bfloat16), slots, weights.float(), handle)
+        return out.to(dtype)

@@ -1,0 +1,381 @@
+"""`EPEngine`: the Engine API over a group of EP rank processes (DP attention + EP MoE), for the workers.
+
+The worker process holds only this front; `ep_size` rank processes (rank.py) each run an Engine on their own
+requests and KV pages, with the routed experts sharded over the group. The front:
+- hands each new request (add_request, reserve, prefill) to the least loaded rank and remembers its owner,
+  so later calls for that request (abort, add_prefilled, release, ...) go to the same rank;
+- runs group operations (step, prefill, generate, rebalance) on every rank at once, ranks with nothing to
+  do joining as idle (see runtime.py), and merges their outputs;
+- keeps each rank's stats from its last reply, so `stats()` and `has_unfinished()` never wait on a rank
+  (the heartbeat reads them from the event loop while a step runs on the engine thread);
+- sums the expert load every op reply carries, and runs EPLB every `eplb_interval_steps` steps (or when
+  `rebalance()` is called): a new placement computed from the load since the last one, swapped in on every
+  rank between two steps, in-flight requests untouched (their KV and state never move).
+
+KV pages. On CPU the ranks' KV pools are slices of one shared-memory pool owned by the front: rank r owns
+pages [r * P, (r + 1) * P) of `kv_pool`, so the worker registers one region with the transfer engine and
+page ids on the wire are global. On GPU each rank's pool lives on its own GPU and `kv_pool` is unavailable.
+
+Every call must come from one thread (the worker's engine thread); only stats()/has_unfinished() and the
+metrics collector may be read from others.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+from libs.engine.config import ModelConfig
+from libs.engine.engine import default_num_pages
+from libs.engine.kv_pool import KVPool
+from libs.engine.loader import parse_dtype
+from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
+from libs.engine.sampling import SamplingParams
+from libs.ep import eplb
+from libs.ep.dispatch import BACKENDS
+from libs.ep.placement import Placement
+from libs.ep.rank import RankSpec, rank_main
+
+STAT_KEYS = ("total_pages", "free_pages", "used_pages", "cached_pages", "evictable_pages", "running",
+             "waiting", "pinned", "reserved", "preemptions")  # fmt: skip
+
+
+class EPEngine:
+    def __init__(
+        self,
+        model_dir: str,
+        ep_size: int,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        page_size: int = 16,
+        num_pages: int | None = None,  # per rank
+        max_num_seqs: int = 64,  # per rank
+        max_prefill_tokens: int = 2048,
+        enable_prefix_cache: bool = True,
+        backend: str = "torch",
+        num_redundant_experts: int = 0,
+        fp8_dispatch: bool = False,
+        torch_threads: int = 1,
+        eplb_interval_steps: int = 0,
+        timeout_s: float = 300.0,
+        backend_options: dict[str, Any] | None = None,
+    ) -> None:
+        if ep_size < 1:
+            raise ValueError(f"ep_size must be >= 1, got {ep_size}")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown EP dispatch backend {backend!r}: use one of {BACKENDS}")
+        if eplb_interval_steps < 0:
+            raise ValueError(f"eplb_interval_steps must be >= 0, got {eplb_interval_steps}")
+        self.config = cfg = ModelConfig.from_pretrained(model_dir)
+        self.layer_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        if not self.layer_ids:
+            raise ValueError(f"{model_dir} has no MoE layers: expert parallelism has nothing to shard")
+        self.placement = Placement.uniform(
+            len(self.layer_ids), cfg.n_routed_experts, ep_size, num_redundant_experts
+        )
+        self.ep_size, self.page_size, self.eplb_interval_steps = ep_size, page_size, eplb_interval_steps
+        torch_dtype = parse_dtype(dtype)
+        row_bytes = cfg.kv_row_dim * torch.empty((), dtype=torch_dtype).element_size() * cfg.num_hidden_layers
+        self.pages_per_rank = num_pages or default_num_pages(cfg, page_size, max_num_seqs, row_bytes)
+        self._kv_pool: KVPool | None = None
+        if device == "cpu":  # one shared-memory pool, rank r's pages a slice of it
+            self._kv_pool = KVPool(
+                cfg.num_hidden_layers, ep_size * self.pages_per_rank, page_size, cfg.kv_row_dim, torch_dtype
+            )
+            self._kv_pool.buffer.share_memory_()
+        engine_kwargs = dict(
+            page_size=page_size, num_pages=self.pages_per_rank, max_num_seqs=max_num_seqs,
+            max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=enable_prefix_cache,
+        )  # fmt: skip
+        spec = RankSpec(
+            model_dir=str(model_dir), ep_size=ep_size, init_method=f"tcp://127.0.0.1:{_free_port()}",
+            placement=self.placement.to_wire(), device=device, dtype=dtype, backend=backend,
+            fp8_dispatch=fp8_dispatch, torch_threads=torch_threads, timeout_s=timeout_s, engine=engine_kwargs,
+            backend_options=dict(backend_options or {}),
+        )  # fmt: skip
+        shape = (len(self.layer_ids), cfg.n_routed_experts)
+        self.expert_load = np.zeros(shape, dtype=np.int64)  # since start, summed over ranks
+        self.window_load = np.zeros(shape, dtype=np.int64)  # since the last placement change
+        self.num_rebalances, self.steps = 0, 0
+        self.owner: dict[str, int] = {}  # request id -> rank
+        self._status: list[dict[str, int]] = [{} for _ in range(ep_size)]
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._broken: str | None = None
+        atexit.register(self.close)
+        try:
+            self._spawn(spec, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- offline API ---
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[GenerationOutput]:
+        """Every prompt to completion; prompts spread over the ranks by length, outputs in prompt order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        assign = _spread([len(p) for p in prompts], self.ep_size)
+        ops = {
+            r: ("generate", ([prompts[i] for i in idx], [plist[i] for i in idx])) for r, idx in assign.items()
+        }
+        results = self._op(ops)
+        out: list[GenerationOutput | None] = [None] * len(prompts)
+        for r, idx in assign.items():
+            for i, o in zip(idx, results[r], strict=True):
+                out[i] = o
+        return out  # type: ignore[return-value]
+
+    def prefill_logits(self, tokens: Sequence[int], rank: int | None = None) -> torch.Tensor:
+        """[T, V] float32 logits at every position, computed on `rank` (default: the least loaded)."""
+        r = self._pick() if rank is None else rank
+        return torch.from_numpy(self._op({r: ("prefill_logits", (list(tokens),))})[r])
+
+    def prefill_logits_many(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Each prompt on rank i mod ep_size, all ranks at once (a ragged batch across the group)."""
+        results: list[torch.Tensor | None] = [None] * len(prompts)
+        for start in range(0, len(prompts), self.ep_size):
+            ops = {
+                i - start: ("prefill_logits", (list(prompts[i]),))
+                for i in range(start, min(len(prompts), start + self.ep_size))
+            }
+            got = self._op(ops)
+            for r in ops:
+                results[start + r] = torch.from_numpy(got[r])
+        return results  # type: ignore[return-value]
+
+    # --- incremental API (Engine's) ---
+    def add_request(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self._check_new_rid(rid)
+        r = self._pick()
+        self._call(r, "add_request", rid, list(prompt_ids), params)
+        self.owner[rid] = r
+
+    def step(self) -> list[StepOutput]:
+        """One step on every rank (idle ranks serve the others' experts); outputs of all ranks."""
+        if not self.has_unfinished():
+            return []
+        results = self._op({r: ("step", ()) for r in range(self.ep_size)})
+        outputs = [o for r in range(self.ep_size) for o in results[r]]
+        for o in outputs:
+            if o.finished:
+                self.owner.pop(o.rid, None)
+        self.steps += 1
+        if self.eplb_interval_steps and self.steps % self.eplb_interval_steps == 0 and self.window_load.any():
+            self.rebalance()
+        return outputs
+
+    def abort(self, rid: str) -> bool:
+        r = self.owner.pop(rid, None)
+        return False if r is None else bool(self._call(r, "abort", rid))
+
+    def has_unfinished(self) -> bool:
+        return any(s.get("unfinished") for s in self._status)
+
+    def stats(self) -> dict[str, int]:
+        """Summed over ranks, as of each rank's last reply."""
+        return {k: sum(s.get(k, 0) for s in self._status) for k in STAT_KEYS}
+
+    def flush_prefix_cache(self) -> int:
+        return sum(self._call(r, "flush_prefix_cache") for r in range(self.ep_size))
+
+    # --- PD: prefill side ---
+    def prefill(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> PrefillResult:
+        """Prefill on the least loaded rank (the others serve its experts); page ids are global."""
+        self._check_new_rid(rid)
+        r = self._pick()
+        res = self._op({r: ("prefill", (rid, list(prompt_ids), params))})[r]
+        self.owner[rid] = r
+        res.page_ids = [p + r * self.pages_per_rank for p in res.page_ids]
+        return res
+
+    def release(self, rid: str) -> bool:
+        r = self.owner.get(rid)
+        if r is None or not self._call(r, "release", rid):
+            return False
+        del self.owner[rid]
+        return True
+
+    # --- PD: decode side ---
+    def reserve(self, rid: str, num_tokens: int) -> list[int]:
+        self._check_new_rid(rid)
+        r = self._pick()
+        pages = self._call(r, "reserve", rid, num_tokens)
+        self.owner[rid] = r
+        return [p + r * self.pages_per_rank for p in pages]
+
+    def cancel_reservation(self, rid: str) -> bool:
+        r = self.owner.get(rid)
+        if r is None or not self._call(r, "cancel_reservation", rid):
+            return False
+        del self.owner[rid]
+        return True
+
+    def add_prefilled(
+        self, rid: str, prompt_ids: Sequence[int], first_token: int, params: SamplingParams
+    ) -> None:
+        r = self.owner.get(rid)
+        if r is None:
+            raise ValueError(f"add_prefilled: no reservation for request {rid!r}")
+        self._call(r, "add_prefilled", rid, list(prompt_ids), first_token, params)
+
+    @property
+    def kv_pool(self) -> KVPool:
+        if self._kv_pool is None:
+            raise RuntimeError(
+                "this EP group keeps each rank's KV pool on its own GPU; moving KV pages from per-rank "
+                "pools (PD transfer) is not implemented, only the CPU shared pool is"
+            )
+        return self._kv_pool
+
+    # --- EPLB ---
+    def rebalance(self, load: np.ndarray | None = None) -> Placement:
+        """New placement by EPLB from `load` [L, E] (default: the load since the last change), applied."""
+        load = self.window_load if load is None else load
+        new = eplb.rebalance(
+            torch.as_tensor(load), self.placement.num_physical, self.ep_size, num_groups=self.config.n_group
+        )
+        self.apply_placement(new)
+        return new
+
+    def apply_placement(self, placement: Placement) -> None:
+        """Swap every rank to `placement` between two steps (experts' weights move between ranks)."""
+        if placement != self.placement:
+            self._op({r: ("rebalance", (placement.to_wire(),)) for r in range(self.ep_size)})
+            self.placement = placement
+            self.num_rebalances += 1
+        self.window_load[:] = 0
+
+    def register_metrics(self, registry: Any) -> None:
+        from libs.ep.metrics import ExpertLoadCollector
+
+        registry.register(ExpertLoadCollector(self))
+
+    # --- the group ---
+    def _spawn(self, spec: RankSpec, timeout_s: float) -> None:
+        ctx = mp.get_context("spawn")
+        for r in range(self.ep_size):
+            parent, child = ctx.Pipe()
+            kv = None
+            if self._kv_pool is not None:
+                rows = self.pages_per_rank * self.page_size
+                kv = self._kv_pool.buffer[:, r * rows : (r + 1) * rows]
+            proc = ctx.Process(target=rank_main, args=(r, spec, child, kv), daemon=True, name=f"ep-rank-{r}")
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        failures = []
+        for r in range(self.ep_size):
+            try:
+                self._recv(r, timeout_s)
+            except Exception as e:
+                failures.append(f"rank {r}: {e}")
+        if failures:
+            raise RuntimeError(f"EP group failed to start: {'; '.join(failures)}")
+
+    def _call(self, r: int, name: str, *args: Any) -> Any:
+        self._check_alive()
+        self._conns[r].send(("call", name, args))
+        return self._recv(r)
+
+    def _op(self, ops: dict[int, tuple[str, tuple]]) -> dict[int, Any]:
+        """A group operation: ranks not in `ops` join idle. Replies from every rank are read before the
+        first error is raised, so the pipes stay in step."""
+        self._check_alive()
+        for r in range(self.ep_size):
+            name, args = ops.get(r, ("idle", ()))
+            self._conns[r].send(("op", name, args))
+        results, errors = {}, []
+        for r in range(self.ep_size):
+            try:
+                results[r] = self._recv(r)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return results
+
+    def _recv(self, r: int, timeout_s: float | None = None) -> Any:
+        conn, proc = self._conns[r], self._procs[r]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not conn.poll(0.5):  # returns as soon as the rank answers; the timeout only checks liveness
+            if not proc.is_alive():
+                self._broken = f"EP rank {r} exited (code {proc.exitcode})"
+                raise RuntimeError(self._broken)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"EP rank {r} did not answer within {timeout_s:.0f}s")
+        tag, result, status, load = conn.recv()
+        if status is not None:
+            self._status[r] = status
+        if load is not None:
+            self.expert_load += load
+            self.window_load += load
+        if tag == "err":
+            raise result
+        return result
+
+    def _check_alive(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"EP group is down: {self._broken}")
+
+    def _pick(self) -> int:
+        def key(r: int) -> tuple:
+            s = self._status[r]
+            busy = s.get("running", 0) + s.get("waiting", 0) + s.get("pinned", 0) + s.get("reserved", 0)
+            return busy, -(s.get("free_pages", 0) + s.get("evictable_pages", 0)), r
+
+        return min(range(self.ep_size), key=key)
+
+    def _check_new_rid(self, rid: str) -> None:
+        if rid in self.owner:
+            raise ValueError(f"request id {rid!r} is already in use")
+
+    def close(self) -> None:
+        """Stop every rank (idempotent); a rank that does not leave in time is killed."""
+        for conn in self._conns:
+            with contextlib.suppress(OSError, ValueError):  # already closed or the rank is gone
+                conn.send(("stop",))
+        for proc in self._procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        self._broken = self._broken or "closed"
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> EPEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _spread(lengths: Sequence[int], n: int) -> dict[int, list[int]]:
+    """Prompt indices per rank: longest first, each to the rank with the fewest tokens so far."""
+    load, out = [0] * n, {r: [] for r in range(n)}  # type: dict[int, list[int]]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(n), key=lambda r: (load[r], r))
+        out[r].append(i)
+        load[r] += lengths[i]
+    return {r: sorted(idx) for r, idx in out.items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

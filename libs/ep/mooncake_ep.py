@@ -1,0 +1,79 @@
+"""Mooncake EP backend: `mooncake.mooncake_ep_buffer.Buffer`, Mooncake's DeepEP-style low-latency kernels
+(IBGDA, with per-rank activity for fault tolerance). Available when `mooncake.ep` imports (the CUDA wheel
+built with EP).
+
+UNRUN: the wheel here is mooncake-transfer-engine-non-cuda, in which `mooncake.ep` does not import; the code
+follows Mooncake's documented Buffer API (dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+num_experts, timeout_us, use_fp8) / combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)) as
+SGLang's Mooncake dispatcher uses it, and needs a GPU run before it is trusted.
+
+Mooncake EP has no normal (prefill) mode: every forward on every rank must fit `max_tokens` tokens (at most
+1024), which EPEngine checks against max_prefill_tokens and max_num_seqs at start. The "experts" layout:
+[S, cap, D] per local expert with counts; combine applies the top-k weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from libs.ep.comm import Comm
+from libs.ep.dispatch import Dispatched, Dispatcher, dequantize_fp8
+
+MAX_TOKENS_LIMIT = 1024  # Mooncake EP's per-rank dispatch limit
+
+
+class MooncakeEPDispatcher(Dispatcher):
+    def __init__(
+        self, group: Any, header: Comm, num_physical: int, hidden: int, dtype: torch.dtype,
+        fp8: bool = True, max_tokens: int = 128, timeout_us: int = 10_000_000,
+    ) -> None:  # fmt: skip
+        try:
+            import mooncake.ep  # noqa: F401  (the EP extension; the Buffer module imports without it)
+            from mooncake.mooncake_ep_buffer import Buffer
+        except ImportError as e:
+            raise RuntimeError(
+                "EP backend 'mooncake' needs Mooncake built with EP (the CUDA wheel, WITH_EP=ON): "
+                f"mooncake.ep does not import here: {e}"
+            ) from e
+        if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+            raise ValueError(f"Mooncake EP max_tokens must be in 1..{MAX_TOKENS_LIMIT}, got {max_tokens}")
+        n = header.size
+        self.header, self.num_physical, self.fp8 = header, num_physical, fp8
+        self.max_tokens, self.timeout_us = max_tokens, timeout_us
+        self.buffer = Buffer(group, Buffer.get_ep_buffer_size_hint(max_tokens, hidden, n, num_physical))
+        self.active_ranks = torch.ones(
+            n, dtype=torch.int32, device=torch.device("cuda", torch.cuda.current_device())
+        )
+        self.first = True  # the first call may wait for peers to connect: no timeout
+
+    def _timeout(self) -> int:
+        return -1 if self.first else self.timeout_us
+
+    def dispatch(
+        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, active: bool = True
+    ) -> Dispatched | None:
+        table = self.header.all_gather_ints([int(active), x.shape[0]])
+        if not any(row[0] for row in table):
+            return None
+        peak = max(row[1] for row in table)
+        if peak > self.max_tokens:
+            raise RuntimeError(
+                f"Mooncake EP is low-latency only: {peak} tokens in one forward on a rank, at most "
+                f"{self.max_tokens} (keep max_prefill_tokens and max_num_seqs <= {self.max_tokens})"
+            )
+        recv, counts, handle, _, _ = self.buffer.dispatch(
+            x.to(torch.bfloat16).contiguous(), slots.contiguous(), self.active_ranks, self.max_tokens,
+            self.num_physical, self._timeout(), use_fp8=self.fp8,
+        )  # fmt: skip
+        rx = dequantize_fp8(recv[0], recv[1], x.dtype) if self.fp8 else recv.to(x.dtype)
+        return Dispatched("experts", rx, counts=counts.tolist(), handle=(handle, slots, weights, x.dtype))
+
+    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
+        handle, slots, weights, dtype = d.handle
+        out, _, _ = self.buffer.combine(
+            y.to(torch.bfloat16), slots, weights.float(), self.active_ranks, self._timeout(), handle
+        )
+        self.first = False
+        return out.to(dtype)

@@ -1,0 +1,215 @@
+"""One EP rank as a process: its own Engine (requests, KV pool, prefix cache, scheduler; DP attention) over a
+model whose routed experts are this rank's slots, joined to the group through torch.distributed.
+
+The front (engine.EPEngine, in the worker process) talks to each rank over a multiprocessing pipe with
+plain tuples, never tensors:
+  ("call", method, args)  -> this rank alone: add_request, abort, reserve, cancel_reservation,
+                             add_prefilled, release, flush_prefix_cache, stats
+  ("op", name, args)      -> a group operation: the front sends one to every rank at once (step, prefill,
+                             prefill_logits, generate, rebalance, or idle for ranks with nothing to do);
+                             each rank does its part, then serves rounds until every rank is done
+                             (runtime.EPRuntime.idle_until_all_done), so the MoE collectives line up
+  ("stop",)               -> leave the group and exit
+Every reply is ("ok" | "err", result or exception, the engine's stats + whether it has unfinished work,
+expert load counted since the last op reply or None).
+
+A rank ignores SIGINT/SIGTERM (the worker above it drains first, then stops it) and dies with its parent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from libs.engine.engine import Engine
+from libs.ep.comm import TorchComm
+from libs.ep.dispatch import make_dispatcher
+from libs.ep.loader import load_rank_model
+from libs.ep.placement import Placement
+from libs.ep.runtime import EPRuntime, enable_expert_parallel
+from libs.tokenizer import Tokenizer
+
+log = logging.getLogger("moemesh.ep.rank")
+
+CALLS = frozenset(
+    {"add_request", "abort", "reserve", "cancel_reservation", "add_prefilled", "release",
+     "flush_prefix_cache", "stats"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank process needs to join its group (picklable: plain values only)."""
+
+    model_dir: str
+    ep_size: int
+    init_method: str  # torch.distributed rendezvous, e.g. "tcp://127.0.0.1:29500"
+    placement: tuple  # Placement.to_wire()
+    device: str = "cpu"  # "cpu", or "cuda": rank r on cuda:r
+    dtype: str = "float32"
+    backend: str = "torch"
+    fp8_dispatch: bool = False
+    torch_threads: int = 1
+    timeout_s: float = 300.0
+    engine: dict[str, Any] = field(default_factory=dict)  # Engine(...) keyword arguments
+    backend_options: dict[str, Any] = field(default_factory=dict)
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    if device == "cpu":
+        return torch.device("cpu")
+    if device != "cuda":
+        raise ValueError(f"EP ranks run on 'cpu' or 'cuda' (rank r on cuda:r), got device {device!r}")
+    return torch.device("cuda", rank)
+
+
+def rank_main(rank: int, spec: RankSpec, conn: Any, kv_buffer: torch.Tensor | None) -> None:
+    """Process entry point."""
+    _die_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s ep-rank-{rank} %(levelname)s %(message)s")
+    try:
+        worker = RankWorker.start(rank, spec, kv_buffer)
+    except BaseException as e:  # the front reports it; nothing else can
+        log.exception("rank %d failed to start", rank)
+        conn.send(("err", portable(e), None, None))
+        return
+    conn.send(("ok", None, worker.status(), None))
+    worker.serve(conn)
+
+
+class RankWorker:
+    def __init__(self, rank: int, engine: Engine, runtime: EPRuntime) -> None:
+        self.rank, self.engine, self.runtime = rank, engine, runtime
+
+    @classmethod
+    def start(cls, rank: int, spec: RankSpec, kv_buffer: torch.Tensor | None) -> RankWorker:
+        import torch.distributed as dist
+
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
+        device = rank_device(spec.device, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", init_method=spec.init_method, rank=rank,
+            world_size=spec.ep_size, timeout=timedelta(seconds=spec.timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )  # fmt: skip
+        comm = TorchComm(None, device)
+        placement = Placement.from_wire(spec.placement)
+        model = load_rank_model(spec.model_dir, placement, rank, spec.dtype, device)
+        dispatcher = make_dispatcher(
+            spec.backend, comm, slots_per_rank=placement.slots_per_rank, num_physical=placement.num_physical,
+            hidden=model.config.hidden_size, dtype=model.dtype, fp8=spec.fp8_dispatch,
+            group=dist.group.WORLD, **spec.backend_options,
+        )  # fmt: skip
+        runtime = enable_expert_parallel(model, placement, rank, dispatcher, comm)
+        tok_file = Path(spec.model_dir) / "tokenizer.json"
+        tokenizer = Tokenizer.from_pretrained(spec.model_dir) if tok_file.exists() else None
+        engine = Engine(model, tokenizer=tokenizer, **spec.engine)
+        if kv_buffer is not None:  # this rank's pages of the worker's shared pool
+            if kv_buffer.shape != engine.kv_pool.buffer.shape or kv_buffer.dtype != engine.kv_pool.dtype:
+                raise ValueError(f"shared KV slice {tuple(kv_buffer.shape)} does not match the rank's pool")
+            engine.kv_pool.buffer = kv_buffer
+        return cls(rank, engine, runtime)
+
+    def serve(self, conn: Any) -> None:
+        import torch.distributed as dist
+
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):  # the front is gone
+                break
+            if msg[0] == "stop":
+                conn.send(("ok", None, None, None))
+                break
+            conn.send(self.handle(msg))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def handle(self, msg: tuple) -> tuple:
+        kind, name, args = msg
+        load = None
+        try:
+            if kind == "call":
+                if name not in CALLS:
+                    raise ValueError(f"rank call {name!r} is not allowed")
+                result = getattr(self.engine, name)(*args)
+            elif kind == "op":
+                result = self.run_op(name, args)
+                load = self.runtime.take_load()
+            else:
+                raise ValueError(f"unknown message kind {kind!r}")
+            return ("ok", result, self.status(), load)
+        except Exception as e:
+            if not isinstance(e, ValueError):
+                log.exception("rank %d: %s %s failed", self.rank, kind, name)
+            return ("err", portable(e), self.status(), load)
+
+    def run_op(self, name: str, args: tuple) -> Any:
+        """This rank's part of a group operation, then idle rounds until every rank has finished its part."""
+        self.runtime.begin_op()
+        failure: Exception | None = None
+        result = None
+        try:
+            result = self._op(name, args)
+        except Exception as e:  # still join the remaining rounds, or the other ranks hang
+            failure = e
+        self.runtime.idle_until_all_done()
+        if failure is not None:
+            raise failure
+        return result
+
+    def _op(self, name: str, args: tuple) -> Any:
+        e = self.engine
+        match name:
+            case "idle":
+                return None
+            case "step":
+                return e.step()
+            case "prefill":
+                return e.prefill(*args)
+            case "prefill_logits":
+                return e.prefill_logits(*args).cpu().numpy()
+            case "generate":
+                prompts, params = args
+                return e.generate(prompts, params) if prompts else []
+            case "rebalance":
+                self.runtime.apply_placement(Placement.from_wire(args[0]))
+                return None
+        raise ValueError(f"unknown group operation {name!r}")
+
+    def status(self) -> dict[str, int]:
+        return {**self.engine.stats(), "unfinished": int(self.engine.has_unfinished())}
+
+
+def portable(e: BaseException) -> BaseException:
+    """The exception itself when it survives a pipe, else a RuntimeError carrying its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the worker that spawned it dies (best effort elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass

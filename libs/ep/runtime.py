@@ -1,0 +1,202 @@
+"""One rank's expert parallelism: the model's MoE hook, the lockstep rounds, expert load, placement swaps.
+
+Legend: T tokens, D hidden, K experts per token, L MoE layers, E logical experts, S local slots.
+
+Applied from outside the model (gpt-fast `tp.py` style): `shard_experts` cuts every MoE layer's stacked
+experts down to this rank's slots, and `enable_expert_parallel` sets each `MoE.ep` to a hook that runs
+router output -> dispatch -> local experts -> combine. Shared experts, attention, dense layers and the LM
+head are untouched: they stay data-parallel, each rank running them on its own requests.
+
+Lockstep. Every MoE layer is a collective over the group, so the ranks must run the same sequence of
+rounds. A "round" is one dispatch + combine; within a group operation (one engine step, one prefill, ...)
+rank r's forward f reaches MoE layer j in round f*L + j. A rank that has run out of forwards (or had none)
+calls `idle_until_all_done`: it joins each further round with no tokens, serving the layer `round mod L`
+for the active ranks, until a round in which no rank is active; that round ends the operation on every
+rank at once. Nothing else needs agreeing in advance: not how many forwards each rank runs, nor their
+sizes. A failure in a rank's local expert computation still completes its combine, so the others never
+hang on it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from libs.ep.comm import Comm
+from libs.ep.dispatch import Dispatched, Dispatcher
+from libs.ep.experts import run_local_experts
+from libs.ep.placement import Placement
+
+log = logging.getLogger("moemesh.ep")
+
+
+def moe_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(decoder layer id, its MoE block) for every layer with routed experts, in forward order."""
+    return [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+
+
+def shard_experts(model: nn.Module, placement: Placement, rank: int, copy: bool = True) -> None:
+    """Replace each MoE layer's stacked experts [E, ...] by this rank's slots [S, ...]: copies of the loaded
+    weights (copy=True), or uninitialized tensors a loader fills (copy=False)."""
+    layers = moe_layers(model)
+    if len(layers) != placement.num_layers:
+        raise ValueError(f"placement has {placement.num_layers} MoE layers, the model {len(layers)}")
+    local = placement.local_experts(rank)
+    for j, (_, moe) in enumerate(layers):
+        ex = moe.experts
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(ex, name)
+            if copy:
+                part = full.data[local[j].to(full.device)].clone()
+            else:
+                part = torch.empty(local.shape[1], *full.shape[1:], dtype=full.dtype, device=full.device)
+            setattr(ex, name, nn.Parameter(part, requires_grad=False))
+
+
+class EPMoEHook:
+    """What `MoE.ep` is set to: layer j's call into the rank's runtime."""
+
+    def __init__(self, runtime: EPRuntime, j: int) -> None:
+        self.runtime, self.j = runtime, j
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.runtime.moe(self.j, x, ids, weights)
+
+
+class EPRuntime:
+    def __init__(
+        self, model: nn.Module, placement: Placement, rank: int, dispatcher: Dispatcher, comm: Comm
+    ) -> None:
+        cfg = model.config
+        self.rank, self.placement, self.dispatcher, self.comm = rank, placement, dispatcher, comm
+        self.layers = moe_layers(model)
+        self.experts = [moe.experts for _, moe in self.layers]
+        self.device, self.dtype = model.device, model.dtype
+        self.hidden, self.top_k = cfg.hidden_size, cfg.num_experts_per_tok
+        self.tables = placement.device_tables(self.device)
+        self.load = torch.zeros(
+            len(self.layers), placement.num_logical, dtype=torch.int64, device=self.device
+        )
+        self.rounds = 0
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [i for i, _ in self.layers]
+
+    # --- the model side: one MoE layer of an active forward ---
+    def moe(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D], ids/weights [T, K] (logical experts from the router) -> routed experts' output [T, D]."""
+        if j != self.rounds % len(self.experts):
+            raise RuntimeError(
+                f"EP lockstep broken: MoE layer {j} in round {self.rounds} on rank {self.rank}"
+            )
+        self.load[j] += torch.bincount(ids.flatten(), minlength=self.placement.num_logical)
+        slots = self.placement.to_physical(j, ids, self.rank, self.tables)
+        d = self.dispatcher.dispatch(x, slots, weights, active=True)
+        if d is None:
+            raise RuntimeError("dispatch reported no active rank while this rank was active")
+        out, failure = self._serve(j, d)
+        if failure is not None:
+            raise failure
+        return out
+
+    def _serve(self, j: int, d: Dispatched) -> tuple[torch.Tensor, Exception | None]:
+        """Local experts over what arrived, then combine; the combine happens even if the experts fail."""
+        self.rounds += 1
+        ex = self.experts[j]
+        failure: Exception | None = None
+        try:
+            y = run_local_experts(ex.gate_up_proj, ex.down_proj, d)
+        except Exception as e:
+            failure, y = e, torch.zeros_like(d.x)
+        return self.dispatcher.combine(y, d), failure
+
+    # --- the group side ---
+    def begin_op(self) -> None:
+        self.rounds = 0
+
+    def idle_until_all_done(self) -> None:
+        """Serve other ranks' rounds with no tokens of our own until a round where nobody is active."""
+        x = torch.empty(0, self.hidden, dtype=self.dtype, device=self.device)
+        slots = torch.empty(0, self.top_k, dtype=torch.int64, device=self.device)
+        weights = torch.empty(0, self.top_k, dtype=torch.float32, device=self.device)
+        while (d := self.dispatcher.dispatch(x, slots, weights, active=False)) is not None:
+            _, failure = self._serve(self.rounds % len(self.experts), d)
+            if failure is not None:
+                log.error("rank %d: local experts failed while serving an idle round: %s", self.rank, failure)
+        self.rounds = 0
+
+    def take_load(self) -> np.ndarray:
+        """[L, E] tokens routed to each logical expert by this rank's requests since the last call."""
+        out = self.load.cpu().numpy().copy()
+        self.load.zero_()
+        return out
+
+    def apply_placement(self, new: Placement) -> None:
+        """Collective: every rank swaps to `new` at the same point, expert weights moved between ranks."""
+        old = self.placement
+        if (new.num_layers, new.num_logical, new.ep_size, new.num_physical) != (
+            old.num_layers, old.num_logical, old.ep_size, old.num_physical,
+        ):  # fmt: skip
+            raise ValueError(f"new placement {new} does not fit the group's {old}")
+        for j, ex in enumerate(self.experts):
+            gate_up, down = exchange_layer(self.comm, old, new, j, ex.gate_up_proj.data, ex.down_proj.data)
+            ex.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+            ex.down_proj = nn.Parameter(down, requires_grad=False)
+        self.placement, self.tables = new, new.device_tables(self.device)
+
+
+def enable_expert_parallel(
+    model: nn.Module, placement: Placement, rank: int, dispatcher: Dispatcher, comm: Comm
+) -> EPRuntime:
+    """Hook every MoE layer of a model whose experts are already sharded (shard_experts / the rank loader)."""
+    runtime = EPRuntime(model, placement, rank, dispatcher, comm)
+    for j, (_, moe) in enumerate(runtime.layers):
+        moe.ep = EPMoEHook(runtime, j)
+    return runtime
+
+
+def exchange_layer(
+    comm: Comm, old: Placement, new: Placement, j: int, gate_up: torch.Tensor, down: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer j's local experts under `new`, from `old`: kept locally where this rank already holds the
+    expert, else received from a rank that holds it (one all-to-all; every rank computes the same plan)."""
+    n, me = comm.size, comm.rank
+    old_local = [old.local_experts(r)[j].tolist() for r in range(n)]
+    new_local = [new.local_experts(r)[j].tolist() for r in range(n)]
+    holders: dict[int, list[int]] = {}
+    for r, experts in enumerate(old_local):
+        for e in dict.fromkeys(experts):  # a rank holding two copies is one holder
+            holders.setdefault(e, []).append(r)
+
+    def source(r: int, s: int, e: int) -> int:
+        return r if e in old_local[r] else holders[e][(r + s) % len(holders[e])]
+
+    plan = [(r, s, e, source(r, s, e)) for r in range(n) for s, e in enumerate(new_local[r])]
+    sends = [(r, e) for r, _, e, src in plan if src == me and r != me]  # ordered by (dest, slot)
+    recvs = sorted((src, s) for r, s, _, src in plan if r == me and src != me)
+    mine = {e: slot for slot, e in enumerate(old_local[me])}
+
+    def flat(e: int) -> torch.Tensor:
+        return torch.cat([gate_up[mine[e]].flatten(), down[mine[e]].flatten()])
+
+    width = gate_up[0].numel() + down[0].numel()
+    send = torch.stack([flat(e) for _, e in sends]) if sends else gate_up.new_empty(0, width)
+    send_rows = [sum(1 for r, _ in sends if r == dest) for dest in range(n)]
+    recv_rows = [sum(1 for src, _ in recvs if src == peer) for peer in range(n)]
+    got = comm.all_to_all(send, send_rows, recv_rows)
+    new_gate_up = torch.empty(
+        len(new_local[me]), *gate_up.shape[1:], dtype=gate_up.dtype, device=gate_up.device
+    )
+    new_down = torch.empty(len(new_local[me]), *down.shape[1:], dtype=down.dtype, device=down.device)
+    for s, e in enumerate(new_local[me]):
+        if e in mine:
+            new_gate_up[s], new_down[s] = gate_up[mine[e]], down[mine[e]]
+    split = gate_up[0].numel()
+    for row, (_, s) in enumerate(recvs):
+        new_gate_up[s] = got[row, :split].view(gate_up.shape[1:])
+        new_down[s] = got[row, split:].view(down.shape[1:])
+    return new_gate_up, new_down

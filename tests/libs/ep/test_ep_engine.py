@@ -1,0 +1,123 @@
+"""EPEngine with 2 and 4 rank processes (gloo on CPU) against the single-rank Engine on the same checkpoint:
+ragged prefill logits, greedy tokens, redundant experts, a rebalance in the middle of generation, the PD
+hooks over the shared KV pool, and errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from libs.engine import Engine, SamplingParams
+from libs.engine.tiny import write_tiny_model
+from libs.ep.engine import EPEngine
+
+PAGES = 48  # per rank
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("ep") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny: Path) -> Engine:
+    return Engine.from_pretrained(tiny, num_pages=PAGES, max_prefill_tokens=32)
+
+
+@pytest.fixture(scope="module", params=[(2, 0), (4, 4)], ids=["ep2", "ep4-redundant4"])
+def group(request: pytest.FixtureRequest, tiny: Path) -> Iterator[EPEngine]:
+    ranks, redundant = request.param
+    with EPEngine(
+        str(tiny), ranks, num_pages=PAGES, max_prefill_tokens=32, num_redundant_experts=redundant
+    ) as ep:
+        yield ep
+
+
+def prompt(n: int, offset: int = 0) -> list[int]:
+    return [(offset + 7 * i) % 1000 + 3 for i in range(n)]
+
+
+RAGGED = [prompt(n, n) for n in (1, 45, 9, 20, 3)]
+
+
+def test_ragged_prefill_logits_equal_the_single_rank_engine(group: EPEngine, ref: Engine) -> None:
+    for p, got in zip(RAGGED, group.prefill_logits_many(RAGGED), strict=True):
+        torch.testing.assert_close(got, ref.prefill_logits(p), atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_tokens_equal_the_single_rank_engine(group: EPEngine, ref: Engine) -> None:
+    want = [o.token_ids for o in ref.generate(RAGGED, GREEDY)]
+    assert [o.token_ids for o in group.generate(RAGGED, GREEDY)] == want
+
+
+def test_rebalance_in_the_middle_of_generation_keeps_every_request_exact(
+    group: EPEngine, ref: Engine
+) -> None:
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = {f"r{i}": o.token_ids for i, o in enumerate(ref.generate(RAGGED, params))}
+    for rid, p in zip(want, RAGGED, strict=True):
+        group.add_request(rid, p, params)
+    got: dict[str, list[int]] = {rid: [] for rid in want}
+    for _ in range(4):
+        for o in group.step():
+            got[o.rid] += o.token_ids
+    before, rebalances = group.placement, group.num_rebalances
+    assert group.window_load.sum() > 0
+    new = group.rebalance()  # EPLB from the load measured so far; weights move between ranks
+    assert new != before and group.num_rebalances == rebalances + 1 and group.placement == new
+    assert group.has_unfinished()
+    while group.has_unfinished():
+        for o in group.step():
+            got[o.rid] += o.token_ids
+    assert got == want
+    assert not group.owner
+
+
+def test_pd_hooks_move_kv_through_the_shared_pool(group: EPEngine, ref: Engine) -> None:
+    """prefill on one rank, copy its pages into pages reserved (maybe on another rank), decode there."""
+    p = prompt(37, 11)
+    want = ref.generate([p], GREEDY)[0].token_ids
+    res = group.prefill("pd-src", p, GREEDY)
+    dst = group.reserve("pd-dst", len(p))
+    buf = group.kv_pool.buffer.view(
+        group.config.num_hidden_layers, -1, group.page_size, group.config.kv_row_dim
+    )
+    buf[:, dst[: len(res.page_ids)]] = buf[:, res.page_ids]  # what the Mooncake write does between workers
+    assert group.release("pd-src")
+    group.add_prefilled("pd-dst", p, res.first_token, GREEDY)
+    tokens = [res.first_token]
+    while group.has_unfinished():
+        tokens += [t for o in group.step() for t in o.token_ids]
+    assert tokens == want
+
+
+def test_bad_requests_are_value_errors_and_the_group_keeps_serving(group: EPEngine, ref: Engine) -> None:
+    with pytest.raises(ValueError, match="vocabulary"):
+        group.add_request("bad", [10**6], GREEDY)
+    group.add_request("dup", prompt(4), GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        group.add_request("dup", prompt(4), GREEDY)
+    assert group.abort("dup") and not group.abort("dup")
+    with pytest.raises(ValueError, match="no reservation"):
+        group.add_prefilled("nope", prompt(3), 5, GREEDY)
+    assert group.generate([prompt(5)], GREEDY)[0].token_ids == ref.generate([prompt(5)], GREEDY)[0].token_ids
+
+
+def test_expert_load_and_stats_add_up_over_ranks(group: EPEngine) -> None:
+    before = group.expert_load.sum()
+    group.prefill_logits(prompt(10))
+    k = group.config.num_experts_per_tok
+    assert group.expert_load.sum() - before == 10 * k * len(group.layer_ids)
+    st = group.stats()
+    assert st["total_pages"] == PAGES * group.ep_size and st["running"] == 0
+
+
+def test_bad_settings_are_refused_before_any_process_starts(tiny: Path) -> None:
+    with pytest.raises(ValueError, match="do not divide over 4 EP ranks"):
+        EPEngine(str(tiny), 4, num_redundant_experts=2)
+    with pytest.raises(ValueError, match="unknown EP dispatch backend"):
+        EPEngine(str(tiny), 2, backend="nvshmem")
