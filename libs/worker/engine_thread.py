@@ -19,10 +19,16 @@ class EngineThread:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # run on the event loop after every call, failed ones too (KV cache events publish a step's batch)
+        self.after_call: Callable[[], None] | None = None
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        try:
+            return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        finally:
+            if self.after_call is not None:
+                self.after_call()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -10,6 +10,8 @@ queue group QUEUE_BROKER, so replicas share the load).
 - All state lives in two JetStream KV buckets (store.py); a restarted broker reloads it and resumes
   sweeping. Expired records are re-announced at start (at-least-once: a crash between marking and
   announcing loses nothing; decode workers treat a repeat as a no-op).
+- Prefix index (prefix.py): which worker caches which KV block, from the workers' KV events, answering
+  PrefixQuery on BROKER_PREFIX; soft state rebuilt from worker snapshots, not kept in JetStream.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from proto import messages as m
 from proto import subjects
 from services.kv_broker import handles
 from services.kv_broker.handles import HandleError
+from services.kv_broker.prefix import PrefixDirectory
 from services.kv_broker.store import Bucket, Conflict
 
 log = logging.getLogger("moemesh.kv_broker")
@@ -48,6 +51,9 @@ class BrokerSettings(ServiceSettings, frozen=True, kw_only=True):
     max_lease_ms: Annotated[int, msgspec.Meta(gt=0)] = 600_000
     max_sweep_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # bound on noticing peers' handles
     max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 256
+    # prefix index (prefix.py): snapshot wait, and heartbeats of silence before a worker leaves it
+    snapshot_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    dead_after_intervals: Annotated[float, msgspec.Meta(gt=0)] = 3.0
 
 
 def _check_geometry(g: m.KvGeometry) -> None:
@@ -75,6 +81,7 @@ class KvBroker(Service):
         self._sweeper: asyncio.Task | None = None
         self.handles: Bucket[m.HandleRecord] | None = None
         self.workers: Bucket[m.WorkerRecord] | None = None
+        self.prefix: PrefixDirectory | None = None
         self._expired = Counter(
             "moemesh_kv_broker_expired", "Handles expired by lease", registry=self.registry
         )
@@ -108,8 +115,15 @@ class KvBroker(Service):
             max_in_flight=s.max_in_flight,
         )  # fmt: skip
         self._sweeper = asyncio.create_task(self._sweep_loop())
+        self.prefix = PrefixDirectory(
+            self.bus, self.registry, snapshot_timeout_s=s.snapshot_timeout_s,
+            dead_after_intervals=s.dead_after_intervals,
+        )  # fmt: skip
+        await self.prefix.start()
 
     async def on_drain(self) -> None:
+        if self.prefix is not None:
+            await self.prefix.stop()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

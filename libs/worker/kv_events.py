@@ -1,0 +1,157 @@
+"""A worker's prefix-cache events on the bus, for the kv-broker's prefix index.
+
+Who calls what: the engine's radix cache calls `blocks_stored` / `blocks_removed` on the engine thread
+as it changes; after each engine call returns (`EngineThread.after_call`, on the event loop) `flush`
+numbers what the call produced and queues it, and one sender task publishes it in order on
+proto.subjects.kv_events(worker): one BlocksStored / BlocksRemoved per run of the same kind (at most
+`max_hashes` hashes each), so a decode step or a prefill costs one or two messages, not one per page.
+
+Numbering: `seq` counts this worker's events from 1 within `epoch`, a random id of this process, so the
+broker tells a restart (new epoch, empty cache) from missed events (a seq jump). The publisher keeps the
+set of blocks its numbered events add up to; a KvSnapshotRequest on proto.subjects.kv_snapshot(worker)
+is answered with that set and its seq (exact: both change only in `flush`, on the event loop). Events
+that could not be published are dropped; the broker sees the gap and asks for a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import uuid
+from collections import deque
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+from libs.bus import Bus
+from libs.worker.engine_thread import EngineThread
+from proto import messages as m
+from proto import subjects
+
+log = logging.getLogger("moemesh.worker.kv_events")
+
+
+def coalesce(pending: list[tuple[bool, list[int]]], max_hashes: int) -> list[tuple[bool, list[int]]]:
+    """Merge consecutive runs of one kind (True: stored) in order, then cut them to max_hashes each."""
+    runs: list[tuple[bool, list[int]]] = []
+    for stored, hashes in pending:
+        if not hashes:
+            continue
+        if runs and runs[-1][0] == stored:
+            runs[-1][1].extend(hashes)
+        else:
+            runs.append((stored, list(hashes)))
+    return [(s, hs[i : i + max_hashes]) for s, hs in runs for i in range(0, len(hs), max_hashes)]
+
+
+class KvEventPublisher:
+    """The engine's CacheListener on one side, the worker's kv_events subject on the other."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        worker_id: str,
+        *,
+        epoch: str | None = None,
+        max_hashes: int = 4096,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        if max_hashes < 1:
+            raise ValueError(f"max_hashes must be >= 1, got {max_hashes}")
+        self.bus, self.worker_id = bus, subjects.check_token(worker_id)
+        self.epoch = epoch or uuid.uuid4().hex[:16]
+        self.max_hashes = max_hashes
+        self.seq = 0
+        self.blocks: set[int] = set()  # what events 1..seq add up to
+        self._pending: list[tuple[bool, list[int]]] = []  # from the engine thread, not yet numbered
+        self._lock = threading.Lock()
+        self._outbox: deque[m.BlocksStored | m.BlocksRemoved] = deque()
+        self._ready = asyncio.Event()  # the outbox has messages
+        self._idle = asyncio.Event()  # the outbox is empty and nothing is being sent
+        self._idle.set()
+        self._sender: asyncio.Task | None = None
+        self._sent = Counter(
+            "moemesh_kv_events_published", "KV cache event messages published", ["kind"], registry=registry
+        )
+
+    # --- engine thread (radix_cache.CacheListener) ---
+    def blocks_stored(self, hashes: list[int]) -> None:
+        with self._lock:
+            self._pending.append((True, hashes))
+
+    def blocks_removed(self, hashes: list[int]) -> None:
+        with self._lock:
+            self._pending.append((False, hashes))
+
+    # --- event loop ---
+    async def start(self, et: EngineThread) -> None:
+        """Listen to the engine's cache (set on the engine thread), answer snapshots, start sending."""
+        await self.bus.subscribe(subjects.kv_snapshot(self.worker_id), m.KvSnapshotRequest, self.on_snapshot)
+        await et.call(et.engine.set_cache_listener, self)
+        et.after_call = self.flush
+        self.flush()
+        self._sender = asyncio.create_task(self._send_loop())
+
+    def flush(self) -> int:
+        """Number and queue everything the cache reported since the last flush; returns messages queued."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        runs = coalesce(pending, self.max_hashes)
+        for stored, hashes in runs:
+            self.seq += 1
+            msg: m.BlocksStored | m.BlocksRemoved
+            if stored:
+                self.blocks.update(hashes)
+                msg = m.BlocksStored(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, hashes=hashes)
+            else:
+                self.blocks.difference_update(hashes)
+                msg = m.BlocksRemoved(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, hashes=hashes)
+            self._outbox.append(msg)
+        if runs:
+            self._idle.clear()
+            self._ready.set()
+        return len(runs)
+
+    async def on_snapshot(self, req: m.KvSnapshotRequest) -> m.KvSnapshot:
+        self.flush()
+        return m.KvSnapshot(
+            worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, hashes=list(self.blocks)
+        )
+
+    async def _send_loop(self) -> None:
+        subject = subjects.kv_events(self.worker_id)
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            while self._outbox:
+                msg = self._outbox[0]
+                try:
+                    await self.bus.publish(subject, msg)
+                    self._sent.labels("stored" if isinstance(msg, m.BlocksStored) else "removed").inc()
+                except Exception as e:  # the broker will see the seq gap and resync from a snapshot
+                    log.warning("KV event %d not published (%s); the broker will resync", msg.seq, e)
+                self._outbox.popleft()
+            self._idle.set()
+
+    async def stop(self, timeout: float = 2.0) -> None:
+        """Send what is queued (bounded by `timeout`), then stop."""
+        if self._sender is None:
+            return
+        self.flush()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        self._sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._sender
+        self._sender = None
+
+
+async def start_kv_events(
+    bus: Bus, worker_id: str, et: EngineThread, registry: Any = None
+) -> KvEventPublisher:
+    """The worker shells' one call: a started publisher for this worker's engine."""
+    pub = KvEventPublisher(bus, worker_id, registry=registry)
+    await pub.start(et)
+    return pub
