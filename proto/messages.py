@@ -128,6 +128,8 @@ class Submit(Kind, frozen=True):
     sampling: Sampling
     stream_subject: str
     arrival_ms: int = 0
+    # Workers not to place this request on: a migrating request names the worker it lost.
+    avoid: list[str] = []
 
 
 class SubmitReply(Kind, frozen=True):
@@ -137,6 +139,7 @@ class SubmitReply(Kind, frozen=True):
     ok: bool
     code: int = 200
     message: str = ""
+    scheduler_id: str = ""  # the replica that holds the request until it is placed
 
 
 class Cancel(Kind, frozen=True):
@@ -178,6 +181,16 @@ class WorkerGone(Kind, frozen=True):
 Heartbeat = WorkerHeartbeat | WorkerGone
 
 
+class SchedulerHeartbeat(Kind, frozen=True):
+    """A scheduler replica is alive (proto.subjects.SCHED_HEARTBEAT): a gateway whose request waits in
+    that replica's queue migrates it once the replica falls silent."""
+
+    scheduler_id: str
+    interval_ms: int
+    sent_ms: int
+    queued: int = 0
+
+
 # ---------------------------------------------------------------------------------------------
 # scheduler -> decode worker (inbox union), prefill -> decode
 # ---------------------------------------------------------------------------------------------
@@ -192,6 +205,10 @@ class ReserveKv(Kind, frozen=True):
     num_tokens: int
     lease_ms: int
     prompt_ids: list[int] = []
+    # Who fills the pages and who hears of failure: the decode worker tells `stream_subject` (a
+    # retryable RequestError) when `prefill_worker` dies or the lease runs out before KvReady.
+    stream_subject: str = ""
+    prefill_worker: str = ""
 
 
 class ReserveKvReply(Kind, frozen=True):
@@ -266,20 +283,37 @@ class TokenDelta(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # index of token_ids[0] in this request's output, so a receiver sees a lost or repeated delta;
+    # -1: not given. An empty token_ids delta is a placement notice (see TokenBatch.worker_id).
+    offset: int = -1
 
 
-class TokenBatch(Kind, frozen=True, array_like=True, omit_defaults=True, gc=False):
-    """All deltas for one gateway from one decode step (one message per step and gateway)."""
-
+class _TokenBatchFields(Kind, frozen=True, array_like=True, omit_defaults=True, gc=False):
     deltas: list[TokenDelta]
 
 
-class RequestError(Kind, frozen=True, array_like=True):
-    """The request ended with an error after admission; the gateway ends the stream with it."""
+class TokenBatch(_TokenBatchFields, frozen=True, kw_only=True):
+    """All deltas for one gateway from one decode step (one message per step and gateway).
 
+    `worker_id` is the decode worker holding these requests (the gateway watches its heartbeats and
+    migrates the requests when it dies). Array layout [tag, deltas, v, worker_id]: fields are only
+    ever appended after `v`, so older and newer readers decode each other's messages."""
+
+    worker_id: str = ""
+
+
+class _RequestErrorFields(Kind, frozen=True, array_like=True):
     request_id: str
     code: int
     message: str
+
+
+class RequestError(_RequestErrorFields, frozen=True, kw_only=True):
+    """The request ended with an error after admission; the gateway ends the stream with it, or, for a
+    retryable code (503), migrates the request. `worker_id` names the worker at fault, so the retry
+    avoids it."""
+
+    worker_id: str = ""
 
 
 StreamMessage = TokenBatch | RequestError
@@ -475,6 +509,11 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     reserved_handles: int
     requests: list[str] = []
     forward_sleep_ms: float = 0.0
+    # Leak check (libs.worker.pages): pages held outside the prefix cache vs requests alive here.
+    used_pages: int = 0
+    cached_pages: int = 0
+    request_pages: int = 0  # used_pages - cached_pages: reservations, running and pinned requests
+    live_requests: int = 0
 
 
 class AdminReply(Kind, frozen=True):

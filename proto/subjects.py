@@ -18,6 +18,9 @@ CANCEL = f"{PREFIX}.cancel"
 # workers -> schedulers, broker (broadcast): WorkerHeartbeat / WorkerGone
 HEARTBEAT = f"{PREFIX}.heartbeat"
 
+# scheduler replicas -> gateways (broadcast): SchedulerHeartbeat
+SCHED_HEARTBEAT = f"{PREFIX}.sched.heartbeat"
+
 # kv-broker (request/reply, queue group QUEUE_BROKER): BrokerRequest union -> BrokerReply union
 BROKER = f"{PREFIX}.broker"
 QUEUE_BROKER = "kv-broker"

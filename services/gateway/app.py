@@ -253,7 +253,7 @@ async def _generate(ctx: GatewayContext, request: Request, chat: bool) -> Respon
         gen = Generation(
             ctx.mesh, plan, ctx.tokenizer, ctx.tokens, ctx.info.name, ctx.metrics,
             arrival=arrival, deadline=arrival + ctx.settings.request_timeout_s,
-            id_prefix="chatcmpl" if chat else "cmpl",
+            id_prefix="chatcmpl" if chat else "cmpl", max_migrations=ctx.settings.max_migrations,
         )  # fmt: skip
         traceparent, _ = context_from_headers({TRACEPARENT: request.headers.get(TRACEPARENT, "")})
         with request_context(traceparent=traceparent or new_traceparent()):

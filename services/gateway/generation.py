@@ -10,18 +10,22 @@ choices still running and removes every entry from the mesh client's table.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from libs.tokenizer import Tokenizer
-from proto.messages import RequestError, Submit
+from proto.messages import RequestError, Submit, TokenDelta
 from services.gateway.convert import Plan
 from services.gateway.errors import ApiError, mesh_error
 from services.gateway.formatting import Choice, Usage
 from services.gateway.mesh import MeshClient, StreamItem
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.migration import ChoiceRun, TokenGap
 from services.gateway.output import ChoiceOutput, Step, TokenText
+
+log = logging.getLogger("moemesh.gateway")
 
 
 class Generation:
@@ -37,6 +41,7 @@ class Generation:
         arrival: float,
         deadline: float,
         id_prefix: str,
+        max_migrations: int = 0,
     ) -> None:
         self.mesh, self.plan, self.model, self.metrics = mesh, plan, model, metrics
         self.arrival, self.deadline = arrival, deadline  # time.monotonic() values
@@ -47,7 +52,11 @@ class Generation:
             ChoiceOutput.create(c.index, tok, tokens, plan.prompts[c.prompt_index], plan.stop, plan.logprobs)
             for c in plan.choices
         ]
-        self.request_ids = [f"{self.id}-{c.index}" for c in plan.choices]
+        self.runs = [
+            ChoiceRun(f"{self.id}-{c.index}", plan.prompts[c.prompt_index], c.sampling, max_migrations)
+            for c in plan.choices
+        ]
+        self.submit_timeout = 5.0
         self._last_token_at: list[float | None] = [None] * len(plan.choices)
         self._first_token = False
         self._closed = False
@@ -55,7 +64,13 @@ class Generation:
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
 
+    @property
+    def request_ids(self) -> list[str]:
+        """The current mesh request id of each choice (a migrated choice has a new one)."""
+        return [r.rid for r in self.runs]
+
     async def start(self, submit_timeout: float) -> None:
+        self.submit_timeout = submit_timeout
         for k, rid in enumerate(self.request_ids):
             self.mesh.open(rid, self.queue, k)
         subs = [
@@ -92,18 +107,51 @@ class Generation:
                 raise ApiError(
                     504, "the request did not finish before its deadline", code="timeout"
                 ) from None
-            out = self.outputs[k]
-            if out.done:
+            out, run = self.outputs[k], self.runs[k]
+            if out.done or item.request_id != run.rid:  # ended, or from an attempt left behind
                 continue
             if isinstance(item, RequestError):
-                self.close("another choice failed")
-                raise mesh_error(item.code, item.message)
-            self._observe(k, len(item.token_ids))
-            step = out.feed(item)
+                await self._recover(k, item.code, item.message, item.worker_id)
+                continue
+            try:
+                delta: TokenDelta | None = run.accept(item)
+            except TokenGap as e:
+                await self._recover(k, 503, f"tokens were lost on the bus ({e})", "")
+                continue
+            if delta is None:
+                continue
+            self._observe(k, len(delta.token_ids))
+            step = out.feed(delta)
             if step.done:
                 remaining -= 1
                 self.mesh.close(self.request_ids[k], "stop string" if step.cancel else None)
             yield out, step
+
+    async def _recover(self, k: int, code: int, message: str, lost: str) -> None:
+        """Migrate choice k after a failure (see migration.py), or end the request with the error."""
+        run = self.runs[k]
+        if not run.can_migrate(code) or run.remaining < 1:
+            self.close("another choice failed")
+            raise mesh_error(code, message)
+        self.mesh.close(run.rid, f"migrating: {message}")
+        sub = run.next_submit(self.model, self.mesh.stream_subject, time.time_ns() // 1_000_000, lost)
+        log.info("%s: %s; migrating (%d/%d) with %d tokens streamed",
+                 self.id, message, run.migrations, run.max_migrations, len(run.tokens))  # fmt: skip
+        self.metrics.migrations.inc()
+        give_up = time.monotonic() + self.submit_timeout
+        while True:
+            self.mesh.open(sub.request_id, self.queue, k)
+            try:
+                await self.mesh.submit(sub, max(0.001, min(self.submit_timeout, self.time_left())))
+                return
+            except ApiError as e:
+                self.mesh.close(sub.request_id)
+                # right after a death the mesh may briefly have no scheduler or worker to offer
+                if e.status != 503 or time.monotonic() + 0.2 > min(give_up, self.deadline):
+                    self.close("migration refused")
+                    raise
+            await asyncio.sleep(0.2)
+            sub = run.renew(sub)
 
     def _observe(self, k: int, n_tokens: int) -> None:
         if not n_tokens:

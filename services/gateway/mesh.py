@@ -7,6 +7,11 @@ cancelled, timed out) is dropped: the table is the only per-request state, and `
 removes the entry, so nothing leaks whichever way a request ends.
 
 Invariant: a request is registered *before* its Submit is sent, so no early token can be missed.
+
+Holders: each request's current holder is known (the scheduler replica named in SubmitReply until a
+TokenBatch names its decode worker) and watched through heartbeats (libs.liveness). When a holder
+dies, or this gateway's own connection comes back (messages may have been lost), each affected request
+gets a retryable RequestError in its queue, and the Generation migrates it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 from dataclasses import dataclass
 
 from libs.bus.bus import Bus, BusError, NoResponders, RequestRejected, RequestTimeout
+from libs.liveness import Holders, LivenessWatch
 from proto import subjects
 from proto.messages import Cancel, RequestError, StreamMessage, Submit, SubmitReply, TokenBatch, TokenDelta
 from services.gateway.errors import ApiError, mesh_error
@@ -34,15 +40,20 @@ class _Route:
 class MeshClient:
     """Submit / stream / cancel for every request of one gateway process."""
 
-    def __init__(self, bus: Bus, gateway_id: str) -> None:
+    def __init__(self, bus: Bus, gateway_id: str, dead_after_intervals: float = 3.0) -> None:
         self.bus = bus
         self.gateway_id = subjects.check_token(gateway_id)
         self.stream_subject = subjects.stream(gateway_id)
         self._routes: dict[str, _Route] = {}
         self._background: set[asyncio.Task] = set()
         self.dropped_deltas = 0
+        self.holders = Holders()
+        self.liveness = LivenessWatch(
+            bus, self._on_dead, on_reconnect=self._on_reconnect, dead_after_intervals=dead_after_intervals
+        )
 
     async def start(self) -> None:
+        await self.liveness.start()
         await self.bus.subscribe(self.stream_subject, StreamMessage, self._on_stream)
         await self.bus.flush()  # the subscription is live at the server before any Submit names it
 
@@ -58,8 +69,10 @@ class MeshClient:
 
     async def _on_stream(self, msg: TokenBatch | RequestError) -> None:
         match msg:
-            case TokenBatch(deltas=deltas):
+            case TokenBatch(deltas=deltas, worker_id=wid):
                 for d in deltas:
+                    if wid and d.request_id in self._routes:
+                        self._hold(d.request_id, wid, replace=True)
                     self._route(d.request_id, d)
             case RequestError(request_id=rid):
                 self._route(rid, msg)
@@ -92,6 +105,24 @@ class MeshClient:
             raise ApiError(503, f"cannot reach the scheduler: {e}", code="unavailable") from None
         if not reply.ok:
             raise mesh_error(reply.code, reply.message or "the scheduler refused the request")
+        if reply.scheduler_id and msg.request_id in self._routes:
+            self._hold(msg.request_id, reply.scheduler_id, replace=False)
+
+    def _hold(self, request_id: str, node: str, replace: bool) -> None:
+        (self.holders.set if replace else self.holders.setdefault)(request_id, node)
+        self.liveness.watch(node)
+
+    async def _on_dead(self, nodes: list[str]) -> None:
+        for node in nodes:
+            for rid in self.holders.items_of(node):
+                self.holders.drop(rid)
+                msg = f"{node} stopped answering"
+                self._route(rid, RequestError(request_id=rid, code=503, message=msg, worker_id=node))
+
+    async def _on_reconnect(self) -> None:
+        for rid in list(self._routes):
+            msg = "the bus connection was lost; tokens may be missing"
+            self._route(rid, RequestError(request_id=rid, code=503, message=msg))
 
     def close(self, request_id: str, reason: str | None = None) -> None:
         """Forget the request; with a reason, also tell the mesh to drop it (Cancel).
@@ -100,6 +131,7 @@ class MeshClient:
         cancelled too. The Cancel is published from a task of its own.
         """
         self._routes.pop(request_id, None)
+        self.holders.drop(request_id)
         if reason is None:
             return
         task = asyncio.get_running_loop().create_task(self._publish_cancel(request_id, reason))

@@ -36,6 +36,11 @@ class GatewayMetrics:
         self.generation_tokens = Counter(
             "moemesh_gateway_generation_tokens", "Output tokens returned to clients", registry=r
         )
+        self.migrations = Counter(
+            "moemesh_gateway_migrations",
+            "Choices re-submitted (prompt + tokens so far) after losing their worker",
+            registry=r,
+        )
         self.mesh_in_flight = Gauge(
             "moemesh_gateway_mesh_requests_in_flight",
             "Mesh requests awaiting tokens (one per choice)",

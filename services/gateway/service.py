@@ -70,7 +70,7 @@ class Gateway(Service):
 
     async def setup(self) -> None:
         s = self.settings
-        self.mesh = MeshClient(self.bus, self.instance_id)
+        self.mesh = MeshClient(self.bus, self.instance_id, s.dead_after_intervals)
         await self.mesh.start()
         mesh = self.mesh
         self.metrics.track_mesh_in_flight(lambda: mesh.in_flight)

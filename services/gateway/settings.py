@@ -25,6 +25,9 @@ class GatewaySettings(ServiceSettings, frozen=True, kw_only=True):
     submit_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # waiting for the scheduler's answer
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
     enable_admin: bool = False  # /admin/* (worker stats, decode slow-down), behind api_key when set
+    # a choice whose worker dies is re-submitted (prompt + tokens so far) up to this many times
+    max_migrations: Annotated[int, msgspec.Meta(ge=0)] = 3
+    dead_after_intervals: Annotated[float, msgspec.Meta(gt=0)] = 3.0  # heartbeat periods of silence
 
     def __post_init__(self) -> None:
         if not self.model_dir:

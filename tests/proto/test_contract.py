@@ -116,6 +116,9 @@ EXAMPLES: list[msgspec.Struct] = [
     m.KvSnapshot(worker_id="p0", epoch="e1", seq=2, hashes=[2**64 - 1, 0]),
     m.PrefixQuery(page_size=16, hashes=[1, 2, 3]),
     m.PrefixReply(cached_tokens={"p0": 32, "d0": 16}),
+    m.SchedulerHeartbeat(scheduler_id="s0", interval_ms=250, sent_ms=9, queued=3),
+    m.TokenBatch(deltas=[m.TokenDelta("r1", [5], offset=3)], worker_id="d0"),
+    m.RequestError(request_id="r1", code=503, message="prefill worker p0 died", worker_id="p0"),
     m.ReserveKv(request_id="r2", num_tokens=3, lease_ms=100, prompt_ids=[5, 6, 7]),
     m.PrefillTask(
         request_id="r2",
@@ -132,6 +135,7 @@ def _top_level_messages() -> set[type]:
         obj
         for obj in vars(m).values()
         if inspect.isclass(obj) and issubclass(obj, m.Kind) and obj is not m.Kind
+        and not obj.__name__.startswith("_")  # field groups that keep array layouts append-only
     }
 
 

@@ -92,6 +92,7 @@ async def test_slowdown_fans_out_to_decode_workers_behind_the_api_key(
         assert stats | {"worker_id": "?"} == {
             "worker_id": "?", "role": "decode", "running": 3, "waiting": 1, "free_pages": 7, "total_pages": 9,
             "reserved_handles": 0, "forward_sleep_ms": 0.0,
+            "used_pages": 0, "cached_pages": 0, "request_pages": 0, "live_requests": 0,
         }  # fmt: skip
 
         r = await h.post("/admin/slowdown", json={"forward_sleep_ms": 250}, headers=auth)

@@ -1,0 +1,115 @@
+"""A LivenessTable fed from the bus: worker heartbeats (HEARTBEAT: WorkerHeartbeat / WorkerGone) and
+scheduler heartbeats (SCHED_HEARTBEAT), with a timer that declares the silent dead.
+
+Caller side: `watch(node)` before relying on a node (an unknown one gets a grace period), `is_alive`,
+and the callbacks `on_dead(node_ids)` (once per death) and `on_reconnect()` (this process's own bus
+connection came back: messages may have been lost meanwhile). While our own connection is down, silence
+proves nothing, so nobody is declared dead then; afterwards everyone gets a fresh grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from libs.bus import Bus
+from libs.liveness.table import LivenessTable
+from proto import messages as m
+from proto import subjects
+
+log = logging.getLogger("moemesh.liveness")
+
+OnDead = Callable[[list[str]], Awaitable[None]]
+OnReconnect = Callable[[], Awaitable[None]]
+
+
+class LivenessWatch:
+    def __init__(
+        self,
+        bus: Bus,
+        on_dead: OnDead,
+        *,
+        on_reconnect: OnReconnect | None = None,
+        dead_after_intervals: float = 3.0,
+        default_interval_ms: float = 250.0,
+        tick_s: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.bus, self.on_dead, self.on_reconnect = bus, on_dead, on_reconnect
+        self.table = LivenessTable(dead_after_intervals, default_interval_ms)
+        self.tick_s, self.clock = tick_s, clock
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, self._on_worker)
+        await self.bus.subscribe(subjects.SCHED_HEARTBEAT, m.SchedulerHeartbeat, self._on_scheduler)
+        self._task = asyncio.create_task(self._loop(), name="liveness-watch")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def watch(self, node_id: str) -> None:
+        """Start relying on `node_id`: unknown, it is assumed alive for one grace period."""
+        if node_id and node_id not in self.table:
+            self.table.assume(node_id, self.clock())
+            self._wake.set()
+
+    def is_alive(self, node_id: str) -> bool:
+        return self.table.is_alive(node_id, self.clock())
+
+    async def _on_worker(self, msg: m.WorkerHeartbeat | m.WorkerGone) -> None:
+        match msg:
+            case m.WorkerHeartbeat(worker_id=wid, interval_ms=interval):
+                self._beat(wid, interval)
+            case m.WorkerGone(worker_id=wid):
+                if self.table.gone(wid):
+                    await self._report([wid])
+
+    async def _on_scheduler(self, msg: m.SchedulerHeartbeat) -> None:
+        self._beat(msg.scheduler_id, msg.interval_ms)
+
+    def _beat(self, node_id: str, interval_ms: int) -> None:
+        try:
+            self.table.beat(node_id, interval_ms, self.clock())
+        except ValueError as e:
+            log.warning("ignored heartbeat: %s", e)
+
+    async def _report(self, dead: list[str]) -> None:
+        log.warning("no heartbeat from %s: considered dead", ", ".join(dead))
+        try:
+            await self.on_dead(dead)
+        except Exception:  # a failing callback must not stop the watch
+            log.exception("liveness callback failed")
+
+    def _reconnects(self) -> int:
+        return int(self.bus.nc.stats.get("reconnects", 0))
+
+    async def _loop(self) -> None:
+        seen_reconnects = self._reconnects()
+        while True:
+            now = self.clock()
+            if self.bus.is_connected:
+                if (n := self._reconnects()) != seen_reconnects:
+                    seen_reconnects = n
+                    self.table.restart_clock(now)
+                    log.info("bus reconnected: liveness clocks restarted")
+                    if self.on_reconnect is not None:
+                        try:
+                            await self.on_reconnect()
+                        except Exception:
+                            log.exception("reconnect callback failed")
+                dead = self.table.expire(now)
+                if dead:
+                    await self._report(dead)
+            nxt = self.table.next_expiry()
+            wait = self.tick_s if nxt is None else min(self.tick_s, max(0.0, nxt - now) + 0.001)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+            self._wake.clear()
