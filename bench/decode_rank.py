@@ -378,6 +378,8 @@ def run_batch(rank: Rank, b: int, a, env: dict, world: int) -> list[dict]:
 
 def worker(local_rank: int, world: int, a) -> None:
     torch.cuda.set_device(local_rank)
+    if world > 1 and "FLASHINFER_WORKSPACE_BASE" in os.environ:  # one JIT folder per process: no build race
+        os.environ["FLASHINFER_WORKSPACE_BASE"] += f"/rank{local_rank}"
     if world > 1:
         import torch.distributed as dist
 

@@ -128,7 +128,7 @@ def gemm_inputs(e, m, n, k, seed=0):
     x = torch.randn(e, m, k, device="cuda", generator=g, dtype=torch.bfloat16)
     xq, xs = quant_fp8_groups(x)
     w = torch.randn(e, n, k, device="cuda", generator=g, dtype=torch.bfloat16).to(G.FP8)
-    ws = torch.rand(e, n // 128, k // 128, device="cuda", generator=g) * 0.01 + 0.001
+    ws = torch.rand(e, -(-n // 128), k // 128, device="cuda", generator=g) * 0.01 + 0.001
     return xq, xs, w, ws
 
 
@@ -175,6 +175,9 @@ def gemm_suite(log) -> list[dict]:
         (4, 256, 7168, 2048),
         (4, 512, 4096, 7168),
         (4, 512, 7168, 2048),
+        (1, 256, 7168, 16384),  # o_proj at B=256
+        (1, 256, 2112, 7168),  # fused q_a/kv_a at B=256
+        (1, 256, 24576, 1536),  # q_b at B=256
     ]:
         records += gemm_case(e, m, n, k, log)
     return records
