@@ -15,12 +15,17 @@ Rules (why, where it is not obvious):
   heartbeat, which reports the truth. A worker that refused or timed out a reservation is `suspended`
   (treated as full) until its next heartbeat, so the retry goes elsewhere instead of hammering it.
 - Draining workers take no new work and do not count as live for admission.
-- Decode choice: enough free pages for prompt + max_tokens (capped at its max_context), then least
-  loaded (running + inflight), then most free pages, then most cached prefix, then worker id.
+- Cache-aware score (`placement_score`): `prefix_weight` x (the worker's cached share of the prompt)
+  minus its load, so a full prefix hit is worth `prefix_weight` queued requests; the cache wins while
+  the imbalance it causes stays below that, and load wins past it. `prefix_weight` 0 is load-only
+  placement (the cache is not even a tie-breaker).
+- Decode choice: enough free pages for prompt + max_tokens (capped at its max_context), then best score
+  with load = running + inflight, then most free pages, then most cached prefix, then worker id.
 - Conditional disaggregation: when the chosen decode worker's uncached prompt part (prompt length minus
   its cached prefix) is at most `direct_prefill_threshold` tokens, prefill runs on the decode worker
   itself; a threshold of 0 disables this.
-- Prefill choice: least queued work (running + waiting + inflight), then most cached prefix, then id.
+- Prefill choice: best score with load = queued work (running + waiting + inflight), then most cached
+  prefix, then id.
 """
 
 from __future__ import annotations
@@ -40,16 +45,20 @@ from proto.messages import ErrorCode, Role, WorkerHeartbeat
 @dataclass(frozen=True)
 class PolicyConfig:
     """`direct_prefill_threshold`: longest uncached prompt (tokens) prefilled on the decode worker
-    itself (0 disables). `dead_after_intervals`: heartbeat periods of silence after which a worker is dead."""
+    itself (0 disables). `dead_after_intervals`: heartbeat periods of silence after which a worker is dead.
+    `prefix_weight`: what a full prefix-cache hit is worth, in queued requests (0: load-only placement)."""
 
     direct_prefill_threshold: int = 256
     dead_after_intervals: float = 3.0
+    prefix_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if self.direct_prefill_threshold < 0:
             raise ValueError(f"direct_prefill_threshold must be >= 0, got {self.direct_prefill_threshold}")
         if not self.dead_after_intervals > 0:
             raise ValueError(f"dead_after_intervals must be > 0, got {self.dead_after_intervals}")
+        if not (self.prefix_weight >= 0 and math.isfinite(self.prefix_weight)):
+            raise ValueError(f"prefix_weight must be a finite number >= 0, got {self.prefix_weight}")
 
 
 @dataclass(frozen=True)
@@ -215,6 +224,11 @@ class Refuse:
 Decision = Plan | Wait | Refuse
 
 
+def placement_score(load: int, cached_tokens: int, prompt_len: int, prefix_weight: float) -> float:
+    """Higher is better: prefix_weight x the cached share of the prompt, minus the worker's load."""
+    return prefix_weight * min(max(cached_tokens, 0), prompt_len) / prompt_len - load
+
+
 @dataclass(frozen=True)
 class _Candidates:
     live: list[WorkerState] = field(default_factory=list)
@@ -235,9 +249,19 @@ def schedule(
 ) -> Decision:
     """Decide where `req` runs, from the live workers (see the module docstring for the rules).
 
-    `prefix_hits` maps worker id -> prompt tokens already in that worker's prefix cache (empty until
-    prefix-aware routing fills it); it lowers the uncached length and breaks ties."""
+    `prefix_hits` maps worker id -> prompt tokens already in that worker's prefix cache (from the
+    kv-broker's prefix index); it lowers the uncached length and, weighed by `config.prefix_weight`
+    against load, draws the request to the workers holding its prefix."""
     hits = prefix_hits or {}
+    weight = config.prefix_weight
+    placed_hits = hits if weight > 0 else {}  # load-only placement ignores the cache entirely
+
+    def hit(w: WorkerState) -> int:
+        return placed_hits.get(w.worker_id, 0)
+
+    def score(w: WorkerState, load: int) -> float:
+        return placement_score(load, hit(w), req.prompt_len, weight)
+
     decode = _candidates(workers, Role.DECODE, req)
     if not decode.live:
         return Refuse(ErrorCode.UNAVAILABLE, f"no live decode worker for model {req.model!r}")
@@ -258,7 +282,7 @@ def schedule(
     roomy = [w for w in decode.fits_context if w.free_pages >= w.pages_for(total)]
     if not roomy:
         return Wait("no decode worker has enough free KV pages")
-    d = min(roomy, key=lambda w: (w.decode_load, -w.free_pages, -hits.get(w.worker_id, 0), w.worker_id))
+    d = min(roomy, key=lambda w: (-score(w, w.decode_load), -w.free_pages, -hit(w), w.worker_id))
     d_pages = d.pages_for(total)
     uncached_on_decode = max(0, req.prompt_len - hits.get(d.worker_id, 0))
     threshold = config.direct_prefill_threshold
@@ -278,6 +302,6 @@ def schedule(
     usable = [w for w in prefill.fits_context if not w.suspended]
     if not usable:
         return Wait("every prefill worker is suspended until its next heartbeat")
-    p = min(usable, key=lambda w: (w.prefill_load, -hits.get(w.worker_id, 0), w.worker_id))
+    p = min(usable, key=lambda w: (-score(w, w.prefill_load), -hit(w), w.worker_id))
     uncached = max(0, req.prompt_len - hits.get(p.worker_id, 0))
     return Plan(PlanKind.DISAGGREGATED, d.worker_id, p.worker_id, req.prompt_len, d_pages, uncached)

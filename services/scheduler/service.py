@@ -50,6 +50,7 @@ from services.scheduler.policy import (
     WorkerTable,
     schedule,
 )
+from services.scheduler.prefix import PrefixClient
 from services.scheduler.queue import AdmissionQueue, DuplicateRequest, Entry, QueueFull, Retry
 
 log = logging.getLogger("moemesh.scheduler")
@@ -65,6 +66,12 @@ class SchedulerSettings(ServiceSettings, frozen=True, kw_only=True):
     lease_ms: Annotated[int, msgspec.Meta(ge=1)] = 30_000
     max_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
     dead_after_intervals: Annotated[float, msgspec.Meta(gt=0)] = 3.0
+    # prefix-aware routing (policy.py, prefix.py): a full cache hit is worth prefix_weight queued
+    # requests (0: load-only placement); the kv-broker's index answers within prefix_query_timeout_s or
+    # not at all; decode_prefix_reuse lets decode workers skip receiving the prefix they cache already
+    prefix_weight: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    prefix_query_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.05
+    decode_prefix_reuse: bool = True
 
 
 class _Metrics:
@@ -130,7 +137,12 @@ class SchedulerService(Service):
     ) -> None:
         super().__init__(settings, registry)
         self.clock = clock
-        self.config = PolicyConfig(settings.direct_prefill_threshold, settings.dead_after_intervals)
+        self.config = PolicyConfig(
+            direct_prefill_threshold=settings.direct_prefill_threshold,
+            dead_after_intervals=settings.dead_after_intervals,
+            prefix_weight=settings.prefix_weight,
+        )
+        self.prefix: PrefixClient | None = None  # set once the bus is up
         self.workers = WorkerTable(settings.dead_after_intervals)
         self.queue = AdmissionQueue(settings.max_queue, settings.max_retries)
         self.metrics = _Metrics(self.registry)
@@ -146,6 +158,7 @@ class SchedulerService(Service):
         await bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, self._on_heartbeat)
         await bus.subscribe(subjects.CANCEL, m.Cancel, self._on_cancel)
         await bus.flush()
+        self.prefix = PrefixClient(bus, self.registry, self.settings.prefix_query_timeout_s)
         self._loop_task = asyncio.create_task(self._placement_loop(), name="scheduler-placement")
 
     async def on_drain(self) -> None:
@@ -171,10 +184,14 @@ class SchedulerService(Service):
         """Return at the next wake() (tests and admin tools wait on conditions with this)."""
         await self._tick.wait()
 
-    def prefix_hits(self, submit: m.Submit) -> dict[str, int]:
-        """Cached prompt tokens per worker id, for the policy. Empty until prefix-aware routing feeds
-        it from the kv-broker's prefix index (then: longest cached prefix of submit.prompt_ids)."""
-        return {}
+    async def prefix_hits(self, submit: m.Submit) -> dict[str, int]:
+        """Cached prompt tokens per worker id, for the policy, from the kv-broker's prefix index ({} on
+        timeout, and without asking when neither placement nor direct prefill would use them)."""
+        unused = self.config.prefix_weight == 0 and self.config.direct_prefill_threshold == 0
+        if self.prefix is None or unused:
+            return {}
+        page_sizes = {w.hb.page_size for w in self.workers.live(self.clock())}
+        return await self.prefix.hits(submit.prompt_ids, page_sizes)
 
     # --- handlers ---
     async def _on_submit(self, s: m.Submit) -> m.SubmitReply:
@@ -184,7 +201,9 @@ class SchedulerService(Service):
         except ValueError as e:
             return self._refuse(s.request_id, m.ErrorCode.BAD_REQUEST, str(e))
         now = self.clock()
-        decision = schedule(self.workers.live(now), req, self.config, self.prefix_hits(s))
+        decision = schedule(self.workers.live(now), req, self.config)
+        if isinstance(decision, Refuse):  # a cached prefix can make it servable (direct on decode)
+            decision = schedule(self.workers.live(now), req, self.config, await self.prefix_hits(s))
         if isinstance(decision, Refuse):
             return self._refuse(s.request_id, decision.code, decision.message)
         # The submit's deadline header is when the gateway stops waiting for this reply, not the
@@ -258,7 +277,10 @@ class SchedulerService(Service):
         while (e := self.queue.head()) is not None:
             s = e.submit
             req = PlacementRequest(s.request_id, s.model, len(s.prompt_ids), s.sampling.max_tokens)
-            decision = schedule(self.workers.live(now), req, self.config, self.prefix_hits(s))
+            hits = await self.prefix_hits(s)
+            if self.queue.head() is not e:  # cancelled (or expired) while the index answered
+                continue
+            decision = schedule(self.workers.live(now), req, self.config, hits)
             if isinstance(decision, Refuse):
                 self.queue.remove(e.request_id)
                 await self._fail(e, decision.code, decision.message)
@@ -337,8 +359,9 @@ class SchedulerService(Service):
     async def _reserve(self, e: Entry, plan: Plan) -> m.KvHandle:
         s = e.submit
         ask = m.ReserveKv(
-            request_id=s.request_id, num_tokens=plan.num_tokens, lease_ms=self.settings.lease_ms
-        )
+            request_id=s.request_id, num_tokens=plan.num_tokens, lease_ms=self.settings.lease_ms,
+            prompt_ids=s.prompt_ids if self.settings.decode_prefix_reuse else [],
+        )  # fmt: skip
         try:
             reply: m.ReserveKvReply = await self.bus.request(
                 subjects.decode_inbox(plan.decode),

@@ -1,0 +1,99 @@
+"""The scheduler's prefix-aware placement against a real nats-server: it asks the kv-broker's index (here a
+double) with the prompt's block hashes, places on the worker holding the prefix, sends the prompt with
+ReserveKv so the decode worker can reuse its cache, and places on load alone when the index is silent."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.bus import Bus
+from libs.prefix import block_hashes
+from proto import messages as m
+from proto import subjects
+from tests.services.scheduler.test_service import _get, start  # noqa: F401 (the fixture)
+
+PROMPT = list(range(1, 101))  # what Harness.submit sends for prompt_len=100
+
+
+class FakeIndex:
+    """Answers PrefixQuery with fixed cached-token counts (or not at all when `silent`)."""
+
+    def __init__(self, bus: Bus, cached: dict[str, int], silent: bool = False) -> None:
+        self.bus, self.cached, self.silent = bus, cached, silent
+        self.queries: list[m.PrefixQuery] = []
+        self._sub = None
+
+    async def start(self) -> FakeIndex:
+        self._sub = await self.bus.subscribe(subjects.BROKER_PREFIX, m.PrefixQuery, self._on_query)
+        await self.bus.flush()
+        return self
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    async def _on_query(self, q: m.PrefixQuery) -> m.PrefixReply | None:
+        self.queries.append(q)
+        return None if self.silent else m.PrefixReply(cached_tokens=self.cached)
+
+
+@pytest.fixture
+async def index():
+    made: list[FakeIndex] = []
+
+    async def make(bus: Bus, cached: dict[str, int], silent: bool = False) -> FakeIndex:
+        idx = await FakeIndex(bus, cached, silent).start()
+        made.append(idx)
+        return idx
+
+    yield make
+    for idx in made:
+        await idx.stop()
+
+
+async def test_request_goes_to_the_prefill_worker_holding_its_prefix(start, index) -> None:  # noqa: F811
+    h = await start(direct_prefill_threshold=0)
+    d, p0, p1 = await h.decode("d0"), await h.prefill("p0"), await h.prefill("p1")
+    idx = await index(h.bus, {p1.worker_id: 64})
+    assert (await h.submit("r1", prompt_len=100)).ok
+    task, _ = await _get(p1.tasks)  # p0 would win on load alone (equal load, lower id)
+    assert task.request_id == "r1" and p0.tasks.empty()
+    (q,) = idx.queries
+    assert q == m.PrefixQuery(page_size=16, hashes=block_hashes(PROMPT[:-1], 16))
+    reserve = await _get(d.reserves)
+    assert reserve.prompt_ids == PROMPT  # the decode worker may reuse its own cached prefix
+    assert h.metric("moemesh_scheduler_prefix_queries_total", outcome="ok") == 1
+
+
+async def test_a_silent_index_means_placement_on_load_alone(start, index) -> None:  # noqa: F811
+    h = await start(direct_prefill_threshold=0, prefix_query_timeout_s=0.05)
+    await h.decode("d0")
+    p0, p1 = await h.prefill("p0"), await h.prefill("p1")
+    await index(h.bus, {p1.worker_id: 64}, silent=True)
+    assert (await h.submit("r1", prompt_len=100)).ok
+    task, _ = await _get(p0.tasks)
+    assert task.request_id == "r1" and p1.tasks.empty()
+    assert h.metric("moemesh_scheduler_prefix_queries_total", outcome="failed") == 1
+
+
+async def test_load_only_settings_do_not_ask_the_index(start, index) -> None:  # noqa: F811
+    h = await start(direct_prefill_threshold=0, prefix_weight=0.0, decode_prefix_reuse=False)
+    d = await h.decode("d0")
+    p0, p1 = await h.prefill("p0"), await h.prefill("p1")
+    idx = await index(h.bus, {p1.worker_id: 64})
+    assert (await h.submit("r1", prompt_len=100)).ok
+    task, _ = await _get(p0.tasks)
+    assert (await _get(d.reserves)).prompt_ids == []
+    assert idx.queries == [] and p1.tasks.empty()
+
+
+async def test_cached_prefix_on_the_decode_worker_makes_a_long_prompt_direct(start, index) -> None:  # noqa: F811
+    h = await start(direct_prefill_threshold=32)
+    d0, d1 = await h.decode("d0"), await h.decode("d1")
+    p = await h.prefill("p0")
+    await index(h.bus, {d1.worker_id: 80})
+    assert (await h.submit("r1", prompt_len=100)).ok  # 20 uncached tokens on d1
+    direct = await _get(d1.directs)
+    assert direct.request_id == "r1"
+    await h.until(lambda: h.metric("moemesh_scheduler_placements_total", kind="direct") == 1)
+    assert d0.directs.empty() and d0.reserves.empty() and p.tasks.empty()
