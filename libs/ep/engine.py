@@ -2,8 +2,9 @@
 
 The worker process holds only this front; `ep_size` rank processes (rank.py) each run an Engine on their own
 requests and KV pages, with the routed experts sharded over the group. The front:
-- hands each new request (add_request, reserve, prefill) to the least loaded rank and remembers its owner,
-  so later calls for that request (abort, add_prefilled, release, ...) go to the same rank;
+- hands each new request (add_request, reserve, prefill) to a rank (routing.py: the least busy, or the
+  one caching most of its prefix) and remembers its owner, so later calls for that request (abort,
+  add_prefilled, release, ...) go to the same rank;
 - runs group operations (step, prefill, generate, rebalance) on every rank at once, ranks with nothing to
   do joining as idle (see runtime.py), and merges their outputs;
 - keeps each rank's stats from its last reply, so `stats()` and `has_unfinished()` never wait on a rank
@@ -22,16 +23,12 @@ metrics collector may be read from others.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import socket
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 
 from libs.engine.config import ModelConfig
 from libs.engine.engine import default_num_pages
@@ -41,8 +38,11 @@ from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
 from libs.engine.sampling import SamplingParams
 from libs.ep import eplb
 from libs.ep.dispatch import BACKENDS
+from libs.ep.group import RankGroup
 from libs.ep.placement import Placement
-from libs.ep.rank import RankSpec, rank_main
+from libs.ep.rank import RankSpec
+from libs.ep.routing import RankBlocks, pick_rank
+from libs.prefix import block_hashes
 
 STAT_KEYS = ("total_pages", "free_pages", "used_pages", "cached_pages", "evictable_pages", "running",
              "waiting", "pinned", "reserved", "preemptions")  # fmt: skip
@@ -107,16 +107,20 @@ class EPEngine:
         self.window_load = np.zeros(shape, dtype=np.int64)  # since the last placement change
         self.num_rebalances, self.steps = 0, 0
         self.owner: dict[str, int] = {}  # request id -> rank
-        self._status: list[dict[str, int]] = [{} for _ in range(ep_size)]
-        self._procs: list[Any] = []
-        self._conns: list[Any] = []
-        self._broken: str | None = None
-        atexit.register(self.close)
-        try:
-            self._spawn(spec, timeout_s)
-        except BaseException:
-            self.close()
-            raise
+        self.blocks = RankBlocks(ep_size)
+        self.affinity_slack = max(1, max_num_seqs // 16)
+        if backend == "mooncake":  # low-latency only: every forward must fit its per-rank token limit
+            cap = int((backend_options or {}).get("max_tokens", 128))
+            if max(max_prefill_tokens, max_num_seqs) > cap:
+                raise ValueError(
+                    f"EP backend 'mooncake' takes at most {cap} tokens per forward: set max_prefill_tokens "
+                    f"and max_num_seqs <= {cap} (got {max_prefill_tokens}, {max_num_seqs})"
+                )
+        kv_slices = None
+        if self._kv_pool is not None:
+            rows = self.pages_per_rank * page_size
+            kv_slices = [self._kv_pool.buffer[:, r * rows : (r + 1) * rows] for r in range(ep_size)]
+        self.group = RankGroup(spec, kv_slices, timeout_s, self._add_load, self.blocks.apply)
 
     # --- offline API ---
     def generate(
@@ -130,7 +134,7 @@ class EPEngine:
         ops = {
             r: ("generate", ([prompts[i] for i in idx], [plist[i] for i in idx])) for r, idx in assign.items()
         }
-        results = self._op(ops)
+        results = self.group.op(ops)
         out: list[GenerationOutput | None] = [None] * len(prompts)
         for r, idx in assign.items():
             for i, o in zip(idx, results[r], strict=True):
@@ -140,7 +144,7 @@ class EPEngine:
     def prefill_logits(self, tokens: Sequence[int], rank: int | None = None) -> torch.Tensor:
         """[T, V] float32 logits at every position, computed on `rank` (default: the least loaded)."""
         r = self._pick() if rank is None else rank
-        return torch.from_numpy(self._op({r: ("prefill_logits", (list(tokens),))})[r])
+        return torch.from_numpy(self.group.op({r: ("prefill_logits", (list(tokens),))})[r])
 
     def prefill_logits_many(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Each prompt on rank i mod ep_size, all ranks at once (a ragged batch across the group)."""
@@ -150,7 +154,7 @@ class EPEngine:
                 i - start: ("prefill_logits", (list(prompts[i]),))
                 for i in range(start, min(len(prompts), start + self.ep_size))
             }
-            got = self._op(ops)
+            got = self.group.op(ops)
             for r in ops:
                 results[start + r] = torch.from_numpy(got[r])
         return results  # type: ignore[return-value]
@@ -158,15 +162,15 @@ class EPEngine:
     # --- incremental API (Engine's) ---
     def add_request(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self._check_new_rid(rid)
-        r = self._pick()
-        self._call(r, "add_request", rid, list(prompt_ids), params)
+        r = self._pick(prompt_ids)
+        self.group.call(r, "add_request", rid, list(prompt_ids), params)
         self.owner[rid] = r
 
     def step(self) -> list[StepOutput]:
         """One step on every rank (idle ranks serve the others' experts); outputs of all ranks."""
         if not self.has_unfinished():
             return []
-        results = self._op({r: ("step", ()) for r in range(self.ep_size)})
+        results = self.group.op({r: ("step", ()) for r in range(self.ep_size)})
         outputs = [o for r in range(self.ep_size) for o in results[r]]
         for o in outputs:
             if o.finished:
@@ -178,31 +182,36 @@ class EPEngine:
 
     def abort(self, rid: str) -> bool:
         r = self.owner.pop(rid, None)
-        return False if r is None else bool(self._call(r, "abort", rid))
+        return False if r is None else bool(self.group.call(r, "abort", rid))
 
     def has_unfinished(self) -> bool:
-        return any(s.get("unfinished") for s in self._status)
+        return any(s.get("unfinished") for s in self.group.status)
 
     def stats(self) -> dict[str, int]:
         """Summed over ranks, as of each rank's last reply."""
-        return {k: sum(s.get(k, 0) for s in self._status) for k in STAT_KEYS}
+        return {k: sum(s.get(k, 0) for s in self.group.status) for k in STAT_KEYS}
+
+    def set_cache_listener(self, listener: Any) -> None:
+        """Prefix-cache block events of the whole group (radix_cache.CacheListener), on the engine thread:
+        a block is stored when the first rank caches it and removed when the last one drops it."""
+        self.blocks.set_listener(listener)
 
     def flush_prefix_cache(self) -> int:
-        return sum(self._call(r, "flush_prefix_cache") for r in range(self.ep_size))
+        return sum(self.group.call(r, "flush_prefix_cache") for r in range(self.ep_size))
 
     # --- PD: prefill side ---
     def prefill(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> PrefillResult:
         """Prefill on the least loaded rank (the others serve its experts); page ids are global."""
         self._check_new_rid(rid)
-        r = self._pick()
-        res = self._op({r: ("prefill", (rid, list(prompt_ids), params))})[r]
+        r = self._pick(prompt_ids)
+        res = self.group.op({r: ("prefill", (rid, list(prompt_ids), params))})[r]
         self.owner[rid] = r
         res.page_ids = [p + r * self.pages_per_rank for p in res.page_ids]
         return res
 
     def release(self, rid: str) -> bool:
         r = self.owner.get(rid)
-        if r is None or not self._call(r, "release", rid):
+        if r is None or not self.group.call(r, "release", rid):
             return False
         del self.owner[rid]
         return True
@@ -211,13 +220,21 @@ class EPEngine:
     def reserve(self, rid: str, num_tokens: int) -> list[int]:
         self._check_new_rid(rid)
         r = self._pick()
-        pages = self._call(r, "reserve", rid, num_tokens)
+        pages = self.group.call(r, "reserve", rid, num_tokens)
         self.owner[rid] = r
         return [p + r * self.pages_per_rank for p in pages]
 
+    def reserve_cached(self, rid: str, prompt_ids: Sequence[int]) -> tuple[int, list[int]]:
+        """reserve() on the rank caching most of the prompt's prefix: (cached tokens, global pages for the rest)."""
+        self._check_new_rid(rid)
+        r = self._pick(prompt_ids)
+        cached, pages = self.group.call(r, "reserve_cached", rid, list(prompt_ids))
+        self.owner[rid] = r
+        return cached, [p + r * self.pages_per_rank for p in pages]
+
     def cancel_reservation(self, rid: str) -> bool:
         r = self.owner.get(rid)
-        if r is None or not self._call(r, "cancel_reservation", rid):
+        if r is None or not self.group.call(r, "cancel_reservation", rid):
             return False
         del self.owner[rid]
         return True
@@ -228,7 +245,7 @@ class EPEngine:
         r = self.owner.get(rid)
         if r is None:
             raise ValueError(f"add_prefilled: no reservation for request {rid!r}")
-        self._call(r, "add_prefilled", rid, list(prompt_ids), first_token, params)
+        self.group.call(r, "add_prefilled", rid, list(prompt_ids), first_token, params)
 
     @property
     def kv_pool(self) -> KVPool:
@@ -252,7 +269,7 @@ class EPEngine:
     def apply_placement(self, placement: Placement) -> None:
         """Swap every rank to `placement` between two steps (experts' weights move between ranks)."""
         if placement != self.placement:
-            self._op({r: ("rebalance", (placement.to_wire(),)) for r in range(self.ep_size)})
+            self.group.op({r: ("rebalance", (placement.to_wire(),)) for r in range(self.ep_size)})
             self.placement = placement
             self.num_rebalances += 1
         self.window_load[:] = 0
@@ -262,101 +279,31 @@ class EPEngine:
 
         registry.register(ExpertLoadCollector(self))
 
-    # --- the group ---
-    def _spawn(self, spec: RankSpec, timeout_s: float) -> None:
-        ctx = mp.get_context("spawn")
-        for r in range(self.ep_size):
-            parent, child = ctx.Pipe()
-            kv = None
-            if self._kv_pool is not None:
-                rows = self.pages_per_rank * self.page_size
-                kv = self._kv_pool.buffer[:, r * rows : (r + 1) * rows]
-            proc = ctx.Process(target=rank_main, args=(r, spec, child, kv), daemon=True, name=f"ep-rank-{r}")
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
-        failures = []
-        for r in range(self.ep_size):
-            try:
-                self._recv(r, timeout_s)
-            except Exception as e:
-                failures.append(f"rank {r}: {e}")
-        if failures:
-            raise RuntimeError(f"EP group failed to start: {'; '.join(failures)}")
+    # --- internals ---
+    def _add_load(self, load: np.ndarray) -> None:
+        self.expert_load += load
+        self.window_load += load
 
-    def _call(self, r: int, name: str, *args: Any) -> Any:
-        self._check_alive()
-        self._conns[r].send(("call", name, args))
-        return self._recv(r)
-
-    def _op(self, ops: dict[int, tuple[str, tuple]]) -> dict[int, Any]:
-        """A group operation: ranks not in `ops` join idle. Replies from every rank are read before the
-        first error is raised, so the pipes stay in step."""
-        self._check_alive()
-        for r in range(self.ep_size):
-            name, args = ops.get(r, ("idle", ()))
-            self._conns[r].send(("op", name, args))
-        results, errors = {}, []
-        for r in range(self.ep_size):
-            try:
-                results[r] = self._recv(r)
-            except Exception as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
-        return results
-
-    def _recv(self, r: int, timeout_s: float | None = None) -> Any:
-        conn, proc = self._conns[r], self._procs[r]
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not conn.poll(0.5):  # returns as soon as the rank answers; the timeout only checks liveness
-            if not proc.is_alive():
-                self._broken = f"EP rank {r} exited (code {proc.exitcode})"
-                raise RuntimeError(self._broken)
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"EP rank {r} did not answer within {timeout_s:.0f}s")
-        tag, result, status, load = conn.recv()
-        if status is not None:
-            self._status[r] = status
-        if load is not None:
-            self.expert_load += load
-            self.window_load += load
-        if tag == "err":
-            raise result
-        return result
-
-    def _check_alive(self) -> None:
-        if self._broken is not None:
-            raise RuntimeError(f"EP group is down: {self._broken}")
-
-    def _pick(self) -> int:
-        def key(r: int) -> tuple:
-            s = self._status[r]
-            busy = s.get("running", 0) + s.get("waiting", 0) + s.get("pinned", 0) + s.get("reserved", 0)
-            return busy, -(s.get("free_pages", 0) + s.get("evictable_pages", 0)), r
-
-        return min(range(self.ep_size), key=key)
+    def _pick(self, prompt: Sequence[int] | None = None) -> int:
+        """Least busy rank, or the one caching most of `prompt`'s prefix if it is not much busier."""
+        status = self.group.status
+        busy = [
+            s.get("running", 0) + s.get("waiting", 0) + s.get("pinned", 0) + s.get("reserved", 0)
+            for s in status
+        ]
+        free = [s.get("free_pages", 0) + s.get("evictable_pages", 0) for s in status]
+        matched = [0] * self.ep_size
+        if prompt is not None and self.blocks.refs:
+            matched = self.blocks.matched(block_hashes(list(prompt[:-1]), self.page_size))
+        return pick_rank(busy, free, matched, self.affinity_slack)
 
     def _check_new_rid(self, rid: str) -> None:
         if rid in self.owner:
             raise ValueError(f"request id {rid!r} is already in use")
 
     def close(self) -> None:
-        """Stop every rank (idempotent); a rank that does not leave in time is killed."""
-        for conn in self._conns:
-            with contextlib.suppress(OSError, ValueError):  # already closed or the rank is gone
-                conn.send(("stop",))
-        for proc in self._procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        for conn in self._conns:
-            conn.close()
-        self._procs, self._conns = [], []
-        self._broken = self._broken or "closed"
-        atexit.unregister(self.close)
+        """Stop every rank process (idempotent)."""
+        self.group.close()
 
     def __enter__(self) -> EPEngine:
         return self

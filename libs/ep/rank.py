@@ -3,26 +3,29 @@ model whose routed experts are this rank's slots, joined to the group through to
 
 The front (engine.EPEngine, in the worker process) talks to each rank over a multiprocessing pipe with
 plain tuples, never tensors:
-  ("call", method, args)  -> this rank alone: add_request, abort, reserve, cancel_reservation,
-                             add_prefilled, release, flush_prefix_cache, stats
+  ("call", method, args)  -> this rank alone: add_request, abort, reserve, reserve_cached,
+                             cancel_reservation, add_prefilled, release, flush_prefix_cache, stats
   ("op", name, args)      -> a group operation: the front sends one to every rank at once (step, prefill,
                              prefill_logits, generate, rebalance, or idle for ranks with nothing to do);
                              each rank does its part, then serves rounds until every rank is done
                              (runtime.EPRuntime.idle_until_all_done), so the MoE collectives line up
   ("stop",)               -> leave the group and exit
 Every reply is ("ok" | "err", result or exception, the engine's stats + whether it has unfinished work,
-expert load counted since the last op reply or None).
+expert load counted since the last op reply or None, the prefix-cache events since the last reply: a list
+of (stored?, block hashes), which the front uses to route requests to the rank holding their prefix).
 
-A rank ignores SIGINT/SIGTERM (the worker above it drains first, then stops it) and dies with its parent.
+A rank ignores SIGINT/SIGTERM (the worker above it drains first, then stops it) and exits when its pipe
+closes or its parent process is gone.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import pickle
 import signal
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -41,7 +44,7 @@ from libs.tokenizer import Tokenizer
 log = logging.getLogger("moemesh.ep.rank")
 
 CALLS = frozenset(
-    {"add_request", "abort", "reserve", "cancel_reservation", "add_prefilled", "release",
+    {"add_request", "abort", "reserve", "reserve_cached", "cancel_reservation", "add_prefilled", "release",
      "flush_prefix_cache", "stats"}
 )  # fmt: skip
 
@@ -74,7 +77,7 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 def rank_main(rank: int, spec: RankSpec, conn: Any, kv_buffer: torch.Tensor | None) -> None:
     """Process entry point."""
-    _die_with_parent()
+    _exit_with_parent()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s ep-rank-{rank} %(levelname)s %(message)s")
@@ -82,15 +85,34 @@ def rank_main(rank: int, spec: RankSpec, conn: Any, kv_buffer: torch.Tensor | No
         worker = RankWorker.start(rank, spec, kv_buffer)
     except BaseException as e:  # the front reports it; nothing else can
         log.exception("rank %d failed to start", rank)
-        conn.send(("err", portable(e), None, None))
+        conn.send(("err", portable(e), None, None, None))
         return
-    conn.send(("ok", None, worker.status(), None))
+    conn.send(("ok", None, worker.status(), None, worker.cache_events.drain()))
     worker.serve(conn)
+
+
+class CacheEvents:
+    """The rank engine's prefix-cache listener: keeps the events until the next reply carries them."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[bool, list[int]]] = []
+
+    def blocks_stored(self, hashes: list[int]) -> None:
+        self.events.append((True, list(hashes)))
+
+    def blocks_removed(self, hashes: list[int]) -> None:
+        self.events.append((False, list(hashes)))
+
+    def drain(self) -> list[tuple[bool, list[int]]]:
+        out, self.events = self.events, []
+        return out
 
 
 class RankWorker:
     def __init__(self, rank: int, engine: Engine, runtime: EPRuntime) -> None:
         self.rank, self.engine, self.runtime = rank, engine, runtime
+        self.cache_events = CacheEvents()
+        engine.set_cache_listener(self.cache_events)
 
     @classmethod
     def start(cls, rank: int, spec: RankSpec, kv_buffer: torch.Tensor | None) -> RankWorker:
@@ -133,7 +155,7 @@ class RankWorker:
             except (EOFError, OSError):  # the front is gone
                 break
             if msg[0] == "stop":
-                conn.send(("ok", None, None, None))
+                conn.send(("ok", None, None, None, None))
                 break
             conn.send(self.handle(msg))
         if dist.is_initialized():
@@ -152,11 +174,11 @@ class RankWorker:
                 load = self.runtime.take_load()
             else:
                 raise ValueError(f"unknown message kind {kind!r}")
-            return ("ok", result, self.status(), load)
+            return ("ok", result, self.status(), load, self.cache_events.drain())
         except Exception as e:
             if not isinstance(e, ValueError):
                 log.exception("rank %d: %s %s failed", self.rank, kind, name)
-            return ("err", portable(e), self.status(), load)
+            return ("err", portable(e), self.status(), load, self.cache_events.drain())
 
     def run_op(self, name: str, args: tuple) -> Any:
         """This rank's part of a group operation, then idle rounds until every rank has finished its part."""
@@ -204,12 +226,13 @@ def portable(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}")
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the worker that spawned it dies (best effort elsewhere)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:
-            os._exit(1)
-    except (OSError, AttributeError):
-        pass
+def _exit_with_parent() -> None:
+    """Leave when the worker that spawned this rank is gone, even while blocked in a collective."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)  # liveness poll of the parent process
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

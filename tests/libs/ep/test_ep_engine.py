@@ -121,3 +121,34 @@ def test_bad_settings_are_refused_before_any_process_starts(tiny: Path) -> None:
         EPEngine(str(tiny), 4, num_redundant_experts=2)
     with pytest.raises(ValueError, match="unknown EP dispatch backend"):
         EPEngine(str(tiny), 2, backend="nvshmem")
+
+
+def test_a_request_goes_to_the_rank_that_caches_its_prefix(group: EPEngine) -> None:
+    shared = prompt(40, 99)  # two full 16-token pages of shared prefix
+    events: list[tuple[bool, list[int]]] = []
+
+    class Listener:
+        def blocks_stored(self, hashes: list[int]) -> None:
+            events.append((True, hashes))
+
+        def blocks_removed(self, hashes: list[int]) -> None:
+            events.append((False, hashes))
+
+    group.set_cache_listener(Listener())
+    group.add_request("first", shared, GREEDY)
+    first_rank = group.owner["first"]
+    while group.has_unfinished():
+        group.step()
+    first_rank_blocks = [b for stored, hs in events if stored for b in hs]
+    assert len(first_rank_blocks) >= 2
+    # make the caching rank the busier one: without prefix affinity "second" would go elsewhere
+    group.add_request("filler", prompt(5, 1), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    assert group.owner["filler"] == first_rank  # ties go to the lowest rank, as they did for "first"
+    group.add_request("second", shared[:33] + [5, 6], GREEDY)
+    assert group.owner["second"] == first_rank
+    cached = None
+    while group.has_unfinished():
+        for o in group.step():
+            cached = o.cached_tokens if o.rid == "second" else cached
+    assert cached == 32
+    group.set_cache_listener(None)

@@ -1,0 +1,72 @@
+"""Which rank of an EP group gets a new request, and which prefix blocks each rank's cache holds. Pure.
+
+Each rank has its own KV pool and prefix cache (DP attention), so a request only reuses a cached prefix on
+the rank that cached it. The front learns every rank's cached blocks from the cache events the ranks send
+back (libs.prefix block hashes) and places a request on the rank holding most of its prefix, unless that
+rank is busier than the least busy one by more than `slack` requests; without a match, the least busy rank
+(ties: more free pages, then the lower rank).
+
+`RankBlocks` also merges the ranks' events into one stream for the worker's own listener (the kv-broker's
+prefix index knows workers, not ranks): a block is reported stored when the first rank caches it and
+removed when the last rank drops it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+def pick_rank(busy: Sequence[int], free: Sequence[int], matched: Sequence[int], slack: int) -> int:
+    """busy: live requests per rank; free: free + evictable pages; matched: cached prefix pages."""
+    least = min(busy)
+    candidates = [r for r in range(len(busy)) if busy[r] <= least + slack]
+    return max(candidates, key=lambda r: (matched[r], -busy[r], free[r], -r))
+
+
+class Listener(Protocol):
+    def blocks_stored(self, hashes: list[int]) -> None: ...
+
+    def blocks_removed(self, hashes: list[int]) -> None: ...
+
+
+class RankBlocks:
+    def __init__(self, ranks: int) -> None:
+        self.blocks: list[set[int]] = [set() for _ in range(ranks)]
+        self.refs: dict[int, int] = {}  # block -> ranks holding it
+        self.listener: Listener | None = None
+
+    def apply(self, rank: int, events: Sequence[tuple[bool, list[int]]]) -> None:
+        """One rank's cache events, in order: (stored?, block hashes)."""
+        held = self.blocks[rank]
+        for stored, hashes in events:
+            changed = []
+            for h in hashes:
+                if stored and h not in held:
+                    held.add(h)
+                    self.refs[h] = self.refs.get(h, 0) + 1
+                    changed += [h] if self.refs[h] == 1 else []
+                elif not stored and h in held:
+                    held.discard(h)
+                    self.refs[h] -= 1
+                    if self.refs[h] == 0:
+                        del self.refs[h]
+                        changed.append(h)
+            if changed and self.listener is not None:
+                (self.listener.blocks_stored if stored else self.listener.blocks_removed)(changed)
+
+    def set_listener(self, listener: Listener | None) -> None:
+        """From now on; what some rank caches already is reported as stored at once."""
+        self.listener = listener
+        if listener is not None and self.refs:
+            listener.blocks_stored(list(self.refs))
+
+    def matched(self, hashes: Sequence[int]) -> list[int]:
+        """Per rank: how many of `hashes` (a prompt's blocks, in order) it holds as an unbroken prefix."""
+        out = []
+        for held in self.blocks:
+            n = 0
+            while n < len(hashes) and hashes[n] in held:
+                n += 1
+            out.append(n)
+        return out
