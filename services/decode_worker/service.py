@@ -29,6 +29,8 @@ from libs.telemetry import RequestTracker
 from libs.telemetry import attributes as span_attrs
 from libs.worker.common import Heartbeater, load_engine, open_transport, register_at_broker, to_params
 from libs.worker.engine_thread import EngineThread
+from libs.worker.kv_events import start_kv_events
+from libs.worker.prefix_reuse import reserve_for
 from libs.worker.settings import WorkerSettings
 from proto import messages as m
 from proto import subjects
@@ -65,6 +67,7 @@ class DecodeWorker(Service):
         self.forward_sleep_ms = s.forward_sleep_ms
         self.work = asyncio.Event()
         self._metrics()
+        self.kv_events = await start_kv_events(self.bus, self.instance_id, self.et, self.registry)
         await self.bus.subscribe(subjects.decode_inbox(self.instance_id), m.DecodeInbox, self.on_inbox)
         await self.bus.subscribe(subjects.CANCEL, m.Cancel, self.on_cancel)
         await self.bus.subscribe(subjects.admin(self.name, self.instance_id), m.AdminRequest, self.on_admin)
@@ -119,7 +122,7 @@ class DecodeWorker(Service):
         if self.draining:
             return m.ReserveKvReply(request_id=rid, ok=False, code=503, message="decode worker is draining")
         try:
-            pages = await self.et.call(self.engine.reserve, rid, msg.num_tokens)
+            cached, pages = await self.et.call(reserve_for, self.engine, msg)
         except OutOfPagesError as e:
             return m.ReserveKvReply(request_id=rid, ok=False, code=429, message=str(e))
         except ValueError as e:
@@ -127,8 +130,10 @@ class DecodeWorker(Service):
         handle = m.KvHandle(
             handle_id=uuid.uuid4().hex, request_id=rid, decode_worker=self.instance_id,
             session_id=self.transport.session_id, page_ids=pages, num_tokens=msg.num_tokens,
-            lease_expires_ms=int(time.time() * 1000) + msg.lease_ms,
+            lease_expires_ms=int(time.time() * 1000) + msg.lease_ms, cached_tokens=cached,
         )  # fmt: skip
+        if msg.prompt_ids:
+            self.tracker.prefix_cache(rid, cached, msg.num_tokens)
         self.reserved[rid] = handle.handle_id
         # Registered at the broker off the critical path; later broker messages for this handle wait for it.
         self._creates[handle.handle_id] = self._spawn(self._broker_call(m.CreateHandle(handle=handle)))
@@ -303,5 +308,6 @@ class DecodeWorker(Service):
         if self._background:
             await asyncio.wait(set(self._background), timeout=self.settings.broker_timeout_s)
         await self.heartbeat.stop()
+        await self.kv_events.stop()
         self.et.shutdown()
         self.transport.close()

@@ -33,6 +33,8 @@ from libs.worker.common import (
     to_wire_logprob,
 )
 from libs.worker.engine_thread import EngineThread
+from libs.worker.kv_events import start_kv_events
+from libs.worker.prefix_reuse import pages_to_send
 from libs.worker.settings import WorkerSettings
 from proto import messages as m
 from proto import subjects
@@ -82,6 +84,7 @@ class PrefillWorker(Service):
         self.tracker = RequestTracker(self.telemetry, r, "prefill")  # spans + request outcome metrics
         for name, key in (("moemesh_kv_pages_free", "free_pages"), ("moemesh_kv_pages_used", "used_pages")):
             Gauge(name, f"KV pages ({key})", registry=r).set_function(functools.partial(self._stat, key))
+        self.kv_events = await start_kv_events(self.bus, self.instance_id, self.et, r)
         await self.bus.subscribe(
             subjects.prefill_inbox(self.instance_id), m.PrefillInbox, self.on_task, concurrent=True
         )
@@ -164,15 +167,12 @@ class PrefillWorker(Service):
         self.m_tokens.labels("no").inc(len(task.prompt_ids) - res.cached_tokens)
         self.tracker.prefix_cache(rid, res.cached_tokens, len(task.prompt_ids))
         self._check_cancelled(rid)
-        if len(handle.page_ids) < len(res.page_ids):
-            raise ValueError(
-                f"handle {handle.handle_id} has {len(handle.page_ids)} pages, prompt needs {len(res.page_ids)}"
-            )
+        send = pages_to_send(res.page_ids, handle, self.engine.page_size)  # past what decode caches
         left_ms = handle.lease_expires_ms - int(time.time() * 1000)
         if left_ms < self.settings.lease_margin_ms:  # past the lease the decode side may reuse the pages
             raise TimeoutError(f"lease of handle {handle.handle_id} has {left_ms} ms left; not writing")
         runs = plan_page_runs(
-            self.src_geom.num_layers, res.page_ids, handle.page_ids[: len(res.page_ids)], self.src_geom, dst
+            self.src_geom.num_layers, send, handle.page_ids[: len(send)], self.src_geom, dst
         )
         protocol = self.settings.transfer_protocol
         with self.telemetry.span("kv_transfer", kind=SpanKind.CLIENT) as span:
@@ -230,5 +230,6 @@ class PrefillWorker(Service):
         if self._background:
             await asyncio.wait(set(self._background), timeout=self.settings.broker_timeout_s)
         await self.heartbeat.stop()
+        await self.kv_events.stop()
         self.et.shutdown()
         self.transport.close()

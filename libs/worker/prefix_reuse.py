@@ -1,0 +1,47 @@
+"""PD prefix reuse: a decode worker that still caches a prompt's prefix receives only the rest of its KV.
+
+Decode side (`reserve_for`, on the engine thread): with the prompt in ReserveKv, the longest cached
+whole-page prefix is reused and only the pages after it are reserved; the KvHandle says how many tokens
+the decode worker holds already (`cached_tokens`). Prefill side (`pages_to_send`): its pages from
+cached_tokens // page_size on go, in order, into the handle's pages. A ReserveKv without the prompt (an
+older scheduler, or `decode_prefix_reuse` off) reserves everything, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from proto import messages as m
+
+
+def reserve_for(engine: Any, msg: m.ReserveKv) -> tuple[int, list[int]]:
+    """(cached tokens, pages to receive) for a ReserveKv; ValueError on an inconsistent message."""
+    if not msg.prompt_ids:
+        return 0, engine.reserve(msg.request_id, msg.num_tokens)
+    if len(msg.prompt_ids) != msg.num_tokens:
+        raise ValueError(
+            f"ReserveKv for {msg.request_id!r}: {len(msg.prompt_ids)} prompt ids but num_tokens {msg.num_tokens}"
+        )
+    return engine.reserve_cached(msg.request_id, msg.prompt_ids)
+
+
+def pages_to_send(page_ids: Sequence[int], handle: m.KvHandle, page_size: int) -> list[int]:
+    """The prefill side's pages (covering the whole prompt) that the decode side does not hold yet."""
+    if handle.cached_tokens < 0 or handle.cached_tokens % page_size:
+        raise ValueError(
+            f"handle {handle.handle_id}: cached_tokens {handle.cached_tokens} is not a whole number of "
+            f"{page_size}-token pages"
+        )
+    skip = handle.cached_tokens // page_size
+    if skip >= len(page_ids) and page_ids:
+        raise ValueError(
+            f"handle {handle.handle_id}: the decode side caches {handle.cached_tokens} tokens, the whole "
+            f"prompt of {len(page_ids)} pages; at least its last token must be sent"
+        )
+    send = list(page_ids[skip:])
+    if len(handle.page_ids) < len(send):
+        raise ValueError(
+            f"handle {handle.handle_id} has {len(handle.page_ids)} pages, the prompt needs {len(send)}"
+        )
+    return send
