@@ -56,7 +56,12 @@ class RequestRecord:
         return [b - a for a, b in zip(t, t[1:], strict=False)]
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """As a dict, times rounded to the microsecond (the clock's useful precision here)."""
+        d = asdict(self)
+        for key in ("start", "end"):
+            d[key] = round(d[key], 6)
+        d["chunk_times"] = [round(t, 6) for t in self.chunk_times]
+        return d
 
 
 def distribution_ms(values_s: Iterable[float]) -> dict[str, float | int]:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
+import re
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +45,30 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
     return "\n".join(rows)
 
 
+_NUMBER_LIST = re.compile(r"\[\s+([-+\d.eE,\s]+?)\s+\]")
+
+
+def dumps(data: Any) -> str:
+    """Indented JSON with lists of numbers (chunk times, token counts) kept on one line."""
+    text = json.dumps(data, indent=1)
+    return _NUMBER_LIST.sub(lambda m: "[" + re.sub(r"\s+", "", m.group(1)) + "]", text)
+
+
 def write_json(path: str | Path, data: Any) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    p.write_text(dumps(data) + "\n", encoding="utf-8")
     return p
+
+
+def provenance() -> dict[str, Any]:
+    """The command line and the client machine, for a results file to say how it was made."""
+    return {
+        "command": shlex.join(["moemesh", *sys.argv[1:]]),
+        "environment": {
+            "cpus": os.cpu_count(),
+            "load_average_1m_5m_15m": [round(x, 2) for x in os.getloadavg()],
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+    }

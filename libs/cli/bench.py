@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -166,11 +167,11 @@ def _one_run(ep: Any, requests: list, load: Any, label: str) -> Any:
 
 def _write(args: argparse.Namespace, runs: list, sweep: bool) -> None:
     from libs.bench import plots
-    from libs.bench.report import write_json
+    from libs.bench.report import provenance, write_json
 
     if args.output_file:
         data = {"sweep": [r.to_json() for r in runs]} if sweep else runs[0].to_json()
-        print(f"results: {write_json(args.output_file, data)}")
+        print(f"results: {write_json(args.output_file, provenance() | data)}")
     if args.plot_dir:
         d = Path(args.plot_dir)
         labels = [f"c={r.config['max_concurrency']}" for r in runs] if sweep else ["bench"]
@@ -185,13 +186,15 @@ def _write(args: argparse.Namespace, runs: list, sweep: bool) -> None:
 
 def _run_slowdown(args: argparse.Namespace, ep: Any, requests: list) -> int:
     from libs.bench import plots, slowdown
-    from libs.bench.report import write_json
+    from libs.bench.report import provenance, write_json
 
     cfg = slowdown.SlowdownConfig(args.slowdown_ms, args.release_at_batch)
+    # SIGTERM unwinds like Ctrl-C, so the experiment's `finally` turns the server's slow-down off.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     result = asyncio.run(slowdown.slowdown_experiment(ep, requests, cfg))
     print(format_slowdown(result), flush=True)
     if args.output_file:
-        print(f"results: {write_json(args.output_file, slowdown.to_json(result))}")
+        print(f"results: {write_json(args.output_file, provenance() | slowdown.to_json(result))}")
     if args.plot_dir:
         runs = [
             {**result["baseline"], "label": "without slow-down", "release_s": None},
