@@ -27,6 +27,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--transfer-protocol", default="tcp", choices=["tcp", "rdma", "nvlink_intra"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--ep-size", type=int, default=1,
+        help="expert parallelism: rank processes per prefill and decode worker (DP attention + EP MoE)",
+    )  # fmt: skip
+    p.add_argument("--dp-size", type=int, default=0, help="attention DP ranks per worker: 0 or --ep-size")
     p.add_argument("--served-model-name", default="")
     p.add_argument("--log-dir", default=None, help="where each service writes its log (default: a temp dir)")
     p.set_defaults(func=run)
@@ -38,11 +43,16 @@ def run(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else _tiny_model()
     if not (model / "config.json").is_file():
         raise ValueError(f"{model} is not a checkpoint folder (no config.json)")
+    if args.ep_size < 1 or args.dp_size not in (0, args.ep_size):
+        raise ValueError(
+            f"--ep-size must be >= 1 and --dp-size 0 or --ep-size, got {args.ep_size}, {args.dp_size}"
+        )
     cfg = MeshConfig(
         model_dir=model, host=args.host, port=args.port, nats_port=args.nats_port,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         served_model_name=args.served_model_name, transfer_protocol=args.transfer_protocol,
         device=args.device, dtype=args.dtype, log_dir=Path(args.log_dir) if args.log_dir else None,
+        ep_size=args.ep_size,
     )  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

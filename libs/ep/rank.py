@@ -87,6 +87,10 @@ def rank_main(rank: int, spec: RankSpec, conn: Any, kv_buffer: torch.Tensor | No
         log.exception("rank %d failed to start", rank)
         conn.send(("err", portable(e), None, None, None))
         return
+    log.info(
+        "EP rank %d/%d ready on %s: %d expert slots per MoE layer, %s dispatch",
+        rank, spec.ep_size, rank_device(spec.device, rank), worker.runtime.placement.slots_per_rank, spec.backend,
+    )  # fmt: skip
     conn.send(("ok", None, worker.status(), None, worker.cache_events.drain()))
     worker.serve(conn)
 

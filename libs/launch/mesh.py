@@ -41,6 +41,7 @@ class MeshConfig:
     transfer_protocol: str = "tcp"
     device: str = "cpu"
     dtype: str = "float32"
+    ep_size: int = 1  # EP ranks (processes) per prefill and decode worker; 1: the engine in the worker
     log_dir: Path | None = None
     # extra MOEMESH_* settings per service module name, e.g. {"services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": "8"}}
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -92,6 +93,7 @@ class Mesh:
             transfer_protocol=c.transfer_protocol,
             device=c.device,
             dtype=c.dtype,
+            ep_size=c.ep_size,
         )
         out = [
             spec("kv-broker", "services.kv_broker", "MOEMESH_KV_BROKER_"),

@@ -20,6 +20,18 @@ log = logging.getLogger("moemesh.worker")
 
 
 def load_engine(s: WorkerSettings) -> Engine:
+    """The engine in this process, or with ep_size > 1 the front of a group of EP rank processes
+    (libs.ep.engine.EPEngine, the same worker-facing API)."""
+    if s.ep_size > 1:
+        from libs.ep.engine import EPEngine
+
+        return EPEngine(  # type: ignore[return-value]
+            s.model_dir, s.ep_size, device=s.device, dtype=s.dtype, page_size=s.page_size,
+            num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
+            max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
+            backend=s.ep_backend, num_redundant_experts=s.ep_redundant_experts, fp8_dispatch=s.ep_fp8_dispatch,
+            torch_threads=s.torch_threads, eplb_interval_steps=s.eplb_interval_steps,
+        )  # fmt: skip
     if s.torch_threads and s.device == "cpu":
         import torch
 
@@ -29,6 +41,13 @@ def load_engine(s: WorkerSettings) -> Engine:
         num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
         max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
     )  # fmt: skip
+
+
+def register_engine_metrics(engine: Engine, registry: Any) -> None:
+    """Metrics the engine exports itself (an EP group: expert load per layer, rank imbalance, rebalances)."""
+    register = getattr(engine, "register_metrics", None)
+    if register is not None:
+        register(registry)
 
 
 def geometry(engine: Engine) -> m.KvGeometry:

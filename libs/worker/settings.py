@@ -27,6 +27,14 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     torch_threads: Annotated[int, msgspec.Meta(ge=0)] = 1
     heartbeat_interval_ms: Annotated[int, msgspec.Meta(ge=10)] = 250
     broker_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    # expert parallelism (libs/ep): ep_size rank processes, each with its own requests and KV (DP attention)
+    # and 1/ep_size of the routed experts; 1 runs the engine in this process, as before
+    ep_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    dp_size: Annotated[int, msgspec.Meta(ge=0)] = 0  # attention DP ranks: 0 or ep_size (every EP rank)
+    ep_backend: str = "torch"  # dispatch/combine: torch (all_to_all over gloo/NCCL) | deepep | mooncake
+    ep_redundant_experts: Annotated[int, msgspec.Meta(ge=0)] = 0  # extra physical expert slots for EPLB
+    ep_fp8_dispatch: bool = False
+    eplb_interval_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # rebalance experts every N steps (0: never)
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -35,6 +43,12 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             raise ValueError(
                 f"transfer_protocol must be tcp, rdma, nvlink_intra or inprocess, got {self.transfer_protocol!r}"
             )
+        if self.dp_size not in (0, self.ep_size):
+            raise ValueError(
+                f"dp_size must equal ep_size ({self.ep_size}): every EP rank runs attention on its own requests"
+            )
+        if self.ep_backend not in ("torch", "deepep", "mooncake"):
+            raise ValueError(f"ep_backend must be torch, deepep or mooncake, got {self.ep_backend!r}")
 
     @property
     def model_name(self) -> str:

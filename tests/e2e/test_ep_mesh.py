@@ -1,0 +1,82 @@
+"""The mesh with expert parallelism: `moemesh up --ep-size 2` on CPU — the prefill and the decode worker each
+run 2 EP rank processes (gloo), KV pages cross between the two groups' shared pools over Mooncake TCP.
+Greedy text must equal the single-rank engine's, which test_mesh.py shows equals the EP 1 mesh."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from libs.engine import Engine, SamplingParams
+from libs.launch.mesh import Mesh, MeshConfig
+from libs.tokenizer import Tokenizer
+from tests.e2e.conftest import DIRECT_THRESHOLD
+
+pytestmark = pytest.mark.e2e
+EP = 2
+PAGES = 128  # per rank (the default sizes each rank's pool for 64 long sequences)
+
+
+@pytest.fixture(scope="module")
+def ep_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    cfg = MeshConfig(
+        model_dir=tiny_model,
+        port=0,
+        ep_size=EP,
+        log_dir=tmp_path_factory.mktemp("ep-mesh-logs"),
+        extra_env={
+            "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(DIRECT_THRESHOLD)},
+            "services.prefill_worker": {"MOEMESH_PREFILL_WORKER_NUM_PAGES": str(PAGES)},
+            "services.decode_worker": {"MOEMESH_DECODE_WORKER_NUM_PAGES": str(PAGES)},
+        },
+    )
+    with Mesh(cfg) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Engine:
+    return Engine.from_pretrained(tiny_model)
+
+
+def prompt_of(n: int, offset: int = 0) -> list[int]:
+    return [(offset + 7 * i) % 1000 + 3 for i in range(n)]
+
+
+def greedy_text(engine: Engine, tok: Tokenizer, prompt: list[int], max_tokens: int) -> str:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return tok.decode(engine.generate([prompt], params)[0].token_ids)
+
+
+def metric(mesh: Mesh, service: str, name: str) -> float:
+    text = httpx.get(mesh.metrics_url(service), timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name)] in " {"
+    )
+
+
+def test_ep2_mesh_gives_the_single_rank_greedy_text(ep_mesh: Mesh, engine: Engine, tiny_model: Path) -> None:
+    tok = Tokenizer.from_pretrained(tiny_model)
+    prompts = [prompt_of(n, n) for n in (DIRECT_THRESHOLD - 3, 40, 90, 23, 61)]  # direct + disaggregated
+
+    async def one(client: openai.AsyncOpenAI, p: list[int]) -> str:
+        r = await client.completions.create(
+            model=ep_mesh.model_name, prompt=p, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert r.usage is not None and r.usage.completion_tokens == 16
+        return r.choices[0].text
+
+    async def all_at_once() -> list[str]:  # concurrent, so both ranks of each worker get requests
+        client = openai.AsyncOpenAI(base_url=f"{ep_mesh.url}/v1", api_key="none", max_retries=0, timeout=120)
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    got = asyncio.run(all_at_once())
+    assert got == [greedy_text(engine, tok, p, 16) for p in prompts]
+    assert metric(ep_mesh, "prefill-0", "moemesh_kv_transfer_bytes_total") > 0
