@@ -27,7 +27,14 @@ from libs.bus import Service
 from libs.engine.pages import OutOfPagesError
 from libs.telemetry import RequestTracker
 from libs.telemetry import attributes as span_attrs
-from libs.worker.common import Heartbeater, load_engine, open_transport, register_at_broker, to_params
+from libs.worker.common import (
+    Heartbeater,
+    load_engine,
+    open_transport,
+    register_at_broker,
+    register_engine_metrics,
+    to_params,
+)
 from libs.worker.engine_thread import EngineThread
 from libs.worker.kv_events import start_kv_events
 from libs.worker.prefix_reuse import reserve_for
@@ -67,6 +74,7 @@ class DecodeWorker(Service):
         self.forward_sleep_ms = s.forward_sleep_ms
         self.work = asyncio.Event()
         self._metrics()
+        register_engine_metrics(self.engine, self.registry)  # an EP group's expert load
         self.kv_events = await start_kv_events(self.bus, self.instance_id, self.et, self.registry)
         await self.bus.subscribe(subjects.decode_inbox(self.instance_id), m.DecodeInbox, self.on_inbox)
         await self.bus.subscribe(subjects.CANCEL, m.Cancel, self.on_cancel)

@@ -29,6 +29,7 @@ from libs.worker.common import (
     load_engine,
     open_transport,
     register_at_broker,
+    register_engine_metrics,
     to_params,
     to_wire_logprob,
 )
@@ -82,6 +83,7 @@ class PrefillWorker(Service):
             "moemesh_kv_transfer_seconds", "KV transfer time per request", registry=r
         )
         self.tracker = RequestTracker(self.telemetry, r, "prefill")  # spans + request outcome metrics
+        register_engine_metrics(self.engine, r)  # an EP group's expert load
         for name, key in (("moemesh_kv_pages_free", "free_pages"), ("moemesh_kv_pages_used", "used_pages")):
             Gauge(name, f"KV pages ({key})", registry=r).set_function(functools.partial(self._stat, key))
         self.kv_events = await start_kv_events(self.bus, self.instance_id, self.et, r)
