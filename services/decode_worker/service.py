@@ -37,10 +37,12 @@ from libs.worker.common import (
 )
 from libs.worker.engine_thread import EngineThread
 from libs.worker.kv_events import start_kv_events
+from libs.worker.pages import install_page_gauges, page_account
 from libs.worker.prefix_reuse import reserve_for
 from libs.worker.settings import WorkerSettings
 from proto import messages as m
 from proto import subjects
+from services.decode_worker.guard import ReservationGuard
 from services.decode_worker.streams import Live, group_by_stream
 
 log = logging.getLogger("moemesh.decode")
@@ -73,6 +75,8 @@ class DecodeWorker(Service):
         self._background: set[asyncio.Task] = set()
         self.forward_sleep_ms = s.forward_sleep_ms
         self.work = asyncio.Event()
+        self.guard = ReservationGuard(self.bus, self.cancelled.add)  # prefill deaths, lease expiry
+        await self.guard.start()
         self._metrics()
         register_engine_metrics(self.engine, self.registry)  # an EP group's expert load
         self.kv_events = await start_kv_events(self.bus, self.instance_id, self.et, self.registry)
@@ -94,6 +98,7 @@ class DecodeWorker(Service):
         self.m_free = Gauge("moemesh_kv_pages_free", "free KV pages", registry=r)
         self.m_used = Gauge("moemesh_kv_pages_used", "KV pages in use", registry=r)
         self.tracker = RequestTracker(self.telemetry, r, "decode")  # spans + request outcome metrics
+        install_page_gauges(r, self.engine.stats)  # the leak check
 
     def load(self) -> dict[str, int]:
         st = self.engine.stats()
@@ -122,6 +127,9 @@ class DecodeWorker(Service):
             case m.PrefillFailed():
                 await self.drop_reservation(msg.request_id, msg.handle_id, f"prefill failed: {msg.message}")
             case m.HandleExpired():
+                rid = msg.request_id
+                if self.reserved.get(rid) == msg.handle_id and rid not in self.cancelled:
+                    await self.guard.lost(rid, "the KV lease expired before the prefill side answered")
                 await self.drop_reservation(msg.request_id, msg.handle_id, "lease expired")
         return None
 
@@ -143,6 +151,7 @@ class DecodeWorker(Service):
         if msg.prompt_ids:
             self.tracker.prefix_cache(rid, cached, msg.num_tokens)
         self.reserved[rid] = handle.handle_id
+        self.guard.track(rid, msg.prefill_worker, msg.stream_subject)
         # Registered at the broker off the critical path; later broker messages for this handle wait for it.
         self._creates[handle.handle_id] = self._spawn(self._broker_call(m.CreateHandle(handle=handle)))
         return m.ReserveKvReply(request_id=rid, ok=True, handle=handle)
@@ -156,16 +165,17 @@ class DecodeWorker(Service):
             await self.drop_reservation(rid, msg.handle_id, "cancelled before its KV arrived")
             return
         del self.reserved[rid]
+        self.guard.untrack(rid)
         model = self.settings.model_name
         self.tracker.start(
             rid, "prefilled", span_attrs.decode_start(msg.prompt_ids, msg.sampling, model, msg.cached_tokens)
         )
         # The first token is known: stream it now (TTFT), not after the engine thread finishes its step.
         first = m.TokenDelta(
-            rid, [msg.first_token.token_id], [msg.first_token] if msg.sampling.logprobs else []
+            rid, [msg.first_token.token_id], [msg.first_token] if msg.sampling.logprobs else [], offset=0
         )
         self.live[rid] = Live(msg.stream_subject, len(msg.prompt_ids), msg.cached_tokens, completion_tokens=1)
-        await self.bus.publish(msg.stream_subject, m.TokenBatch(deltas=[first]))
+        await self.bus.publish(msg.stream_subject, m.TokenBatch(deltas=[first], worker_id=self.instance_id))
         self.tracker.first_token(rid)
         self.m_tokens.inc()
         try:
@@ -200,6 +210,7 @@ class DecodeWorker(Service):
         if self.reserved.get(rid) != handle_id:
             return
         del self.reserved[rid]
+        self.guard.untrack(rid)
         self.cancelled.discard(rid)
         await self.et.call(self.engine.cancel_reservation, rid)
         self._broker_fire(handle_id, m.ReleaseHandle(handle_id=handle_id, reason=why))
@@ -226,7 +237,7 @@ class DecodeWorker(Service):
         return m.WorkerStats(
             worker_id=self.instance_id, role=m.Role.DECODE, running=st["running"], waiting=st["waiting"],
             free_pages=st["free_pages"], total_pages=st["total_pages"], reserved_handles=len(self.reserved),
-            requests=sorted(self.live), forward_sleep_ms=self.forward_sleep_ms,
+            requests=sorted(self.live), forward_sleep_ms=self.forward_sleep_ms, **page_account(st),
         )  # fmt: skip
 
     # --- the step loop ---
@@ -253,7 +264,7 @@ class DecodeWorker(Service):
 
     async def _publish(self, outputs: list) -> None:
         for subject, deltas in group_by_stream(outputs, self.live).items():
-            await self.bus.publish(subject, m.TokenBatch(deltas=deltas))
+            await self.bus.publish(subject, m.TokenBatch(deltas=deltas, worker_id=self.instance_id))
         for out in outputs:
             self.m_tokens.inc(len(out.token_ids))
             if out.token_ids:
@@ -316,6 +327,7 @@ class DecodeWorker(Service):
         if self._background:
             await asyncio.wait(set(self._background), timeout=self.settings.broker_timeout_s)
         await self.heartbeat.stop()
+        await self.guard.stop()
         await self.kv_events.stop()
         self.et.shutdown()
         self.transport.close()

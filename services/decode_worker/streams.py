@@ -24,13 +24,14 @@ class Live:
 
 
 def delta_of(out: StepOutput, live: Live) -> m.TokenDelta:
+    offset = live.completion_tokens  # tokens this request streamed before: the gateway's gap check
     live.completion_tokens += len(out.token_ids)
     lps = [to_wire_logprob(lp) for lp in out.logprobs] if out.logprobs else []
     if not out.finished:
-        return m.TokenDelta(out.rid, list(out.token_ids), lps)
+        return m.TokenDelta(out.rid, list(out.token_ids), lps, offset=offset)
     return m.TokenDelta(
         out.rid, list(out.token_ids), lps, FINISH.get(out.finish_reason or "stop", m.FinishReason.STOP),
-        live.prompt_tokens, live.completion_tokens, live.cached_tokens,
+        live.prompt_tokens, live.completion_tokens, live.cached_tokens, offset=offset,
     )  # fmt: skip
 
 

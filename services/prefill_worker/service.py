@@ -20,7 +20,6 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.bus import Service
-from libs.engine.pages import OutOfPagesError
 from libs.kvtransfer import PageGeometry, plan_page_runs
 from libs.telemetry import RequestTracker
 from libs.telemetry import attributes as span_attrs
@@ -35,6 +34,7 @@ from libs.worker.common import (
 )
 from libs.worker.engine_thread import EngineThread
 from libs.worker.kv_events import start_kv_events
+from libs.worker.pages import install_page_gauges, page_account
 from libs.worker.prefix_reuse import pages_to_send
 from libs.worker.settings import WorkerSettings
 from proto import messages as m
@@ -68,6 +68,7 @@ class PrefillWorker(Service):
             self.bus, self.instance_id, m.Role.PREFILL, self.transport, self.engine, s.broker_timeout_s
         )
         self.dst_geoms: dict[str, m.KvGeometry] = {}
+        self.dst_sessions: dict[str, str] = {}  # decode worker -> the session its geometry is of
         self.active: set[str] = set()  # tasks received and not finished
         self.cancelled: set[str] = set()
         self._background: set[asyncio.Task] = set()
@@ -84,6 +85,7 @@ class PrefillWorker(Service):
         )
         self.tracker = RequestTracker(self.telemetry, r, "prefill")  # spans + request outcome metrics
         register_engine_metrics(self.engine, r)  # an EP group's expert load
+        install_page_gauges(r, self.engine.stats)  # the leak check
         for name, key in (("moemesh_kv_pages_free", "free_pages"), ("moemesh_kv_pages_used", "used_pages")):
             Gauge(name, f"KV pages ({key})", registry=r).set_function(functools.partial(self._stat, key))
         self.kv_events = await start_kv_events(self.bus, self.instance_id, self.et, r)
@@ -120,7 +122,7 @@ class PrefillWorker(Service):
         stats = m.WorkerStats(
             worker_id=self.instance_id, role=m.Role.PREFILL, running=len(self.active), waiting=0,
             free_pages=st["free_pages"], total_pages=st["total_pages"], reserved_handles=st["pinned"],
-            requests=sorted(self.active),
+            requests=sorted(self.active), **page_account(st),
         )  # fmt: skip
         return m.AdminReply(ok=True, stats=stats)
 
@@ -136,6 +138,7 @@ class PrefillWorker(Service):
             if not reply.ok or reply.worker is None:
                 raise RuntimeError(f"kv-broker does not know decode worker {worker_id}: {reply.message}")
             geom = self.dst_geoms[worker_id] = reply.worker.geometry
+            self.dst_sessions[worker_id] = reply.worker.session_id
         return geom
 
     async def on_task(self, task: m.PrefillTask) -> None:
@@ -149,7 +152,7 @@ class PrefillWorker(Service):
         except Cancelled:
             await self._fail(task, 499, "cancelled", tell_gateway=False)
         except Exception as e:
-            code = 400 if isinstance(e, ValueError) else 503 if isinstance(e, OutOfPagesError) else 500
+            code = 400 if isinstance(e, ValueError) else 503
             log.warning("prefill of %s failed: %s", rid, e)
             await self._fail(task, code, str(e))
         finally:
@@ -160,6 +163,8 @@ class PrefillWorker(Service):
 
     async def _run(self, task: m.PrefillTask) -> None:
         rid, handle = task.request_id, task.handle
+        if self.dst_sessions.get(handle.decode_worker) != handle.session_id:
+            self.dst_geoms.pop(handle.decode_worker, None)
         dst = await self._dst_geometry(handle.decode_worker)
         self._check_cancelled(rid)
         t0 = time.perf_counter()
@@ -224,7 +229,9 @@ class PrefillWorker(Service):
             if tell_gateway:
                 await self.bus.publish(
                     task.stream_subject,
-                    m.RequestError(request_id=task.request_id, code=code, message=message),
+                    m.RequestError(
+                        request_id=task.request_id, code=code, message=message, worker_id=self.instance_id
+                    ),
                 )
 
     async def on_drain(self) -> None:

@@ -41,6 +41,7 @@ from libs.telemetry import attributes as span_attrs
 from libs.telemetry import mark_error
 from proto import messages as m
 from proto import subjects
+from services.scheduler.failover import SchedulerBeacon, place, placed_notice
 from services.scheduler.policy import (
     PlacementRequest,
     Plan,
@@ -48,7 +49,6 @@ from services.scheduler.policy import (
     PolicyConfig,
     Refuse,
     WorkerTable,
-    schedule,
 )
 from services.scheduler.prefix import PrefixClient
 from services.scheduler.queue import AdmissionQueue, DuplicateRequest, Entry, QueueFull, Retry
@@ -66,6 +66,7 @@ class SchedulerSettings(ServiceSettings, frozen=True, kw_only=True):
     lease_ms: Annotated[int, msgspec.Meta(ge=1)] = 30_000
     max_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
     dead_after_intervals: Annotated[float, msgspec.Meta(gt=0)] = 3.0
+    heartbeat_interval_ms: Annotated[int, msgspec.Meta(ge=10)] = 250  # SchedulerHeartbeat to gateways
     # prefix-aware routing (policy.py, prefix.py): a full cache hit is worth prefix_weight queued
     # requests (0: load-only placement); the kv-broker's index answers within prefix_query_timeout_s or
     # not at all; decode_prefix_reuse lets decode workers skip receiving the prefix they cache already
@@ -160,6 +161,10 @@ class SchedulerService(Service):
         await bus.flush()
         self.prefix = PrefixClient(bus, self.registry, self.settings.prefix_query_timeout_s)
         self._loop_task = asyncio.create_task(self._placement_loop(), name="scheduler-placement")
+        self.beacon = SchedulerBeacon(
+            bus, self.instance_id, self.settings.heartbeat_interval_ms, lambda: len(self.queue)
+        )
+        self.beacon.start()
 
     async def on_drain(self) -> None:
         """Stop placing, let placements in flight finish, then fail what is still queued: no other
@@ -173,6 +178,7 @@ class SchedulerService(Service):
             self.queue.remove(e.request_id)
             await self._fail(e, m.ErrorCode.UNAVAILABLE, "scheduler is shutting down")
         self._update_gauges()
+        await self.beacon.stop()
 
     def wake(self) -> None:
         """Something changed (submit, heartbeat, cancel, placement done): run a placement pass."""
@@ -201,9 +207,9 @@ class SchedulerService(Service):
         except ValueError as e:
             return self._refuse(s.request_id, m.ErrorCode.BAD_REQUEST, str(e))
         now = self.clock()
-        decision = schedule(self.workers.live(now), req, self.config)
+        decision = place(self.workers.live(now), req, self.config, None, s.avoid)
         if isinstance(decision, Refuse):  # a cached prefix can make it servable (direct on decode)
-            decision = schedule(self.workers.live(now), req, self.config, await self.prefix_hits(s))
+            decision = place(self.workers.live(now), req, self.config, await self.prefix_hits(s), s.avoid)
         if isinstance(decision, Refuse):
             return self._refuse(s.request_id, decision.code, decision.message)
         # The submit's deadline header is when the gateway stops waiting for this reply, not the
@@ -218,7 +224,7 @@ class SchedulerService(Service):
             return self._refuse(s.request_id, m.ErrorCode.BAD_REQUEST, str(e))
         self._update_gauges()
         self.wake()
-        return m.SubmitReply(request_id=s.request_id, ok=True)
+        return m.SubmitReply(request_id=s.request_id, ok=True, scheduler_id=self.instance_id)
 
     def _refuse(self, request_id: str, code: int, message: str) -> m.SubmitReply:
         self.metrics.refusals.labels(str(int(code))).inc()
@@ -280,7 +286,7 @@ class SchedulerService(Service):
             hits = await self.prefix_hits(s)
             if self.queue.head() is not e:  # cancelled (or expired) while the index answered
                 continue
-            decision = schedule(self.workers.live(now), req, self.config, hits)
+            decision = place(self.workers.live(now), req, self.config, hits, s.avoid)
             if isinstance(decision, Refuse):
                 self.queue.remove(e.request_id)
                 await self._fail(e, decision.code, decision.message)
@@ -331,6 +337,7 @@ class SchedulerService(Service):
                         stream_subject=s.stream_subject, handle=handle,
                     )  # fmt: skip
                     await self.bus.publish(subjects.prefill_inbox(plan.prefill), task)
+                await self.bus.publish(s.stream_subject, placed_notice(s.request_id, plan.decode))
             except _ReservationRefused as err:
                 mark_error(span, err)
                 self.workers.suspend(plan.decode)
@@ -359,6 +366,7 @@ class SchedulerService(Service):
     async def _reserve(self, e: Entry, plan: Plan) -> m.KvHandle:
         s = e.submit
         ask = m.ReserveKv(
+            stream_subject=s.stream_subject, prefill_worker=plan.prefill or "",
             request_id=s.request_id, num_tokens=plan.num_tokens, lease_ms=self.settings.lease_ms,
             prompt_ids=s.prompt_ids if self.settings.decode_prefix_reuse else [],
         )  # fmt: skip

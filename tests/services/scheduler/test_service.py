@@ -115,9 +115,11 @@ async def test_long_prompt_is_reserved_on_decode_then_prefilled(start) -> None:
     tp = new_traceparent()
     with request_context(traceparent=tp):
         reply = await h.submit("r1", prompt_len=100)
-    assert reply == m.SubmitReply(request_id="r1", ok=True)
+    assert reply == m.SubmitReply(request_id="r1", ok=True, scheduler_id=h.svc.instance_id)
     reserve = await _get(d.reserves)
     assert (reserve.request_id, reserve.num_tokens, reserve.lease_ms) == ("r1", 100, h.svc.settings.lease_ms)
+    # the decode worker learns who writes the pages and whom to tell if that worker dies
+    assert (reserve.stream_subject, reserve.prefill_worker) == (h.stream, p.worker_id)
     task, task_tp = await _get(p.tasks)
     assert task.handle == d.handles["r1"] and task.prompt_ids == list(range(1, 101))
     assert task.stream_subject == h.stream and task_tp == tp  # the trace crosses the queue
@@ -140,10 +142,12 @@ async def test_no_live_worker_is_503(start) -> None:
     h = await start()
     reply = await h.submit("r1")
     assert (reply.ok, reply.code) == (False, 503) and "decode" in reply.message
-    await h.decode("d0")
-    reply = await h.submit("r2", prompt_len=100)  # long: needs a prefill worker too
-    assert (reply.ok, reply.code) == (False, 503) and "prefill" in reply.message
-    assert h.metric("moemesh_scheduler_refusals_total", code="503") == 2
+    assert h.metric("moemesh_scheduler_refusals_total", code="503") == 1
+    d = await h.decode("d0")
+    # long, but no prefill worker: prefilled on the decode worker itself rather than refused
+    assert (await h.submit("r2", prompt_len=100)).ok
+    direct = await _get(d.directs)
+    assert (direct.request_id, len(direct.prompt_ids)) == ("r2", 100)
 
 
 async def test_full_queue_is_429(start) -> None:

@@ -1,0 +1,66 @@
+"""Reservations waiting for their KV, watched so that none hangs (DESIGN.md, life of a request, step 8).
+
+A reservation knows who fills its pages (the prefill worker named in ReserveKv) and whom to tell (the
+request's stream subject). When that prefill worker dies (heartbeats, libs.liveness) or the lease runs
+out first, the gateway gets a retryable RequestError (503, naming the prefill worker so the retry avoids
+it) and migrates the request; the reservation is marked cancelled here. Its pages are still freed only
+when the prefill side answers or the lease expires: a Mooncake write into them may still be landing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+from libs.bus import Bus
+from libs.liveness import Holders, LivenessWatch
+from proto import messages as m
+
+log = logging.getLogger("moemesh.decode")
+
+
+class ReservationGuard:
+    def __init__(self, bus: Bus, on_lost: Callable[[str], None], dead_after_intervals: float = 3.0) -> None:
+        self.bus, self.on_lost = bus, on_lost
+        self.holders = Holders()  # request id -> its prefill worker
+        self._streams: dict[str, str] = {}
+        self.watch = LivenessWatch(bus, self._on_dead, dead_after_intervals=dead_after_intervals)
+
+    async def start(self) -> None:
+        await self.watch.start()
+
+    async def stop(self) -> None:
+        await self.watch.stop()
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def track(self, rid: str, prefill_worker: str, stream_subject: str) -> None:
+        if not stream_subject:
+            return  # an older scheduler: nobody to tell; the lease still frees the pages
+        self._streams[rid] = stream_subject
+        if prefill_worker:
+            self.holders.set(rid, prefill_worker)
+            self.watch.watch(prefill_worker)
+
+    def untrack(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+        self.holders.drop(rid)
+
+    async def lost(self, rid: str, message: str, worker_id: str = "") -> None:
+        """Tell the gateway the request must move; the reservation counts as cancelled from now on."""
+        subject = self._streams.get(rid)
+        self.untrack(rid)
+        if subject is None:
+            return
+        self.on_lost(rid)
+        log.warning("reservation of %s lost: %s", rid, message)
+        err = m.RequestError(request_id=rid, code=503, message=message, worker_id=worker_id)
+        with contextlib.suppress(Exception):
+            await self.bus.publish(subject, err)
+
+    async def _on_dead(self, nodes: list[str]) -> None:
+        for node in nodes:
+            for rid in self.holders.items_of(node):
+                await self.lost(rid, f"prefill worker {node} died before the KV arrived", node)

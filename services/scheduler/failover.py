@@ -1,0 +1,87 @@
+"""What the scheduler adds for failover, kept out of the policy and the service shell.
+
+- `place`: the policy's decision for a request, without the workers the request must avoid (a
+  migrating request names the worker it lost; the scheduler may not have seen that death yet), and with
+  decode-local prefill as the fallback when no prefill worker can take it (all dead or avoided): any
+  decode worker can prefill a prompt itself, only slower. Pure.
+- `placed_notice`: the message that tells the gateway which decode worker now holds a request, so the
+  gateway can watch that worker from placement on (not only from the first token).
+- `SchedulerBeacon`: this replica's heartbeat (SchedulerHeartbeat), so gateways see a replica die with
+  requests still in its queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+
+from libs.bus import Bus
+from proto import messages as m
+from proto import subjects
+from services.scheduler.policy import (
+    Decision,
+    PlacementRequest,
+    Plan,
+    PolicyConfig,
+    Refuse,
+    WorkerState,
+    schedule,
+)
+
+log = logging.getLogger("moemesh.scheduler")
+
+
+def place(
+    workers: Sequence[WorkerState],
+    req: PlacementRequest,
+    config: PolicyConfig,
+    prefix_hits: Mapping[str, int] | None = None,
+    avoid: Collection[str] = (),
+) -> Decision:
+    usable = [w for w in workers if w.worker_id not in avoid] if avoid else list(workers)
+    decision = schedule(usable, req, config, prefix_hits)
+    if isinstance(decision, Refuse) and decision.code == m.ErrorCode.UNAVAILABLE:
+        # No prefill worker (a decode refusal repeats itself below): prefill on the decode worker.
+        local = dataclasses.replace(config, direct_prefill_threshold=max(1, req.prompt_len))
+        fallback = schedule(usable, req, local, prefix_hits)
+        if isinstance(fallback, Plan):
+            return fallback
+    return decision
+
+
+def placed_notice(request_id: str, decode_worker: str) -> m.TokenBatch:
+    """An empty delta naming the request's decode worker (see TokenBatch.worker_id)."""
+    return m.TokenBatch(deltas=[m.TokenDelta(request_id, [])], worker_id=decode_worker)
+
+
+class SchedulerBeacon:
+    """Publishes SchedulerHeartbeat every `interval_ms` until stopped."""
+
+    def __init__(self, bus: Bus, scheduler_id: str, interval_ms: int, queued: Callable[[], int]) -> None:
+        self.bus, self.scheduler_id, self.interval_ms, self.queued = bus, scheduler_id, interval_ms, queued
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="scheduler-beacon")
+
+    async def _loop(self) -> None:
+        while True:
+            hb = m.SchedulerHeartbeat(
+                scheduler_id=self.scheduler_id, interval_ms=self.interval_ms,
+                sent_ms=int(time.time() * 1000), queued=self.queued(),
+            )  # fmt: skip
+            try:
+                await self.bus.publish(subjects.SCHED_HEARTBEAT, hb)
+            except Exception as e:  # a reconnecting bus must not stop the beacon
+                log.warning("scheduler heartbeat failed: %s", e)
+            await asyncio.sleep(self.interval_ms / 1000)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

@@ -1,0 +1,59 @@
+"""The scheduler's failover additions: avoided workers, decode-local prefill when no prefill worker can
+take a request, the placement notice, and the replica's heartbeat (against a real nats-server)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from libs.bus import Bus
+from proto import messages as m
+from proto import subjects
+from services.scheduler.failover import SchedulerBeacon, place, placed_notice
+from services.scheduler.policy import PlanKind, PolicyConfig, Refuse
+from tests.services.scheduler.factories import make_heartbeat, make_request, make_workers
+
+CFG = PolicyConfig(direct_prefill_threshold=8)
+
+
+def test_avoided_workers_are_not_chosen() -> None:
+    t = make_workers(
+        make_heartbeat("d0"), make_heartbeat("d1", running=5), make_heartbeat("p0", m.Role.PREFILL),
+        make_heartbeat("p1", m.Role.PREFILL, running=3),
+    )  # fmt: skip
+    plan = place(t.live(0.0), make_request(100), CFG)
+    assert (plan.decode, plan.prefill) == ("d0", "p0")
+    plan = place(t.live(0.0), make_request(100), CFG, avoid=["d0", "p0"])
+    assert (plan.kind, plan.decode, plan.prefill) == (PlanKind.DISAGGREGATED, "d1", "p1")
+
+
+def test_no_usable_prefill_worker_falls_back_to_decode_local_prefill() -> None:
+    t = make_workers(make_heartbeat("d0"), make_heartbeat("p0", m.Role.PREFILL))
+    plan = place(t.live(0.0), make_request(100), CFG, avoid=["p0"])
+    assert (plan.kind, plan.decode, plan.prefill, plan.num_tokens) == (PlanKind.DIRECT, "d0", None, 100)
+    refused = place(t.live(0.0), make_request(100), CFG, avoid=["d0"])  # no decode worker: nothing to do
+    assert isinstance(refused, Refuse) and refused.code == 503 and "decode" in refused.message
+
+
+def test_placed_notice_names_the_decode_worker_with_an_empty_delta() -> None:
+    n = placed_notice("r1", "decode-1")
+    assert n.worker_id == "decode-1" and n.deltas == [m.TokenDelta("r1", [])]
+
+
+async def test_beacon_beats_at_its_interval_until_stopped(nats_server: str) -> None:
+    bus = await Bus.connect(nats_server, "beacon-test")
+    got: asyncio.Queue[m.SchedulerHeartbeat] = asyncio.Queue()
+
+    async def on_hb(hb: m.SchedulerHeartbeat) -> None:
+        got.put_nowait(hb)
+
+    await bus.subscribe(subjects.SCHED_HEARTBEAT, m.SchedulerHeartbeat, on_hb)
+    await bus.flush()
+    beacon = SchedulerBeacon(bus, "sched-7", 20, lambda: 4)
+    beacon.start()
+    try:
+        async with asyncio.timeout(5):
+            a, b = await got.get(), await got.get()
+        assert (a.scheduler_id, a.interval_ms, a.queued) == ("sched-7", 20, 4) and b.sent_ms >= a.sent_ms
+    finally:
+        await beacon.stop()
+        await bus.close()
