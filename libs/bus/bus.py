@@ -30,6 +30,7 @@ from nats.aio.subscription import Subscription
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from libs.bus.context import incoming_context, now_ms, outgoing_headers, time_left
+from libs.bus.security import redact_url
 from proto import Decoder, SchemaVersionError, encode
 from proto.messages import ErrorCode, Rejected
 
@@ -118,9 +119,11 @@ class Bus:
         reconnect_time_wait: float = 0.5,
         drain_timeout: float = 10.0,
         registry: CollectorRegistry | None = None,
+        **auth: Any,
     ) -> Bus:
         """Connect, retrying until `connect_deadline` seconds pass (a server that is still starting is
-        fine); afterwards reconnect forever, logging each disconnect and reconnect."""
+        fine); afterwards reconnect forever, logging each disconnect and reconnect. `auth`: nats-py's
+        user / password / token / tls options (libs.bus.security.nats_connect_options)."""
         nc = Client()
 
         async def on_error(e: Exception) -> None:
@@ -130,7 +133,8 @@ class Bus:
             log.warning("nats %s: disconnected", name)
 
         async def on_reconnect() -> None:
-            log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+            where = nc.connected_url.netloc.rpartition("@")[2] if nc.connected_url else "?"  # no credentials
+            log.info("nats %s: reconnected to %s", name, where)
 
         async def on_closed() -> None:
             log.info("nats %s: connection closed", name)
@@ -138,13 +142,14 @@ class Bus:
         opts: dict[str, Any] = dict(  # seconds as floats: nats-py annotates them int but sleeps on them
             name=name, max_reconnect_attempts=-1, reconnect_time_wait=reconnect_time_wait, connect_timeout=2,
             drain_timeout=drain_timeout, error_cb=on_error, disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect, closed_cb=on_closed,
+            reconnected_cb=on_reconnect, closed_cb=on_closed, **auth,
         )  # fmt: skip
         try:
             await asyncio.wait_for(nc.connect(url, **opts), connect_deadline)
         except TimeoutError:
             await nc.close()
-            raise BusError(f"could not connect to NATS at {url} within {connect_deadline}s") from None
+            shown = redact_url(url if isinstance(url, str) else ",".join(url))
+            raise BusError(f"could not connect to NATS at {shown} within {connect_deadline}s") from None
         return cls(nc, name, registry)
 
     # --- state ---

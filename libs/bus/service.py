@@ -28,6 +28,7 @@ from typing import ClassVar
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from libs.bus.bus import Bus, BusError
+from libs.bus.security import nats_connect_options, redact_url
 from libs.bus.settings import ServiceSettings, SettingsError, load_settings
 
 log = logging.getLogger("moemesh.service")
@@ -96,7 +97,7 @@ class Service:
         s = self.settings
         self._bus = await Bus.connect(
             s.nats_url, f"{self.name}:{self.instance_id}", connect_deadline=s.connect_timeout_s,
-            drain_timeout=s.drain_timeout_s, registry=self.registry,
+            drain_timeout=s.drain_timeout_s, registry=self.registry, **nats_connect_options(s),
         )  # fmt: skip
         http = await self._start_http() if s.http_port != 0 else None
         signals = self._install_signals() if install_signals else []
@@ -107,7 +108,11 @@ class Service:
             self._ready_gauge.set(1)
             self.started.set()
             log.info(
-                "%s %s ready (nats %s, http %s)", self.name, self.instance_id, s.nats_url, self.http_port
+                "%s %s ready (nats %s, http %s)",
+                self.name,
+                self.instance_id,
+                redact_url(s.nats_url),
+                self.http_port,
             )
             await self.stopping.wait()
         finally:

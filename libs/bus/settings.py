@@ -21,7 +21,11 @@ import msgspec
 
 S = TypeVar("S")
 
-SHARED_FIELDS = ("nats_url", "log_level")
+# also read from the unprefixed MOEMESH_<FIELD>: one NATS address and one set of credentials for all
+SHARED_FIELDS = (
+    "nats_url", "log_level", "nats_user", "nats_password", "nats_token", "nats_tls_ca", "nats_tls_cert",
+    "nats_tls_key",
+)  # fmt: skip
 
 
 class SettingsError(ValueError):
@@ -38,6 +42,19 @@ class ServiceSettings(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     log_level: str = "INFO"
+    # NATS authentication and TLS (libs.bus.security): user + password or a token; CA to verify the
+    # server, client certificate + key for mutual TLS. Secrets print as *** (see __repr__).
+    nats_user: str = ""
+    nats_password: str = ""
+    nats_token: str = ""
+    nats_tls_ca: str = ""
+    nats_tls_cert: str = ""
+    nats_tls_key: str = ""
+
+    def __repr__(self) -> str:
+        from libs.bus.security import redacted_repr
+
+        return redacted_repr(self)
 
 
 def env_prefix(service: str) -> str:
@@ -114,7 +131,7 @@ def load_settings(
         try:
             values[name] = _parse(fields[name], value)
         except ValueError as e:
-            raise SettingsError(f"{source}={value!r}: {e}") from None
+            raise SettingsError(f"{source}={_shown(name, value)}: {e}") from None
     try:
         return msgspec.convert(values, cls, strict=False)
     except msgspec.ValidationError as e:
@@ -145,5 +162,11 @@ def _parse_flags(
 def _sources(err: str, raw: dict[str, tuple[str, str]]) -> str:
     for name, (source, value) in raw.items():
         if f"$.{name}`" in err:
-            return f" (from {source}={value!r})"
+            return f" (from {source}={_shown(name, value)})"
     return ""
+
+
+def _shown(name: str, value: str) -> str:
+    from libs.bus.security import MASK, is_secret
+
+    return MASK if is_secret(name) else repr(value)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from libs.launch.natsauth import NatsAuth
 
 DEFAULT_TINY = Path.home() / ".cache" / "moemesh" / "tiny-v3"
 
@@ -24,6 +28,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--nats-port", type=int, default=0, help="nats-server port (0: any free port)")
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (one queue group)")
+    p.add_argument("--nats-user", default=os.environ.get("MOEMESH_NATS_USER", ""))
+    p.add_argument(
+        "--nats-password", default=None, help="default: $MOEMESH_NATS_PASSWORD (prefer it: argv is visible)"
+    )
+    p.add_argument("--nats-token", default=None, help="default: $MOEMESH_NATS_TOKEN")
+    p.add_argument("--nats-tls-cert", default="", help="server certificate of the embedded nats-server")
+    p.add_argument("--nats-tls-key", default="", help="its key")
+    p.add_argument("--nats-tls-ca", default="", help="CA the services verify the server with")
     p.add_argument("--transfer-protocol", default="tcp", choices=["tcp", "rdma", "nvlink_intra"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -49,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         )
     cfg = MeshConfig(
         model_dir=model, host=args.host, port=args.port, nats_port=args.nats_port,
-        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, schedulers=args.schedulers,
+        nats_auth=_nats_auth(args),
         served_model_name=args.served_model_name, transfer_protocol=args.transfer_protocol,
         device=args.device, dtype=args.dtype, log_dir=Path(args.log_dir) if args.log_dir else None,
         ep_size=args.ep_size,
@@ -71,6 +85,20 @@ def run(args: argparse.Namespace) -> int:
         print("stopping moemesh ...", flush=True)
         mesh.stop()
     return 0
+
+
+def _nats_auth(args: argparse.Namespace) -> NatsAuth | None:
+    from libs.launch.natsauth import NatsAuth
+
+    password = (
+        args.nats_password if args.nats_password is not None else os.environ.get("MOEMESH_NATS_PASSWORD", "")
+    )
+    token = args.nats_token if args.nats_token is not None else os.environ.get("MOEMESH_NATS_TOKEN", "")
+    auth = NatsAuth(
+        user=args.nats_user, password=password, token=token, tls_cert=args.nats_tls_cert,
+        tls_key=args.nats_tls_key, tls_ca=args.nats_tls_ca,
+    )  # fmt: skip
+    return auth if auth != NatsAuth() else None
 
 
 def _tiny_model() -> Path:

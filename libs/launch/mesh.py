@@ -17,6 +17,7 @@ from pathlib import Path
 
 import nats
 
+from libs.launch.natsauth import NatsAuth
 from libs.launch.supervisor import ServiceSpec, Supervisor
 from libs.natsd import NatsServer, start_nats_server
 from proto import decoder, subjects
@@ -37,6 +38,7 @@ class MeshConfig:
     nats_port: int = 0  # 0 picks a free port
     prefill_workers: int = 1
     decode_workers: int = 1
+    schedulers: int = 1  # replicas in one queue group; names "scheduler" (one) or "scheduler-<i>"
     served_model_name: str = ""
     transfer_protocol: str = "tcp"
     device: str = "cpu"
@@ -45,6 +47,14 @@ class MeshConfig:
     log_dir: Path | None = None
     # extra MOEMESH_* settings per service module name, e.g. {"services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": "8"}}
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # NATS security (libs.launch.natsauth): the embedded server requires it, every service is given it
+    nats_auth: NatsAuth | None = None
+
+    def __repr__(self) -> str:  # NatsAuth's repr masks its secrets
+        return (
+            f"MeshConfig(model_dir={str(self.model_dir)!r}, prefill={self.prefill_workers}, "
+            f"decode={self.decode_workers}, schedulers={self.schedulers}, nats_auth={self.nats_auth!r})"
+        )
 
 
 class Mesh:
@@ -56,6 +66,7 @@ class Mesh:
         self.port = cfg.port or free_port(cfg.host)
         self.model_name = cfg.served_model_name or Path(cfg.model_dir).resolve().name
         self.http_ports: dict[str, int] = {}  # service name -> its /health and /metrics side port
+        self.nats_store = self.log_dir / "nats-store"  # JetStream state survives a server restart
 
     @property
     def url(self) -> str:
@@ -80,6 +91,7 @@ class Mesh:
 
         def spec(name: str, module: str, prefix: str, **fields: object) -> ServiceSpec:
             env = {"MOEMESH_NATS_URL": self.nats_url, "MOEMESH_LOG_LEVEL": "INFO"}
+            env.update(c.nats_auth.client_env() if c.nats_auth else {})
             if module != "services.gateway":  # the gateway serves /health and /metrics on its API port
                 self.http_ports[name] = free_port(c.host)
                 fields = {"http_host": c.host, "http_port": self.http_ports[name], **fields}
@@ -95,9 +107,10 @@ class Mesh:
             dtype=c.dtype,
             ep_size=c.ep_size,
         )
-        out = [
-            spec("kv-broker", "services.kv_broker", "MOEMESH_KV_BROKER_"),
-            spec("scheduler", "services.scheduler", "MOEMESH_SCHEDULER_"),
+        out = [spec("kv-broker", "services.kv_broker", "MOEMESH_KV_BROKER_")]
+        out += [
+            spec(name, "services.scheduler", "MOEMESH_SCHEDULER_", instance_id=name)
+            for name in self.scheduler_names()
         ]
         out += [
             spec(w, "services.prefill_worker", "MOEMESH_PREFILL_WORKER_", instance_id=w, **worker)
@@ -120,8 +133,28 @@ class Mesh:
         )
         return out
 
+    def scheduler_names(self) -> list[str]:
+        n = self.cfg.schedulers
+        return ["scheduler"] if n == 1 else [f"scheduler-{i}" for i in range(n)]
+
+    def _start_nats(self, port: int) -> NatsServer:
+        args = self.cfg.nats_auth.server_args(self.log_dir) if self.cfg.nats_auth else []
+        return start_nats_server(
+            port, jetstream=True, host="127.0.0.1", store_dir=str(self.nats_store), extra_args=args
+        )
+
+    def restart_nats(self) -> None:
+        """Stop the nats-server and start it again on the same port with the same JetStream store
+        (services reconnect on their own)."""
+        assert self.nats is not None
+        port = self.nats.port
+        self.nats.stop()
+        self.nats = self._start_nats(port)
+
     def start(self, timeout: float = 120.0) -> Mesh:
-        self.nats = start_nats_server(self.cfg.nats_port, jetstream=True, host="127.0.0.1")
+        if self.cfg.schedulers < 1:
+            raise ValueError(f"schedulers must be >= 1, got {self.cfg.schedulers}")
+        self.nats = self._start_nats(self.cfg.nats_port)
         try:
             for s in self.specs():
                 self.sup.start(s)
@@ -135,7 +168,7 @@ class Mesh:
         want = set(self.worker_ids(m.Role.PREFILL)) | set(self.worker_ids(m.Role.DECODE))
         seen: set[str] = set()
         dec = decoder(m.Heartbeat)
-        nc = await nats.connect(self.nats_url)
+        nc = await nats.connect(self.nats_url, **self.connect_options())
 
         async def on_hb(msg: object) -> None:
             hb = dec.decode(msg.data)  # type: ignore[attr-defined]
@@ -157,6 +190,10 @@ class Mesh:
                 await asyncio.sleep(0.1)  # readiness poll of child processes; each check is a real condition
         finally:
             await nc.close()
+
+    def connect_options(self) -> dict:
+        """nats-py connect options for a client of this mesh (tests, benchmarks)."""
+        return self.cfg.nats_auth.client_options() if self.cfg.nats_auth else {}
 
     def metrics_url(self, service: str) -> str:
         """Prometheus endpoint of one service ("gateway", "scheduler", "prefill-0", ...)."""

@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 BINARY_ENV = "MOEMESH_NATS_SERVER_BIN"
@@ -110,11 +111,13 @@ def start_nats_server(
     store_dir: str | None = None,
     host: str = "127.0.0.1",
     ready_timeout: float = 15.0,
+    extra_args: Sequence[str] = (),
 ) -> NatsServer:
     """Start nats-server and return once it accepts clients.
 
     port 0 lets the server pick a free port. With `store_dir=None` JetStream data goes to a temporary
-    directory removed on `stop()`; pass a directory to keep state across server restarts.
+    directory removed on `stop()`; pass a directory to keep state across server restarts. `extra_args`
+    go to nats-server as they are (e.g. `--user U --pass P`, `--auth TOKEN`, `--tls ...`).
     """
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535, got {port}")
@@ -123,6 +126,7 @@ def start_nats_server(
     args = [binary, "-a", host, "-p", str(port or -1), "-m", "-1", "--ports_file_dir", workdir]
     if jetstream:
         args += ["-js", "-sd", store_dir or os.path.join(workdir, "store")]
+    args += list(extra_args)
     with open(os.path.join(workdir, "server.log"), "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
