@@ -21,6 +21,7 @@ closes or its parent process is gone.
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -93,6 +94,11 @@ def rank_main(rank: int, spec: RankSpec, conn: Any, kv_buffer: torch.Tensor | No
     )  # fmt: skip
     conn.send(("ok", None, worker.status(), None, worker.cache_events.drain()))
     worker.serve(conn)
+    # The group is left and the front answered: run multiprocessing's exit hooks (they release this
+    # process's semaphores) and skip the interpreter's teardown of torch state, which takes seconds.
+    multiprocessing.util._exit_function()
+    logging.shutdown()
+    os._exit(0)
 
 
 class CacheEvents:

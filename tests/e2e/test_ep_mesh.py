@@ -80,3 +80,7 @@ def test_ep2_mesh_gives_the_single_rank_greedy_text(ep_mesh: Mesh, engine: Engin
     got = asyncio.run(all_at_once())
     assert got == [greedy_text(engine, tok, p, 16) for p in prompts]
     assert metric(ep_mesh, "prefill-0", "moemesh_kv_transfer_bytes_total") > 0
+    # every routed token of both groups counted: K experts per token per MoE layer
+    assert metric(ep_mesh, "decode-0", "moemesh_expert_load_tokens_total") > 0
+    assert metric(ep_mesh, "prefill-0", "moemesh_expert_load_tokens_total") >= 4 * 2 * (40 + 90 + 23 + 61)
+    assert metric(ep_mesh, "decode-0", "moemesh_ep_ranks") == EP
