@@ -314,7 +314,8 @@ class EPEngine:
 
 def _spread(lengths: Sequence[int], n: int) -> dict[int, list[int]]:
     """Prompt indices per rank: longest first, each to the rank with the fewest tokens so far."""
-    load, out = [0] * n, {r: [] for r in range(n)}  # type: dict[int, list[int]]
+    load = [0] * n
+    out: dict[int, list[int]] = {r: [] for r in range(n)}
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         r = min(range(n), key=lambda r: (load[r], r))
         out[r].append(i)

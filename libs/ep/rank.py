@@ -96,7 +96,7 @@ def rank_main(rank: int, spec: RankSpec, conn: Any, kv_buffer: torch.Tensor | No
     worker.serve(conn)
     # The group is left and the front answered: run multiprocessing's exit hooks (they release this
     # process's semaphores) and skip the interpreter's teardown of torch state, which takes seconds.
-    multiprocessing.util._exit_function()
+    multiprocessing.util._exit_function()  # type: ignore[attr-defined]
     logging.shutdown()
     os._exit(0)
 

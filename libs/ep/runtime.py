@@ -20,6 +20,7 @@ hang on it.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,12 +34,12 @@ from libs.ep.placement import Placement
 log = logging.getLogger("moemesh.ep")
 
 
-def moe_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+def moe_layers(model: Any) -> list[tuple[int, Any]]:
     """(decoder layer id, its MoE block) for every layer with routed experts, in forward order."""
     return [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
 
 
-def shard_experts(model: nn.Module, placement: Placement, rank: int, copy: bool = True) -> None:
+def shard_experts(model: Any, placement: Placement, rank: int, copy: bool = True) -> None:
     """Replace each MoE layer's stacked experts [E, ...] by this rank's slots [S, ...]: copies of the loaded
     weights (copy=True), or uninitialized tensors a loader fills (copy=False)."""
     layers = moe_layers(model)
@@ -68,8 +69,9 @@ class EPMoEHook:
 
 class EPRuntime:
     def __init__(
-        self, model: nn.Module, placement: Placement, rank: int, dispatcher: Dispatcher, comm: Comm
+        self, model: Any, placement: Placement, rank: int, dispatcher: Dispatcher, comm: Comm
     ) -> None:
+        """model: a DeepseekV3ForCausalLM whose experts are already this rank's slots."""
         cfg = model.config
         self.rank, self.placement, self.dispatcher, self.comm = rank, placement, dispatcher, comm
         self.layers = moe_layers(model)
@@ -150,7 +152,7 @@ class EPRuntime:
 
 
 def enable_expert_parallel(
-    model: nn.Module, placement: Placement, rank: int, dispatcher: Dispatcher, comm: Comm
+    model: Any, placement: Placement, rank: int, dispatcher: Dispatcher, comm: Comm
 ) -> EPRuntime:
     """Hook every MoE layer of a model whose experts are already sharded (shard_experts / the rank loader)."""
     runtime = EPRuntime(model, placement, rank, dispatcher, comm)
