@@ -246,6 +246,8 @@ async def _generate(ctx: GatewayContext, request: Request, chat: bool) -> Respon
     handed_off = False  # once the SSE response owns the generation, it closes it
     try:
         _authorize(ctx, request)
+        if ctx.mesh.in_flight >= ctx.settings.max_in_flight:  # bounded memory under overload
+            raise ApiError(429, "too many requests in flight at this gateway", code="overloaded")
         data = await _read_json(request, ctx.settings.max_body_bytes)
         req = _parse(ChatCompletionRequest if chat else CompletionRequest, data)
         _check_model(ctx, req.model)
@@ -314,10 +316,13 @@ def create_app(ctx: GatewayContext) -> FastAPI:
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError) -> Response:
+    async def api_error(request: Request, e: ApiError) -> Response:
         if e.status == CLIENT_GONE:
             return Response(status_code=CLIENT_GONE)
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = None
+        if e.status in (429, 503):  # clients (and the openai library) back off this long
+            headers = {"Retry-After": str(request.app.state.ctx.settings.retry_after_s)}
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> Response:

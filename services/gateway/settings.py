@@ -28,6 +28,10 @@ class GatewaySettings(ServiceSettings, frozen=True, kw_only=True):
     # a choice whose worker dies is re-submitted (prompt + tokens so far) up to this many times
     max_migrations: Annotated[int, msgspec.Meta(ge=0)] = 3
     dead_after_intervals: Annotated[float, msgspec.Meta(gt=0)] = 3.0  # heartbeat periods of silence
+    # overload: mesh requests (choices) in flight at this gateway before it answers 429 itself, and the
+    # Retry-After (s) sent with every 429 / 503
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    retry_after_s: Annotated[int, msgspec.Meta(ge=0)] = 1
 
     def __post_init__(self) -> None:
         if not self.model_dir:
