@@ -3,6 +3,7 @@
 
 The engine side calls, per layer of a decode step:
 - `mla_decode_attention(q, kv_layer, page_table, seq_lens, page_size, sm_scale)` -> [B, H, 512]
+- `mla_absorbed_decode(...)`: the hook `libs.engine.layers.mla.mla_absorbed` calls for decode batches
 - `block_fp8_linear(x, w, w_scale_inv)` -> x @ dequant(w).T for FP8 checkpoints' weights
 - `moe_route(logits, bias, ...)` -> (weights, ids)
 """
@@ -45,6 +46,32 @@ def mla_decode_attention(
             q, kv_layer, page_table, seq_lens, page_size, sm_scale, num_splits=num_splits, kv_scale=kv_scale
         )
     return mla_decode.mla_decode_reference(q, kv_layer, page_table, seq_lens, page_size, sm_scale, kv_scale)
+
+
+def mla_absorbed_decode(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    layer_rows: torch.Tensor,
+    kv_slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """The engine's hook for absorbed decode (one query per sequence, in sequence order):
+    q_latent [S, H, 512], q_pe [S, H, 64], layer_rows [slots, 576], kv_slots [S, K] (the pool slot of
+    each key, used as a page table of page size 1), seq_lens [S] -> [S, H, 512], or None when this
+    backend does not apply (CPU tensors, other MLA dims, head counts the kernel does not tile) and the
+    caller should take its torch path."""
+    s, h, r = q_latent.shape
+    if not q_latent.is_cuda or r != mla_decode.LATENT_DIM or q_pe.shape[-1] != mla_decode.ROPE_DIM:
+        return None
+    if h % min(64, max(16, 1 << (h - 1).bit_length())):
+        return None
+    cfg = mla_decode.MLAConfig()
+    splits = mla_decode.choose_num_splits(s, h, int(kv_slots.shape[1]), cfg)
+    return mla_decode.mla_decode(
+        q_latent, layer_rows, kv_slots.to(torch.int32), seq_lens.to(torch.int32), 1, scale,
+        num_splits=splits, cfg=cfg, q_rope=q_pe.to(q_latent.dtype),
+    )  # fmt: skip
 
 
 def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,13 @@ def mla_absorbed(
     w = kv_b_weight.view(h, -1, kv_b_weight.shape[1])  # [H, N + V, R]
     w_uk, w_uv = w[:, :n], w[:, n:]
     q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+    if q_nope.is_cuda and meta.q_index.shape[1] == 1:  # decode on a GPU: paged Triton kernel (libs.kernels)
+        from libs.kernels.backend import mla_absorbed_decode
+
+        seq_lens = meta.mask[:, 0, 0].sum(-1)
+        fast = mla_absorbed_decode(q_latent, q_pe, layer_rows, meta.kv_slots, seq_lens, scale)  # [S=T, H, R]
+        if fast is not None:
+            return torch.einsum("thr,hvr->thv", fast, w_uv)
     q = torch.cat([q_latent, q_pe], dim=-1)[meta.q_index]  # [S, Q, H, C]
     s, q_len = q.shape[0], q.shape[1]
     rows = layer_rows[meta.kv_slots].to(q.dtype)[:, None]  # [S, 1, K, C]

@@ -90,3 +90,11 @@ def test_split_query_parts_with_transposed_strides(device):
     q_rope = q[..., 512:].contiguous()
     out = mla_decode(q_lat, kv, table, seq, 16, 0.1, num_splits=2, cfg=SMALL, q_rope=q_rope)
     assert _rel(out, mla_decode_reference(q, kv, table, seq, 16, 0.1)) < 1e-2
+
+
+def test_slot_table_as_page_size_one(device):
+    # The engine hook passes each key's pool slot as a page table with page size 1.
+    q, kv, table, seq = _case(device, 2, 16, 8, [13, 30], seed=5)
+    slots = (table.long()[:, :, None] * 8 + torch.arange(8, device=device)).view(2, -1)
+    out = mla_decode(q, kv, slots.int(), seq, 1, 0.1, num_splits=2, cfg=SMALL)
+    assert _rel(out, mla_decode_reference(q, kv, table, seq, 8, 0.1)) < 1e-2
