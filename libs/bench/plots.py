@@ -93,7 +93,7 @@ def token_rate(records: Sequence[RequestRecord], bin_s: float) -> tuple[np.ndarr
 
 
 def slowdown(runs: Sequence[dict], path: str | Path, title: str = "") -> Path:
-    """runs: dicts with `label`, `records`, `batch_trace` [(t, running)], `release_s` (or None)."""
+    """runs: dicts with `label`, `records`, `batch_trace` [(t, decode running, prefilling)], `release_s`."""
     fig = Figure(figsize=(12, 4.5 * len(runs)), layout="constrained")
     axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
     for ax, run in zip(axes, runs, strict=True):
@@ -105,9 +105,14 @@ def slowdown(runs: Sequence[dict], path: str | Path, title: str = "") -> Path:
         ax.set_ylabel("tokens/s", color="tab:blue")
         twin = ax.twinx()
         trace = run["batch_trace"]
-        twin.step([t for t, _ in trace], [b for _, b in trace], where="post", color="tab:orange",
-                  label="decode batch (running)")  # fmt: skip
-        twin.set_ylabel("running requests", color="tab:orange")
+        times = [t for t, _, _ in trace]
+        twin.step(
+            times, [b for _, b, _ in trace], where="post", color="tab:orange", label="decode batch (running)"
+        )
+        twin.step(
+            times, [p for _, _, p in trace], where="post", color="tab:green", label="prompts in prefill"
+        )
+        twin.set_ylabel("requests")
         if run.get("release_s") is not None:
             ax.axvline(run["release_s"], color="tab:red", linestyle="--", label="slow-down released")
         ax.set_title(run["label"])

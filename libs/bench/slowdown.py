@@ -46,13 +46,13 @@ class AdminApi:
             )
         return resp.json()
 
-    async def decode_batch(self) -> int:
-        """Requests running on all decode workers together."""
-        resp = await self.client.get(
-            self.ep.base_url.rstrip("/") + "/admin/workers", headers=self.ep.headers()
-        )
-        workers = self._check(resp)["workers"]
-        return sum(int(w["running"]) for w in workers if w.get("role") == "decode")
+    async def load(self) -> tuple[int, int]:
+        """(requests running on all decode workers, prompts in progress on all prefill workers)."""
+        url = self.ep.base_url.rstrip("/") + "/admin/workers"
+        workers = self._check(await self.client.get(url, headers=self.ep.headers()))["workers"]
+        decode = sum(int(w["running"]) for w in workers if w.get("role") == "decode")
+        prefill = sum(int(w["running"]) + int(w["waiting"]) for w in workers if w.get("role") == "prefill")
+        return decode, prefill
 
     async def set_slowdown(self, ms: float) -> None:
         url = self.ep.base_url.rstrip("/") + "/admin/slowdown"
@@ -79,12 +79,16 @@ class SlowdownConfig:
 
 
 def release_reason(
-    batch: int, peak: int, since_growth_s: float, elapsed_s: float, cfg: SlowdownConfig
+    batch: int, peak: int, since_growth_s: float, elapsed_s: float, prefilling: int, cfg: SlowdownConfig
 ) -> str | None:
-    """Why to release the slow-down now, or None to keep holding."""
+    """Why to release the slow-down now, or None to keep holding.
+
+    "stalled" (the batch is as full as it gets: the workers' maximum, or every request is in) needs the
+    batch unchanged for stall_s *and* no prompt still in prefill: a long prefill queue can keep the
+    batch flat for a long time before it delivers."""
     if batch >= cfg.release_at_batch:
         return "target"
-    if peak > 0 and since_growth_s >= cfg.stall_s:
+    if peak > 0 and since_growth_s >= cfg.stall_s and prefilling == 0:
         return "stalled"
     if elapsed_s >= cfg.timeout_s:
         return "timeout"
@@ -93,7 +97,7 @@ def release_reason(
 
 @dataclass
 class _Watch:
-    trace: list[tuple[float, int]]
+    trace: list[tuple[float, int, int]]  # (time, decode batch, prompts in prefill)
     release_s: float | None = None
     reason: str = ""
     batch_at_release: int = 0
@@ -106,13 +110,13 @@ async def _watch(
     w = _Watch(trace=[])
     peak, grown_at, started = 0, clock(), clock()
     while not load.done():
-        batch = await admin.decode_batch()
+        batch, prefilling = await admin.load()
         now = clock()
-        w.trace.append((now, batch))
+        w.trace.append((now, batch, prefilling))
         if batch > peak:
             peak, grown_at = batch, now
         if cfg is not None and w.release_s is None:
-            why = release_reason(batch, peak, now - grown_at, now - started, cfg)
+            why = release_reason(batch, peak, now - grown_at, now - started, prefilling, cfg)
             if why is not None:
                 await admin.set_slowdown(0)
                 w.release_s, w.reason, w.batch_at_release = clock(), why, batch
@@ -144,7 +148,7 @@ async def run_phase(
     ep = replace(ep, chunk_logprobs=True)  # exact tokens per chunk: the window counts tokens, not chunks
     async with http_client(len(requests) + 2) as client:
         admin = AdminApi(client, ep)
-        await admin.decode_batch()  # fails clearly when admin is off, before anything is sent
+        await admin.load()  # fails clearly when admin is off, before anything is sent
         await warm_up(client, ep, requests[0], 1)
         clock = perf_clock()
         load_cfg = LoadConfig(max_concurrency=None, request_rate=math.inf, warmup_requests=0, progress=False)
@@ -163,7 +167,7 @@ async def run_phase(
         duration = clock()
     out: dict[str, Any] = {
         "summary": summarize(records, duration),
-        "peak_batch": max((b for _, b in watch.trace), default=0),
+        "peak_batch": max((b for _, b, _ in watch.trace), default=0),
         "decode_phase": decode_phase(records),
         "batch_trace": watch.trace,
         "records": records,
@@ -184,15 +188,19 @@ async def run_phase(
 
 
 async def slowdown_experiment(
-    ep: Endpoint, requests: Sequence[BenchRequest], cfg: SlowdownConfig
+    ep: Endpoint,
+    baseline_requests: Sequence[BenchRequest],
+    slowed_requests: Sequence[BenchRequest],
+    cfg: SlowdownConfig,
 ) -> dict[str, Any]:
-    """Baseline (no slow-down) then the slowed run, on the same requests; the ratio compares decode at
-    full batch with the baseline's decode phase (first to last token)."""
-    baseline = await run_phase(ep, requests, None)
-    slowed = await run_phase(ep, requests, cfg)
+    """Baseline (no slow-down) then the slowed run; the ratio compares decode at full batch with the
+    baseline's decode phase (first to last token). Give the two runs different prompts of the same
+    shape: with the same ones, the second run's prefill would be served from the prefix cache."""
+    baseline = await run_phase(ep, baseline_requests, None)
+    slowed = await run_phase(ep, slowed_requests, cfg)
     full = slowed["full_batch"]["tokens_per_s"]
     base = baseline["decode_phase"]["tokens_per_s"]
-    config = {"base_url": ep.base_url, "model": ep.model, "num_prompts": len(requests)}
+    config = {"base_url": ep.base_url, "model": ep.model, "num_prompts": len(slowed_requests)}
     return {
         "config": config | {"slowdown_ms": cfg.slowdown_ms, "release_at_batch": cfg.release_at_batch},
         "baseline": baseline,

@@ -146,8 +146,13 @@ def run(args: argparse.Namespace) -> int:
         return _run_slowdown(args, ep, requests)
     concurrencies: list[int | None] = list(_sweep(args.sweep)) if args.sweep else [args.max_concurrency]
     runs = []
-    for c in concurrencies:
-        load = LoadConfig(c, args.request_rate, args.warmup_requests, args.seed, not args.disable_progress)
+    for i, c in enumerate(concurrencies):
+        # Each run of a sweep gets prompts of its own (seed + i, same shapes), so that no run finds the
+        # previous one's prompts in the server's prefix cache; a JSONL file's prompts serve every run.
+        seed = args.seed + i
+        if i:
+            requests = build_requests(argparse.Namespace(**{**vars(args), "seed": seed}))
+        load = LoadConfig(c, args.request_rate, args.warmup_requests, seed, not args.disable_progress)
         runs.append(_one_run(ep, requests, load, f"concurrency {c}" if args.sweep else "bench"))
     _write(args, runs, bool(args.sweep))
     return 0 if all(r.summary["completed"] for r in runs) else 1
@@ -191,7 +196,10 @@ def _run_slowdown(args: argparse.Namespace, ep: Any, requests: list) -> int:
     cfg = slowdown.SlowdownConfig(args.slowdown_ms, args.release_at_batch)
     # SIGTERM unwinds like Ctrl-C, so the experiment's `finally` turns the server's slow-down off.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    result = asyncio.run(slowdown.slowdown_experiment(ep, requests, cfg))
+    # The slowed run gets other prompts of the same shape (the next seed), so that it does not find the
+    # baseline's prompts in the prefix cache; a JSONL file's prompts serve both runs.
+    other = build_requests(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
+    result = asyncio.run(slowdown.slowdown_experiment(ep, requests, other, cfg))
     print(format_slowdown(result), flush=True)
     if args.output_file:
         print(f"results: {write_json(args.output_file, provenance() | slowdown.to_json(result))}")

@@ -58,9 +58,12 @@ def test_cli_run_writes_results_whose_counts_match_the_dataset(mesh: Mesh, tmp_p
 async def test_slowdown_fills_the_decode_batch_before_release(mesh: Mesh) -> None:
     # 300-token prompts go through the prefill worker (longer than the direct-prefill threshold) while
     # the decode worker is held back, as in the seed's method.
-    reqs = random_requests(6, 300, 24, vocab_size=1000, seed=0)
+    base, reqs = (random_requests(6, 300, 24, vocab_size=1000, seed=s) for s in (0, 1))
     result = await slowdown_experiment(
-        Endpoint(mesh.url, model=mesh.model_name), reqs, SlowdownConfig(slowdown_ms=300, release_at_batch=6)
+        Endpoint(mesh.url, model=mesh.model_name),
+        base,
+        reqs,
+        SlowdownConfig(slowdown_ms=300, release_at_batch=6),
     )
     slowed = result["slowdown"]
     assert (slowed["release_reason"], slowed["batch_at_release"]) == ("target", 6)
@@ -75,9 +78,10 @@ async def test_slowdown_fills_the_decode_batch_before_release(mesh: Mesh) -> Non
 async def test_slowdown_holds_decode_back_until_released(mesh: Mesh) -> None:
     # A target above the request count: the batch stops growing at 6 and is released after stall_s, so
     # the requests stream under slow-down for a while first: one token per forward, >= 300 ms apart.
-    reqs = random_requests(6, 300, 24, vocab_size=1000, seed=1)
+    base, reqs = (random_requests(6, 300, 24, vocab_size=1000, seed=s) for s in (2, 3))
     cfg = SlowdownConfig(slowdown_ms=300, release_at_batch=7, stall_s=1.5)
-    slowed = (await slowdown_experiment(Endpoint(mesh.url, model=mesh.model_name), reqs, cfg))["slowdown"]
+    result = await slowdown_experiment(Endpoint(mesh.url, model=mesh.model_name), base, reqs, cfg)
+    slowed = result["slowdown"]
     assert (slowed["release_reason"], slowed["batch_at_release"]) == ("stalled", 6)
     release = slowed["release_s"]
     for r in slowed["records"]:

@@ -68,18 +68,21 @@ CFG = SlowdownConfig(slowdown_ms=100, release_at_batch=8, stall_s=2.0, timeout_s
 
 
 @pytest.mark.parametrize(
-    ("batch", "peak", "since_growth", "elapsed", "want"),
+    ("batch", "peak", "since_growth", "elapsed", "prefilling", "want"),
     [
-        (3, 3, 0.1, 1.0, None),  # still filling
-        (8, 8, 0.0, 1.0, "target"),
-        (9, 9, 0.0, 1.0, "target"),
-        (5, 5, 2.0, 3.0, "stalled"),  # the workers' maximum: no growth for stall_s
-        (0, 0, 5.0, 5.0, None),  # nothing joined yet (prefill still running): not a stall
-        (0, 0, 5.0, 30.0, "timeout"),
+        (3, 3, 0.1, 1.0, 5, None),  # still filling
+        (8, 8, 0.0, 1.0, 0, "target"),
+        (9, 9, 0.0, 1.0, 3, "target"),
+        (5, 5, 2.0, 3.0, 0, "stalled"),  # as full as it gets: no growth for stall_s, nothing in prefill
+        (5, 5, 9.0, 10.0, 2, None),  # flat, but prompts are still in prefill: they will join
+        (0, 0, 5.0, 5.0, 0, None),  # nothing joined yet: not a stall
+        (0, 0, 5.0, 30.0, 4, "timeout"),
     ],
 )
-def test_release_policy(batch: int, peak: int, since_growth: float, elapsed: float, want: str | None) -> None:
-    assert release_reason(batch, peak, since_growth, elapsed, CFG) == want
+def test_release_policy(
+    batch: int, peak: int, since_growth: float, elapsed: float, prefilling: int, want: str | None
+) -> None:
+    assert release_reason(batch, peak, since_growth, elapsed, prefilling, CFG) == want
 
 
 def test_slowdown_config_is_checked() -> None:
