@@ -1,0 +1,46 @@
+"""One row of the fault table: what was killed, how many requests completed with the undisturbed
+greedy text, how many migrated, failed cleanly, hung or came back wrong, and leaked pages after."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from libs.chaos.load import Outcome
+
+
+@dataclass
+class FaultResult:
+    killed: str
+    requests: int
+    completed: int  # finished with exactly the undisturbed run's text and token count
+    migrated: int  # choices the gateway re-submitted (its migrations counter)
+    errors: int  # ended with a clean error event or status
+    wrong: int  # finished, but not with the undisturbed text (must be 0)
+    hung: int  # still running at the client deadline (must be 0)
+    leaked_pages: int  # request pages left on live workers once traffic stopped (must be 0)
+    max_seconds: float
+    error_samples: list[str]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(
+    killed: str, outcomes: Sequence[Outcome], want: Sequence[str], max_tokens: int, migrated: int, leaked: int
+) -> FaultResult:
+    completed = sum(
+        o.ok and o.text == w and o.completion_tokens == max_tokens
+        for o, w in zip(outcomes, want, strict=True)
+    )
+    wrong = sum(
+        o.ok and not (o.text == w and o.completion_tokens == max_tokens)
+        for o, w in zip(outcomes, want, strict=True)
+    )
+    errors = [o.error for o in outcomes if o.error is not None and not o.hung]
+    return FaultResult(
+        killed=killed, requests=len(outcomes), completed=completed, migrated=migrated, errors=len(errors),
+        wrong=wrong, hung=sum(o.hung for o in outcomes), leaked_pages=leaked,
+        max_seconds=round(max((o.seconds for o in outcomes), default=0.0), 3),
+        error_samples=sorted(set(errors))[:5],
+    )  # fmt: skip
