@@ -32,3 +32,17 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     )
     with Mesh(cfg) as m:
         yield m
+        assert_no_leaks(m)
+
+
+def assert_no_leaks(mesh: Mesh, timeout: float = 35.0) -> None:
+    """After a module's traffic: every worker holds no request pages and no live request (the prefix
+    cache's pages aside); a reservation may take up to its lease to come back."""
+    import asyncio
+
+    from libs.chaos import wait_for_no_leaks
+    from proto.messages import Role
+
+    workers = [(r, w) for r in (Role.PREFILL, Role.DECODE) for w in mesh.worker_ids(r)]
+    left = asyncio.run(wait_for_no_leaks(mesh.nats_url, workers, timeout, mesh.connect_options()))
+    assert all(v == 0 for v in left.values()), f"request pages / live requests left after the tests: {left}"
