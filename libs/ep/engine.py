@@ -23,7 +23,8 @@ metrics collector may be read from others.
 
 from __future__ import annotations
 
-import socket
+import shutil
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,12 +70,9 @@ class EPEngine:
         timeout_s: float = 300.0,
         backend_options: dict[str, Any] | None = None,
     ) -> None:
-        if ep_size < 1:
-            raise ValueError(f"ep_size must be >= 1, got {ep_size}")
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown EP dispatch backend {backend!r}: use one of {BACKENDS}")
-        if eplb_interval_steps < 0:
-            raise ValueError(f"eplb_interval_steps must be >= 0, got {eplb_interval_steps}")
+        _check_args(
+            ep_size, backend, eplb_interval_steps, max(max_prefill_tokens, max_num_seqs), backend_options
+        )
         self.config = cfg = ModelConfig.from_pretrained(model_dir)
         self.layer_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         if not self.layer_ids:
@@ -86,22 +84,12 @@ class EPEngine:
         torch_dtype = parse_dtype(dtype)
         row_bytes = cfg.kv_row_dim * torch.empty((), dtype=torch_dtype).element_size() * cfg.num_hidden_layers
         self.pages_per_rank = num_pages or default_num_pages(cfg, page_size, max_num_seqs, row_bytes)
-        self._kv_pool: KVPool | None = None
-        if device == "cpu":  # one shared-memory pool, rank r's pages a slice of it
-            self._kv_pool = KVPool(
-                cfg.num_hidden_layers, ep_size * self.pages_per_rank, page_size, cfg.kv_row_dim, torch_dtype
-            )
-            self._kv_pool.buffer.share_memory_()
-        engine_kwargs = dict(
-            page_size=page_size, num_pages=self.pages_per_rank, max_num_seqs=max_num_seqs,
-            max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=enable_prefix_cache,
-        )  # fmt: skip
-        spec = RankSpec(
-            model_dir=str(model_dir), ep_size=ep_size, init_method=f"tcp://127.0.0.1:{_free_port()}",
-            placement=self.placement.to_wire(), device=device, dtype=dtype, backend=backend,
-            fp8_dispatch=fp8_dispatch, torch_threads=torch_threads, timeout_s=timeout_s, engine=engine_kwargs,
-            backend_options=dict(backend_options or {}),
-        )  # fmt: skip
+        # CPU: one shared-memory pool, rank r's pages a slice of it
+        self._kv_pool = (
+            _shared_pool(cfg, ep_size * self.pages_per_rank, page_size, torch_dtype)
+            if device == "cpu"
+            else None
+        )
         shape = (len(self.layer_ids), cfg.n_routed_experts)
         self.expert_load = np.zeros(shape, dtype=np.int64)  # since start, summed over ranks
         self.window_load = np.zeros(shape, dtype=np.int64)  # since the last placement change
@@ -109,18 +97,23 @@ class EPEngine:
         self.owner: dict[str, int] = {}  # request id -> rank
         self.blocks = RankBlocks(ep_size)
         self.affinity_slack = max(1, max_num_seqs // 16)
-        if backend == "mooncake":  # low-latency only: every forward must fit its per-rank token limit
-            cap = int((backend_options or {}).get("max_tokens", 128))
-            if max(max_prefill_tokens, max_num_seqs) > cap:
-                raise ValueError(
-                    f"EP backend 'mooncake' takes at most {cap} tokens per forward: set max_prefill_tokens "
-                    f"and max_num_seqs <= {cap} (got {max_prefill_tokens}, {max_num_seqs})"
-                )
-        kv_slices = None
-        if self._kv_pool is not None:
-            rows = self.pages_per_rank * page_size
-            kv_slices = [self._kv_pool.buffer[:, r * rows : (r + 1) * rows] for r in range(ep_size)]
-        self.group = RankGroup(spec, kv_slices, timeout_s, self._add_load, self.blocks.apply)
+        engine_kwargs = dict(
+            page_size=page_size, num_pages=self.pages_per_rank, max_num_seqs=max_num_seqs,
+            max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=enable_prefix_cache,
+        )  # fmt: skip
+        # a file store in a fresh directory: the ranks share a host, and no port can be taken in between
+        self._rendezvous = tempfile.mkdtemp(prefix="moemesh-ep-")
+        spec = RankSpec(
+            model_dir=str(model_dir), ep_size=ep_size, init_method=f"file://{self._rendezvous}/store",
+            placement=self.placement.to_wire(), device=device, dtype=dtype, backend=backend,
+            fp8_dispatch=fp8_dispatch, torch_threads=torch_threads, timeout_s=timeout_s, engine=engine_kwargs,
+            backend_options=dict(backend_options or {}),
+        )  # fmt: skip
+        try:
+            self.group = RankGroup(spec, self._kv_slices(), timeout_s, self._add_load, self.blocks.apply)
+        except BaseException:
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
+            raise
 
     # --- offline API ---
     def generate(
@@ -280,6 +273,12 @@ class EPEngine:
         registry.register(ExpertLoadCollector(self))
 
     # --- internals ---
+    def _kv_slices(self) -> list[torch.Tensor] | None:
+        if self._kv_pool is None:
+            return None
+        rows = self.pages_per_rank * self.page_size
+        return [self._kv_pool.buffer[:, r * rows : (r + 1) * rows] for r in range(self.ep_size)]
+
     def _add_load(self, load: np.ndarray) -> None:
         self.expert_load += load
         self.window_load += load
@@ -303,7 +302,9 @@ class EPEngine:
 
     def close(self) -> None:
         """Stop every rank process (idempotent)."""
-        self.group.close()
+        if hasattr(self, "group"):
+            self.group.close()
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     def __enter__(self) -> EPEngine:
         return self
@@ -323,7 +324,25 @@ def _spread(lengths: Sequence[int], n: int) -> dict[int, list[int]]:
     return {r: sorted(idx) for r, idx in out.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _shared_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype) -> KVPool:
+    pool = KVPool(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_row_dim, dtype)
+    pool.buffer.share_memory_()
+    return pool
+
+
+def _check_args(
+    ep_size: int, backend: str, eplb_interval_steps: int, forward_tokens: int, options: Any
+) -> None:
+    if ep_size < 1:
+        raise ValueError(f"ep_size must be >= 1, got {ep_size}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown EP dispatch backend {backend!r}: use one of {BACKENDS}")
+    if eplb_interval_steps < 0:
+        raise ValueError(f"eplb_interval_steps must be >= 0, got {eplb_interval_steps}")
+    if backend == "mooncake":  # low-latency only: every forward must fit its per-rank token limit
+        cap = int((options or {}).get("max_tokens", 128))
+        if forward_tokens > cap:
+            raise ValueError(
+                f"EP backend 'mooncake' takes at most {cap} tokens per forward: set max_prefill_tokens and "
+                f"max_num_seqs <= {cap} (one forward here may carry {forward_tokens})"
+            )

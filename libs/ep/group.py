@@ -1,4 +1,5 @@
-"""The front's side of the rank processes: spawn them, talk to them over pipes, stop them.
+"""The front's side of the rank processes: start them (forked by a forkserver), talk to them over pipes,
+stop them.
 
 Messages are the tuples described in rank.py. `call` talks to one rank; `op` sends a group operation to
 every rank at once (ranks not named join idle) and reads every reply before raising the first error, so
@@ -43,13 +44,16 @@ class RankGroup:
         self.broken: str | None = None
         atexit.register(self.close)
         try:
-            self._spawn(spec, kv_slices, start_timeout_s)
+            self._start(spec, kv_slices, start_timeout_s)
         except BaseException:
             self.close()
             raise
 
-    def _spawn(self, spec: RankSpec, kv_slices: list[torch.Tensor] | None, timeout_s: float) -> None:
-        ctx = mp.get_context("spawn")
+    def _start(self, spec: RankSpec, kv_slices: list[torch.Tensor] | None, timeout_s: float) -> None:
+        # forkserver, not fork: no CUDA or thread state leaks into a rank; not spawn: each rank would
+        # import torch again (seconds each). The preload makes the server ignore the group's SIGTERM.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["libs.ep._preload"])
         for r in range(self.size):
             parent, child = ctx.Pipe()
             kv = None if kv_slices is None else kv_slices[r]

@@ -15,7 +15,7 @@ expert load counted since the last op reply or None, the prefix-cache events sin
 of (stored?, block hashes), which the front uses to route requests to the rank holding their prefix).
 
 A rank ignores SIGINT/SIGTERM (the worker above it drains first, then stops it) and exits when its pipe
-closes or its parent process is gone.
+closes or its parent (the forkserver, group.py, which lives as long as the worker) is gone.
 """
 
 from __future__ import annotations
@@ -237,7 +237,8 @@ def portable(e: BaseException) -> BaseException:
 
 
 def _exit_with_parent() -> None:
-    """Leave when the worker that spawned this rank is gone, even while blocked in a collective."""
+    """Leave when the process that forked this rank is gone (the worker is then gone too), even while
+    blocked in a collective."""
     parent = os.getppid()
 
     def watch() -> None:
