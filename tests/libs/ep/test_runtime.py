@@ -63,6 +63,25 @@ def test_a_rank_whose_request_fails_still_serves_the_others(model, ref) -> None:
     torch.testing.assert_close(torch.from_numpy(got), ref.prefill_logits(prompts[0]), atol=1e-5, rtol=1e-5)
 
 
+def test_a_rank_whose_experts_fail_mid_forward_still_completes_the_round(model) -> None:
+    """The failing rank still joins the combine and every later round, so nobody hangs; it reports the error."""
+    workers = inprocess_group(model, Placement.uniform(2, E, 2), num_pages=64)
+    broken = workers[1].runtime.experts[0]
+    broken.down_proj = torch.nn.Parameter(broken.down_proj.data[:, :, :1].clone(), requires_grad=False)
+    prompts = [prompt(12, 7), prompt(9, 8)]
+
+    def run(r: int):
+        try:
+            return workers[r].run_op("prefill_logits", (prompts[r],))
+        except RuntimeError as e:
+            return e
+
+    ok, err = run_ranks(2, run)
+    assert isinstance(err, RuntimeError) and not isinstance(ok, Exception)
+    assert ok.shape == (12, model.config.vocab_size)  # finished (its layer-0 output lacks rank 1's experts)
+    assert all(w.runtime.rounds == 0 for w in workers)
+
+
 def test_a_placement_swap_moves_expert_weights_to_their_new_ranks(model) -> None:
     old = Placement.uniform(2, E, 2, num_redundant=2)
     workers = inprocess_group(model, old, num_pages=16)
