@@ -15,7 +15,7 @@ import pytest
 from libs.engine import Engine, SamplingParams
 from libs.launch.mesh import Mesh, MeshConfig
 from libs.tokenizer import Tokenizer
-from tests.e2e.conftest import DIRECT_THRESHOLD
+from tests.e2e.conftest import DIRECT_THRESHOLD, assert_no_leaks
 
 pytestmark = pytest.mark.e2e
 EP = 2
@@ -37,6 +37,7 @@ def ep_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     )
     with Mesh(cfg) as m:
         yield m
+        assert_no_leaks(m)  # every rank's request pages back (summed in the workers' stats)
 
 
 @pytest.fixture(scope="module")
