@@ -36,6 +36,7 @@ from services.gateway.errors import ApiError, error_body
 from services.gateway.generation import Generation
 from services.gateway.mesh import MeshClient
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openapi import install_openapi
 from services.gateway.output import TokenText
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.settings import GatewaySettings
@@ -287,6 +288,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     app = FastAPI(title="moemesh gateway", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     _install_error_handlers(app)
+    install_openapi(app)  # request bodies and error statuses in /openapi.json
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
