@@ -1,16 +1,24 @@
 """The scheduler's side of prefix-aware routing: how much of a prompt each worker already caches, asked
-of the kv-broker's prefix index (PrefixQuery on proto.subjects.BROKER_PREFIX).
+of the kv-broker's prefix index (PrefixQuery on proto.subjects.BROKER_PREFIX), plus the prefixes this
+scheduler itself just sent to prefill workers.
 
 The prompt is hashed here (libs.prefix, once per page size the live workers use) and only the hashes
 travel. The last prompt token is left out: an engine always computes it, so it is never a hit. Placement
 must not stall on the index: a query has a short timeout, and an unanswered one means no hits (the
 request is placed on load alone), counted in `moemesh_scheduler_prefix_queries_total{outcome}`.
+
+Why `RecentPlacements`: a worker reports a prompt's blocks once its prefill has finished, so a burst of
+requests sharing a new prefix would find nothing in the index and spread over every prefill worker, each
+computing the prefix again. A placement is a promise that the blocks are coming (the worker runs its
+prompts in order, so a follow-up queued behind finds them cached); for `ttl_s` it counts as a hit, as
+SGLang's router counts a prompt in its tree from the moment it routes it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -23,11 +31,76 @@ from proto import subjects
 log = logging.getLogger("moemesh.scheduler.prefix")
 
 
+def leading(
+    hashes: Sequence[int], holds: dict[int, set[str]] | dict[int, dict[str, float]]
+) -> dict[str, int]:
+    """Worker -> how many of `hashes`, from the first, it holds (left out when none)."""
+    out: dict[str, int] = {}
+    alive: set[str] | None = None
+    for i, h in enumerate(hashes):
+        owners = set(holds.get(h, ()))
+        still = owners if alive is None else alive & owners
+        for w in (alive or set()) - still:
+            out[w] = i
+        alive = still
+        if not alive:
+            return out
+    out.update((w, len(hashes)) for w in alive or ())
+    return out
+
+
+class RecentPlacements:
+    """Block hashes of prompts recently placed on prefill workers, each valid for `ttl_s` (pure: the
+    caller passes monotonic `now`)."""
+
+    def __init__(self, ttl_s: float) -> None:
+        if not ttl_s >= 0:
+            raise ValueError(f"ttl_s must be >= 0, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._until: dict[int, dict[str, float]] = {}  # hash -> worker -> expiry
+        self._order: deque[tuple[float, int, str]] = deque()  # expiries in time order, for pruning
+
+    def __len__(self) -> int:
+        return sum(len(ws) for ws in self._until.values())
+
+    def note(self, hashes: Sequence[int], worker: str, now: float) -> None:
+        if self.ttl_s == 0:
+            return
+        self._prune(now)
+        until = now + self.ttl_s
+        for h in hashes:
+            self._until.setdefault(h, {})[worker] = until
+            self._order.append((until, h, worker))
+
+    def overlap(self, hashes: Sequence[int], now: float) -> dict[str, int]:
+        """Worker -> leading blocks of `hashes` placed on it within the last ttl_s."""
+        self._prune(now)
+        return leading(hashes, self._until)
+
+    def _prune(self, now: float) -> None:
+        while self._order and self._order[0][0] < now:
+            until, h, w = self._order.popleft()
+            ws = self._until.get(h)
+            if ws is not None and ws.get(w) == until:  # not renewed by a later placement
+                del ws[w]
+                if not ws:
+                    del self._until[h]
+
+
 class PrefixClient:
-    def __init__(self, bus: Bus, registry: CollectorRegistry, timeout_s: float) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        registry: CollectorRegistry,
+        timeout_s: float,
+        pending_ttl_s: float = 5.0,
+        clock=time.monotonic,
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"prefix query timeout must be > 0, got {timeout_s}")
-        self.bus, self.timeout_s = bus, timeout_s
+        self.bus, self.timeout_s, self.clock = bus, timeout_s, clock
+        self.recent = RecentPlacements(pending_ttl_s)
+        self._last: tuple[Sequence[int], dict[int, list[int]]] | None = None  # the last prompt's hashes
         self.m_queries = Counter(
             "moemesh_scheduler_prefix_queries", "Prefix overlap queries to the kv-broker, by outcome",
             ["outcome"], registry=registry,
@@ -37,13 +110,22 @@ class PrefixClient:
             buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=registry,
         )  # fmt: skip
 
+    def _hashes(self, prompt_ids: Sequence[int], page_size: int) -> list[int]:
+        if self._last is None or self._last[0] is not prompt_ids:
+            self._last = (prompt_ids, {})
+        by_size = self._last[1]
+        if page_size not in by_size:
+            by_size[page_size] = block_hashes(prompt_ids[:-1], page_size)
+        return by_size[page_size]
+
     async def hits(self, prompt_ids: Sequence[int], page_sizes: Iterable[int]) -> dict[str, int]:
-        """Worker id -> cached prompt tokens; {} when nothing is cached or the broker does not answer."""
+        """Worker id -> cached prompt tokens (index or recent placements); {} when nothing is known."""
         out: dict[str, int] = {}
         for page_size in sorted(set(page_sizes)):
-            hashes = block_hashes(prompt_ids[:-1], page_size)
+            hashes = self._hashes(prompt_ids, page_size)
             if not hashes:
                 continue
+            found = {w: n * page_size for w, n in self.recent.overlap(hashes, self.clock()).items()}
             t0 = time.perf_counter()
             try:
                 reply = await self.bus.request(
@@ -52,12 +134,18 @@ class PrefixClient:
                     m.PrefixReply,
                     timeout=self.timeout_s,
                 )
-            except Exception as e:  # timeout, no broker, refusal: place on load alone
+            except Exception as e:  # timeout, no broker, refusal: place on what is known locally
                 self.m_queries.labels("failed").inc()
-                log.debug("prefix query failed, placing without cache hits: %s", e)
-                continue
-            self.m_seconds.observe(time.perf_counter() - t0)
-            self.m_queries.labels("ok").inc()
-            for wid, n in reply.cached_tokens.items():
+                log.debug("prefix query failed, placing without the index: %s", e)
+            else:
+                self.m_seconds.observe(time.perf_counter() - t0)
+                self.m_queries.labels("ok").inc()
+                for wid, n in reply.cached_tokens.items():
+                    found[wid] = max(found.get(wid, 0), n)
+            for wid, n in found.items():
                 out[wid] = max(out.get(wid, 0), n)
         return out
+
+    def placed(self, prompt_ids: Sequence[int], prefill_worker: str, page_size: int) -> None:
+        """The prompt was just sent to `prefill_worker`: its blocks will be there."""
+        self.recent.note(self._hashes(prompt_ids, page_size), prefill_worker, self.clock())

@@ -70,8 +70,9 @@ class SchedulerSettings(ServiceSettings, frozen=True, kw_only=True):
     # prefix-aware routing (policy.py, prefix.py): a full cache hit is worth prefix_weight queued
     # requests (0: load-only placement); the kv-broker's index answers within prefix_query_timeout_s or
     # not at all; decode_prefix_reuse lets decode workers skip receiving the prefix they cache already
-    prefix_weight: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    prefix_weight: Annotated[float, msgspec.Meta(ge=0)] = 8.0
     prefix_query_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.05
+    prefix_pending_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0  # own placements count as hits
     decode_prefix_reuse: bool = True
 
 
@@ -159,7 +160,10 @@ class SchedulerService(Service):
         await bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, self._on_heartbeat)
         await bus.subscribe(subjects.CANCEL, m.Cancel, self._on_cancel)
         await bus.flush()
-        self.prefix = PrefixClient(bus, self.registry, self.settings.prefix_query_timeout_s)
+        self.prefix = PrefixClient(
+            bus, self.registry, self.settings.prefix_query_timeout_s, self.settings.prefix_pending_ttl_s,
+            self.clock,
+        )  # fmt: skip
         self._loop_task = asyncio.create_task(self._placement_loop(), name="scheduler-placement")
         self.beacon = SchedulerBeacon(
             bus, self.instance_id, self.settings.heartbeat_interval_ms, lambda: len(self.queue)
@@ -198,6 +202,12 @@ class SchedulerService(Service):
             return {}
         page_sizes = {w.hb.page_size for w in self.workers.live(self.clock())}
         return await self.prefix.hits(submit.prompt_ids, page_sizes)
+
+    def _note_prefix(self, s: m.Submit, prefill_worker: str) -> None:
+        """Until its KV events arrive, this placement counts as the prompt cached on that worker."""
+        w = self.workers.get(prefill_worker)
+        if self.prefix is not None and w is not None and self.config.prefix_weight > 0:
+            self.prefix.placed(s.prompt_ids, prefill_worker, w.hb.page_size)
 
     # --- handlers ---
     async def _on_submit(self, s: m.Submit) -> m.SubmitReply:
@@ -298,6 +308,7 @@ class SchedulerService(Service):
             self.workers.note_placement(decision.decode, decision.decode_pages)
             if decision.prefill is not None:
                 self.workers.note_placement(decision.prefill)
+                self._note_prefix(s, decision.prefill)
             task = asyncio.create_task(self._place(e, decision))
             self._placements.add(task)
             task.add_done_callback(self._placements.discard)

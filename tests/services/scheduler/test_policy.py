@@ -181,6 +181,7 @@ def test_prefix_overlap_breaks_prefill_ties() -> None:
                 make_heartbeat("p0", Role.PREFILL, waiting=1),
                 make_heartbeat("p1", Role.PREFILL, waiting=2),
             ),
+            cfg=PolicyConfig(direct_prefill_threshold=32, prefix_weight=2.0),  # 2 x 48% < 1 more queued
             hits={"p1": 48},
         ).prefill
         == "p0"

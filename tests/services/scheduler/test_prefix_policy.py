@@ -102,3 +102,25 @@ def test_direct_prefill_counts_only_what_the_chosen_decode_worker_lacks() -> Non
 def test_bad_weight_is_a_clear_error(weight: float) -> None:
     with pytest.raises(ValueError, match="prefix_weight"):
         PolicyConfig(prefix_weight=weight)
+
+
+# --- the scheduler's own recent placements -----------------------------------------------------------
+
+
+def test_recent_placements_count_as_leading_blocks_until_they_expire() -> None:
+    from services.scheduler.prefix import RecentPlacements
+
+    recent = RecentPlacements(ttl_s=5.0)
+    recent.note([1, 2, 3], "p0", now=0.0)
+    recent.note([1, 2], "p1", now=1.0)
+    assert recent.overlap([1, 2, 3, 4], now=2.0) == {"p0": 3, "p1": 2}
+    assert recent.overlap([9, 1], now=2.0) == {}
+    assert recent.overlap([1, 2, 3], now=5.5) == {"p1": 2}  # p0's placement is older than 5 s
+    recent.note([1], "p1", now=5.9)  # renewed: the older expiry of (1, p1) must not drop it
+    assert recent.overlap([1, 2], now=6.5) == {"p1": 1}
+    assert recent.overlap([1], now=11.0) == {} and len(recent) == 0
+    off = RecentPlacements(ttl_s=0)
+    off.note([1], "p0", now=0.0)
+    assert off.overlap([1], now=0.0) == {}
+    with pytest.raises(ValueError, match="ttl_s"):
+        RecentPlacements(ttl_s=-1)

@@ -97,3 +97,25 @@ async def test_cached_prefix_on_the_decode_worker_makes_a_long_prompt_direct(sta
     assert direct.request_id == "r1"
     await h.until(lambda: h.metric("moemesh_scheduler_placements_total", kind="direct") == 1)
     assert d0.directs.empty() and d0.reserves.empty() and p.tasks.empty()
+
+
+async def test_a_burst_sharing_a_new_prefix_stays_together_before_the_index_knows_it(start) -> None:  # noqa: F811
+    # no index answers (no broker): only own placements count; a full hit is worth 2 queued requests
+    h = await start(direct_prefill_threshold=0, prefix_weight=2.0)
+    await h.decode("d0")
+    p0, p1 = await h.prefill("p0"), await h.prefill("p1")
+    for rid in ("r1", "r2"):
+        assert (await h.submit(rid, prompt_len=100)).ok
+    assert [(await _get(p0.tasks))[0].request_id for _ in range(2)] == ["r1", "r2"]  # r2 queues behind r1
+    assert (await h.submit("r3", prompt_len=100)).ok  # p0 has 2 in flight: 2 x 0.99 - 2 < 0, spill over
+    assert (await _get(p1.tasks))[0].request_id == "r3"
+
+
+async def test_without_the_pending_window_a_burst_spreads_on_load(start) -> None:  # noqa: F811
+    h = await start(direct_prefill_threshold=0, prefix_pending_ttl_s=0.0)
+    await h.decode("d0")
+    p0, p1 = await h.prefill("p0"), await h.prefill("p1")
+    for rid in ("r1", "r2"):
+        assert (await h.submit(rid, prompt_len=100)).ok
+    assert (await _get(p0.tasks))[0].request_id == "r1"
+    assert (await _get(p1.tasks))[0].request_id == "r2"
