@@ -103,28 +103,28 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict:
 
 
 def decode_rate(records: Sequence[RequestRecord], t_from: float, t_to: float) -> dict:
-    """Aggregate decode tokens/s of the requests streaming through the window (t_from, t_to].
+    """Aggregate decode tokens/s over the window (t_from, t_to], from the first step inside it.
 
-    Each request's own rate is taken between its first and last chunk inside the window (tokens of
-    the chunks after the first, over that span), and the rates are summed. Anchoring on each request's
-    first chunk leaves out whatever delay came before the window's first step (a slow-down sleep
-    still running when it was switched off); requests with fewer than two chunks inside are skipped.
+    The window's first chunk of each request marks that request's start (whatever delay came before
+    the first step, such as a slow-down sleep still running when it was switched off, stays out);
+    the tokens of the chunks after it, up to t_to, are summed over all requests and divided by the
+    time from the mean of those starts to t_to. A request that finishes inside the window counts the
+    tokens it made there.
     """
-    rates: list[float] = []
-    gaps: list[float] = []
+    tokens, starts, gaps = 0, [], []
     for r in records:
         inside = [(t, n) for t, n in zip(r.chunk_times, r.chunk_tokens, strict=True) if t_from < t <= t_to]
-        if len(inside) < 2:
+        if not inside:
             continue
-        span = inside[-1][0] - inside[0][0]
-        if span <= 0:
-            continue
-        rates.append(sum(n for _, n in inside[1:]) / span)
+        starts.append(inside[0][0])
+        tokens += sum(n for _, n in inside[1:])
         gaps += [b[0] - a[0] for a, b in zip(inside, inside[1:], strict=False)]
+    span = t_to - sum(starts) / len(starts) if starts else 0.0
     return {
         "window_s": max(t_to - t_from, 0.0),
-        "requests": len(rates),
-        "tokens_per_s": float(sum(rates)),
+        "requests": len(starts),
+        "tokens": tokens,
+        "tokens_per_s": tokens / span if span > 0 else 0.0,
         "itl_ms": distribution_ms(gaps),
     }
 

@@ -124,12 +124,25 @@ async def _watch(
     return w
 
 
+FULL_BATCH_SHARE = 0.9
+
+
 def full_batch_window(records: Sequence[RequestRecord], release_s: float) -> dict[str, Any]:
-    """Decode rate from the release until the first request finishes (every request still runs)."""
-    ends = [r.end for r in records if r.ok and r.end > release_s]
+    """Decode rate from the release while at least FULL_BATCH_SHARE of the requests running at the
+    release still run. Not "until the first finish": a request that joined long before the others
+    (its prefill came first) made tokens during the hold and may finish right after the release."""
+    ends = sorted(r.end for r in records if r.ok and r.end > release_s)
     if not ends:
         return {"tokens_per_s": None, "note": "every request finished before the release"}
-    return {"from_s": release_s, "to_s": min(ends), **decode_rate(records, release_s, min(ends))}
+    keep = math.ceil(FULL_BATCH_SHARE * len(ends))
+    end = ends[len(ends) - keep]  # after this finish, fewer than `keep` requests run
+    return {
+        "from_s": release_s,
+        "to_s": end,
+        "batch_from": len(ends),
+        "batch_to": keep,
+        **decode_rate(records, release_s, end),
+    }
 
 
 def decode_phase(records: Sequence[RequestRecord]) -> dict[str, Any]:

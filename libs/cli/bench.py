@@ -228,7 +228,8 @@ def format_slowdown(result: dict) -> str:
         f"with slow-down:    batch {s['batch_at_release']} at release ({s['release_reason']}), "
         f"{s['finished_before_release']} finished before it",
         f"decode tokens/s at full batch: {rate(result['full_batch_decode_tokens_per_s'])} "
-        f"(window {s['full_batch'].get('window_s', 0):.2f} s, {s['full_batch'].get('requests', 0)} requests, "
+        f"(window {s['full_batch'].get('window_s', 0):.2f} s while {s['full_batch'].get('batch_from', 0)}"
+        f"..{s['full_batch'].get('batch_to', 0)} requests ran, "
         f"median ITL {s['full_batch'].get('itl_ms', {}).get('median', 0):.1f} ms)",
         f"ratio to the run without slow-down: {rate(result['ratio'])}",
     ]

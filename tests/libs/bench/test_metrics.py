@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from libs.bench.metrics import RequestRecord, aggregate_rate, decode_rate, distribution_ms, summarize
+from libs.bench.slowdown import full_batch_window
 
 
 def rec(index: int, start: float, chunks: list[float], *, tokens: list[int] | None = None, end: float | None = None,
@@ -82,20 +83,33 @@ def test_summary_rejects_a_zero_duration() -> None:
         summarize([], 0.0)
 
 
-def test_decode_rate_sums_per_request_rates_and_skips_the_delay_before_the_first_step() -> None:
+def test_decode_rate_counts_from_the_first_step_inside_the_window() -> None:
     # 4 requests, one token every 0.1 s; the first step after the release (t=1.0) comes late, at 1.45
     records = [rec(i, 0.0, [0.5, *(1.45 + 0.1 * k for k in range(11))], end=2.5) for i in range(4)]
-    w = decode_rate(records, 1.0, 2.5)
-    assert w["requests"] == 4
-    assert w["tokens_per_s"] == pytest.approx(4 * 10.0)
+    w = decode_rate(records, 1.0, 2.45)
+    assert (w["requests"], w["tokens"]) == (4, 4 * 10)
+    assert w["tokens_per_s"] == pytest.approx(4 * 10.0)  # 40 tokens over 1.45 -> 2.45
     assert w["itl_ms"]["median"] == pytest.approx(100.0)
-    assert w["window_s"] == pytest.approx(1.5)
+    assert w["window_s"] == pytest.approx(1.45)
 
 
-def test_decode_rate_counts_the_tokens_each_chunk_carried() -> None:
-    r = rec(0, 0.0, [1.1, 1.2, 1.3], tokens=[1, 2, 2])
-    assert decode_rate([r], 1.0, 2.0)["tokens_per_s"] == pytest.approx(4 / 0.2)
-    assert decode_rate([rec(0, 0.0, [1.5])], 1.0, 2.0)["requests"] == 0  # one chunk: no rate
+def test_decode_rate_counts_the_tokens_each_chunk_carried_and_requests_that_finish_inside() -> None:
+    a = rec(0, 0.0, [1.1, 1.2, 1.3, 1.4, 1.5], tokens=[1, 2, 2, 1, 1])
+    b = rec(1, 0.0, [1.1, 1.2], end=1.2)  # finishes inside the window: its one token after the start counts
+    assert decode_rate([a, b], 1.0, 1.5)["tokens_per_s"] == pytest.approx((6 + 1) / 0.4)
+    assert decode_rate([rec(0, 0.0, [0.5])], 1.0, 2.0)["tokens_per_s"] == 0.0  # nothing inside
+
+
+def test_full_batch_window_runs_while_nine_tenths_of_the_batch_still_run() -> None:
+    # 20 requests running at the release (t=1.0): 2 finish early (they joined long before), the rest at 3.0+
+    early = [rec(i, 0.0, [0.5, *(1.1 + 0.1 * k for k in range(3))]) for i in range(2)]
+    late = [rec(i, 0.0, [0.5, *(1.1 + 0.1 * k for k in range(20 + i))]) for i in range(2, 20)]
+    w = full_batch_window(early + late, release_s=1.0)
+    assert (w["batch_from"], w["batch_to"]) == (20, 18)
+    assert w["to_s"] == pytest.approx(late[0].end)  # the third finish: 17 would be left after it
+    # window (1.0, 3.2]: every request starts at 1.1; the early two make 2 tokens after that, the rest 21
+    assert w["tokens_per_s"] == pytest.approx((2 * 2 + 18 * 21) / (3.2 - 1.1))
+    assert full_batch_window(early, release_s=5.0)["tokens_per_s"] is None
 
 
 def test_aggregate_rate_is_tokens_in_the_window_over_its_length() -> None:
