@@ -1,0 +1,122 @@
+"""Fault tolerance and overload on the real mesh (CPU, tiny model): the kill table and the 10x overload.
+
+    python -m bench.chaos [--requests 64] [--max-tokens 16] [--overload-seconds 30] [--overload-factor 10]
+
+1. Kill table: with 2 prefill + 2 decode workers and 2 scheduler replicas, while N greedy streams run,
+   SIGKILL a decode worker, a prefill worker and a scheduler replica, and restart the kv-broker and the
+   nats-server; per strike: requests, completed with the undisturbed text (in-process Engine), migrated,
+   clean errors, wrong, hung, pages left on live workers once traffic stopped.
+2. Overload: measure the mesh's capacity (requests/s at a fixed concurrency), then offer `factor` x that
+   for `seconds` with the schedulers' queues bounded at --max-queue: answers by status (429 + Retry-After),
+   whether every admitted request finished, and the RSS of each service process (from /proc) at the
+   start, the highest sampled, at the end, and the kernel's high-water mark.
+JSON to bench/results/chaos.json; the table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from libs.bench.report import write_json
+from libs.chaos.overload import measure_capacity, overload, service_pids
+from libs.chaos.scenarios import chaos_config, chaos_prompts, restart_service, run_fault, standard_faults
+from libs.engine import Engine, SamplingParams
+from libs.engine.tiny import write_tiny_model
+from libs.launch.mesh import Mesh
+from libs.tokenizer import Tokenizer
+
+COLUMNS = (
+    "killed",
+    "requests",
+    "completed",
+    "migrated",
+    "errors",
+    "wrong",
+    "hung",
+    "leaked_pages",
+    "max_seconds",
+)
+
+
+def table(rows: list[dict]) -> str:
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in COLUMNS]
+    line = lambda vals: "  ".join(str(v).rjust(w) for v, w in zip(vals, widths, strict=True))  # noqa: E731
+    return "\n".join([line(COLUMNS), *(line([r[c] for c in COLUMNS]) for r in rows)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint folder (default: a fresh tiny model)")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--overload-seconds", type=float, default=30.0)
+    p.add_argument("--overload-factor", type=float, default=10.0)
+    p.add_argument("--max-queue", type=int, default=64, help="each scheduler replica's queue bound")
+    p.add_argument("--skip-faults", action="store_true")
+    p.add_argument("--out", default="bench/results/chaos.json")
+    args = p.parse_args(argv)
+
+    model = Path(args.model) if args.model else write_tiny_model(Path(tempfile.mkdtemp()) / "tiny-v3", seed=0)
+    prompts = chaos_prompts(args.requests)
+    engine = Engine.from_pretrained(model)
+    outs = engine.generate(
+        prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    )
+    tok = Tokenizer.from_pretrained(model)
+    want = [tok.decode(o.token_ids) for o in outs]
+    del engine
+    cfg = chaos_config(
+        model, None, password=os.urandom(8).hex(),
+        extra_env={"services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": str(args.max_queue)}},
+    )  # fmt: skip
+    result: dict = {
+        "command": shlex.join(["python", "-m", "bench.chaos", *(sys.argv[1:] if argv is None else argv)]),
+        "environment": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "mesh": "2 prefill + 2 decode workers, 2 schedulers, kv-broker, gateway, nats (user/password); tiny "
+        "model on CPU; decode forward_sleep_ms 25, 48 KV pages per decode worker, lease 4 s",
+    }  # fmt: skip
+    with Mesh(cfg) as mesh:
+        print(f"mesh up ({mesh.url}); logs in {mesh.log_dir}", flush=True)
+        if not args.skip_faults:
+            rows = []
+            for fault in standard_faults(args.requests):
+                row, _ = run_fault(
+                    mesh, fault, prompts, want, args.max_tokens, deadline_s=60.0, leak_timeout_s=15.0
+                )
+                rows.append(row.as_dict())
+                print(table(rows[-1:]).splitlines()[-1], flush=True)
+                if fault.restart:
+                    restart_service(mesh, fault.killed)
+            result["faults"] = rows
+            print("\n" + table(rows), flush=True)
+        short = prompts[0]
+        capacity = asyncio.run(
+            measure_capacity(mesh.url, mesh.model_name, short, 8, concurrency=16, seconds=5.0)
+        )
+        rate = capacity * args.overload_factor
+        print(
+            f"capacity {capacity:.1f} req/s; offering {rate:.1f} req/s for {args.overload_seconds:.0f} s",
+            flush=True,
+        )
+        t0 = time.monotonic()
+        over = asyncio.run(
+            overload(mesh.url, mesh.model_name, short, 8, rate, args.overload_seconds, service_pids(mesh))
+        )
+        result["overload"] = {"capacity_rps": round(capacity, 2), "factor": args.overload_factor, **over.as_dict(),
+                              "wall_seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
+    print(json.dumps(result["overload"], indent=1))
+    print(f"wrote {write_json(args.out, result)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
