@@ -2,6 +2,7 @@
 DP-attention batch, with random FP8 weights, timed with CUDA graphs.
 
     python -m bench.decode_rank --batch 64,128,256,512 [--ctx 2000 --gen 100] [--world 2]
+        [--dense-fp8 block|rowwise|block,rowwise]
 
 What the step does (every layer, as a real engine step): embedding; fused residual-add + RMSNorm;
 fused q_a/kv_a FP8 projection; q/kv latent norms; q_b projection; absorbed W_UK (bf16 bmm); RoPE
@@ -17,6 +18,12 @@ for them). Contexts: L prompt tokens plus a uniform 0..gen generated so far (mea
 
 Breakdown: the step is also captured with only the attention kernel ("attention"), only the MoE
 block of the 58 MoE layers ("moe": router .. combine, shared expert included); "other" = full - both.
+--dense-fp8 rowwise runs the dense projections (q_a/kv_a, q_b, o_proj, dense MLPs, a separate shared
+expert) as per-token x per-channel FP8 through torch._scaled_mm, on weights requantized at load from
+the 128x128 block scales (libs.kernels.fp8_rowwise): an accuracy trade, recorded as `dense_fp8` in
+each record, with the projections' errors against the dequantized reference measured in the same run.
+The MoE grouped GEMMs stay block-scaled. `block,rowwise` keeps both weight sets and measures each
+batch in both modes back to back.
 With --world 2 (two GPUs) each MoE layer also moves this rank's dispatch (fp8) and combine (bf16)
 bytes of an EP-72 deployment to the other GPU with NCCL all_to_all, and the step is reported with
 and without that traffic.
@@ -28,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +45,7 @@ import torch.nn.functional as F
 from bench.harness import environment, graph_ms, write_results
 from bench.roofline import decode_step_bound
 from libs.kernels import fp8_gemm as G
+from libs.kernels import fp8_rowwise as RW
 from libs.kernels import fused, moe_ops, quant, routing
 from libs.kernels.mla_decode import MLAConfig, choose_num_splits, mla_decode
 
@@ -72,6 +81,7 @@ class Layer:
     norms: dict
     dense: tuple | None = None  # (gate_up, down) for the first layers
     moe: dict | None = None
+    rowwise: dict = field(default_factory=dict)  # projection name -> (wq, ws [1, N]) when requantized
 
 
 def build_layer(i: int, local_experts: int) -> Layer:
@@ -109,6 +119,7 @@ class Rank:
     fuse_shared: bool = True
     comm: object = None  # callable("dispatch" | "combine") or None
     fi: object = None  # libs.kernels.flashinfer_mla.FlashInferMLA when --attn flashinfer
+    dense_fp8: str = "block"  # "rowwise": dense projections through torch._scaled_mm (Layer.rowwise)
 
 
 @dataclass
@@ -158,14 +169,39 @@ def linear(x, wt):
     return G.fp8_gemm(xq, xs, wt[0], wt[1])
 
 
+def block_weights(lw: Layer) -> dict:
+    """The layer's dense block-scaled projections by name (what --dense-fp8 rowwise requantizes)."""
+    named = {"qkv_a": lw.qkv_a, "q_b": lw.q_b, "o_proj": lw.o_proj}
+    if lw.dense is not None:
+        named.update(gate_up=lw.dense[0], down=lw.dense[1])
+    if lw.moe is not None and lw.moe["shared"] is not None:
+        named.update(shared_gate_up=lw.moe["shared"][0], shared_down=lw.moe["shared"][1])
+    return named
+
+
+def requant_rank(rank: Rank) -> None:
+    for lw in rank.layers:
+        lw.rowwise = {name: RW.requant_rowwise(*wt) for name, wt in block_weights(lw).items()}
+
+
+def proj(rank: Rank, lw: Layer, name: str, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    """One dense FP8 projection in the rank's mode; swiglu: x is [gate | up], SiLU(gate) * up is the input."""
+    if rank.dense_fp8 == "rowwise":
+        return RW.linear_rowwise(x, *lw.rowwise[name], swiglu=swiglu)
+    wt = block_weights(lw)[name]
+    if swiglu:
+        return G.fp8_gemm(*quant.silu_mul_quant(x), *wt)
+    return linear(x, wt)
+
+
 def attention(rank: Rank, bt: Batch, i: int, lw: Layer, x: torch.Tensor, parts: set) -> torch.Tensor | None:
     sc = bt.scratch
     kv = rank.kv[i]
     if "other" in parts:
-        qkv = linear(x, lw.qkv_a)  # [B, 2112]
+        qkv = proj(rank, lw, "qkv_a", x)  # [B, 2112]
         q_c = fused.add_rmsnorm(qkv[:, :QR], lw.norms["q"], EPS)
         c_kv = fused.add_rmsnorm(qkv[:, QR : QR + KVR], lw.norms["kv"], EPS)
-        q = linear(q_c, lw.q_b).view(bt.b, HEADS, NOPE + ROPE)
+        q = proj(rank, lw, "q_b", q_c).view(bt.b, HEADS, NOPE + ROPE)
         torch.bmm(q[..., :NOPE].transpose(0, 1), lw.w_uk, out=sc["q_lat"])  # [H, B, KVR]
         fused.rope_and_write_kv(
             q[..., NOPE:], sc["q_rope"], qkv[:, QR + KVR :], c_kv, kv, bt.positions, bt.slots, rank.cos_sin
@@ -177,7 +213,7 @@ def attention(rank: Rank, bt: Batch, i: int, lw: Layer, x: torch.Tensor, parts: 
                    cfg=rank.mla_cfg, out=sc["o_lat"], q_rope=sc["q_rope"])  # fmt: skip
     if "other" in parts:
         o = torch.bmm(sc["o_lat"].transpose(0, 1), lw.w_uv)  # [H, B, VD]
-        return linear(o.transpose(0, 1).reshape(bt.b, HEADS * VD), lw.o_proj)
+        return proj(rank, lw, "o_proj", o.transpose(0, 1).reshape(bt.b, HEADS * VD))
     return None
 
 
@@ -191,9 +227,7 @@ def moe(rank: Rank, bt: Batch, lw: Layer, x: torch.Tensor) -> torch.Tensor:
         local = torch.cat([local, sc["shared_id"]], 1)
         weights = torch.cat([weights, sc["ones"]], 1)
     else:
-        (gu, gus), (dn, dns) = m["shared"]
-        hq, hs = quant.silu_mul_quant(linear(x, (gu, gus)))
-        shared = G.fp8_gemm(hq, hs, dn, dns)
+        shared = proj(rank, lw, "shared_down", proj(rank, lw, "shared_gate_up", x), swiglu=True)
     dest, counts = moe_ops.align_masked(local.view(-1), sc["bq"].shape[0], bt.m_max)
     moe_ops.dispatch_quant(x, dest, sc["bq"], sc["bs"])  # quantize once, land in the masked layout
     if rank.comm is not None:
@@ -208,8 +242,7 @@ def mlp(rank: Rank, bt: Batch, lw: Layer, x: torch.Tensor, parts: set) -> torch.
     if lw.dense is not None:
         if "other" not in parts:
             return None
-        hq, hs = quant.silu_mul_quant(linear(x, lw.dense[0]))
-        return G.fp8_gemm(hq, hs, *lw.dense[1])
+        return proj(rank, lw, "down", proj(rank, lw, "gate_up", x), swiglu=True)
     return moe(rank, bt, lw, x) if "moe" in parts else None
 
 
@@ -316,6 +349,52 @@ def check_attention(rank: Rank, bt: Batch) -> float:
     return float((sc["o_lat"].float() - ref.float()).norm() / ref.float().norm())
 
 
+def _time_modes(x: torch.Tensor, wt: tuple, rw: tuple) -> dict:
+    from bench.harness import bench_ms
+
+    b, (n, k) = x.shape[0], wt[0].shape
+    us = {
+        "block": 1e3 * bench_ms(lambda: linear(x, wt)),
+        "rowwise": 1e3 * bench_ms(lambda: RW.linear_rowwise(x, *rw)),
+    }
+    return {"shape": [b, n, k], "us": us, "TFLOPs": {m: 2 * b * n * k / t / 1e6 for m, t in us.items()}}
+
+
+def check_dense_fp8(rank: Rank, b: int) -> dict:
+    """Both dense modes on layer 3's q_a/kv_a, q_b and o_proj at batch b: error against the float32
+    product with the dequantized block-scaled weight, for gaussian activations and for activations
+    with 1% of channels x30 (LLM hidden states carry such outliers), and for a copy of o_proj whose
+    128x128 scales spread 16x within a row (the bench's random scales differ by 10% at most, which
+    flatters per-channel requantization); plus each projection's time in both modes (quantization
+    of the activation included, do_bench median, L2 flushed)."""
+    lw = rank.layers[DENSE_LAYERS]
+    g = torch.Generator(device=DEV).manual_seed(7)
+    spread = lw.o_proj[1] * 4.0 ** (2 * torch.rand(lw.o_proj[1].shape, device=DEV, generator=g) - 1)
+    cases = [
+        ("qkv_a", lw.qkv_a),
+        ("q_b", lw.q_b),
+        ("o_proj", lw.o_proj),
+        ("o_proj_spread_scales", (lw.o_proj[0], spread)),
+    ]
+    out: dict = {"batch": b}
+    for name, (w, s) in cases:
+        rw = lw.rowwise.get(name) or RW.requant_rowwise(w, s)
+        wf = G.dequant_blocks(w, s)
+        n, k = w.shape
+        for act in ("gaussian", "outliers"):
+            x = torch.randn(b, k, device=DEV, generator=g)
+            if act == "outliers":
+                x[:, torch.randperm(k, device=DEV, generator=g)[: k // 100]] *= 30
+            x = x.to(torch.bfloat16)
+            ref = x.float() @ wf.t()
+            out[f"{name}/{act}"] = {"block": RW.error_vs_dequantized(linear(x, (w, s)), ref),
+                                    "rowwise": RW.error_vs_dequantized(RW.linear_rowwise(x, *rw), ref)}  # fmt: skip
+        del wf
+        if name != "o_proj_spread_scales" and DEV == "cuda":
+            out[f"{name}/time"] = _time_modes(x, (w, s), rw)
+    return out
+
+
 def profile_step(rank: Rank, bt: Batch, path: Path) -> None:
     """One eager step under torch.profiler: per-kernel CUDA time, to see what a part is made of."""
     from torch.profiler import ProfilerActivity, profile
@@ -366,6 +445,7 @@ def run_batch(rank: Rank, b: int, a, env: dict, world: int) -> list[dict]:
         "mla_config": asdict(rank.mla_cfg),
         "cuda_graph": True, "ep": 72, "local_experts": rank.local_experts, "attention_backend": a.attn,
         "attention_rel_err_vs_triton": attn_err, "shared_expert_fused": rank.fuse_shared,
+        "dense_fp8": rank.dense_fp8, "moe_fp8": "block",
     }  # fmt: skip
     if comm_err is not None:
         rec["comm_error"] = comm_err
@@ -399,21 +479,43 @@ def worker(local_rank: int, world: int, a) -> None:
         from libs.kernels.flashinfer_mla import FlashInferMLA
 
         rank.fi = FlashInferMLA("cuda")
+    modes = a.dense_fp8.split(",")
+    extra_rec = {}
+    if "rowwise" in modes:
+        t0 = time.perf_counter()
+        requant_rank(rank)
+        torch.cuda.synchronize()
+        extra_rec["rowwise_requant_s"] = time.perf_counter() - t0
+    check = check_dense_fp8(rank, 256 if 256 in batches else batches[0])
+    if local_rank == 0:
+        for key, v in check.items():
+            print(f"dense fp8 {key}: {v}", flush=True)
+        write_results("dense_fp8_check", [{"benchmark": "dense_fp8_check", **check, **env}])
+    name = f"decode_rank-w{world}-{a.attn}" + ("" if modes == ["block"] else "-" + "-".join(modes))
     records = []
-    for b in batches:
+    for b, mode in [(b, m) for b in batches for m in modes]:  # both modes of one batch back to back
+        rank.dense_fp8 = mode
         records += run_batch(rank, b, a, env, world)
         r = records[-1]
+        r.update(
+            extra_rec,
+            dense_fp8_o_proj_rel_err={
+                act: check[f"o_proj/{act}"][mode]["rel_fro"] for act in ("gaussian", "outliers")
+            },
+        )
+        if local_rank == 0 and os.environ.get("OUT"):  # kept if the command is stopped at its limit
+            (Path(os.environ["OUT"]) / f"{name}-partial.json").write_text(json.dumps(records, indent=1))
         if local_rank == 0:
             extra = (
                 f" | with NVLink comm {r['step_ms_with_comm']:.1f} ms -> {r['tokens_per_s_per_gpu_with_comm']:.0f} tok/s"
                 if world > 1
                 else ""
             )
-            print(f"B={b} ctx={r['ctx']:.0f}: step {r['step_ms']:.2f} ms -> {r['tokens_per_s_per_gpu']:.0f} tok/s/GPU "
+            print(f"[{mode}] B={b} ctx={r['ctx']:.0f}: step {r['step_ms']:.2f} ms -> {r['tokens_per_s_per_gpu']:.0f} tok/s/GPU "
                   f"(attn {r['attention_ms']:.2f}, moe {r['moe_ms']:.2f}, other {r['other_ms']:.2f}); "
                   f"roofline {r['roofline_step_ms']:.1f} ms = {r['roofline_fraction']:.2f}; attn err {r['attention_rel_err_vs_triton']:.1e}{extra}", flush=True)  # fmt: skip
     if local_rank == 0:
-        print("wrote", write_results(f"decode_rank-w{world}-{a.attn}", records))
+        print("wrote", write_results(name, records))
     if world > 1:
         torch.distributed.destroy_process_group()
 
@@ -432,7 +534,12 @@ def main() -> None:
         "--separate-shared", action="store_true", help="shared expert as dense GEMMs, not a 5th local expert"
     )
     ap.add_argument("--profile", type=int, default=0, help="batch size to profile one eager step of")
+    ap.add_argument(
+        "--dense-fp8", default="block", help="block | rowwise | block,rowwise (see the module doc)"
+    )
     a = ap.parse_args()
+    if not a.dense_fp8 or set(a.dense_fp8.split(",")) - {"block", "rowwise"}:
+        ap.error(f"--dense-fp8 takes block, rowwise or both comma-separated, got {a.dense_fp8!r}")
     if a.world > 1:
         torch.multiprocessing.spawn(worker, args=(a.world, a), nprocs=a.world)
     else:
