@@ -20,7 +20,7 @@ class EngineThread:
         self.engine = engine
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         # run on the event loop after every call, failed ones too (KV cache events publish a step's batch)
-        self.after_call: Callable[[], None] | None = None
+        self.after_call: Callable[[], object] | None = None
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()

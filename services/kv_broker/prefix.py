@@ -134,7 +134,7 @@ class PrefixDirectory:
 
     async def _snapshot(self, worker_id: str) -> None:
         try:
-            snap = await self.bus.request(
+            snap: m.KvSnapshot = await self.bus.request(
                 subjects.kv_snapshot(subjects.check_token(worker_id)),
                 m.KvSnapshotRequest(worker_id=worker_id),
                 m.KvSnapshot,

@@ -128,7 +128,7 @@ class PrefixClient:
             found = {w: n * page_size for w, n in self.recent.overlap(hashes, self.clock()).items()}
             t0 = time.perf_counter()
             try:
-                reply = await self.bus.request(
+                reply: m.PrefixReply = await self.bus.request(
                     subjects.BROKER_PREFIX,
                     m.PrefixQuery(page_size=page_size, hashes=hashes),
                     m.PrefixReply,
