@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overload-seconds", type=float, default=30.0)
     p.add_argument("--overload-factor", type=float, default=10.0)
     p.add_argument("--max-queue", type=int, default=64, help="each scheduler replica's queue bound")
+    p.add_argument("--gateway-max-in-flight", type=int, default=256, help="the gateway's own bound (429)")
     p.add_argument("--skip-faults", action="store_true")
     p.add_argument("--out", default="bench/results/chaos.json")
     args = p.parse_args(argv)
@@ -76,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     del engine
     cfg = chaos_config(
         model, None, password=os.urandom(8).hex(),
-        extra_env={"services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": str(args.max_queue)}},
+        extra_env={
+            "services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": str(args.max_queue)},
+            "services.gateway": {"MOEMESH_GATEWAY_MAX_IN_FLIGHT": str(args.gateway_max_in_flight)},
+        },
     )  # fmt: skip
     result: dict = {
         "command": shlex.join(["python", "-m", "bench.chaos", *(sys.argv[1:] if argv is None else argv)]),

@@ -114,9 +114,11 @@ async def overload(
         t0 = time.monotonic()
         try:
             r = await h.post("/v1/completions", json=body)
-            statuses[str(r.status_code)] += 1
-            if r.status_code == 429:
+            if r.status_code == 429:  # by who refused: the scheduler's queue or the gateway's own bound
                 retry_after = retry_after and "retry-after" in r.headers
+                statuses[f"429 {r.json()['error'].get('code')}"] += 1
+            else:
+                statuses[str(r.status_code)] += 1
         except httpx.HTTPError as e:
             statuses[type(e).__name__] += 1
         latencies.append(time.monotonic() - t0)
@@ -146,7 +148,7 @@ async def overload(
             await asyncio.wait(set(in_flight))
         watch.cancel()
         mem.sample(pids)
-    admitted = sum(v for s, v in statuses.items() if s not in ("429",))
+    admitted = sum(v for s, v in statuses.items() if not s.startswith("429"))
     return OverloadResult(
         offered_rps=rate, seconds=seconds, sent=sent, statuses=dict(statuses), retry_after_on_429=retry_after,
         admitted=admitted, admitted_finished=statuses.get("200", 0), client_capped=capped,

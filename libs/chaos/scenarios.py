@@ -123,12 +123,13 @@ def chaos_config(
     extra_env: dict[str, dict[str, str]] | None = None,
 ) -> MeshConfig:  # fmt: skip
     """2 prefill + 2 decode workers, 2 scheduler replicas, nats with a user/password; a slower decode
-    step and a small KV pool (~14 requests per decode worker), so streams run long enough to be cut
-    mid-way and requests wait in the schedulers' queues; short leases so lost reservations come back
-    within seconds."""
+    step, a small KV pool (~14 requests per decode worker) and short waiting lines at the decode workers,
+    so streams run long enough to be cut mid-way and requests wait in the schedulers' queues; short
+    leases so lost reservations come back within seconds."""
     env = {
         "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": "16",
-                               "MOEMESH_SCHEDULER_LEASE_MS": str(lease_ms)},
+                               "MOEMESH_SCHEDULER_LEASE_MS": str(lease_ms),
+                               "MOEMESH_SCHEDULER_MAX_DECODE_WAITING": "4"},
         "services.decode_worker": {"MOEMESH_DECODE_WORKER_FORWARD_SLEEP_MS": "25",
                                    "MOEMESH_DECODE_WORKER_NUM_PAGES": "48"},
         "services.gateway": {"MOEMESH_GATEWAY_REQUEST_TIMEOUT_S": str(deadline_s),

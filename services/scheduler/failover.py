@@ -1,9 +1,11 @@
 """What the scheduler adds for failover, kept out of the policy and the service shell.
 
 - `place`: the policy's decision for a request, without the workers the request must avoid (a
-  migrating request names the worker it lost; the scheduler may not have seen that death yet), and with
-  decode-local prefill as the fallback when no prefill worker can take it (all dead or avoided): any
-  decode worker can prefill a prompt itself, only slower. Pure.
+  migrating request names the worker it lost; the scheduler may not have seen that death yet), without
+  decode workers whose waiting line is full (`max_waiting`: requests placed but not yet running; free
+  pages alone do not bound it, since a decode-direct request takes its pages only when it starts), and
+  with decode-local prefill as the fallback when no prefill worker can take it (all dead or avoided):
+  any decode worker can prefill a prompt itself, only slower. Pure.
 - `placed_notice`: the message that tells the gateway which decode worker now holds a request, so the
   gateway can watch that worker from placement on (not only from the first token).
 - `SchedulerBeacon`: this replica's heartbeat (SchedulerHeartbeat), so gateways see a replica die with
@@ -28,6 +30,7 @@ from services.scheduler.policy import (
     Plan,
     PolicyConfig,
     Refuse,
+    Wait,
     WorkerState,
     schedule,
 )
@@ -41,8 +44,19 @@ def place(
     config: PolicyConfig,
     prefix_hits: Mapping[str, int] | None = None,
     avoid: Collection[str] = (),
+    max_waiting: int = 0,
 ) -> Decision:
     usable = [w for w in workers if w.worker_id not in avoid] if avoid else list(workers)
+    if max_waiting > 0:
+        full = {
+            w.worker_id
+            for w in usable
+            if w.role == m.Role.DECODE and w.hb.waiting + w.inflight >= max_waiting
+        }
+        if full:
+            usable = [w for w in usable if w.worker_id not in full]
+            if not any(w.role == m.Role.DECODE for w in usable):  # the request waits in the bounded queue
+                return Wait(f"every decode worker has {max_waiting} requests waiting")
     decision = schedule(usable, req, config, prefix_hits)
     if isinstance(decision, Refuse) and decision.code == m.ErrorCode.UNAVAILABLE:
         # No prefill worker (a decode refusal repeats itself below): prefill on the decode worker.

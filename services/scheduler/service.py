@@ -43,6 +43,7 @@ from proto import messages as m
 from proto import subjects
 from services.scheduler.failover import SchedulerBeacon, place, placed_notice
 from services.scheduler.policy import (
+    Decision,
     PlacementRequest,
     Plan,
     PlanKind,
@@ -67,6 +68,9 @@ class SchedulerSettings(ServiceSettings, frozen=True, kw_only=True):
     max_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
     dead_after_intervals: Annotated[float, msgspec.Meta(gt=0)] = 3.0
     heartbeat_interval_ms: Annotated[int, msgspec.Meta(ge=10)] = 250  # SchedulerHeartbeat to gateways
+    # placed-but-not-running requests per decode worker before it counts as full (0: no bound), so
+    # overload queues here (bounded: max_queue, then 429) and not without bound on the workers
+    max_decode_waiting: Annotated[int, msgspec.Meta(ge=0)] = 32
     # prefix-aware routing (policy.py, prefix.py): a full cache hit is worth prefix_weight queued
     # requests (0: load-only placement); the kv-broker's index answers within prefix_query_timeout_s or
     # not at all; decode_prefix_reuse lets decode workers skip receiving the prefix they cache already
@@ -217,9 +221,9 @@ class SchedulerService(Service):
         except ValueError as e:
             return self._refuse(s.request_id, m.ErrorCode.BAD_REQUEST, str(e))
         now = self.clock()
-        decision = place(self.workers.live(now), req, self.config, None, s.avoid)
+        decision = self._decide(now, req, s, None)
         if isinstance(decision, Refuse):  # a cached prefix can make it servable (direct on decode)
-            decision = place(self.workers.live(now), req, self.config, await self.prefix_hits(s), s.avoid)
+            decision = self._decide(now, req, s, await self.prefix_hits(s))
         if isinstance(decision, Refuse):
             return self._refuse(s.request_id, decision.code, decision.message)
         # The submit's deadline header is when the gateway stops waiting for this reply, not the
@@ -235,6 +239,13 @@ class SchedulerService(Service):
         self._update_gauges()
         self.wake()
         return m.SubmitReply(request_id=s.request_id, ok=True, scheduler_id=self.instance_id)
+
+    def _decide(
+        self, now: float, req: PlacementRequest, s: m.Submit, hits: dict[str, int] | None
+    ) -> Decision:
+        """The policy through failover.place: avoided workers, full decode lines, decode-local fallback."""
+        live = self.workers.live(now)
+        return place(live, req, self.config, hits, s.avoid, self.settings.max_decode_waiting)
 
     def _refuse(self, request_id: str, code: int, message: str) -> m.SubmitReply:
         self.metrics.refusals.labels(str(int(code))).inc()
@@ -296,7 +307,7 @@ class SchedulerService(Service):
             hits = await self.prefix_hits(s)
             if self.queue.head() is not e:  # cancelled (or expired) while the index answered
                 continue
-            decision = place(self.workers.live(now), req, self.config, hits, s.avoid)
+            decision = self._decide(now, req, s, hits)
             if isinstance(decision, Refuse):
                 self.queue.remove(e.request_id)
                 await self._fail(e, decision.code, decision.message)

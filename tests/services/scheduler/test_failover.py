@@ -9,7 +9,7 @@ from libs.bus import Bus
 from proto import messages as m
 from proto import subjects
 from services.scheduler.failover import SchedulerBeacon, place, placed_notice
-from services.scheduler.policy import PlanKind, PolicyConfig, Refuse
+from services.scheduler.policy import PlanKind, PolicyConfig, Refuse, Wait
 from tests.services.scheduler.factories import make_heartbeat, make_request, make_workers
 
 CFG = PolicyConfig(direct_prefill_threshold=8)
@@ -57,3 +57,15 @@ async def test_beacon_beats_at_its_interval_until_stopped(nats_server: str) -> N
     finally:
         await beacon.stop()
         await bus.close()
+
+
+def test_a_decode_worker_with_a_full_waiting_line_takes_nothing_more() -> None:
+    t = make_workers(make_heartbeat("d0", waiting=4), make_heartbeat("d1", waiting=1, running=9))
+    short = make_request(4)
+    assert place(t.live(0.0), short, CFG, max_waiting=4).decode == "d1"  # d0's line is full
+    t.note_placement("d1")
+    t.note_placement("d1")
+    t.note_placement("d1")  # placements since the last heartbeat count as waiting
+    decision = place(t.live(0.0), short, CFG, max_waiting=4)
+    assert isinstance(decision, Wait) and "4 requests waiting" in decision.reason
+    assert place(t.live(0.0), short, CFG, max_waiting=0).decode == "d0"  # 0: no bound
