@@ -74,6 +74,7 @@ class DecodeWorker(Service):
         self._creates: dict[str, asyncio.Task] = {}  # handle id -> its CreateHandle call at the broker
         self._background: set[asyncio.Task] = set()
         self.forward_sleep_ms = s.forward_sleep_ms
+        self.slowdown_changed = asyncio.Event()
         self.work = asyncio.Event()
         self.guard = ReservationGuard(self.bus, self.cancelled.add)  # prefill deaths, lease expiry
         await self.guard.start()
@@ -229,6 +230,7 @@ class DecodeWorker(Service):
         match msg:
             case m.SetSlowdown():
                 self.forward_sleep_ms = max(0.0, msg.forward_sleep_ms)
+                self.slowdown_changed.set()
                 self.work.set()
         return m.AdminReply(ok=True, stats=self.worker_stats())
 
@@ -248,8 +250,10 @@ class DecodeWorker(Service):
     async def _step_loop(self) -> None:
         while True:
             await self.work.wait()
-            if self.forward_sleep_ms:
-                await asyncio.sleep(self.forward_sleep_ms / 1000)
+            if self.forward_sleep_ms:  # slow-down; a new setting (e.g. off) ends the wait at once
+                self.slowdown_changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.slowdown_changed.wait(), self.forward_sleep_ms / 1000)
             t0 = time.perf_counter()
             try:
                 outputs, more = await self.et.call(self._step_once)

@@ -189,7 +189,8 @@ class PrefillWorker(Service):
             span.set_attributes(span_attrs.transfer(protocol, nbytes, dt, len(runs), handle.decode_worker))
         self.m_xfer_seconds.observe(dt)
         self.m_xfer_bytes.inc(nbytes)
-        await self.et.call(self.engine.release, rid)
+        # Unpinning waits in the engine thread's queue behind other prompts' prefills: on_task's `finally`
+        # does it after KvReady is out, so a queue of prompts does not hold back every first token.
         self._check_cancelled(rid)
         first = (
             m.TokenLogprob(res.first_token, 0.0) if res.logprobs is None else to_wire_logprob(res.logprobs)
