@@ -166,8 +166,10 @@ class Mesh:
 
     async def _wait_ready(self, timeout: float) -> None:
         want = set(self.worker_ids(m.Role.PREFILL)) | set(self.worker_ids(m.Role.DECODE))
+        want |= set(self.scheduler_names())  # every replica beats once its subscriptions are live
         seen: set[str] = set()
         dec = decoder(m.Heartbeat)
+        sched_dec = decoder(m.SchedulerHeartbeat)
         nc = await nats.connect(self.nats_url, **self.connect_options())
 
         async def on_hb(msg: object) -> None:
@@ -175,7 +177,11 @@ class Mesh:
             if isinstance(hb, m.WorkerHeartbeat):
                 seen.add(hb.worker_id)
 
+        async def on_sched(msg: object) -> None:
+            seen.add(sched_dec.decode(msg.data).scheduler_id)  # type: ignore[attr-defined]
+
         await nc.subscribe(subjects.HEARTBEAT, cb=on_hb)
+        await nc.subscribe(subjects.SCHED_HEARTBEAT, cb=on_sched)
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -184,7 +190,7 @@ class Mesh:
                     return
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"mesh not ready after {timeout:.0f}s: workers heard {sorted(seen)} of {sorted(want)}, "
+                        f"mesh not ready after {timeout:.0f}s: heard {sorted(seen)} of {sorted(want)}, "
                         f"gateway healthy={self._gateway_healthy()}; logs in {self.log_dir}"
                     )
                 await asyncio.sleep(0.1)  # readiness poll of child processes; each check is a real condition

@@ -304,7 +304,9 @@ class DecodeWorker(Service):
                 await after
         try:
             timeout = self.settings.broker_timeout_s
-            reply = await self.bus.request(subjects.BROKER, msg, m.BrokerReply, timeout=timeout)
+            reply: m.BrokerReply = await self.bus.request(
+                subjects.BROKER, msg, m.BrokerReply, timeout=timeout
+            )
             if not reply.ok:
                 log.warning("kv-broker refused %s: %s", type(msg).__name__, reply.message)
         except Exception as e:

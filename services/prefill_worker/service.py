@@ -129,7 +129,7 @@ class PrefillWorker(Service):
     async def _dst_geometry(self, worker_id: str) -> m.KvGeometry:
         geom = self.dst_geoms.get(worker_id)
         if geom is None:
-            reply = await self.bus.request(
+            reply: m.BrokerReply = await self.bus.request(
                 subjects.BROKER,
                 m.LookupWorker(worker_id=worker_id),
                 m.BrokerReply,
@@ -211,7 +211,9 @@ class PrefillWorker(Service):
     async def _mark_written(self, handle_id: str) -> None:
         try:
             msg, timeout = m.HandleWritten(handle_id=handle_id), self.settings.broker_timeout_s
-            reply = await self.bus.request(subjects.BROKER, msg, m.BrokerReply, timeout=timeout)
+            reply: m.BrokerReply = await self.bus.request(
+                subjects.BROKER, msg, m.BrokerReply, timeout=timeout
+            )
             if not reply.ok:
                 log.warning("kv-broker refused HandleWritten(%s): %s", handle_id, reply.message)
         except Exception as e:
