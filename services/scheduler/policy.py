@@ -18,7 +18,7 @@ Rules (why, where it is not obvious):
 - Cache-aware score (`placement_score`): `prefix_weight` x (the worker's cached share of the prompt)
   minus its load, so a full prefix hit is worth `prefix_weight` queued requests; the cache wins while
   the imbalance it causes stays below that, and load wins past it. `prefix_weight` 0 is load-only
-  placement (the cache is not even a tie-breaker).
+  placement (the cache is not even a tie-breaker; the scheduler service then asks for no hits at all).
 - Decode choice: enough free pages for prompt + max_tokens (capped at its max_context), then best score
   with load = running + inflight, then most free pages, then most cached prefix, then worker id.
 - Conditional disaggregation: when the chosen decode worker's uncached prompt part (prompt length minus

@@ -200,9 +200,9 @@ class SchedulerService(Service):
 
     async def prefix_hits(self, submit: m.Submit) -> dict[str, int]:
         """Cached prompt tokens per worker id, for the policy, from the kv-broker's prefix index ({} on
-        timeout, and without asking when neither placement nor direct prefill would use them)."""
-        unused = self.config.prefix_weight == 0 and self.config.direct_prefill_threshold == 0
-        if self.prefix is None or unused:
+        timeout). prefix_weight 0 turns prefix awareness off: nothing is asked, so the direct-prefill
+        decision, too, goes by prompt length alone."""
+        if self.prefix is None or self.config.prefix_weight == 0:
             return {}
         page_sizes = {w.hb.page_size for w in self.workers.live(self.clock())}
         return await self.prefix.hits(submit.prompt_ids, page_sizes)

@@ -66,7 +66,16 @@ class InProcessMesh:
         }
         return [
             KvBroker(BrokerSettings(**common)),
-            SchedulerService(SchedulerSettings(**common, direct_prefill_threshold=self.direct_threshold)),
+            # prefix-unaware (load-only, no decode-side KV reuse), so the tests' traffic is routed and
+            # moves KV as they count it; prefix-aware routing has tests of its own
+            SchedulerService(
+                SchedulerSettings(
+                    **common,
+                    direct_prefill_threshold=self.direct_threshold,
+                    prefix_weight=0.0,
+                    decode_prefix_reuse=False,
+                )
+            ),
             PrefillWorker(PrefillWorkerSettings(**common, **worker, instance_id="prefill-0")),
             DecodeWorker(DecodeWorkerSettings(**common, **worker, instance_id="decode-0")),
             Gateway(GatewaySettings(nats_url=self.nats.url, model_dir=self.model_dir, port=0)),

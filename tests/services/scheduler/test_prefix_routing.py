@@ -76,15 +76,15 @@ async def test_a_silent_index_means_placement_on_load_alone(start, index) -> Non
     assert h.metric("moemesh_scheduler_prefix_queries_total", outcome="failed") == 1
 
 
-async def test_load_only_settings_do_not_ask_the_index(start, index) -> None:  # noqa: F811
-    h = await start(direct_prefill_threshold=0, prefix_weight=0.0, decode_prefix_reuse=False)
+async def test_prefix_weight_zero_is_a_prefix_unaware_scheduler(start, index) -> None:  # noqa: F811
+    h = await start(direct_prefill_threshold=32, prefix_weight=0.0, decode_prefix_reuse=False)
     d = await h.decode("d0")
     p0, p1 = await h.prefill("p0"), await h.prefill("p1")
-    idx = await index(h.bus, {p1.worker_id: 64})
-    assert (await h.submit("r1", prompt_len=100)).ok
+    idx = await index(h.bus, {p1.worker_id: 64, d.worker_id: 96})
+    assert (await h.submit("r1", prompt_len=100)).ok  # 4 uncached tokens on d0, but nobody asked
     task, _ = await _get(p0.tasks)
     assert (await _get(d.reserves)).prompt_ids == []
-    assert idx.queries == [] and p1.tasks.empty()
+    assert idx.queries == [] and p1.tasks.empty() and d.directs.empty()
 
 
 async def test_cached_prefix_on_the_decode_worker_makes_a_long_prompt_direct(start, index) -> None:  # noqa: F811
