@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import multiprocessing.util
 import os
-import pickle
 import signal
 import threading
 import time
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from libs.engine.engine import Engine
+from libs.engine.pages import OutOfPagesError
 from libs.ep.comm import TorchComm
 from libs.ep.dispatch import make_dispatcher
 from libs.ep.loader import load_rank_model
@@ -227,13 +227,16 @@ class RankWorker:
         return {**self.engine.stats(), "unfinished": int(self.engine.has_unfinished())}
 
 
+_PORTABLE: tuple[type[Exception], ...] = (OutOfPagesError, ValueError, TypeError, TimeoutError, RuntimeError)
+
+
 def portable(e: BaseException) -> BaseException:
-    """The exception itself when it survives a pipe, else a RuntimeError carrying its text."""
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:
-        return RuntimeError(f"{type(e).__name__}: {e}")
+    """A fresh exception of the same well-known kind carrying the text (an arbitrary exception object
+    may not survive the pipe to the worker), else a RuntimeError naming the original type."""
+    for kind in _PORTABLE:
+        if isinstance(e, kind):
+            return kind(str(e))
+    return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 def _exit_with_parent() -> None:
