@@ -9,9 +9,10 @@ import logging
 import time
 from typing import Any
 
-from libs.bus import Bus
+from libs.bus import Bus, Service
 from libs.engine import Engine, SamplingParams
 from libs.kvtransfer import KvTransport, make_transport
+from libs.worker.engine_thread import EngineThread
 from libs.worker.settings import WorkerSettings
 from proto import messages as m
 from proto import subjects
@@ -132,3 +133,23 @@ class Heartbeater:
                 await self._task
         with contextlib.suppress(Exception):
             await self.bus.publish(subjects.HEARTBEAT, m.WorkerGone(worker_id=self.worker_id, role=self.role))
+
+
+class WorkerService(Service):
+    """What the prefill and decode worker services share: the engine on its own thread, the KV pool exposed
+    to the transfer fabric and announced at the kv-broker (`start_engine`, called first in `setup`)."""
+
+    settings: WorkerSettings
+    engine: Any  # libs.engine.Engine, or libs.ep.EPEngine for an EP group
+    et: EngineThread
+    transport: KvTransport
+
+    async def start_engine(self, role: m.Role) -> None:
+        s = self.settings
+        subjects.check_token(self.instance_id)
+        self.engine = await asyncio.to_thread(load_engine, s)
+        self.et = EngineThread(self.engine)
+        self.transport = open_transport(s, self.engine)
+        await register_at_broker(
+            self.bus, self.instance_id, role, self.transport, self.engine, s.broker_timeout_s
+        )

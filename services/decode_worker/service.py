@@ -23,19 +23,15 @@ import msgspec
 from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.bus import Service
 from libs.engine.pages import OutOfPagesError
 from libs.telemetry import RequestTracker
 from libs.telemetry import attributes as span_attrs
 from libs.worker.common import (
     Heartbeater,
-    load_engine,
-    open_transport,
-    register_at_broker,
+    WorkerService,
     register_engine_metrics,
     to_params,
 )
-from libs.worker.engine_thread import EngineThread
 from libs.worker.kv_events import start_kv_events
 from libs.worker.pages import install_page_gauges, page_account
 from libs.worker.prefix_reuse import reserve_for
@@ -52,20 +48,14 @@ class DecodeWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     forward_sleep_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # slow-down (off by default)
 
 
-class DecodeWorker(Service):
+class DecodeWorker(WorkerService):
     name = "decode-worker"
     settings_class = DecodeWorkerSettings
     settings: DecodeWorkerSettings
 
     async def setup(self) -> None:
         s = self.settings
-        subjects.check_token(self.instance_id)
-        self.engine = await asyncio.to_thread(load_engine, s)
-        self.et = EngineThread(self.engine)
-        self.transport = open_transport(s, self.engine)
-        await register_at_broker(
-            self.bus, self.instance_id, m.Role.DECODE, self.transport, self.engine, s.broker_timeout_s
-        )
+        await self.start_engine(m.Role.DECODE)
         self.live: dict[str, Live] = {}
         self.reserved: dict[str, str] = {}  # request id -> handle id (pages reserved, KV not yet joined)
         # Cancelled while reserved: the pages stay until the prefill side answers (KvReady / PrefillFailed)

@@ -19,20 +19,16 @@ import time
 from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.bus import Service
 from libs.kvtransfer import PageGeometry, plan_page_runs
 from libs.telemetry import RequestTracker
 from libs.telemetry import attributes as span_attrs
 from libs.worker.common import (
     Heartbeater,
-    load_engine,
-    open_transport,
-    register_at_broker,
+    WorkerService,
     register_engine_metrics,
     to_params,
     to_wire_logprob,
 )
-from libs.worker.engine_thread import EngineThread
 from libs.worker.kv_events import start_kv_events
 from libs.worker.pages import install_page_gauges, page_account
 from libs.worker.prefix_reuse import pages_to_send
@@ -52,21 +48,15 @@ class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     lease_margin_ms: int = 1000  # no KV write starts into a handle whose lease ends sooner than this
 
 
-class PrefillWorker(Service):
+class PrefillWorker(WorkerService):
     name = "prefill-worker"
     settings_class = PrefillWorkerSettings
     settings: PrefillWorkerSettings
 
     async def setup(self) -> None:
         s = self.settings
-        subjects.check_token(self.instance_id)
-        self.engine = await asyncio.to_thread(load_engine, s)
-        self.et = EngineThread(self.engine)
-        self.transport = open_transport(s, self.engine)
+        await self.start_engine(m.Role.PREFILL)
         self.src_geom = PageGeometry.of_pool(self.engine.kv_pool)
-        await register_at_broker(
-            self.bus, self.instance_id, m.Role.PREFILL, self.transport, self.engine, s.broker_timeout_s
-        )
         self.dst_geoms: dict[str, m.KvGeometry] = {}
         self.dst_sessions: dict[str, str] = {}  # decode worker -> the session its geometry is of
         self.active: set[str] = set()  # tasks received and not finished
