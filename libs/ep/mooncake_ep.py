@@ -2,7 +2,10 @@
 (IBGDA, with per-rank activity for fault tolerance). Available when `mooncake.ep` imports (the CUDA wheel
 built with EP).
 
-UNRUN: the wheel here is mooncake-transfer-engine-non-cuda, in which `mooncake.ep` does not import; the code
+RUN ONCE (timing only) on nvidia-h200-x2 with mooncake-transfer-engine-cuda13 0.3.14: no RDMA NIC there, so
+Mooncake EP took its P2P-only path; 128 tokens per rank, hidden 7168, top-8: 2,562 us dispatch+combine vs
+1,655 us for the all-to-all dispatcher and 102 us raw NCCL (bench/results/ep_dispatch-mooncake-h200x2-*.json);
+its outputs were not checked against the reference. On the CPU machines (non-cuda wheel) `mooncake.ep` does not import. The code
 follows Mooncake's documented Buffer API (dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
 num_experts, timeout_us, use_fp8) / combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)) as
 SGLang's Mooncake dispatcher uses it, and needs a GPU run before it is trusted.
