@@ -37,7 +37,7 @@ def run(args: argparse.Namespace, collector: Collector) -> list[float]:
         for i in range(args.requests + WARMUP):
             prompt = [(i * 31 + 7 * j) % 1000 + 3 for j in range(args.prompt_len)]
             body = {"model": mesh.model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-                    "stream": True, "ignore_eos": True}  # fmt: skip
+                    "stream": True, "ignore_eos": True, "logprobs": 1}  # fmt: skip
             t0, first = time.perf_counter(), None
             with h.stream("POST", f"{mesh.url}/v1/completions", json=body) as r:
                 for line in r.iter_lines():
