@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from libs.ep.comm import Comm
-from libs.ep.dispatch import Dispatched, Dispatcher, dequantize_fp8, quantize_fp8
+from libs.ep.dispatch import Dispatched, Dispatcher, dequantize_fp8, peak_tokens, quantize_fp8
 
 MODES = ("auto", "normal", "low_latency")
 
@@ -63,10 +63,9 @@ class DeepEPDispatcher(Dispatcher):
     def dispatch(
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, active: bool = True
     ) -> Dispatched | None:
-        table = self.header.all_gather_ints([int(active), x.shape[0]])
-        if not any(row[0] for row in table):
+        peak = peak_tokens(self.header, active, x.shape[0])
+        if peak is None:
             return None
-        peak = max(row[1] for row in table)
         if self.ll is not None and (self.normal is None or peak <= self.ll_max_tokens):
             if peak > self.ll_max_tokens:
                 raise RuntimeError(

@@ -60,6 +60,16 @@ class Dispatcher(ABC):
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor: ...
 
 
+def peak_tokens(header: Any, active: bool, num_tokens: int) -> int | None:
+    """Round header of the fixed-capacity backends (DeepEP, Mooncake EP): every rank says whether it has
+    work and how many tokens; None when no rank is active (the round is skipped everywhere), else the
+    largest token count, which must fit the backends' per-rank buffer."""
+    table = header.all_gather_ints([int(active), num_tokens])
+    if not any(row[0] for row in table):
+        return None
+    return max(row[1] for row in table)
+
+
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, D] -> (fp8 [M, D], scales [M, D/128] float32) with one scale per 128 values (DeepEP's format)."""
     m, d = x.shape

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from libs.ep.comm import Comm
-from libs.ep.dispatch import Dispatched, Dispatcher, dequantize_fp8
+from libs.ep.dispatch import Dispatched, Dispatcher, dequantize_fp8, peak_tokens
 
 MAX_TOKENS_LIMIT = 1024  # Mooncake EP's per-rank dispatch limit
 
@@ -57,10 +57,9 @@ class MooncakeEPDispatcher(Dispatcher):
     def dispatch(
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, active: bool = True
     ) -> Dispatched | None:
-        table = self.header.all_gather_ints([int(active), x.shape[0]])
-        if not any(row[0] for row in table):
+        peak = peak_tokens(self.header, active, x.shape[0])
+        if peak is None:
             return None
-        peak = max(row[1] for row in table)
         if peak > self.max_tokens:
             raise RuntimeError(
                 f"Mooncake EP is low-latency only: {peak} tokens in one forward on a rank, at most "

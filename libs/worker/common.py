@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from libs.bus import Bus, Service
+from libs.bus.periodic import Periodic
 from libs.engine import Engine, SamplingParams
 from libs.kvtransfer import KvTransport, make_transport
 from libs.worker.engine_thread import EngineThread
@@ -101,10 +102,10 @@ class Heartbeater:
         self.bus, self.worker_id, self.role, self.model = bus, worker_id, role, model
         self.interval_ms, self.stats = interval_ms, stats
         self.draining = False
-        self._task: asyncio.Task | None = None
+        self._periodic = Periodic(interval_ms / 1000, self.beat, "heartbeat")
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+        self._periodic.start()
 
     async def beat(self) -> None:
         st = self.stats()
@@ -118,19 +119,8 @@ class Heartbeater:
             ),
         )  # fmt: skip
 
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.beat()
-            except Exception as e:  # a reconnecting bus must not kill the heartbeat
-                log.warning("heartbeat failed: %s", e)
-            await asyncio.sleep(self.interval_ms / 1000)
-
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._periodic.stop()
         with contextlib.suppress(Exception):
             await self.bus.publish(subjects.HEARTBEAT, m.WorkerGone(worker_id=self.worker_id, role=self.role))
 

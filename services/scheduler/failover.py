@@ -14,14 +14,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from libs.bus import Bus
+from libs.bus.periodic import Periodic
 from proto import messages as m
 from proto import subjects
 from services.scheduler.policy import (
@@ -77,25 +76,17 @@ class SchedulerBeacon:
 
     def __init__(self, bus: Bus, scheduler_id: str, interval_ms: int, queued: Callable[[], int]) -> None:
         self.bus, self.scheduler_id, self.interval_ms, self.queued = bus, scheduler_id, interval_ms, queued
-        self._task: asyncio.Task | None = None
+        self._periodic = Periodic(interval_ms / 1000, self.beat, "scheduler-beacon")
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="scheduler-beacon")
+        self._periodic.start()
 
-    async def _loop(self) -> None:
-        while True:
-            hb = m.SchedulerHeartbeat(
-                scheduler_id=self.scheduler_id, interval_ms=self.interval_ms,
-                sent_ms=int(time.time() * 1000), queued=self.queued(),
-            )  # fmt: skip
-            try:
-                await self.bus.publish(subjects.SCHED_HEARTBEAT, hb)
-            except Exception as e:  # a reconnecting bus must not stop the beacon
-                log.warning("scheduler heartbeat failed: %s", e)
-            await asyncio.sleep(self.interval_ms / 1000)
+    async def beat(self) -> None:
+        hb = m.SchedulerHeartbeat(
+            scheduler_id=self.scheduler_id, interval_ms=self.interval_ms,
+            sent_ms=int(time.time() * 1000), queued=self.queued(),
+        )  # fmt: skip
+        await self.bus.publish(subjects.SCHED_HEARTBEAT, hb)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._periodic.stop()

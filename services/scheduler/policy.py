@@ -266,15 +266,8 @@ def schedule(
         return placement_score(load, hit(w), req.prompt_len, weight)
 
     decode = _candidates(workers, Role.DECODE, req)
-    if not decode.live:
-        return Refuse(ErrorCode.UNAVAILABLE, f"no live decode worker for model {req.model!r}")
-    if not decode.fits_context:
-        longest = max(w.hb.max_context for w in decode.live)
-        return Refuse(
-            ErrorCode.BAD_REQUEST,
-            f"prompt of {req.prompt_len} tokens does not fit the context of any decode worker "
-            f"(largest max_context {longest})",
-        )
+    if (refused := _unservable(decode, "decode", req)) is not None:
+        return refused
     total = req.prompt_len + req.max_tokens
     if all(w.pages_for(total) > w.hb.total_pages for w in decode.fits_context):
         return Refuse(
@@ -293,18 +286,25 @@ def schedule(
         return Plan(PlanKind.DIRECT, d.worker_id, None, req.prompt_len, d_pages, uncached_on_decode)
 
     prefill = _candidates(workers, Role.PREFILL, req)
-    if not prefill.live:
-        return Refuse(ErrorCode.UNAVAILABLE, f"no live prefill worker for model {req.model!r}")
-    if not prefill.fits_context:
-        longest = max(w.hb.max_context for w in prefill.live)
-        return Refuse(
-            ErrorCode.BAD_REQUEST,
-            f"prompt of {req.prompt_len} tokens does not fit the context of any prefill worker "
-            f"(largest max_context {longest})",
-        )
+    if (refused := _unservable(prefill, "prefill", req)) is not None:
+        return refused
     usable = [w for w in prefill.fits_context if not w.suspended]
     if not usable:
         return Wait("every prefill worker is suspended until its next heartbeat")
     p = min(usable, key=lambda w: (-score(w, w.prefill_load), -hit(w), w.worker_id))
     uncached = max(0, req.prompt_len - hits.get(p.worker_id, 0))
     return Plan(PlanKind.DISAGGREGATED, d.worker_id, p.worker_id, req.prompt_len, d_pages, uncached)
+
+
+def _unservable(c: _Candidates, role: str, req: PlacementRequest) -> Refuse | None:
+    """503 when no worker of the role is alive, 400 when the prompt fits none of their contexts."""
+    if not c.live:
+        return Refuse(ErrorCode.UNAVAILABLE, f"no live {role} worker for model {req.model!r}")
+    if not c.fits_context:
+        longest = max(w.hb.max_context for w in c.live)
+        return Refuse(
+            ErrorCode.BAD_REQUEST,
+            f"prompt of {req.prompt_len} tokens does not fit the context of any {role} worker "
+            f"(largest max_context {longest})",
+        )
+    return None
