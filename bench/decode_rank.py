@@ -446,6 +446,8 @@ def run_batch(rank: Rank, b: int, a, env: dict, world: int) -> list[dict]:
         "cuda_graph": True, "ep": 72, "local_experts": rank.local_experts, "attention_backend": a.attn,
         "attention_rel_err_vs_triton": attn_err, "shared_expert_fused": rank.fuse_shared,
         "dense_fp8": rank.dense_fp8, "moe_fp8": "block",
+        "fp8_gemm_kernel": {str(k): str(v) for k, v in G._KERNEL_CHOICE.items() if k[1] in (b, bt.m_max)},
+        "fp8_split_k": {str(k): v for k, v in G._SPLIT_CHOICE.items() if k[0] == b},
     }  # fmt: skip
     if comm_err is not None:
         rec["comm_error"] = comm_err

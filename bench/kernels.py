@@ -148,11 +148,15 @@ def gemm_case(e, m, n, k, log) -> list[dict]:
         )
     variants["dense-one-expert"] = lambda: G.fp8_gemm(xq[0], xs[0], w[0], ws[0])  # split-K chosen by shape
     variants["dense-one-expert-nosplit"] = lambda: G.fp8_gemm(xq[0], xs[0], w[0], ws[0], split_k=1)
+    variants.update(sm90_variants(xq, xs, w, ws, counts, out))
     records = []
     for name, fn in variants.items():
         fn()
+        if name.startswith("sm90-"):  # each Gluon config checked against the reference, not just timed
+            got = out[0] if "masked" in name else fn()
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         ms = bench_ms(fn)
-        f = flops / e if name.startswith("dense") else flops
+        f = flops / e if "dense" in name else flops
         cfg = (
             str(G._fp8_gemm_tuned.best_config)
             if name in ("masked-autotuned", "dense-one-expert-nosplit")
@@ -168,6 +172,31 @@ def gemm_case(e, m, n, k, log) -> list[dict]:
     return records
 
 
+def sm90_variants(xq, xs, w, ws, counts, out) -> dict:
+    """Every Gluon WGMMA config (libs.kernels.fp8_gemm_sm90) on the masked layout and on expert 0 as a
+    dense GEMM, where the shape allows it."""
+    from libs.kernels import fp8_gemm_sm90 as S
+
+    if not S.available(xq.device):
+        return {}
+    e, m, k = xq.shape
+    n = w.shape[1]
+    dense_out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    variants = {}
+    for cfg in S.CONFIGS:
+        if (k // 128) % cfg[4] or n % cfg[1]:
+            continue
+        tag = "-".join(map(str, cfg))
+        variants[f"sm90-masked-{tag}"] = lambda cfg=cfg: G._launch_sm90(
+            xq, xs, w, ws, out, m, counts, counts, G.MASKED, e, cfg
+        )
+        variants[f"sm90-dense-{tag}"] = lambda cfg=cfg: (
+            G._launch_sm90(xq[:1], xs[:1], w[:1], ws[:1], dense_out[None], m, xs, xs, G.DENSE, 1, cfg),
+            dense_out,
+        )[1]
+    return variants
+
+
 def gemm_suite(log) -> list[dict]:
     records = []
     for e, m, n, k in [
@@ -180,6 +209,11 @@ def gemm_suite(log) -> list[dict]:
         (1, 256, 24576, 1536),  # q_b at B=256
     ]:
         records += gemm_case(e, m, n, k, log)
+    choices = {str(key): str(cfg) for key, cfg in G._KERNEL_CHOICE.items()}
+    log(f"kernel choices (layout, m, n, k, experts) -> config (None: Triton): {choices}")
+    records.append({"benchmark": "fp8_gemm_choice", "choices": choices,
+                    "timings_ms": {str(key): t for key, t in G._TIMINGS.items()},
+                    "rejected": {str(key): v for key, v in G._REJECTED.items()}})  # fmt: skip
     return records
 
 

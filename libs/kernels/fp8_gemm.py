@@ -103,6 +103,15 @@ def _default_block_m(m: int) -> int:
 def _launch(a, a_s, w, w_s, out, m, counts, tile_expert, layout, grid_e, block_m=None):
     """Strides are given for 3-D (expert-major) tensors; 2-D ones are viewed with one expert."""
     a3, s3, w3, ws3, c3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (a, a_s, w, w_s, out))
+    if _on_gpu() and block_m is None:
+        choice = _choose(layout, a3, s3, w3, ws3, c3, m, counts, tile_expert, grid_e)
+        if choice is not None:  # the Gluon WGMMA kernel measured faster on this shape
+            _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, choice)
+            return
+    _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, block_m)
+
+
+def _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, block_m):
     n, k = w3.shape[1], w3.shape[2]
     per_expert_rows = layout == MASKED  # contiguous: rows are global, only the weight is per expert
     a_es, s_es, c_es = (t.stride(0) if per_expert_rows else 0 for t in (a3, s3, c3))
@@ -122,6 +131,65 @@ def _launch(a, a_s, w, w_s, out, m, counts, tile_expert, layout, grid_e, block_m
         bm = block_m or _default_block_m(m)
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, 128), grid_e)
         _fp8_gemm_body[grid](*args, LAYOUT=layout, BLOCK_M=bm, BLOCK_N=128, BLOCK_K=GROUP, num_warps=4)
+
+
+def _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cfg, split_k=1):
+    from libs.kernels import fp8_gemm_sm90
+
+    e, n, k = w3.shape
+    a2 = a3.reshape(-1, k)  # masked: experts' row blocks stacked, addressed as e * m_max + row
+    fp8_gemm_sm90.launch(
+        a2, s3, w3.reshape(e * n, k), ws3, c3, m, n, k, counts, tile_expert, layout, grid_e, cfg,
+        a_rows_per_expert=a3.shape[1], split_k=split_k,
+    )  # fmt: skip
+
+
+# (layout, m, n, k, experts) -> the Gluon config measured fastest, or None for the Triton kernel
+_KERNEL_CHOICE: dict[tuple, tuple | None] = {}
+
+
+def _sm90_candidates(layout, a3, w3, k_blocks) -> list[tuple]:
+    from libs.kernels import fp8_gemm_sm90
+
+    if not fp8_gemm_sm90.available(a3.device) or not (a3.is_contiguous() and w3.is_contiguous()):
+        return []
+    n = w3.shape[1]
+    return [
+        c for c in fp8_gemm_sm90.CONFIGS
+        if k_blocks % c[4] == 0 and (layout == DENSE or n % c[1] == 0)
+    ]  # fmt: skip
+
+
+def _choose(layout, a3, s3, w3, ws3, c3, m, counts, tile_expert, grid_e):
+    """Time the Triton kernel against the Gluon configs once per shape (first use happens in warm-up, never
+    under graph capture) and keep the fastest; everything but SM90 keeps the Triton kernel."""
+    key = (layout, m, w3.shape[1], w3.shape[2], grid_e)
+    if key not in _KERNEL_CHOICE:
+        cands = _sm90_candidates(layout, a3, w3, w3.shape[2] // GROUP)
+        if not cands:
+            _KERNEL_CHOICE[key] = None
+            return None
+        import triton.testing
+
+        def timed(cfg):
+            if cfg is None:
+                fn = lambda: _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, None)  # noqa: E731
+            else:
+                fn = lambda: _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cfg)  # noqa: E731
+            try:
+                return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+            except Exception as err:  # a config this shape cannot take (compile or resource limits): skip it
+                _REJECTED[(key, cfg)] = f"{type(err).__name__}: {str(err)[:200]}"
+                return float("inf")
+
+        times = {cfg: timed(cfg) for cfg in [None, *cands]}
+        _KERNEL_CHOICE[key] = min(times, key=lambda c: times[c])
+        _TIMINGS[key] = {str(c): t for c, t in times.items()}
+    return _KERNEL_CHOICE[key]
+
+
+_TIMINGS: dict[tuple, dict[str, float]] = {}  # what _choose measured, for benchmarks to record
+_REJECTED: dict[tuple, str] = {}
 
 
 def _check_weight(w: torch.Tensor, w_s: torch.Tensor, k: int) -> None:
@@ -144,24 +212,37 @@ _SPLIT_CHOICE: dict[tuple[int, int, int], int] = {}
 
 
 def _measured_split(xq, xs, w, w_s, out) -> int:
-    """Split-K helps some decode shapes and hurts others (atomics, zero-fill, cast); time both once
-    per shape on first use (never during graph capture: callers warm up first) and keep the faster."""
+    """Split-K helps some decode shapes and hurts others (atomics, zero-fill, cast); time no split and a
+    few splits near `split_k_for`'s once per shape on first use (never during graph capture: callers warm
+    up first) and keep the fastest. Splits that divide the K blocks evenly come first: the Gluon kernel
+    needs them."""
     m, k = xq.shape
     key = (m, w.shape[0], k)
     if key not in _SPLIT_CHOICE:
-        split = split_k_for(*key)
-        if split == 1:
+        target = split_k_for(*key)
+        if target == 1:
             _SPLIT_CHOICE[key] = 1
         else:
             import triton.testing
 
-            plain = triton.testing.do_bench(
-                lambda: fp8_gemm(xq, xs, w, w_s, out=out, split_k=1), return_mode="median"
+            k_blocks = k // GROUP
+            splits = sorted(
+                {target} | {s for s in range(2, 2 * target + 1) if k_blocks % s == 0 and k_blocks // s >= 2}
             )
-            sk = triton.testing.do_bench(
-                lambda: _fp8_gemm_split_k(xq, xs, w, w_s, out, split), return_mode="median"
-            )
-            _SPLIT_CHOICE[key] = split if sk < plain else 1
+            times = {
+                1: triton.testing.do_bench(
+                    lambda: fp8_gemm(xq, xs, w, w_s, out=out, split_k=1), return_mode="median"
+                )
+            }
+            for s in splits[:6]:
+                times[s] = triton.testing.do_bench(
+                    lambda s=s: _fp8_gemm_split_k(xq, xs, w, w_s, out, s),
+                    warmup=5,
+                    rep=20,
+                    return_mode="median",
+                )
+            _SPLIT_CHOICE[key] = min(times, key=lambda s: times[s])
+            _TIMINGS[("split",) + key] = {str(s): t for s, t in times.items()}
     return _SPLIT_CHOICE[key]
 
 
@@ -169,6 +250,13 @@ def _fp8_gemm_split_k(xq, xs, w, w_s, out, split: int) -> None:
     m, k = xq.shape
     n = w.shape[0]
     acc = torch.zeros(m, n, dtype=torch.float32, device=xq.device)
+    cfg = _split_sm90_config(xq, w, split)
+    if cfg is not None:
+        _launch_sm90(
+            xq[None], xs[None], w[None], w_s[None], acc[None], m, xs, xs, DENSE, 1, cfg, split_k=split
+        )
+        out.copy_(acc)
+        return
     grid = (triton.cdiv(m, 64) * triton.cdiv(n, 128), 1, split)
     _fp8_gemm_body[grid](
         xq, xs, w, w_s, acc, m, n, k, xs, xs,
@@ -177,6 +265,18 @@ def _fp8_gemm_split_k(xq, xs, w, w_s, out, split: int) -> None:
         num_warps=4, num_stages=4,
     )  # fmt: skip
     out.copy_(acc)
+
+
+def _split_sm90_config(xq, w, split: int):
+    """Split-K slices of the Gluon kernel: 64x128 tiles, unrolled by 4 when every slice's K blocks allow."""
+    if not _on_gpu():
+        return None
+    from libs.kernels import fp8_gemm_sm90
+
+    k_blocks = xq.shape[1] // GROUP
+    if not fp8_gemm_sm90.available(xq.device) or k_blocks % split:
+        return None
+    return (64, 128, 4, 4, 4) if (k_blocks // split) % 4 == 0 else (64, 128, 4, 4, 1)
 
 
 def fp8_gemm(xq, xs, w, w_s, out_dtype=torch.bfloat16, out=None, block_m=None, split_k=None) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""The Gluon SM90 FP8 block-scaled GEMM: every config compiles for sm_90a here (no GPU needed: Triton's
+bundled ptxas), with no register spills where we count on none; on a Hopper GPU every config and
+layout equals the dequantize-then-multiply reference, including split-K, ragged edges and skipped tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from libs.kernels import fp8_gemm as G  # noqa: E402
+from libs.kernels import fp8_gemm_sm90 as S  # noqa: E402
+from libs.kernels.quant import quant_fp8_groups  # noqa: E402
+
+from .conftest import HAS_CUDA  # noqa: E402
+
+IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+
+
+def _compile(cfg, layout, split_k=1):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    bm, bn, warps, buffers, unroll = cfg
+    sig = {
+        "a_desc": f"tensordesc<fp8e4nv[{bm}, 128],{S._shared_layout([bm, 128])!r}>",
+        "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{S._shared_layout([bn, 128])!r}>",
+        "c_ptr": "*fp32" if split_k > 1 else "*bf16",
+        "as_ptr": "*fp32", "bs_ptr": "*fp32", "counts_ptr": "*i32", "tile_expert_ptr": "*i32",
+    }  # fmt: skip
+    for name in ["M", "N", "K", "a_rows_per_expert", "stride_ce", "stride_cm", "stride_se", "stride_sm",
+                 "stride_sk", "stride_bse", "stride_bsn", "stride_bsk"]:  # fmt: skip
+        sig[name] = "i32"
+    const = dict(
+        LAYOUT=layout, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=buffers, SPLIT_K=split_k, OVERLAP=unroll > 1,
+        UNROLL=unroll, num_warps=warps,
+    )  # fmt: skip
+    sig.update(dict.fromkeys(const, "constexpr"))
+    names = list(sig)
+    src = GluonASTSource(S._fp8_gemm_sm90_kernel, sig, {(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+@pytest.mark.parametrize("cfg", S.CONFIGS, ids=str)
+def test_every_config_compiles_for_sm90_with_async_mma(cfg):
+    for layout, split in [(S.DENSE, 1), (S.MASKED, 1), (S.CONTIGUOUS, 1), (S.DENSE, 4)]:
+        ptx = _compile(cfg, layout, split).asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+        if cfg[4] > 1:  # overlapped promotion: an MMA stays in flight while the previous one is promoted
+            assert "wgmma.wait_group.sync.aligned 1;" in ptx
+
+
+def _weights(e, n, k, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(e, n, k, generator=g) * 2).to(G.FP8)
+    ws = torch.rand(e, -(-n // 128), k // 128, generator=g) * 0.02 + 0.005
+    return w.to(device), ws.to(device)
+
+
+def _acts(shape, device, seed=1):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(device)
+    return quant_fp8_groups(x)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("cfg", S.CONFIGS, ids=str)
+@pytest.mark.parametrize("m,n,k", [(256, 2112, 7168), (100, 4096, 2048), (512, 1536, 512)])
+def test_dense_every_config_on_gpu(cfg, m, n, k):
+    if (k // 128) % cfg[4]:
+        pytest.skip("K blocks not a multiple of the unroll")
+    xq, xs = _acts((m, k), "cuda")
+    w, ws = _weights(1, n, k, "cuda")
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    G._launch_sm90(xq[None], xs[None], w, ws, out[None], m, xs, xs, S.DENSE, 1, cfg)
+    assert _rel(out, G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("cfg", S.CONFIGS, ids=str)
+def test_masked_every_config_writes_only_counted_rows(cfg):
+    e, m_max, n, k = 5, 512, 4096, 7168
+    xq, xs = _acts((e, m_max, k), "cuda")
+    w, ws = _weights(e, n, k, "cuda")
+    counts = torch.tensor([0, 1, 130, 512, 64], dtype=torch.int32, device="cuda")
+    out = torch.full((e, m_max, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    G._launch_sm90(xq, xs, w, ws, out, m_max, counts, counts, S.MASKED, e, cfg)
+    for i, c in enumerate(counts.tolist()):
+        assert out[i, c:].isnan().all()
+        if c:
+            ref = G.fp8_gemm_reference(xq[i, :c], xs[i, :c], w[i], ws[i])
+            assert _rel(out[i, :c], ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("cfg", [c for c in S.CONFIGS if c[0] == 64], ids=str)
+def test_contiguous_uses_each_tiles_expert(cfg):
+    k, n = 2048, 7168
+    tile_expert = torch.tensor([2, 2, -1, 0, 1], dtype=torch.int32, device="cuda")
+    xq, xs = _acts((64 * 5, k), "cuda")
+    w, ws = _weights(3, n, k, "cuda")
+    out = torch.full((64 * 5, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    G._launch_sm90(
+        xq[None], xs[None], w, ws, out[None], 64 * 5, tile_expert, tile_expert, S.CONTIGUOUS, 1, cfg
+    )
+    for t, ex in enumerate(tile_expert.tolist()):
+        rows = slice(64 * t, 64 * (t + 1))
+        if ex < 0:
+            assert out[rows].isnan().all()
+        else:
+            assert _rel(out[rows], G.fp8_gemm_reference(xq[rows], xs[rows], w[ex], ws[ex])) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("split", [2, 4, 7, 8])
+def test_split_k_on_gpu(split):
+    m, n, k = 256, 2112, 7168
+    xq, xs = _acts((m, k), "cuda")
+    w, ws = _weights(1, n, k, "cuda")
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    G._fp8_gemm_split_k(xq, xs, w[0], ws[0], out, split)
+    assert _rel(out, G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
+def test_public_entry_points_pick_a_kernel_and_stay_correct():
+    """fp8_gemm / fp8_gemm_masked time the Triton and Gluon kernels on first use; the choice must not
+    change the answer."""
+    xq, xs = _acts((256, 7168), "cuda")
+    w, ws = _weights(1, 4096, 7168, "cuda")
+    for _ in range(2):
+        out = G.fp8_gemm(xq, xs, w[0], ws[0])
+        assert _rel(out, G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
+    assert any(key[0] == G.DENSE for key in G._KERNEL_CHOICE)
