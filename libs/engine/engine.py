@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from libs.engine.config import ModelConfig
+from libs.engine.cuda_graph import capture_sizes, decode_graphs_supported
 from libs.engine.kv_pool import KVPool
 from libs.engine.loader import load_model
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -59,7 +60,11 @@ class Engine:
         max_prefill_tokens: int = 2048,
         enable_prefix_cache: bool = True,
         tokenizer: Tokenizer | None = None,
+        attention_backend: str = "auto",
+        cuda_graphs: bool = True,
     ) -> None:
+        """attention_backend: "auto" | "torch" | "triton" | "flashinfer" (ModelRunner). cuda_graphs: run
+        decode steps as CUDA graphs where the device, backend and model allow it (cuda_graph.py)."""
         self.model = model
         self.config: ModelConfig = model.config
         cfg = self.config
@@ -67,13 +72,19 @@ class Engine:
         row_bytes = cfg.kv_row_dim * torch.empty((), dtype=dtype).element_size() * cfg.num_hidden_layers
         if num_pages is None:
             num_pages = default_num_pages(cfg, page_size, max_num_seqs, row_bytes)
-        self.kv_pool = KVPool(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_row_dim, dtype, device)
+        graphs = cuda_graphs and decode_graphs_supported(model, attention_backend)
+        # decode graphs pad their batch with rows that write one scratch page, past the allocator's pages
+        pool_pages = num_pages + 1 if graphs else num_pages
+        self.kv_pool = KVPool(cfg.num_hidden_layers, pool_pages, page_size, cfg.kv_row_dim, dtype, device)
         self.page_size = page_size
         self.limits = Limits(cfg.vocab_size, cfg.max_position_embeddings, page_size, num_pages)
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(self.allocator, page_size) if enable_prefix_cache else None
         self.scheduler = Scheduler(page_size, max_num_seqs, max_prefill_tokens)
-        self.runner = ModelRunner(model, self.kv_pool)
+        self.runner = ModelRunner(
+            model, self.kv_pool, attention_backend=attention_backend,
+            graph_batch_sizes=capture_sizes(max_num_seqs) if graphs else (), scratch_page=num_pages,
+        )  # fmt: skip
         self.tokenizer = tokenizer
         self.eos_ids: tuple[int, ...] = cfg.eos_token_ids
         if not self.eos_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -100,6 +111,8 @@ class Engine:
         max_num_seqs: int = 64,
         max_prefill_tokens: int = 2048,
         enable_prefix_cache: bool = True,
+        attention_backend: str = "auto",
+        cuda_graphs: bool = True,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder; its tokenizer too when tokenizer.json is there.
         num_pages None sizes the pool by `default_num_pages`."""
@@ -108,6 +121,7 @@ class Engine:
         return cls(
             model, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
             max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=enable_prefix_cache, tokenizer=tokenizer,
+            attention_backend=attention_backend, cuda_graphs=cuda_graphs,
         )  # fmt: skip
 
     # --- offline API ---

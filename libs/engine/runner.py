@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from libs.engine.cuda_graph import DecodeGraphRunner
 from libs.engine.forward_batch import ForwardBatch
 from libs.engine.kv_pool import KVPool
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -54,16 +55,50 @@ def build_batch(chunks: Sequence[Chunk], page_size: int) -> ForwardBatch:
 
 
 class ModelRunner:
-    """Owns nothing but the model and the pool it writes to; the engine decides what to run."""
+    """Owns the model's attention backend and decode CUDA graphs, and the pool the model writes to; the
+    engine decides what to run.
 
-    def __init__(self, model: DeepseekV3ForCausalLM, kv_pool: KVPool) -> None:
+    attention_backend: "auto" | "torch" | "triton" | "flashinfer" (libs/engine/layers/attention_backend.py).
+    graph_batch_sizes: decode batch sizes to run as CUDA graphs (captured on first use; empty: eager
+    only); needs `scratch_page`, a pool page no sequence ever gets, for the padding rows."""
+
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        kv_pool: KVPool,
+        *,
+        attention_backend: str = "auto",
+        graph_batch_sizes: Sequence[int] = (),
+        scratch_page: int | None = None,
+    ) -> None:
         self.model = model
         self.kv_pool = kv_pool
+        self.backend = model.attention_backend(attention_backend)
+        self.graphs: DecodeGraphRunner | None = None
+        if graph_batch_sizes:
+            if scratch_page is None:
+                raise ValueError("decode CUDA graphs need a scratch page for their padding rows")
+            cfg, page_size = model.config, kv_pool.page_size
+            max_pages = min(-(-cfg.max_position_embeddings // page_size), kv_pool.num_pages)
+            self.graphs = DecodeGraphRunner(
+                model, kv_pool, self.backend, graph_batch_sizes, scratch_page, max_pages
+            )
 
     def forward_last(self, chunks: Sequence[Chunk], want: Sequence[bool] | None = None) -> torch.Tensor:
-        """[S', V] float32 logits at the last token of each chunk with want[i] (all chunks when None)."""
+        """[S', V] float32 logits at the last token of each chunk with want[i] (all chunks when None).
+        From a decode graph (want None) the result is a view of the graph's output: use it before the
+        next forward."""
+        if self.graphs is not None and self.graphs.can_run(
+            [c.tokens for c in chunks], [c.start for c in chunks]
+        ):
+            logits = self.graphs.run(
+                [c.tokens[0] for c in chunks], [c.start for c in chunks], [c.pages for c in chunks]
+            )
+            if want is None:
+                return logits
+            return logits[torch.tensor(list(want), dtype=torch.bool, device=logits.device)]
         batch = build_batch(chunks, self.kv_pool.page_size)
-        hidden = self.model(batch, self.kv_pool)  # [T, D]
+        hidden = self.model(batch, self.kv_pool, backend=self.backend)  # [T, D]
         last = batch.last_token_index().to(hidden.device)
         if want is not None:
             last = last[torch.tensor(list(want), dtype=torch.bool, device=hidden.device)]
@@ -72,4 +107,4 @@ class ModelRunner:
     def forward_all(self, chunk: Chunk) -> torch.Tensor:
         """[len(chunk.tokens), V] float32 logits at every new token of one chunk."""
         batch = build_batch([chunk], self.kv_pool.page_size)
-        return self.model.compute_logits(self.model(batch, self.kv_pool))
+        return self.model.compute_logits(self.model(batch, self.kv_pool, backend=self.backend))

@@ -1,4 +1,5 @@
-"""Optional MLA decode backend: FlashInfer's BatchMLAPagedAttentionWrapper (fa3 on Hopper).
+"""Optional MLA backends from FlashInfer: decode with BatchMLAPagedAttentionWrapper (fa3 on Hopper),
+prefill (expanded form) with BatchPrefillWithRaggedKVCacheWrapper.
 
 FlashInfer is not a dependency: `available()` says whether it imports. The latent pool's rows
 [slots, 576] are viewed as FlashInfer's two caches ([pages, page_size, 512] and [.., 64]) without a copy.
@@ -46,3 +47,31 @@ class FlashInferMLA:
         """q_nope [B, H, 512] and q_pe [B, H, 64] (batch/head strides free), kv_layer [slots, 576] -> [B, H, 512]."""
         paged = kv_layer.view(-1, self._page_size, kv_layer.shape[-1])
         return self._wrapper.run(q_nope, q_pe, paged[..., :512], paged[..., 512:], out=out)
+
+
+class FlashInferRaggedPrefill:
+    """Causal attention over ragged chunks whose keys include a cached prefix (FlashInfer aligns the
+    causal mask bottom-right: query i of a chunk sees keys 0 .. kv_len - q_len + i). Keys/values are the
+    expanded MLA heads: qk dim N + r (192 for DeepSeek-V3), v dim V (128), as SGLang's MLA prefill."""
+
+    def __init__(self, device: torch.device | str, workspace_mb: int = 256) -> None:
+        import flashinfer
+
+        self._ws = torch.empty(workspace_mb << 20, dtype=torch.uint8, device=device)
+        self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._ws, "NHD")
+        self._planned: tuple | None = None
+
+    def plan(self, q_lens: list[int], kv_lens: list[int], num_heads: int, sm_scale: float,
+             dtype: torch.dtype, head_dim_qk: int = 192, head_dim_vo: int = 128) -> None:  # fmt: skip
+        """Host lists of new tokens and KV length per sequence (kv_len >= q_len)."""
+        qo = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        kv = torch.tensor([0, *kv_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        self._planned = (head_dim_qk, head_dim_vo)
+        self._wrapper.plan(qo, kv, num_heads, num_heads, head_dim_qk, head_dim_vo=head_dim_vo, causal=True,
+                           sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype)  # fmt: skip
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, Dqk], k [sum K, H, Dqk], v [sum K, H, Dvo] -> [T, H, Dvo]."""
+        if self._planned is None or (q.shape[-1], v.shape[-1]) != self._planned:
+            raise ValueError(f"plan() for head dims {(q.shape[-1], v.shape[-1])} must come before run()")
+        return self._wrapper.run(q, k, v)

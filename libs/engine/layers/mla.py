@@ -10,8 +10,14 @@ W = kv_b_proj.weight viewed [H, N + V, R], split into W_UK [H, N, R] and W_UV [H
 - absorbed (decode): q_nope W_UK is moved to the query side, so every head attends straight over the
   cached rows: q' = [q_nope W_UK, q_pe] (width R + r = C) against k = the row itself, values = c_kv,
   then the [R] output per head goes through W_UV. Same scores and outputs, no per-token expansion.
-Ragged batches are padded to [S, Q] queries and [S, K] keys; the mask lets query i of sequence s see
-keys 0 .. prefix_len + i only (padded query rows repeat the last real query and are dropped).
+Two metadata forms describe where each sequence's keys are:
+- `AttentionMetadata` (the plain-torch reference, `mla_expanded` / `mla_absorbed`): ragged batches are
+  padded to [S, Q] queries and [S, K] keys; the mask lets query i of sequence s see keys
+  0 .. prefix_len + i only (padded query rows repeat the last real query and are dropped). Built on
+  the host, O(S * Q * K).
+- `PagedMetadata` (the kernel path, `mla_decode_paged` / `mla_extend_sdpa` here and the Triton /
+  FlashInfer backends in attention_backend.py): the pool's real pages as a [S, P] table and the KV
+  lengths, on the device; nothing grows with Q * K, and decode reads nothing from the host.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from libs.engine.forward_batch import ForwardBatch
 
@@ -96,13 +103,6 @@ def mla_absorbed(
     w = kv_b_weight.view(h, -1, kv_b_weight.shape[1])  # [H, N + V, R]
     w_uk, w_uv = w[:, :n], w[:, n:]
     q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
-    if q_nope.is_cuda and meta.q_index.shape[1] == 1:  # decode on a GPU: paged Triton kernel (libs.kernels)
-        from libs.kernels.backend import mla_absorbed_decode
-
-        seq_lens = meta.mask[:, 0, 0].sum(-1)
-        fast = mla_absorbed_decode(q_latent, q_pe, layer_rows, meta.kv_slots, seq_lens, scale)  # [S=T, H, R]
-        if fast is not None:
-            return torch.einsum("thr,hvr->thv", fast, w_uv)
     q = torch.cat([q_latent, q_pe], dim=-1)[meta.q_index]  # [S, Q, H, C]
     s, q_len = q.shape[0], q.shape[1]
     rows = layer_rows[meta.kv_slots].to(q.dtype)[:, None]  # [S, 1, K, C]
@@ -113,3 +113,82 @@ def mla_absorbed(
     ).view(s, q_len, h, -1)  # [S, Q, H, R]
     out = torch.einsum("sqhr,hvr->sqhv", out_latent, w_uv)  # [S, Q, H, V]
     return out[meta.q_valid]
+
+
+@dataclass
+class PagedMetadata:
+    """The batch's keys as the paged kernels read them: device tensors plus the host facts they need.
+
+    A decode CUDA graph holds one of these with static tensors; `extend_lens`/`kv_lens` (host) are only
+    read by the prefill path, which runs eagerly. `num_splits` depends on the batch size and the table
+    width only, never on live lengths, so a captured graph stays valid as sequences grow."""
+
+    page_table: torch.Tensor  # [S, P] int32 pool page ids in order; entries past a sequence's end are 0
+    seq_lens: torch.Tensor  # [S] int32 KV length of each sequence after this forward (>= 1)
+    page_size: int
+    num_splits: int = 1  # Triton decode: split-K programs per sequence
+    extend_lens: list[int] | None = None  # [S] new tokens per sequence (host)
+    kv_lens: list[int] | None = None  # [S] host copy of seq_lens
+
+
+def gather_pages(layer_rows: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """layer_rows [P * page_size, C], pages [..., n] -> [..., n * page_size, C] rows in token order."""
+    paged = layer_rows.view(-1, page_size, layer_rows.shape[-1])[pages.long()]  # [..., n, page, C]
+    return paged.flatten(-3, -2)
+
+
+def mla_decode_paged(
+    q_latent: torch.Tensor,  # [S, H, R] = q_nope W_UK, one query per sequence
+    q_pe: torch.Tensor,  # [S, H, r] roped
+    layer_rows: torch.Tensor,  # [P * page_size, C]
+    meta: PagedMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed decode in plain torch over the paged metadata -> [S, H, R] latent outputs.
+
+    Reads every row the table could address ([S, P * page_size]) and masks by seq_lens: shapes depend on
+    the table width only and nothing syncs with the host, so this is CUDA-graph safe; the Triton kernel
+    replaces it where its dims fit."""
+    r = q_pe.shape[-1]
+    s, h = q_latent.shape[0], q_latent.shape[1]
+    rows = gather_pages(layer_rows, meta.page_table, meta.page_size).to(q_latent.dtype)  # [S, K, C]
+    rows = rows[:, None]  # [S, 1, K, C]: one "head" of keys shared by every query head
+    valid = torch.arange(rows.shape[2], device=rows.device) < meta.seq_lens[:, None]  # [S, K]
+    q = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)[:, None]  # [S, 1, H, C]: heads as queries
+    out = F.scaled_dot_product_attention(q, rows, rows[..., :-r], attn_mask=valid[:, None, None], scale=scale)
+    return out.view(s, h, -1)
+
+
+def mla_extend_sdpa(
+    q_nope: torch.Tensor,  # [T, H, N]
+    q_pe: torch.Tensor,  # [T, H, r] roped
+    layer_rows: torch.Tensor,  # [P * page_size, C] this layer's pool, new rows already written
+    kv_b_weight: torch.Tensor,  # [H * (N + V), R] dense
+    meta: PagedMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Expanded MLA for ragged chunks with cached prefixes -> [T, H, V], one SDPA call per sequence.
+
+    Query i of a chunk sees keys 0 .. prefix + i: SDPA's lower-right causal bias, which the flash /
+    memory-efficient backends apply without building a mask (the CPU math backend builds one chunk's
+    [Q, K] mask). Memory is per sequence (its K expanded keys), never [S, Q, K] across the batch."""
+    if meta.extend_lens is None or meta.kv_lens is None:
+        raise ValueError("mla_extend_sdpa needs the host extend_lens and kv_lens in the metadata")
+    t, h, n = q_nope.shape
+    r = q_pe.shape[-1]
+    q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, N + r]
+    out = q_nope.new_empty(t, h, kv_b_weight.shape[0] // h - n)
+    start = 0
+    for s, (q_len, k_len) in enumerate(zip(meta.extend_lens, meta.kv_lens, strict=True)):
+        pages = meta.page_table[s, : -(-k_len // meta.page_size)]
+        rows = gather_pages(layer_rows, pages, meta.page_size)[:k_len]  # [K, C]
+        kv = F.linear(rows[:, :-r].to(kv_b_weight.dtype), kv_b_weight).view(k_len, h, -1)  # [K, H, N + V]
+        k = torch.cat([kv[..., :n], rows[:, None, -r:].to(kv.dtype).expand(k_len, h, r)], dim=-1)
+        q_s = q[start : start + q_len].transpose(0, 1)  # [H, Q, N + r]
+        mask = causal_lower_right(q_len, k_len)
+        o = F.scaled_dot_product_attention(
+            q_s, k.transpose(0, 1), kv[..., n:].transpose(0, 1), attn_mask=mask, scale=scale
+        )  # [H, Q, V]
+        out[start : start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out

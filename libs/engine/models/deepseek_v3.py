@@ -22,7 +22,13 @@ from torch import nn
 from libs.engine.config import ModelConfig
 from libs.engine.forward_batch import ForwardBatch
 from libs.engine.kv_pool import KVPool
-from libs.engine.layers.mla import AttentionMetadata, mla_absorbed, mla_expanded
+from libs.engine.layers.attention_backend import (
+    AttentionBackend,
+    MLAWeights,
+    StepInputs,
+    TorchAttention,
+    make_attention_backend,
+)
 from libs.engine.layers.rope import RotaryEmbedding
 from libs.engine.layers.router import select_experts
 
@@ -92,11 +98,26 @@ class Attention(nn.Module):
             cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), False, dtype, device
         )
         self.o_proj = Linear(h * cfg.v_head_dim, d, bias, dtype, device)
+        self._mla_weights: tuple[tuple[int, int], MLAWeights] | None = None
+
+    def mla_weights(self) -> MLAWeights:
+        """kv_b_proj as the attention paths read it (dense, W_UK/W_UV views): made on first use after
+        loading and remade only when the weight changes, never per step (and never inside a CUDA graph
+        capture, which always follows an eager warm-up)."""
+        w = self.kv_b_proj.weight
+        key = (w.data_ptr(), w._version)
+        if self._mla_weights is None or self._mla_weights[0] != key:
+            dense_weight = getattr(self.kv_b_proj, "dense_weight", None)
+            dense = dense_weight() if dense_weight is not None else w
+            self._mla_weights = (key, MLAWeights.from_dense(dense, self.num_heads, self.nope_dim))
+        return self._mla_weights[1]
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs,
         kv: KVPool, out_slots: torch.Tensor, absorbed: bool,
     ) -> torch.Tensor:  # fmt: skip
+        """`step` (passed through DecoderLayer as its `meta`) names the attention backend and its metadata;
+        `absorbed` is step.absorbed and `out_slots` step.out_slots."""
         t = x.shape[0]
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
@@ -109,10 +130,7 @@ class Attention(nn.Module):
         c_kv = self.kv_a_layernorm(latent[:, : self.kv_lora_rank])
         k_pe = self.rope.apply(latent[:, self.kv_lora_rank :], cos, sin)
         kv.write(self.layer_id, out_slots, torch.cat([c_kv, k_pe], dim=-1))
-        attend = mla_absorbed if absorbed else mla_expanded
-        out = attend(
-            q_nope, q_pe, kv.layer(self.layer_id), self.kv_b_proj.weight, meta, self.scale
-        )  # [T, H, V]
+        out = step.backend.attend(q_nope, q_pe, kv.layer(self.layer_id), self.mla_weights(), step)  # [T, H, V]
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 
 
@@ -231,21 +249,47 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, self.device)
+        self._attention: AttentionBackend | None = None
+
+    def attention_backend(self, name: str = "auto") -> AttentionBackend:
+        """A new attention backend for this model ("auto" | "torch" | "triton" | "flashinfer")."""
+        return make_attention_backend(name, self.config, self.device, self.dtype)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVPool, attn_mode: str = "auto") -> torch.Tensor:
-        """-> hidden [T, D] after the final norm. attn_mode "auto": absorbed iff every sequence adds 1 token."""
+    def forward(
+        self, batch: ForwardBatch, kv: KVPool, attn_mode: str = "auto", backend: AttentionBackend | None = None
+    ) -> torch.Tensor:
+        """-> hidden [T, D] after the final norm. attn_mode "auto": absorbed iff every sequence adds 1 token.
+        backend None: the device's default ("auto"). Absorbed attention over multi-token chunks exists only
+        in the torch reference, which then runs whatever backend was asked for."""
         if attn_mode not in ATTN_MODES:
             raise ValueError(f"attn_mode must be one of {ATTN_MODES}, got {attn_mode!r}")
         _check_batch(batch, kv, self.config)
         absorbed = batch.is_decode if attn_mode == "auto" else attn_mode == "absorbed"
-        meta = AttentionMetadata.from_batch(batch, kv.page_size, self.device)
-        cos, sin = self.rope.cos_sin(batch.positions.to(self.device))
-        out_slots = batch.out_slots.to(self.device)
-        x = F.embedding(batch.input_ids.to(self.device), self.model.embed_tokens.weight)
+        if backend is None:
+            if self._attention is None:
+                self._attention = self.attention_backend()
+            backend = self._attention
+        if absorbed and not batch.is_decode and not isinstance(backend, TorchAttention):
+            backend = TorchAttention(self.config, self.device)
+        return self.forward_step(backend.prepare(batch, kv.page_size, absorbed), kv)
+
+    @torch.inference_mode()
+    def forward_step(self, step: StepInputs, kv: KVPool) -> torch.Tensor:
+        """The layers over inputs already on the device -> hidden [T, D]. No host syncs of its own: with a
+        graph-safe backend and graph-safe MoEs (`graph_safe_decode`) a decode step can be captured."""
+        cos, sin = self.rope.cos_sin(step.positions)
+        x = F.embedding(step.input_ids, self.model.embed_tokens.weight)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta, kv, out_slots, absorbed)
+            x = layer(x, cos, sin, step, kv, step.out_slots, step.absorbed)
         return self.model.norm(x)
+
+    def graph_safe_decode(self) -> bool:
+        """Whether a decode forward can be captured in a CUDA graph: every MoE must say so (`graph_safe`,
+        which the FP8 masked-layout experts set; the plain experts read counts on the host) and have no
+        expert-parallel hook (its collectives are not captured)."""
+        moes = [m for m in self.modules() if isinstance(m, MoE)]
+        return all(getattr(m, "graph_safe", False) and m.ep is None for m in moes)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,200 @@
+"""CUDA graphs for decode steps: the model's decode forward (embedding .. final norm + logits) captured
+once per batch size and replayed with new inputs.
+
+A decode batch of n sequences runs in the graph of the smallest captured size b >= n. Its inputs go
+into one pinned host buffer, [ids b | positions b | out_slots b | seq_lens b | page table b * P]
+int32 (`DecodeLayout`), copied to the graph's static device buffer with one host->device copy, then
+the graph replays. Rows n..b-1 are padding: token 0 at position 0, writing its KV row into a scratch
+page no sequence owns and attending over that one row (seq_len 1); their logits are dropped.
+
+Everything inside the captured region is graph-safe: shapes depend on b and P only (the Triton decode
+kernel's split count too), nothing reads device values on the host, and no tensor is made from python
+lists. That holds for the attention backends with `graph_safe` and models whose `graph_safe_decode()`
+is True (the plain-torch experts read expert counts on the host: those models run eagerly).
+Graphs are captured lazily, on the first batch of each size, after two eager warm-up runs on padding
+rows only (kernel compilation and autotuning happen there, never during capture); all sizes share one
+memory pool, as they replay one at a time.
+
+The pure parts (`capture_sizes`, `bucket_for`, `fill_decode_inputs`) are tested on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from libs.engine.kv_pool import KVPool
+from libs.engine.layers.attention_backend import (
+    AttentionBackend,
+    StepInputs,
+    TritonAttention,
+    resolve_backend,
+)
+from libs.engine.layers.mla import PagedMetadata
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes to capture: powers of two below max_num_seqs, then max_num_seqs itself."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    return [*sizes, max_num_seqs]
+
+
+def bucket_for(n: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size that holds n rows, or None when n exceeds them all."""
+    if n < 1:
+        raise ValueError(f"a decode batch needs at least one sequence, got {n}")
+    return next((b for b in sorted(sizes) if b >= n), None)
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """Offsets of one batch size's packed int32 input buffer."""
+
+    batch: int
+    max_pages: int
+
+    @property
+    def size(self) -> int:
+        return self.batch * (4 + self.max_pages)
+
+    def views(self, buf):
+        """buf (numpy array or tensor of `size`) -> ids, positions, out_slots, seq_lens [b], table [b, P]."""
+        b = self.batch
+        return buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b : 4 * b], buf[4 * b :].reshape(b, -1)
+
+
+def fill_decode_inputs(
+    buf: np.ndarray,
+    layout: DecodeLayout,
+    tokens: Sequence[int],
+    positions: Sequence[int],
+    page_tables: Sequence[Sequence[int]],
+    page_size: int,
+    scratch_page: int,
+) -> None:
+    """Write n <= b decode rows (one new token each at `positions`, KV length position + 1) and b - n
+    padding rows into buf. Table entries past a row's pages keep stale (valid) page ids: nothing reads
+    beyond seq_len."""
+    n = len(tokens)
+    if not 1 <= n <= layout.batch or len(positions) != n or len(page_tables) != n:
+        raise ValueError(
+            f"{n} tokens, {len(positions)} positions, {len(page_tables)} page tables for a batch of {layout.batch}"
+        )
+    ids, pos, slots, lens, table = layout.views(buf)
+    ids[:n], pos[:n] = tokens, positions
+    lens[:n] = np.asarray(positions) + 1
+    for i, (p, pages) in enumerate(zip(positions, page_tables, strict=True)):
+        need = p // page_size + 1
+        if need > layout.max_pages or len(pages) < need:
+            raise ValueError(
+                f"row {i}: position {p} needs {need} pages; it has {len(pages)}, graphs hold {layout.max_pages}"
+            )
+        table[i, :need] = pages[:need]
+        slots[i] = pages[p // page_size] * page_size + p % page_size
+    ids[n:], pos[n:], lens[n:] = 0, 0, 1
+    slots[n:] = scratch_page * page_size
+    table[n:, 0] = scratch_page
+
+
+def decode_graphs_supported(model, attention_backend: str) -> bool:
+    """Whether decode steps of `model` with that backend name can run as CUDA graphs."""
+    if model.device.type != "cuda" or not model.graph_safe_decode():
+        return False
+    return resolve_backend(attention_backend, model.device) == "triton"
+
+
+@dataclass
+class _Graph:
+    layout: DecodeLayout
+    staging: torch.Tensor  # pinned host int32 [layout.size]
+    packed: torch.Tensor  # device int32 [layout.size]
+    copied: torch.cuda.Event  # the last host->device copy from staging is done
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # [b, V] float32: the captured output
+
+
+class DecodeGraphRunner:
+    """Captures and replays decode forwards; the caller (ModelRunner) falls back to eager when
+    `can_run` says no (prefill chunks, more sequences than the largest size, longer contexts)."""
+
+    def __init__(
+        self, model, kv_pool: KVPool, backend: AttentionBackend, sizes: Sequence[int], scratch_page: int,
+        max_pages: int,
+    ) -> None:  # fmt: skip
+        if not isinstance(backend, TritonAttention) or not backend.graph_safe:
+            raise ValueError(f"attention backend {backend.name!r} cannot be captured in a CUDA graph")
+        if not 0 <= scratch_page < kv_pool.num_pages or max_pages < 1 or not sizes:
+            raise ValueError(
+                f"bad graph setup: scratch page {scratch_page}, max_pages {max_pages}, sizes {sizes}"
+            )
+        self.model, self.kv_pool, self.backend = model, kv_pool, backend
+        self.sizes, self.scratch_page, self.max_pages = sorted(sizes), scratch_page, max_pages
+        self.page_size = kv_pool.page_size
+        self._graphs: dict[int, _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def captured(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def can_run(self, tokens: Sequence[Sequence[int]], starts: Sequence[int]) -> bool:
+        """A pure decode batch (one token per sequence) that fits a captured size and the table width."""
+        if bucket_for(len(tokens), self.sizes) is None or any(len(t) != 1 for t in tokens):
+            return False
+        return all(s // self.page_size < self.max_pages for s in starts)
+
+    def run(
+        self, tokens: Sequence[int], positions: Sequence[int], page_tables: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """[n, V] float32 logits of n decode rows. A view of the graph's output: valid until the next run."""
+        b = bucket_for(len(tokens), self.sizes)
+        if b is None:
+            raise ValueError(f"{len(tokens)} sequences exceed the largest captured batch {self.sizes[-1]}")
+        g = self._graphs.get(b) or self._capture(b)
+        g.copied.synchronize()  # the staging buffer may be rewritten only once its last copy is done
+        fill_decode_inputs(
+            g.staging.numpy(), g.layout, tokens, positions, page_tables, self.page_size, self.scratch_page
+        )
+        g.packed.copy_(g.staging, non_blocking=True)
+        g.copied.record()
+        assert g.graph is not None and g.logits is not None
+        g.graph.replay()
+        return g.logits[: len(tokens)]
+
+    def _capture(self, b: int) -> _Graph:
+        layout = DecodeLayout(b, self.max_pages)
+        g = _Graph(
+            layout,
+            staging=torch.zeros(layout.size, dtype=torch.int32, pin_memory=True),
+            packed=torch.zeros(layout.size, dtype=torch.int32, device=self.model.device),
+            copied=torch.cuda.Event(),
+        )
+        fill_decode_inputs(
+            g.staging.numpy(), layout, [0], [0], [[self.scratch_page]], self.page_size, self.scratch_page
+        )
+        g.packed.copy_(g.staging)
+        ids, pos, slots, lens, table = layout.views(g.packed)
+        meta = PagedMetadata(
+            table, lens, self.page_size, self.backend.num_splits(b, self.max_pages * self.page_size)
+        )
+
+        def step() -> torch.Tensor:
+            inputs = StepInputs(ids, pos, slots.long(), meta, self.backend, absorbed=True)
+            return self.model.compute_logits(self.model.forward_step(inputs, self.kv_pool))
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(g.graph, pool=self._pool):
+            g.logits = step()
+        self._graphs[b] = g
+        return g

@@ -1,0 +1,268 @@
+"""MLA attention backends: who computes attention over the paged latent pool, chosen by name.
+
+The model calls `prepare(batch, page_size, absorbed)` once per forward (the batch's ids, positions,
+output slots and metadata go to the device), then `attend(...)` in every layer, after the layer has
+written its new latent rows. The CUDA-graph runner (libs/engine/cuda_graph.py) builds the same
+`StepInputs` from its static buffers instead of `prepare`, for `graph_safe` backends only.
+
+- "torch": the plain-torch reference (`AttentionMetadata`, `mla_expanded` / `mla_absorbed`): what CPU
+  runs and what tests compare with. Not graph-safe (its [S, K] key index is built on the host).
+- "triton": `PagedMetadata` (page table + lengths on the device, one host->device copy per forward);
+  decode with the Triton kernel (libs.kernels.mla_decode) where its dims fit (R 512, r 64, heads in
+  multiples of 16) and `mla_decode_paged` otherwise; extend (prefill, chunked prefill) with one SDPA per
+  sequence (`mla_extend_sdpa`). Graph-safe.
+- "flashinfer": as "triton", but decode with FlashInfer's MLA kernel and extend with its ragged
+  prefill. FlashInfer plans on the host per forward, so decode graphs stay off with it.
+- "auto": "triton" on CUDA, "torch" elsewhere.
+
+Legend: T new tokens, S sequences, H heads, N nope dim, r rope dim, R kv_lora_rank, V v dim.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from libs.engine.config import ModelConfig
+from libs.engine.forward_batch import ForwardBatch
+from libs.engine.layers.mla import (
+    AttentionMetadata,
+    PagedMetadata,
+    mla_absorbed,
+    mla_decode_paged,
+    mla_expanded,
+    mla_extend_sdpa,
+)
+
+BACKENDS = ("auto", "torch", "triton", "flashinfer")
+
+
+@dataclass
+class MLAWeights:
+    """kv_b_proj as the attention paths use it, made once per weight version (not per step)."""
+
+    dense: torch.Tensor  # [H * (N + V), R]: expanded form (and the reference paths)
+    w_uk: torch.Tensor  # [H, N, R] view: q_nope -> latent query
+    w_uv: torch.Tensor  # [H, V, R] view: latent output -> v
+
+    @classmethod
+    def from_dense(cls, dense: torch.Tensor, num_heads: int, nope_dim: int) -> MLAWeights:
+        w = dense.view(num_heads, -1, dense.shape[1])  # [H, N + V, R]
+        return cls(dense, w[:, :nope_dim], w[:, nope_dim:])
+
+
+@dataclass
+class StepInputs:
+    """What every layer of one forward reads: token inputs and attention metadata, on the device."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_slots: torch.Tensor  # [T] int64: pool slot receiving each new token's latent row
+    meta: AttentionMetadata | PagedMetadata
+    backend: AttentionBackend
+    absorbed: bool  # decode form (one query per sequence, attention in latent space)
+
+
+class AttentionBackend(ABC):
+    name = ""
+    graph_safe = False  # decode (prepare aside) can be captured in a CUDA graph
+
+    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
+        self.num_heads, self.scale, self.device = cfg.num_attention_heads, cfg.softmax_scale, device
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch, page_size: int, absorbed: bool) -> StepInputs: ...
+
+    @abstractmethod
+    def attend(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_rows: torch.Tensor, weights: MLAWeights,
+        step: StepInputs,
+    ) -> torch.Tensor:  # fmt: skip
+        """q_nope [T, H, N], q_pe [T, H, r] roped, layer_rows [P * page_size, C] -> [T, H, V]."""
+
+
+class TorchAttention(AttentionBackend):
+    """The reference: host-built [S, K] key index and dense masks (see layers/mla.py)."""
+
+    name = "torch"
+
+    def prepare(self, batch: ForwardBatch, page_size: int, absorbed: bool) -> StepInputs:
+        meta = AttentionMetadata.from_batch(batch, page_size, self.device)
+        ids, pos, slots = (t.to(self.device) for t in (batch.input_ids, batch.positions, batch.out_slots))
+        return StepInputs(ids, pos, slots.long(), meta, self, absorbed)
+
+    def attend(self, q_nope, q_pe, layer_rows, weights, step):
+        assert isinstance(step.meta, AttentionMetadata)
+        fn = mla_absorbed if step.absorbed else mla_expanded
+        return fn(q_nope, q_pe, layer_rows, weights.dense, step.meta, self.scale)
+
+
+def pack_batch(batch: ForwardBatch, page_size: int) -> tuple[torch.Tensor, int]:
+    """One int64 host tensor [ids T | positions T | out_slots T | seq_lens S | page table S * P] and P.
+
+    The table holds each sequence's first ceil(seq_len / page_size) pages, 0-padded: real pool pages,
+    never a per-key expansion."""
+    need = [-(-n // page_size) for n in batch.seq_lens]
+    rows = []
+    for s, (table, n) in enumerate(zip(batch.page_tables, need, strict=True)):
+        if table.numel() < n:
+            raise ValueError(
+                f"sequence {s}: page table has {table.numel()} pages, {batch.seq_lens[s]} tokens need {n}"
+            )
+        rows.append(table[:n].to(torch.int64).cpu())
+    table = pad_sequence(rows, batch_first=True)  # [S, P]
+    lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
+    parts = [batch.input_ids, batch.positions, batch.out_slots, lens, table.flatten()]
+    return torch.cat([p.to(torch.int64).cpu() for p in parts]), table.shape[1]
+
+
+class TritonAttention(AttentionBackend):
+    """Paged metadata on the device; Triton MLA decode where it fits, per-sequence SDPA for extend."""
+
+    name = "triton"
+    graph_safe = True
+
+    def __init__(
+        self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, use_kernel: bool | None = None
+    ) -> None:
+        """use_kernel None: the Triton kernel on CUDA when the dims fit and the model is 16-bit (its tiles
+        are sized for 2-byte rows). True runs it whenever the dims fit, CPU tensors included, which needs
+        Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported: tests)."""
+        super().__init__(cfg, device)
+        fits = _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        auto = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+        self.kernel_cfg = None
+        if fits and (use_kernel or (use_kernel is None and auto)):
+            from libs.kernels.mla_decode import MLAConfig
+
+            self.kernel_cfg = MLAConfig()
+
+    def num_splits(self, batch_size: int, max_kv: int) -> int:
+        """Split-K count for a batch size and an upper bound of its KV lengths (graph-stable)."""
+        if self.kernel_cfg is None:
+            return 1
+        from libs.kernels.mla_decode import choose_num_splits
+
+        return choose_num_splits(batch_size, self.num_heads, max_kv, self.kernel_cfg)
+
+    def prepare(self, batch: ForwardBatch, page_size: int, absorbed: bool) -> StepInputs:
+        t, s = batch.input_ids.shape[0], batch.num_seqs
+        packed, width = pack_batch(batch, page_size)
+        dev = packed.to(self.device)  # the one host -> device copy of the forward
+        meta = PagedMetadata(
+            page_table=dev[3 * t + s :].view(s, width).to(torch.int32),
+            seq_lens=dev[3 * t : 3 * t + s].to(torch.int32),
+            page_size=page_size,
+            num_splits=self.num_splits(s, width * page_size),
+            extend_lens=list(batch.extend_lens),
+            kv_lens=list(batch.seq_lens),
+        )
+        return StepInputs(dev[:t], dev[t : 2 * t], dev[2 * t : 3 * t], meta, self, absorbed)
+
+    def attend(self, q_nope, q_pe, layer_rows, weights, step):
+        meta = step.meta
+        assert isinstance(meta, PagedMetadata)
+        if not step.absorbed:
+            return self.extend(q_nope, q_pe, layer_rows, weights, meta)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), weights.w_uk).transpose(0, 1)  # [T, H, R]
+        latent = self.decode_latent(q_latent, q_pe, layer_rows, meta)  # [T, H, R]
+        return torch.bmm(latent.transpose(0, 1), weights.w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, V]
+
+    def decode_latent(self, q_latent, q_pe, layer_rows, meta: PagedMetadata) -> torch.Tensor:
+        if self.kernel_cfg is None:
+            return mla_decode_paged(q_latent, q_pe, layer_rows, meta, self.scale)
+        from libs.kernels.mla_decode import mla_decode
+
+        return mla_decode(
+            q_latent, layer_rows, meta.page_table, meta.seq_lens, meta.page_size, self.scale,
+            num_splits=meta.num_splits, cfg=self.kernel_cfg, q_rope=q_pe.to(q_latent.dtype),
+        )  # fmt: skip
+
+    def extend(self, q_nope, q_pe, layer_rows, weights: MLAWeights, meta: PagedMetadata) -> torch.Tensor:
+        return mla_extend_sdpa(q_nope, q_pe, layer_rows, weights.dense, meta, self.scale)
+
+
+class FlashInferAttention(TritonAttention):
+    """FlashInfer's MLA decode and ragged prefill (planned per forward on the host: no decode graphs)."""
+
+    name = "flashinfer"
+    graph_safe = False
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(cfg, device, dtype, use_kernel=False)
+        from libs.kernels import flashinfer_mla
+
+        self.dtype, self.head_dims = dtype, (cfg.qk_head_dim, cfg.v_head_dim)
+        fits = _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        self.mla = flashinfer_mla.FlashInferMLA(device) if fits else None
+        self.prefill = flashinfer_mla.FlashInferRaggedPrefill(device)
+        self._kv_index: torch.Tensor | None = None  # [sum K] pool slots of the extend batch's keys
+
+    def prepare(self, batch: ForwardBatch, page_size: int, absorbed: bool) -> StepInputs:
+        step = super().prepare(batch, page_size, absorbed)
+        meta = step.meta
+        assert isinstance(meta, PagedMetadata) and meta.extend_lens is not None and meta.kv_lens is not None
+        if absorbed and self.mla is not None:
+            self.mla.plan(meta.page_table, meta.seq_lens, page_size, self.num_heads, self.scale, self.dtype)
+        elif not absorbed:
+            key = torch.arange(meta.page_table.shape[1] * page_size, device=self.device)
+            per_seq = (
+                meta.page_table.long()[:, key // page_size] * page_size + key % page_size
+            )  # [S, P * page]
+            self._kv_index = torch.cat([per_seq[s, :k] for s, k in enumerate(meta.kv_lens)])
+            self.prefill.plan(
+                meta.extend_lens, meta.kv_lens, self.num_heads, self.scale, self.dtype, *self.head_dims
+            )
+        return step
+
+    def decode_latent(self, q_latent, q_pe, layer_rows, meta: PagedMetadata) -> torch.Tensor:
+        if self.mla is None:
+            return mla_decode_paged(q_latent, q_pe, layer_rows, meta, self.scale)
+        return self.mla.run(q_latent, q_pe.to(q_latent.dtype), layer_rows)
+
+    def extend(self, q_nope, q_pe, layer_rows, weights: MLAWeights, meta: PagedMetadata) -> torch.Tensor:
+        assert self._kv_index is not None
+        h, n = self.num_heads, q_nope.shape[-1]
+        r = q_pe.shape[-1]
+        rows = layer_rows[self._kv_index]  # [sum K, C]
+        kv = torch.nn.functional.linear(rows[:, :-r].to(weights.dense.dtype), weights.dense).view(
+            rows.shape[0], h, -1
+        )
+        k = torch.cat([kv[..., :n], rows[:, None, -r:].to(kv.dtype).expand(-1, h, r)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        return self.prefill.run(q, k, kv[..., n:].contiguous())
+
+
+def _kernel_fits(num_heads: int, latent: int, rope: int) -> bool:
+    """The MLA decode kernels' shapes: DeepSeek's 512 + 64 latent row, heads tiled by 16..64."""
+    block = min(64, max(16, 1 << (num_heads - 1).bit_length()))
+    return latent == 512 and rope == 64 and num_heads % block == 0
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "flashinfer":
+        from libs.kernels import flashinfer_mla
+
+        if device.type != "cuda" or not flashinfer_mla.available():
+            raise ValueError("attention_backend 'flashinfer' needs CUDA and the flashinfer package")
+    return name
+
+
+def make_attention_backend(
+    name: str, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
+) -> AttentionBackend:
+    """The backend `name` ("auto" | "torch" | "triton" | "flashinfer") for a model's attention shape."""
+    device = torch.device(device)
+    resolved = resolve_backend(name, device)
+    if resolved == "torch":
+        return TorchAttention(cfg, device)
+    if resolved == "triton":
+        return TritonAttention(cfg, device, dtype)
+    return FlashInferAttention(cfg, device, dtype)
