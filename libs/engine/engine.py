@@ -111,12 +111,13 @@ class Engine:
         max_num_seqs: int = 64,
         max_prefill_tokens: int = 2048,
         enable_prefix_cache: bool = True,
+        quantization: str = "auto",
         attention_backend: str = "auto",
         cuda_graphs: bool = True,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder; its tokenizer too when tokenizer.json is there.
-        num_pages None sizes the pool by `default_num_pages`."""
-        model = load_model(path, dtype=dtype, device=device)
+        num_pages None sizes the pool by `default_num_pages`; quantization as `load_model` takes it."""
+        model = load_model(path, dtype=dtype, device=device, quantization=quantization)
         tokenizer = Tokenizer.from_pretrained(path) if (Path(path) / "tokenizer.json").exists() else None
         return cls(
             model, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,

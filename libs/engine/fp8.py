@@ -61,7 +61,7 @@ def quantize_fp8_block(
 def is_fp8_weight_name(name: str) -> bool:
     """DeepSeek-V3 quantizes every projection inside the decoder layers (attention, dense MLP, shared and
     routed experts); embeddings, LM head, router gate and norms stay in high precision."""
-    return name.startswith("model.layers.") and name.endswith("proj.weight")
+    return name.startswith("model.layers.") and name.endswith(("proj.weight", "proj_with_mqa.weight"))
 
 
 def quantize_state_dict(

@@ -2,7 +2,9 @@
 
 Reads `config.json`, then safetensors shards (listed by `model.safetensors.index.json`, or a single
 `model.safetensors`, or every `*.safetensors` in the folder). bf16/fp16/fp32 tensors are cast to the model
-dtype; float8_e4m3fn weights are dequantized on CPU with their `<name>_scale_inv` block scales. Tensors of
+dtype. float8_e4m3fn weights with their `<name>_scale_inv` block scales are, by `quantization`, kept FP8
+(the modules that can run them become FP8 modules, libs.engine.layers.fp8_linear, and the raw weight and
+scale land on them by name) or dequantized on CPU to the model dtype. Tensors of
 the MTP layers DeepSeek appends after the last decoder layer, and legacy `rotary_emb.inv_freq` buffers, are
 skipped. Anything else the model does not have, or anything it needs and did not get, is a ValueError
 naming the tensors.
@@ -11,8 +13,9 @@ naming the tensors.
 from __future__ import annotations
 
 import json
+import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,10 @@ from tqdm import tqdm
 
 from libs.engine.config import ModelConfig
 from libs.engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_fp8_block
+from libs.engine.layers.fp8_linear import apply_fp8_weights
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+log = logging.getLogger("moemesh.engine")
 
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {
@@ -33,6 +39,7 @@ _DTYPES = {
 }  # fmt: skip
 _PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+QUANTIZATION_MODES = ("auto", "fp8", "none")
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -50,17 +57,30 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     progress: bool = True,
+    quantization: str = "auto",
 ) -> DeepseekV3ForCausalLM:
-    """Build the model from `path`/config.json and fill every parameter from the folder's safetensors."""
+    """Build the model from `path`/config.json and fill every parameter from the folder's safetensors.
+
+    quantization: "auto" keeps an FP8 checkpoint's weights in FP8 on CUDA and dequantizes them elsewhere;
+    "fp8" keeps them in FP8 on any device (CPU runs the kernels under Triton's interpreter when it is on,
+    else their torch reference: slow, for tests); "none" always dequantizes to `dtype`."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"checkpoint folder {folder} does not exist")
     cfg = ModelConfig.from_pretrained(folder)
     model = DeepseekV3ForCausalLM(cfg, parse_dtype(dtype), device)
+    weight_map = checkpoint_weight_map(folder)
+    keep: set[str] = set()
+    if keeps_fp8(quantization, cfg, device):
+        assert cfg.fp8_block_size is not None
+        fp8_names = {n[: -len(SCALE_SUFFIX)] for n in weight_map if n.endswith(SCALE_SUFFIX)}
+        keep = apply_fp8_weights(model, fp8_names, cfg.fp8_block_size)
+        log.info("%s: %d of %d FP8 weights kept in FP8", folder.name, len(keep), len(fp8_names))
     expected = model.checkpoint_weight_names()
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, tensor in iter_checkpoint_tensors(folder, cfg, progress=progress):
+    tensors = iter_checkpoint_tensors(folder, cfg, progress=progress, keep_fp8=keep, weight_map=weight_map)
+    for name, tensor in tensors:
         if name not in expected:
             if not _skippable(name, cfg):
                 unexpected.append(name)
@@ -75,6 +95,19 @@ def load_model(
     if missing:
         raise ValueError(f"checkpoint {folder} is missing {len(missing)} tensors: {_listing(missing)}")
     return model.eval()
+
+
+def keeps_fp8(quantization: str, cfg: ModelConfig, device: str | torch.device) -> bool:
+    """Whether an FP8 checkpoint's weights stay FP8 (see load_model); "fp8" without one is an error."""
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
+    if quantization == "none":
+        return False
+    if cfg.fp8_block_size is None:
+        if quantization == "fp8":
+            raise ValueError("quantization='fp8' needs an FP8 checkpoint (config.json quantization_config)")
+        return False
+    return quantization == "fp8" or torch.device(device).type == "cuda"
 
 
 def checkpoint_weight_map(folder: Path) -> dict[str, Path]:
@@ -101,10 +134,15 @@ def checkpoint_weight_map(folder: Path) -> dict[str, Path]:
 
 
 def iter_checkpoint_tensors(
-    folder: Path, cfg: ModelConfig, progress: bool = False
+    folder: Path,
+    cfg: ModelConfig,
+    progress: bool = False,
+    keep_fp8: Collection[str] = (),
+    weight_map: dict[str, Path] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every checkpoint tensor, fp8 weights already dequantized to float32."""
-    weight_map = checkpoint_weight_map(folder)
+    """Yield (name, tensor) for every checkpoint tensor, fp8 weights already dequantized to float32, except
+    the weights named in `keep_fp8`: those come raw (float8_e4m3fn), each followed by its `_scale_inv`."""
+    weight_map = weight_map if weight_map is not None else checkpoint_weight_map(folder)
     block = cfg.fp8_block_size or (128, 128)
     names = [n for n in weight_map if not n.endswith(SCALE_SUFFIX)]
     orphans = sorted(
@@ -128,6 +166,12 @@ def iter_checkpoint_tensors(
             sorted(names, key=_shard_order(weight_map)), desc="loading", unit="tensor", disable=not progress
         ):
             tensor = get(name)
+            if name in keep_fp8:
+                if tensor.dtype != FP8_DTYPE:
+                    raise ValueError(f"tensor {name} has a {SCALE_SUFFIX} but dtype {tensor.dtype}, not FP8")
+                yield name, tensor
+                yield name + SCALE_SUFFIX, get(name + SCALE_SUFFIX)
+                continue
             if tensor.dtype == FP8_DTYPE:
                 scale_name = name + SCALE_SUFFIX
                 if scale_name not in weight_map:

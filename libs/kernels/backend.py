@@ -6,6 +6,8 @@ The engine side calls, per layer of a decode step:
 - `mla_absorbed_decode(...)`: the hook `libs.engine.layers.mla.mla_absorbed` calls for decode batches
 - `block_fp8_linear(x, w, w_scale_inv)` -> x @ dequant(w).T for FP8 checkpoints' weights
 - `moe_route(logits, bias, ...)` -> (weights, ids)
+- `fp8_linear`, `fp8_swiglu_mlp`, `fp8_moe` (masked decode / contiguous prefill): an FP8 checkpoint kept
+  in FP8 (libs.engine.layers.fp8_linear); torch references of the same math where Triton cannot run
 """
 
 from __future__ import annotations
@@ -87,3 +89,126 @@ def moe_route(logits, bias, top_k, n_group, topk_group, routed_scaling_factor, n
     """DeepSeek-V3 noaux_tc routing -> (weights [T, K] f32, ids [T, K] int32)."""
     fn = routing.route if logits.is_cuda else routing.route_reference
     return fn(logits, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob)
+
+
+# --- FP8 block-scaled weights in the engine (libs.engine.layers.fp8_linear calls these) ---
+# Every function below runs DeepSeek's FP8 inference math: activations quantized 1x128 on the fly, weights
+# kept float8 with 128x128 `weight_scale_inv` blocks, fp32 accumulation, outputs in the activation dtype.
+# Triton where `triton_usable` (CUDA, or CPU under Triton's interpreter in tests); otherwise the torch
+# reference of the same math, so an FP8 model gives the same numbers (to rounding) on every device.
+
+
+def triton_usable(t: torch.Tensor) -> bool:
+    """CUDA tensors, or CPU tensors when the kernels were built for Triton's interpreter (TRITON_INTERPRET=1
+    before libs.kernels was first imported: the tests' setup)."""
+    if t.is_cuda:
+        return True
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(fp8_gemm._fp8_gemm_body, InterpretedFunction)
+
+
+def _quant(x2d: torch.Tensor, kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if kernels:
+        return quant.quant_fp8_groups(x2d.contiguous())
+    return quant.quant_fp8_groups_reference(x2d)
+
+
+def _gemm(xq, xs, w, w_s, dtype: torch.dtype, kernels: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    if kernels:
+        return fp8_gemm.fp8_gemm(xq, xs, w, w_s, out_dtype=dtype, out=out)
+    y = fp8_gemm.fp8_gemm_reference(xq, xs, w, w_s, out_dtype=dtype)
+    return y if out is None else out.copy_(y)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x.dtype: quantize x 1x128, multiply by the FP8 weight w [N, K] with
+    its scales w_s [ceil(N/128), K/128]. K must be a multiple of 128."""
+    k = x.shape[-1]
+    kernels = triton_usable(x)
+    xq, xs = _quant(x.reshape(-1, k), kernels)
+    y = _gemm(xq, xs, w, w_s, x.dtype, kernels)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def fp8_swiglu_mlp(x: torch.Tensor, gate: tuple, up: tuple, down: tuple) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with FP8 weights, each (w, w_s): x is quantized once for gate and up,
+    and SwiGLU is fused with the quantization of the down projection's input. x [T, D] -> [T, D]."""
+    t, inter = x.shape[0], gate[0].shape[0]
+    kernels = triton_usable(x)
+    xq, xs = _quant(x, kernels)
+    gate_up = torch.empty(t, 2 * inter, dtype=x.dtype, device=x.device)
+    _gemm(xq, xs, *gate, x.dtype, kernels, out=gate_up[:, :inter])
+    _gemm(xq, xs, *up, x.dtype, kernels, out=gate_up[:, inter:])
+    if kernels:
+        hq, hs = quant.silu_mul_quant(gate_up)
+    else:
+        hq, hs = quant.quant_fp8_groups_reference(quant.silu_mul_reference(gate_up))
+    return _gemm(hq, hs, *down, x.dtype, kernels)
+
+
+def fp8_moe(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple, w2: tuple,
+    add: torch.Tensor | None = None, *, masked: bool, block_m: int = 64,
+) -> torch.Tensor:  # fmt: skip
+    """Routed experts with FP8 weights: x [T, D], ids [T, K] expert per slot (-1: none; a token's K ids
+    distinct, as top-k gives them), weights [T, K] f32, w13 = (gate_up [E, 2I, D], scales [E, 2I/128, D/128]),
+    w2 = (down [E, D, I], scales [E, D/128, I/128]) -> [T, D] in x.dtype = sum_k weights * expert(x) (+ add).
+
+    masked=True: the graph-safe decode layout (no host sync, buffers [E, T, D] fixed by the shapes: an
+    expert gets at most one row per token); masked=False: contiguous rows sorted by expert, padded to
+    block_m (one host sync for the run lengths; prefill)."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(x) if add is None else add.clone()
+    if not triton_usable(x):
+        return fp8_moe_reference(x, ids, weights, w13, w2, add)
+    from libs.kernels import moe_ops
+
+    run = _moe_masked if masked else _moe_contiguous
+    out, dest = run(moe_ops, x.contiguous(), ids.reshape(-1), w13, w2, block_m)
+    return moe_ops.combine_fused(out, dest, weights.float().contiguous(), add=add)
+
+
+def _moe_masked(moe_ops, x, pair_ids, w13, w2, block_m):
+    (e, _, d), t = w13[0].shape, x.shape[0]
+    dest, counts = moe_ops.align_masked(pair_ids, e, t)
+    xq = torch.empty(e, t, d, dtype=fp8_gemm.FP8, device=x.device)
+    xs = torch.empty(e, t, d // fp8_gemm.GROUP, dtype=torch.float32, device=x.device)
+    moe_ops.dispatch_quant(x, dest, xq, xs)
+    gate_up = fp8_gemm.fp8_gemm_masked(xq, xs, *w13, counts, out_dtype=x.dtype)
+    hq, hs = quant.silu_mul_quant(gate_up, counts)
+    return fp8_gemm.fp8_gemm_masked(hq, hs, *w2, counts, out_dtype=x.dtype), dest
+
+
+def _moe_contiguous(moe_ops, x, pair_ids, w13, w2, block_m):
+    e, t = w13[0].shape[0], x.shape[0]
+    k = pair_ids.numel() // t
+    order, tile_expert = moe_ops.align_contiguous(pair_ids, e, block_m)  # host sync
+    dest = torch.full((pair_ids.numel(),), -1, dtype=torch.long, device=x.device)
+    if order.numel() == 0:
+        return x.new_zeros(1, x.shape[1]), dest
+    valid = order >= 0
+    rows = torch.arange(order.numel(), device=x.device)
+    dest[order[valid]] = rows[valid]
+    xq, xs = quant.quant_fp8_groups(x)  # each token once, then gathered into its K expert rows
+    token = torch.where(valid, order // k, 0)
+    rq = xq.view(torch.uint8)[token].view(fp8_gemm.FP8)
+    gate_up = fp8_gemm.fp8_gemm_contiguous(rq, xs[token], *w13, tile_expert, block_m, out_dtype=x.dtype)
+    hq, hs = quant.silu_mul_quant(gate_up)
+    return fp8_gemm.fp8_gemm_contiguous(hq, hs, *w2, tile_expert, block_m, out_dtype=x.dtype), dest
+
+
+def fp8_moe_reference(x, ids, weights, w13, w2, add=None) -> torch.Tensor:
+    """fp8_moe in plain torch, expert by expert: the same quantization steps, rounded to x.dtype where the
+    kernels store (each GEMM's output), summed in float32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    xd = fp8_gemm.dequant_rows(*quant.quant_fp8_groups_reference(x))  # [T, D] f32
+    for e in ids[ids >= 0].unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gate_up = (xd[tok] @ fp8_gemm.dequant_blocks(w13[0][e], w13[1][e]).T).to(x.dtype)
+        h = fp8_gemm.dequant_rows(*quant.quant_fp8_groups_reference(quant.silu_mul_reference(gate_up)))
+        y = (h @ fp8_gemm.dequant_blocks(w2[0][e], w2[1][e]).T).to(x.dtype)
+        out.index_add_(0, tok, y.float() * weights[tok, slot, None].float())
+    if add is not None:
+        out += add.float()
+    return out.to(x.dtype)

@@ -22,6 +22,7 @@ from torch import nn
 from libs.engine.config import ModelConfig
 from libs.engine.forward_batch import ForwardBatch
 from libs.engine.kv_pool import KVPool
+from libs.engine.layers import fp8_linear
 from libs.engine.layers.attention_backend import (
     AttentionBackend,
     MLAWeights,
@@ -34,8 +35,12 @@ from libs.engine.layers.router import select_experts
 
 ATTN_MODES = ("auto", "absorbed", "expanded")
 
-# checkpoint name of one routed expert's projection -> (stacked parameter, which rows of it)
-CHECKPOINT_EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# checkpoint name of one routed expert's projection (or its FP8 block scales: group 4) -> (stacked
+# parameter, which rows of it)
+CHECKPOINT_EXPERT_NAME = re.compile(
+    r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$"
+)
+_STACKED_EXPERT_PARAM = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_scale_inv)?$")
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -43,13 +48,52 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 
 
 class Linear(nn.Module):
+    """y = x W^T (+ b). Dense by default; `to_fp8()` (called by the loader for FP8 checkpoints) makes `weight`
+    float8_e4m3fn [N, K] with `weight_scale_inv` [ceil(N/128), K/128], run by the block-scaled FP8 GEMM."""
+
     def __init__(self, d_in: int, d_out: int, bias: bool, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
+        self.dtype = dtype
         self.weight = _param(d_out, d_in, dtype=dtype, device=device)
         self.bias = _param(d_out, dtype=dtype, device=device) if bias else None
+        self.weight_scale_inv: nn.Parameter | None
+        self.register_parameter("weight_scale_inv", None)
+        self._dense: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.weight_scale_inv is None:
+            return F.linear(x, self.weight, self.bias)
+        y = fp8_linear.linear_forward(x, self.weight, self.weight_scale_inv)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale_inv is not None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a dense [N, K] matrix in the model dtype, for code that reads it as a matrix (MLA's
+        absorbed W_UK/W_UV): the parameter itself, or for FP8 its dequantized copy, made once and remade
+        only if the weight is loaded again."""
+        if self.weight_scale_inv is None:
+            return self.weight
+        key = (self.weight._version, self.weight_scale_inv._version)
+        if self._dense is None or self._dense[0] != key:
+            self._dense = (key, fp8_linear.dequantized(self.weight, self.weight_scale_inv, self.dtype))
+        return self._dense[1]
+
+    # --- FP8 conversion (libs.engine.layers.fp8_linear.apply_fp8_weights) ---
+    def fp8_checkpoint_names(self, prefix: str) -> list[str]:
+        return [f"{prefix}.weight"]
+
+    def fp8_unsupported(self, block: tuple[int, int]) -> str | None:
+        return fp8_linear.unsupported(self.weight.shape[1], block)
+
+    def to_fp8(self) -> None:
+        n, k = self.weight.shape
+        device = self.weight.device
+        self.weight = fp8_linear.fp8_param(n, k, device=device)
+        self.weight_scale_inv = fp8_linear.scale_param(n, k, device=device)
+        self._dense = None
 
 
 class Embedding(nn.Module):
@@ -144,6 +188,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, d, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj.is_fp8 and self.up_proj.is_fp8 and self.down_proj.is_fp8:
+            return fp8_linear.swiglu_forward(x, self.gate_proj, self.up_proj, self.down_proj)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -163,16 +209,31 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """All routed experts of one layer, stacked. Runs each expert once over the tokens routed to it."""
+    """All routed experts of one layer, stacked. Runs each expert once over the tokens routed to it.
+
+    With `to_fp8()` the stacks are float8_e4m3fn with `gate_up_proj_scale_inv` [E, 2I/128, D/128] and
+    `down_proj_scale_inv` [E, D/128, I/128], run by the grouped FP8 GEMMs (libs.engine.layers.fp8_linear)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
         super().__init__()
         e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.gate_up_proj = _param(e, 2 * i, d, dtype=dtype, device=device)  # [E, 2I, D]: gate rows, then up
         self.down_proj = _param(e, d, i, dtype=dtype, device=device)  # [E, D, I]
+        self.gate_up_proj_scale_inv: nn.Parameter | None
+        self.down_proj_scale_inv: nn.Parameter | None
+        self.register_parameter("gate_up_proj_scale_inv", None)
+        self.register_parameter("down_proj_scale_inv", None)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids/weights [T, K] -> [T, D] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])."""
+    @property
+    def is_fp8(self) -> bool:
+        return self.gate_up_proj_scale_inv is not None
+
+    def forward(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, D], ids/weights [T, K] -> [T, D] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (+ add)."""
+        if self.is_fp8:
+            return fp8_linear.experts_forward(self, x, ids, weights, add)
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # [T*K] token-slots sorted by expert
@@ -186,7 +247,26 @@ class Experts(nn.Module):
                 outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
                 start += n
         y = torch.cat(outs) * weights.flatten()[order, None]
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        y = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        return y if add is None else y + add
+
+    # --- FP8 conversion (libs.engine.layers.fp8_linear.apply_fp8_weights) ---
+    def fp8_checkpoint_names(self, prefix: str) -> list[str]:
+        projs = ("gate_proj", "up_proj", "down_proj")
+        return [f"{prefix}.{e}.{p}.weight" for e in range(self.gate_up_proj.shape[0]) for p in projs]
+
+    def fp8_unsupported(self, block: tuple[int, int]) -> str | None:
+        i, d = self.down_proj.shape[2], self.down_proj.shape[1]
+        if i % fp8_linear.KERNEL_BLOCK[0]:
+            return f"expert width {i} would put gate and up rows in one 128-row scale block"
+        return fp8_linear.unsupported(d, block) or fp8_linear.unsupported(i, block)
+
+    def to_fp8(self) -> None:
+        (e, i2, d), device = self.gate_up_proj.shape, self.gate_up_proj.device
+        self.gate_up_proj = fp8_linear.fp8_param(e, i2, d, device=device)
+        self.gate_up_proj_scale_inv = fp8_linear.scale_param(i2, d, e, device=device)
+        self.down_proj = fp8_linear.fp8_param(e, d, i2 // 2, device=device)
+        self.down_proj_scale_inv = fp8_linear.scale_param(d, i2 // 2, e, device=device)
 
 
 class MoE(nn.Module):
@@ -203,9 +283,22 @@ class MoE(nn.Module):
         self.ep: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts.is_fp8:
+            return self._forward_fp8(x)
         weights, ids = self.gate(x)
         y = self.experts(x, ids, weights) if self.ep is None else self.ep(x, ids, weights)
         return y + self.shared_experts(x) if self.shared_experts is not None else y
+
+    def _forward_fp8(self, x: torch.Tensor) -> torch.Tensor:
+        """Fused router, then the grouped FP8 experts with the shared expert's output added in their combine."""
+        if self.ep is not None:
+            raise ValueError(
+                "expert parallelism does not run FP8 experts yet: load the model with quantization='none'"
+            )
+        routed = fp8_linear.fused_route(self.gate, x)
+        weights, ids = routed if routed is not None else self.gate(x)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.experts(x, ids, weights, add=shared)
 
 
 class DecoderLayer(nn.Module):
@@ -298,14 +391,22 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     # --- weights ---
     def checkpoint_weight_names(self) -> set[str]:
-        """Every tensor name a checkpoint must provide (experts per expert, tied head omitted)."""
+        """Every tensor name a checkpoint must provide (experts per expert, tied head omitted); modules kept
+        in FP8 need their `_scale_inv` tensors too."""
         names = set()
         for name, param in self.named_parameters():
             if name.endswith(".experts.gate_up_proj"):
                 prefix = name.removesuffix(".gate_up_proj")
+                suffixes = (
+                    ("weight", "weight_scale_inv") if param.dtype == fp8_linear.FP8_DTYPE else ("weight",)
+                )
                 for e in range(param.shape[0]):
-                    names |= {f"{prefix}.{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
-            elif not name.endswith(".experts.down_proj"):
+                    names |= {
+                        f"{prefix}.{e}.{p}.{s}"
+                        for p in ("gate_proj", "up_proj", "down_proj")
+                        for s in suffixes
+                    }
+            elif not _STACKED_EXPERT_PARAM.search(name):
                 names.add(name)
         return names
 
@@ -314,10 +415,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         m = CHECKPOINT_EXPERT_NAME.match(name)
         if m is None:
             return self.get_parameter(name)
-        experts, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        experts, e, proj, scale = m.group(1), int(m.group(2)), m.group(3), m.group(4) or ""
         if proj == "down_proj":
-            return self.get_parameter(f"{experts}.down_proj")[e]
-        gate_up = self.get_parameter(f"{experts}.gate_up_proj")[e]
+            return self.get_parameter(f"{experts}.down_proj{scale}")[e]
+        gate_up = self.get_parameter(f"{experts}.gate_up_proj{scale}")[e]
         half = gate_up.shape[0] // 2
         return gate_up[:half] if proj == "gate_proj" else gate_up[half:]
 
@@ -328,6 +429,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(
                 f"tensor {name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
             )
+        if (target.dtype == fp8_linear.FP8_DTYPE) != (tensor.dtype == fp8_linear.FP8_DTYPE):
+            raise ValueError(f"tensor {name}: checkpoint dtype {tensor.dtype}, model expects {target.dtype}")
         target.copy_(tensor)
 
 
