@@ -114,11 +114,10 @@ def _quant(x2d: torch.Tensor, kernels: bool) -> tuple[torch.Tensor, torch.Tensor
     return quant.quant_fp8_groups_reference(x2d)
 
 
-def _gemm(xq, xs, w, w_s, dtype: torch.dtype, kernels: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+def _gemm(xq, xs, w, w_s, dtype: torch.dtype, kernels: bool) -> torch.Tensor:
     if kernels:
-        return fp8_gemm.fp8_gemm(xq, xs, w, w_s, out_dtype=dtype, out=out)
-    y = fp8_gemm.fp8_gemm_reference(xq, xs, w, w_s, out_dtype=dtype)
-    return y if out is None else out.copy_(y)
+        return fp8_gemm.fp8_gemm(xq, xs, w, w_s, out_dtype=dtype)
+    return fp8_gemm.fp8_gemm_reference(xq, xs, w, w_s, out_dtype=dtype)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
@@ -131,19 +130,16 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> torch.Ten
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def fp8_swiglu_mlp(x: torch.Tensor, gate: tuple, up: tuple, down: tuple) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) with FP8 weights, each (w, w_s): x is quantized once for gate and up,
-    and SwiGLU is fused with the quantization of the down projection's input. x [T, D] -> [T, D]."""
-    t, inter = x.shape[0], gate[0].shape[0]
+def fp8_swiglu_mlp(x: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with FP8 weights: gate_up = (w [2I, D] gate rows then up rows, scales
+    [2I/128, D/128]), down = (w [D, I], scales); one GEMM for gate and up, SwiGLU fused with the quantization
+    of the down projection's input. x [T, D] -> [T, D] in x.dtype."""
     kernels = triton_usable(x)
-    xq, xs = _quant(x, kernels)
-    gate_up = torch.empty(t, 2 * inter, dtype=x.dtype, device=x.device)
-    _gemm(xq, xs, *gate, x.dtype, kernels, out=gate_up[:, :inter])
-    _gemm(xq, xs, *up, x.dtype, kernels, out=gate_up[:, inter:])
+    h = _gemm(*_quant(x, kernels), *gate_up, x.dtype, kernels)  # [T, 2I]
     if kernels:
-        hq, hs = quant.silu_mul_quant(gate_up)
+        hq, hs = quant.silu_mul_quant(h)
     else:
-        hq, hs = quant.quant_fp8_groups_reference(quant.silu_mul_reference(gate_up))
+        hq, hs = quant.quant_fp8_groups_reference(quant.silu_mul_reference(h))
     return _gemm(hq, hs, *down, x.dtype, kernels)
 
 

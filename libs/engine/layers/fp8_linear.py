@@ -68,13 +68,26 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -
     return fp8_linear(x, weight, scale)
 
 
-def swiglu_forward(x: torch.Tensor, gate, up, down) -> torch.Tensor:
-    """SwiGLU MLP over three FP8 Linears; x [..., D] -> [..., D]."""
+def swiglu_forward(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor], down) -> torch.Tensor:
+    """SwiGLU MLP: fused FP8 gate/up (weight, scales) and an FP8 down Linear; x [..., D] -> [..., D]."""
     from libs.kernels.backend import fp8_swiglu_mlp
 
-    pairs = [(m.weight, m.weight_scale_inv) for m in (gate, up, down)]
     d = x.shape[-1]
-    return fp8_swiglu_mlp(x.reshape(-1, d), *pairs).view(x.shape)
+    y = fp8_swiglu_mlp(x.reshape(-1, d), gate_up, (down.weight, down.weight_scale_inv))
+    return y.view(x.shape)
+
+
+def fuse_rows_fp8(first, second) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make two Linears of one K FP8, their weights and scales row views of one stacked weight ([first;
+    second]) -> (stacked weight, stacked scales). Rows of each must fill whole 128-row scale blocks."""
+    (n1, k), n2 = first.weight.shape, second.weight.shape[0]
+    device = first.weight.device
+    weight, scale = fp8_param(n1 + n2, k, device=device), scale_param(n1 + n2, k, device=device)
+    b1 = n1 // KERNEL_BLOCK[0]
+    for lin, rows, blocks in ((first, slice(0, n1), slice(0, b1)), (second, slice(n1, None), slice(b1, None))):
+        lin.weight = nn.Parameter(weight.data[rows], requires_grad=False)
+        lin.weight_scale_inv = nn.Parameter(scale.data[blocks], requires_grad=False)
+    return weight.data, scale.data
 
 
 def use_masked_moe(tokens: int, top_k: int, num_experts: int) -> bool:
@@ -119,16 +132,19 @@ def apply_fp8_weights(model: nn.Module, fp8_names: Collection[str], block: tuple
     `_scale_inv` in the checkpoint) and that the kernels can run; -> the weight names now kept in FP8
     (the loader hands those over raw with their scales, and dequantizes the rest)."""
     kept: set[str] = set()
-    for prefix, module in model.named_modules():
+    for prefix, module in model.named_modules():  # parents first: an MLP converts its own projections
         to_fp8 = getattr(module, "to_fp8", None)
-        if to_fp8 is None or prefix.rsplit(".", 1)[-1] in DENSE_ONLY:
+        if to_fp8 is None or module.is_fp8 or prefix.rsplit(".", 1)[-1] in DENSE_ONLY:
             continue
         names = module.fp8_checkpoint_names(prefix)
         if not names or not all(n in fp8_names for n in names):
             continue
         reason = module.fp8_unsupported(block)
         if reason is not None:
-            log.warning("%s stays dequantized (%s)", prefix, reason)
+            if getattr(module, "fp8_children_fall_back", False):  # its projections get their own try
+                log.debug("%s: projections converted one by one (%s)", prefix, reason)
+            else:
+                log.warning("%s stays dequantized (%s)", prefix, reason)
             continue
         to_fp8()
         kept.update(names)

@@ -179,18 +179,42 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: the dense layers and the shared experts."""
+    """SwiGLU feed-forward: the dense layers and the shared experts.
+
+    `to_fp8()` makes all three projections FP8, with gate and up as row views of one [2I, D] weight (and
+    its scales), so the checkpoint's two tensors land by name and the forward runs one GEMM for both."""
 
     def __init__(self, d: int, inter: int, dtype: torch.dtype, device):
         super().__init__()
         self.gate_proj = Linear(d, inter, False, dtype, device)
         self.up_proj = Linear(d, inter, False, dtype, device)
         self.down_proj = Linear(inter, d, False, dtype, device)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 (weight, scales), after to_fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_proj.is_fp8 and self.up_proj.is_fp8 and self.down_proj.is_fp8:
-            return fp8_linear.swiglu_forward(x, self.gate_proj, self.up_proj, self.down_proj)
+        if self.gate_up is not None:
+            return fp8_linear.swiglu_forward(x, self.gate_up, self.down_proj)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.gate_up is not None
+
+    # --- FP8 conversion (libs.engine.layers.fp8_linear.apply_fp8_weights) ---
+    fp8_children_fall_back = True  # when the fused form does not fit, each Linear converts on its own
+
+    def fp8_checkpoint_names(self, prefix: str) -> list[str]:
+        return [f"{prefix}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+
+    def fp8_unsupported(self, block: tuple[int, int]) -> str | None:
+        inter, d = self.down_proj.weight.shape[1], self.down_proj.weight.shape[0]
+        if inter % fp8_linear.KERNEL_BLOCK[0]:
+            return f"width {inter} would put gate and up rows in one 128-row scale block"
+        return fp8_linear.unsupported(d, block) or fp8_linear.unsupported(inter, block)
+
+    def to_fp8(self) -> None:
+        self.gate_up = fp8_linear.fuse_rows_fp8(self.gate_proj, self.up_proj)
+        self.down_proj.to_fp8()
 
 
 class Router(nn.Module):

@@ -117,6 +117,9 @@ def test_fp8_modules_are_kept_and_fall_back_where_kernels_cannot(ckpt, caplog) -
     raw = _tensors(ckpt["fp8"])
     up = raw["model.layers.1.mlp.experts.5.up_proj.weight_scale_inv"]
     assert torch.equal(ex.gate_up_proj_scale_inv[5, 1:].cpu(), up)
+    shared_up = raw["model.layers.1.mlp.shared_experts.up_proj.weight"]  # fused gate/up: up rows second
+    shared = layer1.mlp.shared_experts
+    assert torch.equal(shared.gate_up[0][128:].cpu().view(torch.uint8), shared_up.view(torch.uint8))
     assert model.lm_head.weight.dtype == torch.float32
     ref = load_model(ckpt["ref"], progress=False)
     dense = attn.q_b_proj.dense_weight()
@@ -135,6 +138,7 @@ def test_fp8_linear_and_mlp_equal_the_torch_math(fp8_model) -> None:
         ref = _act_quant_reference(x) @ lin.dense_weight().T
         _assert_tight(lin(x), ref)
     mlp = fp8_model.model.layers[1].mlp.shared_experts
+    assert mlp.is_fp8 and mlp.gate_proj.weight.data_ptr() == mlp.gate_up[0].data_ptr()  # fused gate/up
     xq = _act_quant_reference(x)
     gate, up = xq @ mlp.gate_proj.dense_weight().T, xq @ mlp.up_proj.dense_weight().T
     h = _act_quant_reference(torch.nn.functional.silu(gate) * up)
