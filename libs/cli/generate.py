@@ -29,6 +29,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument(
+        "--quantization", default="auto", choices=("auto", "fp8", "none"),
+        help="FP8 checkpoints: keep FP8 on CUDA (auto), always (fp8), or dequantize to --dtype (none)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -40,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1)
+    engine = Engine.from_pretrained(
+        args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, quantization=args.quantization
+    )
     tok = engine.tokenizer
     if tok is None:
         raise ValueError(f"{args.model} has no tokenizer.json; generate needs one to read the prompt")

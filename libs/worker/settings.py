@@ -15,6 +15,7 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     served_model_name: str = ""  # empty: the folder's name
     device: str = "cpu"
     dtype: str = "float32"
+    quantization: str = "auto"  # FP8 checkpoints: auto (FP8 on CUDA) | fp8 | none (dequantize to dtype)
     page_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
     num_pages: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: the engine's default
     max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 64
@@ -46,6 +47,12 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
         if self.dp_size not in (0, self.ep_size):
             raise ValueError(
                 f"dp_size must equal ep_size ({self.ep_size}): every EP rank runs attention on its own requests"
+            )
+        if self.quantization not in ("auto", "fp8", "none"):
+            raise ValueError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
+        if self.quantization == "fp8" and self.ep_size > 1:
+            raise ValueError(
+                "quantization=fp8 runs on one rank only: EP ranks load dequantized experts (use auto)"
             )
         if self.ep_backend not in ("torch", "deepep", "mooncake"):
             raise ValueError(f"ep_backend must be torch, deepep or mooncake, got {self.ep_backend!r}")

@@ -257,6 +257,11 @@ def test_bad_fp8_tensors_are_value_errors_naming_them(ckpt, tmp_path: Path, edit
         load_model(_broken(ckpt, tmp_path, edit), progress=False, quantization="fp8")
 
 
-def test_config_round_trip(ckpt) -> None:
-    raw = json.loads((ckpt["fp8"] / "config.json").read_text())
-    assert raw["quantization_config"]["weight_block_size"] == [128, 128]
+def test_worker_settings_validate_quantization() -> None:
+    from libs.worker.settings import WorkerSettings
+
+    assert WorkerSettings(model_dir="m", quantization="fp8").quantization == "fp8"
+    with pytest.raises(ValueError, match="quantization must be auto, fp8 or none"):
+        WorkerSettings(model_dir="m", quantization="int4")
+    with pytest.raises(ValueError, match="EP ranks load dequantized experts"):
+        WorkerSettings(model_dir="m", quantization="fp8", ep_size=2, dp_size=2)
