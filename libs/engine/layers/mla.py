@@ -184,11 +184,12 @@ def mla_extend_sdpa(
         rows = gather_pages(layer_rows, pages, meta.page_size)[:k_len]  # [K, C]
         kv = F.linear(rows[:, :-r].to(kv_b_weight.dtype), kv_b_weight).view(k_len, h, -1)  # [K, H, N + V]
         k = torch.cat([kv[..., :n], rows[:, None, -r:].to(kv.dtype).expand(k_len, h, r)], dim=-1)
-        q_s = q[start : start + q_len].transpose(0, 1)  # [H, Q, N + r]
-        mask = causal_lower_right(q_len, k_len)
+        # 4-D [1, H, len, dim]: the fused SDPA kernels (and so the mask-free lower-right bias) need a batch dim
+        q_s = q[start : start + q_len].transpose(0, 1)[None]
+        k_s, v_s = k.transpose(0, 1)[None], kv[..., n:].transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(
-            q_s, k.transpose(0, 1), kv[..., n:].transpose(0, 1), attn_mask=mask, scale=scale
-        )  # [H, Q, V]
-        out[start : start + q_len] = o.transpose(0, 1)
+            q_s, k_s, v_s, attn_mask=causal_lower_right(q_len, k_len), scale=scale
+        )
+        out[start : start + q_len] = o[0].transpose(0, 1)  # [Q, H, V]
         start += q_len
     return out

@@ -1,0 +1,238 @@
+"""Decode CUDA graphs: the pure bucket/padding logic on CPU; on a GPU, graph replay == eager == the CPU
+float32 engine, and the prefill/decode attention backends == the torch reference.
+
+GPU run (the lead batches device runs): `pytest -q -m gpu tests/libs/engine/test_cuda_graph.py`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from libs.engine.cuda_graph import (
+    DecodeGraphRunner,
+    DecodeLayout,
+    bucket_for,
+    capture_sizes,
+    decode_graphs_supported,
+    fill_decode_inputs,
+)
+from libs.engine.engine import Engine
+from libs.engine.layers.attention_backend import MLAWeights, TorchAttention, TritonAttention
+from libs.engine.loader import load_model
+from libs.engine.models.deepseek_v3 import MoE
+from libs.engine.runner import Chunk
+from libs.engine.sampling import SamplingParams
+from libs.engine.tiny import write_tiny_model
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def test_capture_sizes_are_powers_of_two_up_to_max():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert capture_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert capture_sizes(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        capture_sizes(0)
+
+
+def test_bucket_is_the_smallest_size_that_fits():
+    sizes = [1, 2, 4, 8, 12]
+    assert [bucket_for(n, sizes) for n in (1, 3, 4, 5, 9, 12)] == [1, 4, 4, 8, 12, 12]
+    assert bucket_for(13, sizes) is None
+    with pytest.raises(ValueError, match="at least one"):
+        bucket_for(0, sizes)
+
+
+def test_fill_decode_inputs_pads_into_the_scratch_page():
+    layout, page, scratch = DecodeLayout(batch=4, max_pages=3), 4, 9
+    buf = np.full(layout.size, -1, dtype=np.int32)
+    fill_decode_inputs(buf, layout, [11, 12, 13], [0, 5, 9], [[2], [3, 7], [1, 4, 6, 8]], page, scratch)
+    ids, pos, slots, lens, table = layout.views(buf)
+    assert ids.tolist() == [11, 12, 13, 0] and pos.tolist() == [0, 5, 9, 0]
+    assert slots.tolist() == [2 * 4, 7 * 4 + 1, 6 * 4 + 1, scratch * 4]  # padding writes the scratch page
+    assert lens.tolist() == [1, 6, 10, 1]  # padding attends over its own single row
+    assert table[0, 0] == 2 and table[1, :2].tolist() == [3, 7] and table[2].tolist() == [1, 4, 6]
+    assert table[3, 0] == scratch
+    # the buffer is reused: rows a smaller batch leaves become padding again
+    fill_decode_inputs(buf, layout, [5], [2], [[6]], page, scratch)
+    assert ids.tolist() == [5, 0, 0, 0] and lens.tolist() == [3, 1, 1, 1]
+    assert slots[1:].tolist() == [scratch * 4] * 3 and table[1:, 0].tolist() == [scratch] * 3
+
+
+def test_fill_decode_inputs_rejects_what_does_not_fit():
+    layout = DecodeLayout(batch=2, max_pages=2)
+    buf = np.zeros(layout.size, dtype=np.int32)
+    with pytest.raises(ValueError, match="batch of 2"):
+        fill_decode_inputs(buf, layout, [1, 2, 3], [0, 0, 0], [[0], [1], [2]], 4, 5)
+    with pytest.raises(ValueError, match="needs 3 pages"):
+        fill_decode_inputs(buf, layout, [1], [8], [[0, 1, 2]], 4, 5)  # longer than the graph's table
+    with pytest.raises(ValueError, match="needs 2 pages; it has 1"):
+        fill_decode_inputs(buf, layout, [1], [4], [[0]], 4, 5)
+
+
+def _tiny(path, **kw):
+    return write_tiny_model(path, seed=5, **kw)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    return load_model(_tiny(tmp_path_factory.mktemp("moe")), progress=False)
+
+
+def test_graph_safety_needs_every_moe_to_say_so(moe_model):
+    moes = [m for m in moe_model.modules() if isinstance(m, MoE)]
+    assert moes and not moe_model.graph_safe_decode()  # plain experts read counts on the host
+    try:
+        for m in moes:
+            m.graph_safe = True  # type: ignore[attr-defined]
+        assert moe_model.graph_safe_decode()
+        moes[0].ep = lambda x, ids, w: x
+        assert not moe_model.graph_safe_decode()  # expert parallel collectives are not captured
+    finally:
+        for m in moes:
+            m.__dict__.pop("graph_safe", None)
+            m.ep = None
+    assert not decode_graphs_supported(moe_model, "auto")  # CPU
+
+
+def test_graphs_stay_off_on_cpu_and_for_unsafe_backends(moe_model):
+    engine = Engine(moe_model, page_size=4, num_pages=32, cuda_graphs=True)
+    assert engine.runner.graphs is None and engine.kv_pool.num_pages == 32  # no scratch page taken
+    with pytest.raises(ValueError, match="cannot be captured"):
+        DecodeGraphRunner(
+            moe_model, engine.kv_pool, TorchAttention(moe_model.config, moe_model.device), [1], 0, 4
+        )
+
+
+# --- GPU ---
+
+KERNEL_DIMS = dict(
+    kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16, qk_nope_head_dim=32, v_head_dim=32
+)
+PREFILL_DIMS = KERNEL_DIMS | dict(qk_nope_head_dim=128, v_head_dim=128)  # DeepSeek-V3's 192 / 128 head dims
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+    [5, 6, 7, 40],
+    [30, 31, 32, 33, 34],
+]
+
+
+def _engine_tokens(model, **kw):
+    engine = Engine(model, page_size=16, num_pages=64, max_num_seqs=4, **kw)
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
+    return [o.token_ids for o in outs], engine
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dims", [{}, KERNEL_DIMS], ids=["tiny-latent", "deepseek-latent"])
+def test_greedy_with_graphs_equals_eager_and_cpu_float32(tmp_path, dims):
+    # every layer dense: no MoE, so the model is graph-safe whatever the expert path
+    path = _tiny(tmp_path, first_k_dense_replace=3, **dims)
+    cpu_tokens, _ = _engine_tokens(load_model(path, progress=False))
+    model = load_model(path, device="cuda", progress=False)
+    eager, eager_engine = _engine_tokens(model, cuda_graphs=False)
+    graphed, engine = _engine_tokens(model, cuda_graphs=True)
+    assert eager_engine.runner.graphs is None
+    assert engine.runner.graphs is not None and 4 in engine.runner.graphs.captured  # 3 sequences pad to 4
+    assert engine.kv_pool.num_pages == 65 and engine.stats()["total_pages"] == 64  # the scratch page
+    assert graphed == eager == cpu_tokens
+
+
+@pytest.mark.gpu
+@gpu
+def test_bf16_kernel_decode_graph_replay_equals_eager(tmp_path):
+    path = _tiny(tmp_path, first_k_dense_replace=3, **KERNEL_DIMS)
+    model = load_model(path, dtype="bfloat16", device="cuda", progress=False)
+    engine = Engine(model, page_size=16, num_pages=64, max_num_seqs=8)
+    runner = engine.runner
+    assert isinstance(runner.backend, TritonAttention) and runner.backend.kernel_cfg is not None
+    assert runner.graphs is not None
+    pages = engine.allocator.alloc(6)
+    tables = [pages[0:2], pages[2:4], pages[4:6]]
+    chunks = [Chunk(p, 0, t) for p, t in zip(PROMPTS, tables, strict=True)]
+    runner.forward_last(chunks)  # prefill, eager
+    decode = [Chunk([7], len(p), t) for p, t in zip(PROMPTS, tables, strict=True)]
+    graphed = runner.forward_last(decode).clone()
+    assert runner.graphs.captured == [4]
+    runner.graphs, saved = None, runner.graphs
+    eager = runner.forward_last(decode)  # the same step again: it rewrites the same KV rows
+    runner.graphs = saved
+    assert ((graphed - eager).norm() / eager.norm()).item() < 1e-2  # split-K counts differ: not bitwise
+    want = runner.forward_last(decode, [True, False, True])
+    assert want.shape[0] == 2 and torch.allclose(want, graphed[[0, 2]])
+
+
+@pytest.mark.gpu
+@gpu
+def test_fp8_moe_engine_with_graphs_equals_eager(tmp_path):
+    path = write_tiny_model(tmp_path, seed=5, fp8=True, moe_intermediate_size=128, **KERNEL_DIMS)
+    model = load_model(path, dtype="bfloat16", device="cuda", progress=False)
+    if not model.graph_safe_decode():
+        pytest.skip("this model's MoE does not declare a graph-safe decode path (MoE.graph_safe)")
+    eager, _ = _engine_tokens(model, cuda_graphs=False)
+    graphed, engine = _engine_tokens(model, cuda_graphs=True)
+    assert engine.runner.graphs is not None and engine.runner.graphs.captured
+    assert graphed == eager
+
+
+def _ragged_case(dtype, seed=0):
+    from tests.libs.engine.test_attention_backends import RAGGED, _batch, _cfg
+
+    cfg = _cfg(**PREFILL_DIMS)
+    batch = _batch(RAGGED + [(40, 24)], num_pages=64, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    t, h = batch.input_ids.shape[0], cfg.num_attention_heads
+    rows = torch.randn(64 * 4, cfg.kv_row_dim, generator=g)
+    w = torch.randn(h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, generator=g) / 20
+    q_nope = torch.randn(t, h, cfg.qk_nope_head_dim, generator=g)
+    q_pe = torch.randn(t, h, cfg.qk_rope_head_dim, generator=g)
+    ref = TorchAttention(cfg, torch.device("cpu"))
+    ref_step = ref.prepare(batch, 4, absorbed=False)
+    expected = ref.attend(q_nope, q_pe, rows, MLAWeights.from_dense(w, h, cfg.qk_nope_head_dim), ref_step)
+    dev = [x.to("cuda", dtype) for x in (q_nope, q_pe, rows, w)]
+    return cfg, batch, dev, expected
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("backend_name", ["triton", "flashinfer"])
+def test_prefill_backend_matches_expanded_reference_on_gpu(backend_name):
+    from libs.kernels import flashinfer_mla
+
+    if backend_name == "flashinfer" and not flashinfer_mla.available():
+        pytest.skip("flashinfer not installed")
+    from libs.engine.layers.attention_backend import make_attention_backend
+
+    cfg, batch, (q_nope, q_pe, rows, w), expected = _ragged_case(torch.bfloat16)
+    backend = make_attention_backend(backend_name, cfg, "cuda", torch.bfloat16)
+    step = backend.prepare(batch, 4, absorbed=False)
+    got = backend.attend(q_nope, q_pe, rows, MLAWeights.from_dense(w, cfg.num_attention_heads, 128), step)
+    assert ((got.float().cpu() - expected).norm() / expected.norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_decode_kernel_backend_matches_absorbed_reference_on_gpu():
+    from tests.libs.engine.test_attention_backends import _batch, _cfg
+
+    cfg = _cfg(**PREFILL_DIMS)
+    batch = _batch([(0, 1), (37, 1), (200, 1), (63, 1)], num_pages=128)
+    g = torch.Generator().manual_seed(1)
+    h = cfg.num_attention_heads
+    rows = torch.randn(128 * 4, cfg.kv_row_dim, generator=g)
+    w = torch.randn(h * 256, cfg.kv_lora_rank, generator=g) / 20
+    q_nope, q_pe = torch.randn(4, h, 128, generator=g), torch.randn(4, h, 64, generator=g)
+    ref = TorchAttention(cfg, torch.device("cpu"))
+    expected = ref.attend(q_nope, q_pe, rows, MLAWeights.from_dense(w, h, 128), ref.prepare(batch, 4, True))
+    backend = TritonAttention(cfg, torch.device("cuda"), torch.bfloat16)
+    assert backend.kernel_cfg is not None
+    q_nope, q_pe, rows, w = (x.to("cuda", torch.bfloat16) for x in (q_nope, q_pe, rows, w))
+    got = backend.attend(
+        q_nope, q_pe, rows, MLAWeights.from_dense(w, h, 128), backend.prepare(batch, 4, True)
+    )
+    assert ((got.float().cpu() - expected).norm() / expected.norm()).item() < 2e-2
