@@ -92,6 +92,87 @@ def _promote(acc, part, scale, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _store_tile(c_ptr, acc, offs_m, offs_n, m_ok, N, expert, stride_ce, stride_cm, LAYOUT: gl.constexpr,
+                SPLIT_K: gl.constexpr):  # fmt: skip
+    c_row = offs_m * stride_cm
+    if LAYOUT == 1:
+        c_row += expert * stride_ce
+    c_ptrs = c_ptr + c_row[:, None] + offs_n[None, :]
+    mask = m_ok[:, None] & (offs_n < N)[None, :]
+    if SPLIT_K > 1:
+        gl.atomic_add(c_ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _tile_two_halves(
+    a_desc, b_desc, c_ptr, as_ptr, bs_ptr, pid_m, pid_n, expert, rows, N, K, a_rows_per_expert,
+    stride_ce, stride_cm, stride_se, stride_sm, stride_sk, stride_bse, stride_bsn, stride_bsk,
+    LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, SPLIT_K: gl.constexpr,
+    num_warps: gl.constexpr,
+):  # fmt: skip
+    """A BLOCK_M x 256 output tile as two 128-column MMAs over one TMA'd 256-row weight tile: twice the
+    FLOPs per byte brought from L2 of a 128-wide tile, while each MMA's partial product (and so the
+    promotion's extra registers) stays 128 wide. Each half waits for its own MMA (no overlap)."""
+    mma_layout: gl.constexpr = _mma_layout(BLOCK_M, 128, num_warps)
+    row_l: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * 256
+    a_row = off_m
+    if LAYOUT == 1:
+        a_row = expert * a_rows_per_expert + off_m
+    b_row = expert * N + off_n
+    n_kb = gl.cdiv(K, 128)
+    kb0 = 0
+    if SPLIT_K > 1:
+        per = gl.cdiv(n_kb, SPLIT_K)
+        kb0 = gl.program_id(2) * per
+        n_kb = gl.minimum(per, n_kb - kb0)
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_l)
+    offs_n = off_n + gl.arange(0, 128, layout=col_l)
+    m_ok = offs_m < rows
+    as_base = as_ptr + expert * stride_se * (LAYOUT == 1) + offs_m * stride_sm
+    last_nb = gl.cdiv(N, 128) - 1  # a half past N reads the last real scale; its columns are never stored
+    bs0 = bs_ptr + expert * stride_bse + gl.minimum(off_n // 128, last_nb) * stride_bsn
+    bs1 = bs_ptr + expert * stride_bse + gl.minimum(off_n // 128 + 1, last_nb) * stride_bsn
+
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_BUFFERS] + b_desc.block_type.shape, b_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(bars.index(s), count=1)
+    for pre in gl.static_range(NUM_BUFFERS - 2):
+        _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, pre, a_row, b_row, kb0, n_kb, NUM_BUFFERS)
+    acc0 = gl.zeros((BLOCK_M, 128), dtype=gl.float32, layout=mma_layout)
+    acc1 = gl.zeros((BLOCK_M, 128), dtype=gl.float32, layout=mma_layout)
+    spare = gl.zeros((BLOCK_M, 128), dtype=gl.float32, layout=mma_layout)
+    for i in range(0, n_kb):
+        kb = kb0 + i
+        a_s = gl.load(as_base + kb * stride_sk, mask=m_ok, other=0.0)
+        s0 = a_s * gl.load(bs0 + kb * stride_bsk)
+        s1 = a_s * gl.load(bs1 + kb * stride_bsk)
+        _issue_load(
+            a_desc, b_desc, a_bufs, b_bufs, bars, i + NUM_BUFFERS - 2, a_row, b_row, kb0, n_kb, NUM_BUFFERS
+        )
+        slot = i % NUM_BUFFERS
+        mbarrier.wait(bars.index(slot), (i // NUM_BUFFERS) & 1)
+        a_t = a_bufs.index(slot)
+        b_t = b_bufs.index(slot)
+        part = warpgroup_mma(a_t, b_t.slice(0, 128, 0).permute((1, 0)), spare, use_acc=False, is_async=True)
+        spare, acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(part, acc0))
+        acc0 = acc0 + spare * s0[:, None]
+        part = warpgroup_mma(a_t, b_t.slice(128, 128, 0).permute((1, 0)), spare, use_acc=False, is_async=True)
+        spare, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(part, acc1))
+        acc1 = acc1 + spare * s1[:, None]
+    for s in gl.static_range(NUM_BUFFERS):
+        mbarrier.invalidate(bars.index(s))
+    _store_tile(c_ptr, acc0, offs_m, offs_n, m_ok, N, expert, stride_ce, stride_cm, LAYOUT, SPLIT_K)
+    _store_tile(c_ptr, acc1, offs_m, offs_n + 128, m_ok, N, expert, stride_ce, stride_cm, LAYOUT, SPLIT_K)
+
+
+@gluon.jit
 def _fp8_gemm_sm90_kernel(
     a_desc, b_desc, c_ptr, as_ptr, bs_ptr, counts_ptr, tile_expert_ptr,
     M, N, K, a_rows_per_expert,
@@ -110,7 +191,14 @@ def _fp8_gemm_sm90_kernel(
         rows = gl.load(counts_ptr + expert)
     if LAYOUT == 2:
         expert = gl.load(tile_expert_ptr + pid_m)
-    if (pid_m * BLOCK_M < rows) & (expert >= 0):
+    active = (pid_m * BLOCK_M < rows) & (expert >= 0)
+    if BLOCK_N == 256 and active:  # static on BLOCK_N: the other tile shape's code is never traced
+        _tile_two_halves(
+            a_desc, b_desc, c_ptr, as_ptr, bs_ptr, pid_m, pid_n, expert, rows, N, K, a_rows_per_expert,
+            stride_ce, stride_cm, stride_se, stride_sm, stride_sk, stride_bse, stride_bsn, stride_bsk,
+            LAYOUT, BLOCK_M, NUM_BUFFERS, SPLIT_K, num_warps,
+        )  # fmt: skip
+    elif BLOCK_N <= 128 and active:
         mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
         row_l: gl.constexpr = gl.SliceLayout(1, mma_layout)
         col_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
@@ -184,13 +272,14 @@ def _fp8_gemm_sm90_kernel(
                 spare0 = free
                 spare1 = done
         else:
+            spare = zero  # the last finished product: its registers take the next one (no third tile)
             for i in range(0, n_kb):
                 scale = _scale(as_base, bs_cols, m_ok, n_ok, kb0 + i, stride_sk, stride_bsk, BLOCK_N)
                 _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, i + NUM_BUFFERS - 2, a_row, b_row, kb0, n_kb,
                             NUM_BUFFERS)  # fmt: skip
-                part = _issue_mma(a_bufs, b_bufs, bars, i, zero, NUM_BUFFERS)
-                done = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                acc = _promote(acc, done, scale, BLOCK_N)
+                part = _issue_mma(a_bufs, b_bufs, bars, i, spare, NUM_BUFFERS)
+                spare, acc = warpgroup_mma_wait(num_outstanding=0, deps=(part, acc))
+                acc = _promote(acc, spare, scale, BLOCK_N)
         for s in gl.static_range(NUM_BUFFERS):
             mbarrier.invalidate(bars.index(s))
 
@@ -210,7 +299,7 @@ def _fp8_gemm_sm90_kernel(
 # for each block's MMA before promoting it (overlap then comes only from a second CTA on the SM)
 CONFIGS = [
     (64, 128, 4, 4, 4), (64, 128, 4, 6, 4), (128, 128, 8, 4, 4), (64, 128, 4, 4, 1),
-    (128, 128, 8, 4, 1), (64, 256, 8, 4, 1), (128, 128, 8, 4, 2),
+    (128, 128, 8, 4, 1), (128, 128, 8, 4, 2), (128, 256, 8, 3, 1), (64, 256, 4, 4, 1),
 ]  # fmt: skip
 
 
