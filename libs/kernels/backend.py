@@ -135,12 +135,13 @@ def fp8_swiglu_mlp(x: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor
     [2I/128, D/128]), down = (w [D, I], scales); one GEMM for gate and up, SwiGLU fused with the quantization
     of the down projection's input. x [T, D] -> [T, D] in x.dtype."""
     kernels = triton_usable(x)
-    h = _gemm(*_quant(x, kernels), *gate_up, x.dtype, kernels)  # [T, 2I]
+    xq, xs = _quant(x, kernels)
+    h = _gemm(xq, xs, gate_up[0], gate_up[1], x.dtype, kernels)  # [T, 2I]
     if kernels:
         hq, hs = quant.silu_mul_quant(h)
     else:
         hq, hs = quant.quant_fp8_groups_reference(quant.silu_mul_reference(h))
-    return _gemm(hq, hs, *down, x.dtype, kernels)
+    return _gemm(hq, hs, down[0], down[1], x.dtype, kernels)
 
 
 def fp8_moe(
