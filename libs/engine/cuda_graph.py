@@ -118,6 +118,11 @@ class _Graph:
     logits: torch.Tensor | None = None  # [b, V] float32: the captured output
 
 
+class GraphCaptureError(RuntimeError):
+    """A decode forward could not be captured (something in it is not graph-safe); nothing was replayed,
+    and the warm-up runs only wrote the scratch page, so the caller can go on eagerly."""
+
+
 class DecodeGraphRunner:
     """Captures and replays decode forwards; the caller (ModelRunner) falls back to eager when
     `can_run` says no (prefill chunks, more sequences than the largest size, longer contexts)."""
@@ -155,7 +160,12 @@ class DecodeGraphRunner:
         b = bucket_for(len(tokens), self.sizes)
         if b is None:
             raise ValueError(f"{len(tokens)} sequences exceed the largest captured batch {self.sizes[-1]}")
-        g = self._graphs.get(b) or self._capture(b)
+        g = self._graphs.get(b)
+        if g is None:
+            try:
+                g = self._capture(b)
+            except Exception as e:
+                raise GraphCaptureError(f"capturing the decode step for batch size {b} failed: {e!r}") from e
         g.copied.synchronize()  # the staging buffer may be rewritten only once its last copy is done
         fill_decode_inputs(
             g.staging.numpy(), g.layout, tokens, positions, page_tables, self.page_size, self.scratch_page

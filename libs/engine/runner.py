@@ -10,15 +10,18 @@ Legend: T new tokens, S sequences (chunks), V vocabulary.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from libs.engine.cuda_graph import DecodeGraphRunner
+from libs.engine.cuda_graph import DecodeGraphRunner, GraphCaptureError
 from libs.engine.forward_batch import ForwardBatch
 from libs.engine.kv_pool import KVPool
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+log = logging.getLogger("moemesh.engine")
 
 
 @dataclass
@@ -91,9 +94,14 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(
             [c.tokens for c in chunks], [c.start for c in chunks]
         ):
-            logits = self.graphs.run(
-                [c.tokens[0] for c in chunks], [c.start for c in chunks], [c.pages for c in chunks]
-            )
+            try:
+                logits = self.graphs.run(
+                    [c.tokens[0] for c in chunks], [c.start for c in chunks], [c.pages for c in chunks]
+                )
+            except GraphCaptureError:
+                log.warning("decode CUDA graphs off for this engine: capture failed", exc_info=True)
+                self.graphs = None
+                return self.forward_last(chunks, want)
             if want is None:
                 return logits
             return logits[torch.tensor(list(want), dtype=torch.bool, device=logits.device)]

@@ -13,6 +13,7 @@ import torch
 from libs.engine.cuda_graph import (
     DecodeGraphRunner,
     DecodeLayout,
+    GraphCaptureError,
     bucket_for,
     capture_sizes,
     decode_graphs_supported,
@@ -106,6 +107,27 @@ def test_graphs_stay_off_on_cpu_and_for_unsafe_backends(moe_model):
         DecodeGraphRunner(
             moe_model, engine.kv_pool, TorchAttention(moe_model.config, moe_model.device), [1], 0, 4
         )
+
+
+def test_a_failed_capture_turns_graphs_off_and_runs_eagerly(moe_model):
+    engine = Engine(moe_model, page_size=4, num_pages=32)
+    runner = engine.runner
+    pages = engine.allocator.alloc(2)
+    prompt = Chunk([5, 6, 7], 0, pages)
+    runner.forward_last([prompt])
+    decode = [Chunk([8], 3, pages)]
+    expected = runner.forward_last(decode)
+
+    class Uncapturable:
+        def can_run(self, tokens, starts):
+            return True
+
+        def run(self, tokens, positions, page_tables):
+            raise GraphCaptureError("host sync inside the captured region")
+
+    runner.graphs = Uncapturable()  # type: ignore[assignment]
+    torch.testing.assert_close(runner.forward_last(decode), expected)
+    assert runner.graphs is None
 
 
 # --- GPU ---
