@@ -29,6 +29,9 @@ from libs.engine.tiny import write_tiny_model
 from tests.libs.engine.hf_utils import hf_model
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+# kernels vs torch: float32 rounding under the interpreter; a GPU's FP8 tensor cores accumulate each
+# 128-wide K block with fewer mantissa bits (DeepSeek-V3 report: ~14), so allow that there
+TIGHT = 2e-3 if HAS_CUDA else 1e-5
 TINY = dict(
     hidden_size=256, intermediate_size=192, moe_intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32,
@@ -79,7 +82,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _assert_tight(got: torch.Tensor, ref: torch.Tensor) -> None:
     """Equal to float32 summation-order rounding, relative to each row's largest value."""
     err = ((got.float() - ref.float()).abs() / (1 + ref.float().abs().amax(-1, keepdim=True))).max().item()
-    assert err < 1e-5, f"max row-relative error {err:.1e}"
+    assert err < TIGHT, f"max row-relative error {err:.1e}"
 
 
 def _assert_same_math(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -89,7 +92,7 @@ def _assert_same_math(got: torch.Tensor, ref: torch.Tensor) -> None:
     row = 1 + ref.float().abs().amax(-1, keepdim=True)
     err = (got.float() - ref.float()).abs() / row
     assert err.max().item() < 4e-3, f"max row-relative error {err.max().item():.1e}"
-    rows_off = (err > 1e-5).any(-1).float().mean().item()
+    rows_off = (err > TIGHT).any(-1).float().mean().item()
     assert rows_off <= 0.1, f"{rows_off:.0%} of rows differ beyond float32 rounding"
 
 
@@ -265,3 +268,17 @@ def test_worker_settings_validate_quantization() -> None:
         WorkerSettings(model_dir="m", quantization="int4")
     with pytest.raises(ValueError, match="EP ranks load dequantized experts"):
         WorkerSettings(model_dir="m", quantization="fp8", ep_size=2, dp_size=2)
+
+
+def test_engine_generates_with_fp8_weights_consistently_with_prefill(ckpt) -> None:
+    """Engine end to end in FP8: greedy decode steps (absorbed attention, one token per step) pick the
+    tokens a full prefill over the same sequence ranks first (quantization is per token, so batch shape
+    does not change the math)."""
+    from libs.engine import Engine, SamplingParams
+
+    engine = Engine.from_pretrained(ckpt["fp8"], device=DEVICE, quantization="fp8", max_num_seqs=2)
+    assert engine.model.model.layers[1].mlp.experts.is_fp8
+    prompt = [0, 17, 300, 2, 999, 41, 7, 123]
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    logits = engine.prefill_logits(prompt + out.token_ids[:-1])
+    assert logits[len(prompt) - 1 :].argmax(-1).tolist() == out.token_ids
