@@ -413,7 +413,7 @@ def run_batch(rank: Rank, b: int, a, env: dict, world: int) -> list[dict]:
     bt = make_batch(rank, b, a.ctx, a.gen, a.ctx + a.gen)
     attn_err = check_attention(rank, bt)
     if a.profile == b:
-        profile_step(rank, bt, Path(os.environ.get("OUT") or "bench/results") / f"profile-b{b}-{a.attn}.txt")
+        profile_step(rank, bt, Path(os.environ.get("OUT") or "bench/results") / f"profile-b{b}-{a.attn}-{rank.dense_fp8}.txt")
     times = {}
     for name, parts in [("full", {"attn", "moe", "other"}), ("attention", {"attn"}), ("moe", {"moe"})]:
         g = capture(rank, bt, parts)
