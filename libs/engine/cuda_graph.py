@@ -204,7 +204,11 @@ class DecodeGraphRunner:
                 step()
         torch.cuda.current_stream().wait_stream(side)
         g.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(g.graph, pool=self._pool):
+        # thread_local: CUDA calls of other threads (a worker's event loop) must not invalidate the capture
+        with (
+            torch.inference_mode(),
+            torch.cuda.graph(g.graph, pool=self._pool, capture_error_mode="thread_local"),
+        ):
             g.logits = step()
         self._graphs[b] = g
         return g

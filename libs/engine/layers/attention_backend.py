@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from libs.engine.config import ModelConfig
@@ -186,7 +187,8 @@ class TritonAttention(AttentionBackend):
 
 
 class FlashInferAttention(TritonAttention):
-    """FlashInfer's MLA decode and ragged prefill (planned per forward on the host: no decode graphs)."""
+    """FlashInfer's MLA decode and ragged prefill (planned per forward on the host: no decode graphs).
+    FlashInfer takes 16-bit inputs: a float32 model gets the torch paged decode and the SDPA prefill."""
 
     name = "flashinfer"
     graph_safe = False
@@ -196,9 +198,10 @@ class FlashInferAttention(TritonAttention):
         from libs.kernels import flashinfer_mla
 
         self.dtype, self.head_dims = dtype, (cfg.qk_head_dim, cfg.v_head_dim)
-        fits = _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        half = dtype in (torch.bfloat16, torch.float16)
+        fits = half and _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         self.mla = flashinfer_mla.FlashInferMLA(device) if fits else None
-        self.prefill = flashinfer_mla.FlashInferRaggedPrefill(device)
+        self.prefill = flashinfer_mla.FlashInferRaggedPrefill(device) if half else None
         self._kv_index: torch.Tensor | None = None  # [sum K] pool slots of the extend batch's keys
 
     def prepare(self, batch: ForwardBatch, page_size: int, absorbed: bool) -> StepInputs:
@@ -207,15 +210,12 @@ class FlashInferAttention(TritonAttention):
         assert isinstance(meta, PagedMetadata) and meta.extend_lens is not None and meta.kv_lens is not None
         if absorbed and self.mla is not None:
             self.mla.plan(meta.page_table, meta.seq_lens, page_size, self.num_heads, self.scale, self.dtype)
-        elif not absorbed:
+        elif not absorbed and self.prefill is not None:
             key = torch.arange(meta.page_table.shape[1] * page_size, device=self.device)
-            per_seq = (
-                meta.page_table.long()[:, key // page_size] * page_size + key % page_size
-            )  # [S, P * page]
+            per_seq = meta.page_table.long()[:, key // page_size] * page_size + key % page_size  # [S, P*page]
             self._kv_index = torch.cat([per_seq[s, :k] for s, k in enumerate(meta.kv_lens)])
-            self.prefill.plan(
-                meta.extend_lens, meta.kv_lens, self.num_heads, self.scale, self.dtype, *self.head_dims
-            )
+            qk, vo = self.head_dims
+            self.prefill.plan(meta.extend_lens, meta.kv_lens, self.num_heads, self.scale, self.dtype, qk, vo)
         return step
 
     def decode_latent(self, q_latent, q_pe, layer_rows, meta: PagedMetadata) -> torch.Tensor:
@@ -224,13 +224,12 @@ class FlashInferAttention(TritonAttention):
         return self.mla.run(q_latent, q_pe.to(q_latent.dtype), layer_rows)
 
     def extend(self, q_nope, q_pe, layer_rows, weights: MLAWeights, meta: PagedMetadata) -> torch.Tensor:
+        if self.prefill is None:
+            return super().extend(q_nope, q_pe, layer_rows, weights, meta)
         assert self._kv_index is not None
-        h, n = self.num_heads, q_nope.shape[-1]
-        r = q_pe.shape[-1]
-        rows = layer_rows[self._kv_index]  # [sum K, C]
-        kv = torch.nn.functional.linear(rows[:, :-r].to(weights.dense.dtype), weights.dense).view(
-            rows.shape[0], h, -1
-        )
+        h, n, r = self.num_heads, q_nope.shape[-1], q_pe.shape[-1]
+        rows = layer_rows[self._kv_index]  # [sum K, C]: every sequence's keys, ragged
+        kv = F.linear(rows[:, :-r].to(weights.dense.dtype), weights.dense).view(rows.shape[0], h, -1)
         k = torch.cat([kv[..., :n], rows[:, None, -r:].to(kv.dtype).expand(-1, h, r)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         return self.prefill.run(q, k, kv[..., n:].contiguous())
