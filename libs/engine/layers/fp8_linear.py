@@ -32,9 +32,10 @@ log = logging.getLogger("moemesh.engine")
 KERNEL_BLOCK = (128, 128)  # the only weight block the Triton GEMMs take
 DENSE_ONLY = ("kv_b_proj",)  # read as a matrix by MLA, never run as a Linear
 # Masked (graph-safe) MoE layout while its [E, T, ...] buffers stay small: at most this many token-expert
-# pairs, and E * T rows. Beyond that, prefill-sized batches take the contiguous layout (one host sync).
+# pairs, and E * T rows (256 experts: decode batches up to 512). Beyond that, prefill-sized batches take
+# the contiguous layout (one host sync). Chosen from buffer sizes, not measured yet.
 MASKED_MAX_PAIRS = 8192
-MASKED_MAX_ROWS = 65536
+MASKED_MAX_ROWS = 131072
 
 
 def fp8_param(*shape: int, device: torch.device | str) -> nn.Parameter:
@@ -84,16 +85,21 @@ def fuse_rows_fp8(first, second) -> tuple[torch.Tensor, torch.Tensor]:
     device = first.weight.device
     weight, scale = fp8_param(n1 + n2, k, device=device), scale_param(n1 + n2, k, device=device)
     b1 = n1 // KERNEL_BLOCK[0]
-    for lin, rows, blocks in ((first, slice(0, n1), slice(0, b1)), (second, slice(n1, None), slice(b1, None))):
+    for lin, rows, blocks in (
+        (first, slice(0, n1), slice(0, b1)),
+        (second, slice(n1, None), slice(b1, None)),
+    ):
         lin.weight = nn.Parameter(weight.data[rows], requires_grad=False)
         lin.weight_scale_inv = nn.Parameter(scale.data[blocks], requires_grad=False)
     return weight.data, scale.data
 
 
 def use_masked_moe(tokens: int, top_k: int, num_experts: int) -> bool:
-    """Decode-sized batches take the graph-safe masked layout; a function of shapes only, so a captured
-    CUDA graph always replays the path it was captured with."""
-    return tokens * top_k <= MASKED_MAX_PAIRS and num_experts * tokens <= MASKED_MAX_ROWS
+    """Decode-sized batches take the graph-safe masked layout, and so does anything run under CUDA-graph
+    capture (the contiguous layout syncs with the host); a function of shapes otherwise, so a captured
+    graph replays the path the same batch size takes eagerly."""
+    small = tokens * top_k <= MASKED_MAX_PAIRS and num_experts * tokens <= MASKED_MAX_ROWS
+    return small or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def experts_forward(experts, x, ids, weights, add: torch.Tensor | None = None) -> torch.Tensor:

@@ -282,3 +282,12 @@ def test_engine_generates_with_fp8_weights_consistently_with_prefill(ckpt) -> No
     (out,) = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     logits = engine.prefill_logits(prompt + out.token_ids[:-1])
     assert logits[len(prompt) - 1 :].argmax(-1).tolist() == out.token_ids
+
+
+def test_moe_layout_choice_by_batch_shape() -> None:
+    from libs.engine.layers.fp8_linear import use_masked_moe
+
+    assert use_masked_moe(512, 8, 256)  # DeepSeek-V3 decode at batch 512, all experts on one GPU
+    assert not use_masked_moe(513, 8, 256)
+    assert use_masked_moe(1024, 8, 4)  # an EP rank's 4 local experts: up to 8192 token-expert pairs
+    assert not use_masked_moe(2000, 8, 4)  # a prefill chunk: contiguous
