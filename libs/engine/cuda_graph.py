@@ -108,6 +108,17 @@ def decode_graphs_supported(model, attention_backend: str) -> bool:
     return resolve_backend(attention_backend, model.device) == "triton"
 
 
+def static_step(
+    packed: torch.Tensor, layout: DecodeLayout, page_size: int, backend: TritonAttention
+) -> StepInputs:
+    """The decode StepInputs over views of a packed int32 input buffer: what a captured step reads. Call it
+    inside the captured region: the int64 copy of the slots it makes must be part of the graph."""
+    ids, pos, slots, lens, table = layout.views(packed)
+    splits = backend.num_splits(layout.batch, layout.max_pages * page_size)
+    meta = PagedMetadata(table, lens, page_size, splits)
+    return StepInputs(ids, pos, slots.long(), meta, backend, absorbed=True)
+
+
 @dataclass
 class _Graph:
     layout: DecodeLayout
@@ -188,13 +199,9 @@ class DecodeGraphRunner:
             g.staging.numpy(), layout, [0], [0], [[self.scratch_page]], self.page_size, self.scratch_page
         )
         g.packed.copy_(g.staging)
-        ids, pos, slots, lens, table = layout.views(g.packed)
-        meta = PagedMetadata(
-            table, lens, self.page_size, self.backend.num_splits(b, self.max_pages * self.page_size)
-        )
 
         def step() -> torch.Tensor:
-            inputs = StepInputs(ids, pos, slots.long(), meta, self.backend, absorbed=True)
+            inputs = static_step(g.packed, layout, self.page_size, self.backend)
             return self.model.compute_logits(self.model.forward_step(inputs, self.kv_pool))
 
         side = torch.cuda.Stream()

@@ -18,6 +18,7 @@ from libs.engine.cuda_graph import (
     capture_sizes,
     decode_graphs_supported,
     fill_decode_inputs,
+    static_step,
 )
 from libs.engine.engine import Engine
 from libs.engine.layers.attention_backend import MLAWeights, TorchAttention, TritonAttention
@@ -128,6 +129,31 @@ def test_a_failed_capture_turns_graphs_off_and_runs_eagerly(moe_model):
     runner.graphs = Uncapturable()  # type: ignore[assignment]
     torch.testing.assert_close(runner.forward_last(decode), expected)
     assert runner.graphs is None
+
+
+def test_the_captured_step_body_on_padded_inputs_equals_eager_decode(moe_model):
+    """What a graph replays, run eagerly on CPU: packed int32 inputs, 3 real rows padded to 4, the paged
+    backend. Real rows' logits equal the eager decode step's; padding only writes the scratch page."""
+    engine = Engine(moe_model, page_size=4, num_pages=32)
+    runner, kv = engine.runner, engine.kv_pool
+    tables = [engine.allocator.alloc(2) for _ in range(3)]
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20]]
+    runner.forward_last([Chunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    decode = [Chunk([40 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
+    expected = runner.forward_last(decode).clone()  # the torch reference backend
+    before = kv.buffer.clone()
+    scratch = 31  # never allocated here
+    layout = DecodeLayout(batch=4, max_pages=3)
+    buf = np.zeros(layout.size, dtype=np.int32)
+    fill_decode_inputs(buf, layout, [40, 41, 42], [3, 5, 1], tables, 4, scratch)
+    backend = TritonAttention(moe_model.config, moe_model.device, moe_model.dtype)
+    step = static_step(torch.from_numpy(buf), layout, 4, backend)
+    logits = moe_model.compute_logits(moe_model.forward_step(step, kv))
+    torch.testing.assert_close(logits[:3], expected, atol=1e-5, rtol=1e-5)
+    diff = (kv.buffer - before).abs().amax(dim=(0, 2))  # per slot, over layers and row values
+    written = {t[p // 4] * 4 + p % 4 for t, p in zip(tables, [3, 5, 1], strict=True)}
+    assert set(diff.nonzero().flatten().tolist()) <= written | {scratch * 4}
+    assert diff[scratch * 4] > 0 and all(diff[s] < 1e-5 for s in written)  # the same rows, rewritten
 
 
 # --- GPU ---
