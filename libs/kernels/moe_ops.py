@@ -11,6 +11,8 @@ tile, for `fp8_gemm_contiguous`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -88,9 +90,42 @@ def combine_fused(expert_out, dest, weights, add=None) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _align_kernel(IDS, DEST, COUNTS, P, M_MAX, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    """One program walks the pairs in blocks: a pair's row is the running count of its expert before the
+    block plus its rank within the block (an inclusive scan of the block's one-hot)."""
+    experts = tl.arange(0, E_POW2)
+    running = tl.zeros([E_POW2], dtype=tl.int32)
+    for start in range(0, P, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(IDS + offs, mask=offs < P, other=-1)
+        hit = (ids[None, :] == experts[:, None]).to(tl.int32)  # [E_POW2, BLOCK]
+        rank = tl.cumsum(hit, 1) - 1 + running[:, None]
+        mine = tl.sum(tl.where(hit > 0, rank, 0), 0)  # [BLOCK]: the rank in its own expert's column
+        ok = (ids >= 0) & (ids < E) & (mine < M_MAX)
+        tl.store(DEST + offs, tl.where(ok, ids.to(tl.int64) * M_MAX + mine, -1), mask=offs < P)
+        running += tl.sum(hit, 1)
+    tl.store(COUNTS + experts, tl.minimum(running, M_MAX), mask=experts < E)
+
+
 def align_masked(local_ids: torch.Tensor, num_experts: int, m_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     """local_ids [P] (expert of each pair, -1 = not on this rank) -> (dest row [P] in E*M_max or -1,
-    counts [E] int32). A pair's row is its rank among the pairs of its expert, in pair order."""
+    counts [E] int32). A pair's row is its rank among the pairs of its expert, in pair order.
+    One Triton program on CUDA (and under the interpreter); the torch reference elsewhere."""
+    if not (local_ids.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return align_masked_reference(local_ids, num_experts, m_max)
+    p = local_ids.numel()
+    dest = torch.empty(p, dtype=torch.int64, device=local_ids.device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=local_ids.device)
+    _align_kernel[(1,)](
+        local_ids.contiguous(), dest, counts, p, m_max, E=num_experts,
+        E_POW2=triton.next_power_of_2(max(num_experts, 2)), BLOCK=1024, num_warps=8,
+    )  # fmt: skip
+    return dest, counts
+
+
+def align_masked_reference(local_ids: torch.Tensor, num_experts: int, m_max: int):
+    """align_masked in torch ops (no host sync either)."""
     ids = local_ids.long()
     valid = ids >= 0
     # A comparison, not one_hot (which checks its input range on the host and so breaks graph

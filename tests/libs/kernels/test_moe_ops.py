@@ -47,6 +47,19 @@ def test_align_masked_ranks_pairs_per_expert(device):
     assert counts.tolist() == [1, 0, 3]
 
 
+def test_align_kernel_equals_reference_across_blocks_and_overflow(device):
+    """P spans three of the kernel's 1024-pair blocks; m_max is below some experts' load (their extra
+    pairs are dropped, counts capped); -1 pairs are skipped."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(-1, 5, (2304,), generator=g).to(device)
+    for m_max in (2304, 300):
+        dest, counts = M.align_masked(ids, 5, m_max)
+        ref_dest, ref_counts = M.align_masked_reference(ids, 5, m_max)
+        assert torch.equal(dest.cpu(), ref_dest.cpu())
+        assert torch.equal(counts.cpu(), ref_counts.cpu())
+    assert (ref_dest == -1).sum() > (ids == -1).sum()  # the capped case really dropped pairs
+
+
 def test_masked_moe_matches_per_token_loop(device):
     x, ids, w, weights = _setup(device)
     xq, xs = Q.quant_fp8_groups(x)
