@@ -174,7 +174,8 @@ class Attention(nn.Module):
         c_kv = self.kv_a_layernorm(latent[:, : self.kv_lora_rank])
         k_pe = self.rope.apply(latent[:, self.kv_lora_rank :], cos, sin)
         kv.write(self.layer_id, out_slots, torch.cat([c_kv, k_pe], dim=-1))
-        out = step.backend.attend(q_nope, q_pe, kv.layer(self.layer_id), self.mla_weights(), step)  # [T, H, V]
+        rows = kv.layer(self.layer_id)
+        out = step.backend.attend(q_nope, q_pe, rows, self.mla_weights(), step)  # [T, H, V]
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 
 
@@ -374,7 +375,11 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, kv: KVPool, attn_mode: str = "auto", backend: AttentionBackend | None = None
+        self,
+        batch: ForwardBatch,
+        kv: KVPool,
+        attn_mode: str = "auto",
+        backend: AttentionBackend | None = None,
     ) -> torch.Tensor:
         """-> hidden [T, D] after the final norm. attn_mode "auto": absorbed iff every sequence adds 1 token.
         backend None: the device's default ("auto"). Absorbed attention over multi-token chunks exists only
