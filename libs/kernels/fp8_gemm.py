@@ -134,10 +134,16 @@ def _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, 
 
 
 def _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cfg, split_k=1):
-    from libs.kernels import fp8_gemm_sm90
+    """cfg: a `fp8_gemm_sm90.CONFIGS` entry, or ("persistent", *a `fp8_gemm_sm90_persistent.CONFIGS` entry)."""
+    from libs.kernels import fp8_gemm_sm90, fp8_gemm_sm90_persistent
 
     e, n, k = w3.shape
     a2 = a3.reshape(-1, k)  # masked: experts' row blocks stacked, addressed as e * m_max + row
+    if cfg[0] == "persistent":
+        fp8_gemm_sm90_persistent.launch(
+            a2, s3, w3.reshape(e * n, k), ws3, c3, m, n, k, counts, layout, grid_e, cfg[1:], a3.shape[1]
+        )
+        return
     fp8_gemm_sm90.launch(
         a2, s3, w3.reshape(e * n, k), ws3, c3, m, n, k, counts, tile_expert, layout, grid_e, cfg,
         a_rows_per_expert=a3.shape[1], split_k=split_k,
@@ -153,10 +159,14 @@ def _sm90_candidates(layout, a3, w3, k_blocks) -> list[tuple]:
 
     if not fp8_gemm_sm90.available(a3.device) or not (a3.is_contiguous() and w3.is_contiguous()):
         return []
-    n = w3.shape[1]
-    return [
-        c for c in fp8_gemm_sm90.CONFIGS
-        if k_blocks % c[4] == 0 and (layout == DENSE or n % c[1] == 0)
+    from libs.kernels import fp8_gemm_sm90_persistent as persistent
+
+    n, k = w3.shape[1], w3.shape[2]
+    plain = [c for c in fp8_gemm_sm90.CONFIGS if k_blocks % c[4] == 0 and (layout == DENSE or n % c[1] == 0)]
+    experts = w3.shape[0] if layout == MASKED else 1
+    return plain + [
+        ("persistent", *c) for c in persistent.CONFIGS
+        if persistent.applies(layout, experts, k, c) and (layout == DENSE or n % c[1] == 0)
     ]  # fmt: skip
 
 
