@@ -184,8 +184,19 @@ def requant_rank(rank: Rank) -> None:
         lw.rowwise = {name: RW.requant_rowwise(*wt) for name, wt in block_weights(lw).items()}
 
 
-def proj(rank: Rank, lw: Layer, name: str, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-    """One dense FP8 projection in the rank's mode; swiglu: x is [gate | up], SiLU(gate) * up is the input."""
+def norm_for_proj(rank: Rank, x: torch.Tensor, w: torch.Tensor, residual=None):
+    """RMSNorm whose output only feeds a block-scaled projection: straight to 1x128 FP8 in one kernel
+    (add_rmsnorm_quant); bf16 in row-wise mode, which quantizes per token itself."""
+    if rank.dense_fp8 == "block":
+        return fused.add_rmsnorm_quant(x, w, EPS, residual=residual)
+    return fused.add_rmsnorm(x, w, EPS, residual=residual)
+
+
+def proj(rank: Rank, lw: Layer, name: str, x, swiglu: bool = False) -> torch.Tensor:
+    """One dense FP8 projection in the rank's mode; swiglu: x is [gate | up], SiLU(gate) * up is the input;
+    x may already be (fp8, scales) from norm_for_proj."""
+    if isinstance(x, tuple):
+        return G.fp8_gemm(*x, *block_weights(lw)[name])
     if rank.dense_fp8 == "rowwise":
         return RW.linear_rowwise(x, *lw.rowwise[name], swiglu=swiglu)
     wt = block_weights(lw)[name]
@@ -199,7 +210,7 @@ def attention(rank: Rank, bt: Batch, i: int, lw: Layer, x: torch.Tensor, parts: 
     kv = rank.kv[i]
     if "other" in parts:
         qkv = proj(rank, lw, "qkv_a", x)  # [B, 2112]
-        q_c = fused.add_rmsnorm(qkv[:, :QR], lw.norms["q"], EPS)
+        q_c = norm_for_proj(rank, qkv[:, :QR], lw.norms["q"])
         c_kv = fused.add_rmsnorm(qkv[:, QR : QR + KVR], lw.norms["kv"], EPS)
         q = proj(rank, lw, "q_b", q_c).view(bt.b, HEADS, NOPE + ROPE)
         torch.bmm(q[..., :NOPE].transpose(0, 1), lw.w_uk, out=sc["q_lat"])  # [H, B, KVR]
@@ -250,7 +261,10 @@ def decode_step(rank: Rank, bt: Batch, parts: set) -> torch.Tensor:
     h = rank.embed[bt.ids]
     residual = torch.zeros_like(h)
     for i, lw in enumerate(rank.layers):
-        x = fused.add_rmsnorm(h, lw.norms["in"], EPS, residual=residual)
+        if "other" in parts:  # the attention input feeds only the fused q_a/kv_a projection
+            x = norm_for_proj(rank, h, lw.norms["in"], residual=residual)
+        else:  # part-only graphs pass the hidden state through in bf16
+            x = fused.add_rmsnorm(h, lw.norms["in"], EPS, residual=residual)
         h = attention(rank, bt, i, lw, x, parts)
         h = h if h is not None else x
         x = fused.add_rmsnorm(h, lw.norms["post"], EPS, residual=residual)
@@ -413,7 +427,11 @@ def run_batch(rank: Rank, b: int, a, env: dict, world: int) -> list[dict]:
     bt = make_batch(rank, b, a.ctx, a.gen, a.ctx + a.gen)
     attn_err = check_attention(rank, bt)
     if a.profile == b:
-        profile_step(rank, bt, Path(os.environ.get("OUT") or "bench/results") / f"profile-b{b}-{a.attn}-{rank.dense_fp8}.txt")
+        profile_step(
+            rank,
+            bt,
+            Path(os.environ.get("OUT") or "bench/results") / f"profile-b{b}-{a.attn}-{rank.dense_fp8}.txt",
+        )
     times = {}
     for name, parts in [("full", {"attn", "moe", "other"}), ("attention", {"attn"}), ("moe", {"moe"})]:
         g = capture(rank, bt, parts)

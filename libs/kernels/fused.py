@@ -1,5 +1,6 @@
 """Small fused kernels of the decode step that would otherwise be many tiny launches per layer:
-residual add + RMSNorm, and MLA's RoPE + latent-row write into the paged KV cache.
+residual add + RMSNorm (alone or straight into 1x128 FP8), and MLA's RoPE + latent-row write into the
+paged KV cache.
 
 RoPE follows DeepSeek-V3's interleaved convention as transformers applies it: input pairs
 (x[2i], x[2i+1]) rotate by position * inv_freq[i], and the output is laid out de-interleaved
@@ -50,6 +51,52 @@ def add_rmsnorm_reference(x, weight, eps, residual=None):
     if residual is not None:
         residual.copy_(xf.to(residual.dtype))
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+@triton.jit
+def _add_rmsnorm_quant_kernel(
+    X, R, W, XQ, XS, N, eps, stride_x, stride_r, stride_q, stride_s,
+    HAS_RES: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_SIZE: tl.constexpr, FMAX: tl.constexpr,
+):  # fmt: skip
+    """The row as [groups, 128]: the norm reduces over both axes, the FP8 scale over each group."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, GROUPS_POW2)
+    offs = g[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(R + row * stride_r + offs, x.to(R.dtype.element_ty), mask=mask)
+    var = tl.sum(tl.sum(x * x, 1), 0) / N
+    y = x * tl.rsqrt(var + eps) * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), 1), 1e-10) / FMAX
+    tl.store(XQ + row * stride_q + offs, (y / scale[:, None]).to(XQ.dtype.element_ty), mask=mask)
+    tl.store(XS + row * stride_s + g, scale, mask=g * GROUP_SIZE < N)
+
+
+def add_rmsnorm_quant(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+):
+    """add_rmsnorm straight into DeepSeek's 1x128 FP8 activation format for the next projection, one
+    launch instead of two (the normalized row is quantized from fp32, never rounded to bf16 between):
+    x [T, N] -> (xq [T, N] float8_e4m3fn, xs [T, N/128] float32); residual updated in place as there."""
+    from libs.kernels.fp8_gemm import FP8, FP8_MAX, GROUP
+
+    t, n = x.shape
+    if x.stride(-1) != 1 or n % GROUP or (residual is not None and residual.shape != x.shape):
+        raise ValueError(
+            f"add_rmsnorm_quant needs [T, N] rows (N a multiple of {GROUP}) with a contiguous last dim and a "
+            "same-shape residual"
+        )
+    xq = torch.empty(t, n, dtype=FP8, device=x.device)
+    xs = torch.empty(t, n // GROUP, dtype=torch.float32, device=x.device)
+    r = residual if residual is not None else x
+    _add_rmsnorm_quant_kernel[(t,)](
+        x, r, weight, xq, xs, n, eps, x.stride(0), r.stride(0), xq.stride(0), xs.stride(0),
+        HAS_RES=residual is not None, GROUPS_POW2=triton.next_power_of_2(n // GROUP), GROUP_SIZE=GROUP,
+        FMAX=FP8_MAX, num_warps=8 if n > 2048 else 4,
+    )  # fmt: skip
+    return xq, xs
 
 
 @triton.jit

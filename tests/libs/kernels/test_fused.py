@@ -24,6 +24,28 @@ def test_add_rmsnorm_updates_residual(device):
     )
 
 
+def test_add_rmsnorm_quant_equals_norm_then_quantize(device):
+    """Same residual update as add_rmsnorm; the FP8 row dequantizes to the fp32 norm within e4m3's
+    rounding, and each 128-group's scale is its amax / 448."""
+    from libs.kernels.quant import quant_fp8_groups_reference
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 384, generator=g).to(device)
+    w = (1 + 0.1 * torch.randn(384, generator=g)).to(device)
+    res, res2 = torch.randn(6, 384, generator=g).to(device), None
+    res2 = res.clone()
+    xq, xs = F.add_rmsnorm_quant(x, w, 1e-6, residual=res)
+    xf = x.float() + res2.float()
+    ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+    torch.testing.assert_close(res, xf.to(res.dtype))
+    rq, rs = quant_fp8_groups_reference(ref)
+    torch.testing.assert_close(xs, rs, rtol=1e-5, atol=1e-7)
+    deq = (xq.float().view(6, 3, 128) * xs[..., None]).view(6, 384)
+    assert ((deq - ref).norm() / ref.norm()).item() < 3e-2
+    with pytest.raises(ValueError, match="multiple of 128"):
+        F.add_rmsnorm_quant(x[:, :100].contiguous(), w[:100], 1e-6)
+
+
 def test_rope_and_kv_write(device):
     t, h = 3, 4
     cs = F.rope_cos_sin(64, device=device)
