@@ -314,6 +314,12 @@ class MoE(nn.Module):
         y = self.experts(x, ids, weights) if self.ep is None else self.ep(x, ids, weights)
         return y + self.shared_experts(x) if self.shared_experts is not None else y
 
+    @property
+    def graph_safe(self) -> bool:
+        """Decode can be captured in a CUDA graph: FP8 experts take the masked layout (no host sync) under
+        capture; the dense-weight path counts each expert's tokens on the host."""
+        return self.experts.is_fp8 and self.ep is None
+
     def _forward_fp8(self, x: torch.Tensor) -> torch.Tensor:
         """Fused router, then the grouped FP8 experts with the shared expert's output added in their combine."""
         if self.ep is not None:

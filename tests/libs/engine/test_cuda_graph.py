@@ -86,18 +86,19 @@ def moe_model(tmp_path_factory):
 
 
 def test_graph_safety_needs_every_moe_to_say_so(moe_model):
-    moes = [m for m in moe_model.modules() if isinstance(m, MoE)]
-    assert moes and not moe_model.graph_safe_decode()  # plain experts read counts on the host
-    try:
-        for m in moes:
-            m.graph_safe = True  # type: ignore[attr-defined]
-        assert moe_model.graph_safe_decode()
-        moes[0].ep = lambda x, ids, w: x
-        assert not moe_model.graph_safe_decode()  # expert parallel collectives are not captured
-    finally:
-        for m in moes:
-            m.__dict__.pop("graph_safe", None)
-            m.ep = None
+    import copy
+
+    assert not moe_model.graph_safe_decode()  # dense-weight experts count each expert's tokens on the host
+    model = copy.deepcopy(moe_model)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert moes
+    moes[0].experts.to_fp8()
+    assert not model.graph_safe_decode()  # every MoE must be safe
+    for m in moes[1:]:
+        m.experts.to_fp8()
+    assert model.graph_safe_decode()  # FP8 experts: masked layout, no host sync
+    moes[0].ep = lambda x, ids, w: x
+    assert not model.graph_safe_decode()  # expert parallel collectives are not captured
     assert not decode_graphs_supported(moe_model, "auto")  # CPU
 
 
