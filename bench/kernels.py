@@ -194,21 +194,6 @@ def sm90_variants(xq, xs, w, ws, counts, out) -> dict:
             G._launch_sm90(xq[:1], xs[:1], w[:1], ws[:1], dense_out[None], m, xs, xs, G.DENSE, 1, cfg),
             dense_out,
         )[1]
-    from libs.kernels import fp8_gemm_sm90_persistent as P
-
-    for cfg in P.CONFIGS:
-        if not P.applies(G.MASKED, e, k, cfg):
-            continue
-        tag = "-".join(map(str, cfg))
-        variants[f"sm90-masked-persistent-{tag}"] = lambda cfg=cfg: G._launch_sm90(
-            xq, xs, w, ws, out, m, counts, counts, G.MASKED, e, ("persistent", *cfg)
-        )
-        variants[f"sm90-dense-persistent-{tag}"] = lambda cfg=cfg: (
-            G._launch_sm90(
-                xq[:1], xs[:1], w[:1], ws[:1], dense_out[None], m, xs, xs, G.DENSE, 1, ("persistent", *cfg)
-            ),
-            dense_out,
-        )[1]
     return variants
 
 

@@ -47,11 +47,11 @@ def _fp8_gemm_body(
     pid_n = pid // num_m
     expert = 0
     rows = M
-    if LAYOUT == 1:
-        expert = tl.program_id(1)
+    if LAYOUT == 1:  # int64: a whole layer's stacked experts pass 2**31 bytes (256 x 4096 x 7168 fp8)
+        expert = tl.program_id(1).to(tl.int64)
         rows = tl.load(COUNTS + expert)
     if LAYOUT == 2:
-        expert = tl.load(TILE_EXPERT + pid_m)
+        expert = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if (pid_m * BLOCK_M < rows) & (expert >= 0):
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,16 +134,11 @@ def _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, 
 
 
 def _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cfg, split_k=1):
-    """cfg: a `fp8_gemm_sm90.CONFIGS` entry, or ("persistent", *a `fp8_gemm_sm90_persistent.CONFIGS` entry)."""
-    from libs.kernels import fp8_gemm_sm90, fp8_gemm_sm90_persistent
+    """cfg: a `fp8_gemm_sm90.CONFIGS` entry."""
+    from libs.kernels import fp8_gemm_sm90
 
     e, n, k = w3.shape
     a2 = a3.reshape(-1, k)  # masked: experts' row blocks stacked, addressed as e * m_max + row
-    if cfg[0] == "persistent":
-        fp8_gemm_sm90_persistent.launch(
-            a2, s3, w3.reshape(e * n, k), ws3, c3, m, n, k, counts, layout, grid_e, cfg[1:], a3.shape[1]
-        )
-        return
     fp8_gemm_sm90.launch(
         a2, s3, w3.reshape(e * n, k), ws3, c3, m, n, k, counts, tile_expert, layout, grid_e, cfg,
         a_rows_per_expert=a3.shape[1], split_k=split_k,
@@ -159,15 +154,8 @@ def _sm90_candidates(layout, a3, w3, k_blocks) -> list[tuple]:
 
     if not fp8_gemm_sm90.available(a3.device) or not (a3.is_contiguous() and w3.is_contiguous()):
         return []
-    from libs.kernels import fp8_gemm_sm90_persistent as persistent
-
-    n, k = w3.shape[1], w3.shape[2]
-    plain = [c for c in fp8_gemm_sm90.CONFIGS if k_blocks % c[4] == 0 and (layout == DENSE or n % c[1] == 0)]
-    experts = w3.shape[0] if layout == MASKED else 1
-    return plain + [
-        ("persistent", *c) for c in persistent.CONFIGS
-        if persistent.applies(layout, experts, k, c) and (layout == DENSE or n % c[1] == 0)
-    ]  # fmt: skip
+    n = w3.shape[1]
+    return [c for c in fp8_gemm_sm90.CONFIGS if k_blocks % c[4] == 0 and (layout == DENSE or n % c[1] == 0)]
 
 
 def _choose(layout, a3, s3, w3, ws3, c3, m, counts, tile_expert, grid_e):

@@ -11,7 +11,6 @@ pytest.importorskip("triton.experimental.gluon")
 
 from libs.kernels import fp8_gemm as G  # noqa: E402
 from libs.kernels import fp8_gemm_sm90 as S  # noqa: E402
-from libs.kernels import fp8_gemm_sm90_persistent as P  # noqa: E402
 from libs.kernels.quant import quant_fp8_groups  # noqa: E402
 
 from .conftest import HAS_CUDA  # noqa: E402
@@ -51,51 +50,6 @@ def test_every_config_compiles_for_sm90_with_async_mma(cfg):
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
         if cfg[4] > 1:  # overlapped promotion: an MMA stays in flight while the previous one is promoted
             assert "wgmma.wait_group.sync.aligned 1;" in ptx
-
-
-def _compile_persistent(cfg, layout, experts=5):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    bm, bn, warps, buffers, unroll = cfg
-    sig = {
-        "a_desc": f"tensordesc<fp8e4nv[{bm}, 128],{S._shared_layout([bm, 128])!r}>",
-        "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{S._shared_layout([bn, 128])!r}>",
-        "c_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32", "counts_ptr": "*i32",
-    }  # fmt: skip
-    for name in ["M", "N", "K", "a_rows_per_expert", "stride_ce", "stride_cm", "stride_se", "stride_sm",
-                 "stride_sk", "stride_bse", "stride_bsn", "stride_bsk"]:  # fmt: skip
-        sig[name] = "i32"
-    const = dict(
-        LAYOUT=layout, E=experts, E_POW2=triton.next_power_of_2(max(experts, 2)), BLOCK_M=bm, BLOCK_N=bn,
-        NUM_BUFFERS=buffers, UNROLL=unroll, num_warps=warps,
-    )  # fmt: skip
-    sig.update(dict.fromkeys(const, "constexpr"))
-    names = list(sig)
-    src = GluonASTSource(P._fp8_gemm_persistent_kernel, sig, {(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-
-
-def test_persistent_configs_compile_for_sm90():
-    """In a subprocess without TRITON_INTERPRET: under the interpreter (set for CPU runs by conftest) the
-    scan's combine function is an interpreted object the compiler cannot reference."""
-    import os
-    import subprocess
-    import sys
-
-    code = (
-        "from tests.libs.kernels.test_fp8_gemm_sm90 import _compile_persistent, P, S\n"
-        "for cfg in P.CONFIGS:\n"
-        "    for layout, experts in [(S.DENSE, 1), (S.MASKED, 5), (S.MASKED, 32)]:\n"
-        "        ptx = _compile_persistent(cfg, layout, experts).asm['ptx']\n"
-        "        assert 'wgmma.wait_group.sync.aligned 1;' in ptx and 'cp.async.bulk.tensor' in ptx, cfg\n"
-        "print('compiled', len(P.CONFIGS))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"compiled {len(P.CONFIGS)}" in done.stdout
 
 
 def _weights(e, n, k, device, seed=0):
@@ -188,34 +142,3 @@ def test_public_entry_points_pick_a_kernel_and_stay_correct():
         out = G.fp8_gemm(xq, xs, w[0], ws[0])
         assert _rel(out, G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
     assert any(key[0] == G.DENSE for key in G._KERNEL_CHOICE)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
-@pytest.mark.parametrize("cfg", P.CONFIGS, ids=str)
-def test_persistent_masked_walks_only_rows_that_exist(cfg):
-    """Experts with 0, 1, a ragged and a full M_max rows; rows past each count stay untouched."""
-    e, m_max, n, k = 5, 512, 4096, 2048
-    xq, xs = _acts((e, m_max, k), "cuda")
-    w, ws = _weights(e, n, k, "cuda")
-    counts = torch.tensor([0, 1, 130, 512, 64], dtype=torch.int32, device="cuda")
-    out = torch.full((e, m_max, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    G._launch_sm90(xq, xs, w, ws, out, m_max, counts, counts, S.MASKED, e, ("persistent", *cfg))
-    for i, c in enumerate(counts.tolist()):
-        assert out[i, c:].isnan().all()
-        if c:
-            assert _rel(out[i, :c], G.fp8_gemm_reference(xq[i, :c], xs[i, :c], w[i], ws[i])) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
-@pytest.mark.parametrize("cfg", P.CONFIGS, ids=str)
-@pytest.mark.parametrize("m,n,k", [(256, 2112, 7168), (100, 7168, 2048), (512, 1536, 512)])
-def test_persistent_dense(cfg, m, n, k):
-    if (k // 128) % cfg[4]:
-        pytest.skip("K blocks not a multiple of the unroll")
-    xq, xs = _acts((m, k), "cuda")
-    w, ws = _weights(1, n, k, "cuda")
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    G._launch_sm90(xq[None], xs[None], w, ws, out[None], m, xs, xs, S.DENSE, 1, ("persistent", *cfg))
-    assert _rel(out, G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
