@@ -1,5 +1,6 @@
-"""The engine's absorbed-decode hook on a GPU: libs.engine's mla_absorbed routed through the Triton
-kernel must equal its own expanded (torch SDPA) form on the same paged pool."""
+"""MLA's two torch forms on a GPU in bf16: the absorbed (latent-space) decode must equal the expanded
+(SDPA) form on the same paged pool. The Triton and FlashInfer backends are checked against these in
+tests/libs/engine/test_cuda_graph.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from .conftest import HAS_CUDA
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_absorbed_decode_hook_matches_expanded():
+def test_absorbed_decode_matches_expanded_on_gpu():
     from libs.engine.forward_batch import ForwardBatch
     from libs.engine.layers.mla import AttentionMetadata, mla_absorbed, mla_expanded
 
