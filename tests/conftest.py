@@ -10,9 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.libs.kernels.conftest import HAS_CUDA  # noqa: F401  (the import sets the interpreter up)
-
 from libs.natsd import start_nats_server
+from tests.libs.kernels.conftest import HAS_CUDA  # noqa: F401  (the import sets the interpreter up)
 
 
 @pytest.fixture(scope="session")
