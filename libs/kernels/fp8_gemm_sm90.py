@@ -94,9 +94,9 @@ def _promote(acc, part, scale, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _store_tile(c_ptr, acc, offs_m, offs_n, m_ok, N, expert, stride_ce, stride_cm, LAYOUT: gl.constexpr,
                 SPLIT_K: gl.constexpr):  # fmt: skip
-    c_row = offs_m * stride_cm
+    c_row = offs_m.to(gl.int64) * stride_cm  # int64: [E, M_max, N] outputs can pass 2**31 elements
     if LAYOUT == 1:
-        c_row += expert * stride_ce
+        c_row += expert.to(gl.int64) * stride_ce
     c_ptrs = c_ptr + c_row[:, None] + offs_n[None, :]
     mask = m_ok[:, None] & (offs_n < N)[None, :]
     if SPLIT_K > 1:
@@ -283,9 +283,9 @@ def _fp8_gemm_sm90_kernel(
         for s in gl.static_range(NUM_BUFFERS):
             mbarrier.invalidate(bars.index(s))
 
-        c_row = offs_m * stride_cm
+        c_row = offs_m.to(gl.int64) * stride_cm
         if LAYOUT == 1:
-            c_row += expert * stride_ce
+            c_row += expert.to(gl.int64) * stride_ce
         c_ptrs = c_ptr + c_row[:, None] + offs_n[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K > 1:
