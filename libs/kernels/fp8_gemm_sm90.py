@@ -92,6 +92,23 @@ def _promote(acc, part, scale, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _tile_origin(expert, off_m, off_n, N, K, a_rows_per_expert, LAYOUT: gl.constexpr, SPLIT_K: gl.constexpr):
+    """TMA row of the tile's A rows (experts' row blocks stacked for MASKED) and of its weight rows (experts'
+    [N, K] weights stacked), and the K blocks this program sums: all of them, or its slice under split-K
+    (slices meet in C, fp32, by atomic adds)."""
+    a_row = off_m
+    if LAYOUT == 1:
+        a_row = expert * a_rows_per_expert + off_m
+    n_kb = gl.cdiv(K, 128)
+    kb0 = 0
+    if SPLIT_K > 1:
+        per = gl.cdiv(n_kb, SPLIT_K)
+        kb0 = gl.program_id(2) * per
+        n_kb = gl.minimum(per, n_kb - kb0)
+    return a_row, expert * N + off_n, kb0, n_kb
+
+
+@gluon.jit
 def _store_tile(c_ptr, acc, offs_m, offs_n, m_ok, N, expert, stride_ce, stride_cm, LAYOUT: gl.constexpr,
                 SPLIT_K: gl.constexpr):  # fmt: skip
     c_row = offs_m.to(gl.int64) * stride_cm  # int64: [E, M_max, N] outputs can pass 2**31 elements
@@ -120,16 +137,7 @@ def _tile_two_halves(
     col_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * 256
-    a_row = off_m
-    if LAYOUT == 1:
-        a_row = expert * a_rows_per_expert + off_m
-    b_row = expert * N + off_n
-    n_kb = gl.cdiv(K, 128)
-    kb0 = 0
-    if SPLIT_K > 1:
-        per = gl.cdiv(n_kb, SPLIT_K)
-        kb0 = gl.program_id(2) * per
-        n_kb = gl.minimum(per, n_kb - kb0)
+    a_row, b_row, kb0, n_kb = _tile_origin(expert, off_m, off_n, N, K, a_rows_per_expert, LAYOUT, SPLIT_K)
     offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_l)
     offs_n = off_n + gl.arange(0, 128, layout=col_l)
     m_ok = offs_m < rows
@@ -204,17 +212,7 @@ def _fp8_gemm_sm90_kernel(
         col_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        a_row = off_m
-        if LAYOUT == 1:
-            a_row = expert * a_rows_per_expert + off_m
-        b_row = expert * N + off_n
-
-        n_kb = gl.cdiv(K, 128)
-        kb0 = 0
-        if SPLIT_K > 1:  # this program sums one slice of K; slices meet in C (fp32) by atomic adds
-            per = gl.cdiv(n_kb, SPLIT_K)
-            kb0 = gl.program_id(2) * per
-            n_kb = gl.minimum(per, n_kb - kb0)
+        a_row, b_row, kb0, n_kb = _tile_origin(expert, off_m, off_n, N, K, a_rows_per_expert, LAYOUT, SPLIT_K)
 
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_l)
         offs_n = off_n + gl.arange(0, BLOCK_N, layout=col_l)

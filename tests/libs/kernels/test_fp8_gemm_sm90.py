@@ -11,9 +11,9 @@ pytest.importorskip("triton.experimental.gluon")
 
 from libs.kernels import fp8_gemm as G  # noqa: E402
 from libs.kernels import fp8_gemm_sm90 as S  # noqa: E402
-from libs.kernels.quant import quant_fp8_groups  # noqa: E402
 
 from .conftest import HAS_CUDA  # noqa: E402
+from .test_fp8_gemm import _acts, _rel, _weights  # noqa: E402
 
 IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 
@@ -50,22 +50,6 @@ def test_every_config_compiles_for_sm90_with_async_mma(cfg):
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
         if cfg[4] > 1:  # overlapped promotion: an MMA stays in flight while the previous one is promoted
             assert "wgmma.wait_group.sync.aligned 1;" in ptx
-
-
-def _weights(e, n, k, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(e, n, k, generator=g) * 2).to(G.FP8)
-    ws = torch.rand(e, -(-n // 128), k // 128, generator=g) * 0.02 + 0.005
-    return w.to(device), ws.to(device)
-
-
-def _acts(shape, device, seed=1):
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(device)
-    return quant_fp8_groups(x)
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.gpu
