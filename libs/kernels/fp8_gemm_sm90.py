@@ -281,18 +281,10 @@ def _fp8_gemm_sm90_kernel(
         for s in gl.static_range(NUM_BUFFERS):
             mbarrier.invalidate(bars.index(s))
 
-        c_row = offs_m.to(gl.int64) * stride_cm
-        if LAYOUT == 1:
-            c_row += expert.to(gl.int64) * stride_ce
-        c_ptrs = c_ptr + c_row[:, None] + offs_n[None, :]
-        mask = m_ok[:, None] & n_ok[None, :]
-        if SPLIT_K > 1:
-            gl.atomic_add(c_ptrs, acc, mask=mask, sem="relaxed")
-        else:
-            gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        _store_tile(c_ptr, acc, offs_m, offs_n, m_ok, N, expert, stride_ce, stride_cm, LAYOUT, SPLIT_K)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, NUM_BUFFERS, UNROLL): the candidates `pick_config` times per shape; UNROLL
+# (BLOCK_M, BLOCK_N, num_warps, NUM_BUFFERS, UNROLL): the candidates `fp8_gemm._choose` times per shape; UNROLL
 # > 1 overlaps promotion with the next MMA in groups of that many K blocks (K/128 must divide by it), 1 waits
 # for each block's MMA before promoting it (overlap then comes only from a second CTA on the SM)
 CONFIGS = [
