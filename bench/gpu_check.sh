@@ -21,6 +21,7 @@ done
 [ "${1:-}" = quick ] && exit 0
 timeout 300 python3 -m bench.decode_rank --batch 256,512 --attn flashinfer --dense-fp8 block,rowwise 2>&1 \
   | grep -E "^\[" | tee -a "$summary"
-cp bench/results/decode_rank-w1-flashinfer-block-rowwise-2*.json "$OUT"/ 2>/dev/null
+newest=$(ls -t bench/results/decode_rank-w1-flashinfer-block-rowwise-2*.json 2>/dev/null | head -1)
+[ -n "$newest" ] && cp "$newest" "$OUT"/
 timeout 240 python3 -m bench.kernels --skip-mla > "$OUT/kernels.log" 2>&1
 grep -E "masked-autotuned|sm90-masked-128-128-8-4-4|choices" "$OUT/kernels.log" | cut -c1-160 | tee -a "$summary"

@@ -11,6 +11,10 @@ Three layouts share one kernel body:
   each row tile in `tile_expert` (-1 for an empty tile).
 Program order keeps the row tiles of one column tile adjacent, so a weight tile read from HBM is reused
 from L2 by every row tile of its expert: for decode the weights are the bytes that matter.
+
+On SM90 the public entry points also consider `fp8_gemm_sm90`'s Gluon WGMMA kernel: the first call of a
+shape times the Triton kernel, the Gluon configs and (dense) split-K from CUDA-graph replays and keeps the
+fastest (`_choose`, `_measured_split`); later calls, and CUDA-graph captures after a warm-up, reuse it.
 """
 
 from __future__ import annotations
@@ -217,10 +221,10 @@ _SPLIT_CHOICE: dict[tuple[int, int, int], int] = {}
 
 
 def _measured_split(xq, xs, w, w_s, out) -> int:
-    """Split-K helps some decode shapes and hurts others (atomics, zero-fill, cast); time no split and a
-    few splits near `split_k_for`'s once per shape on first use (never during graph capture: callers warm
-    up first) and keep the fastest. Splits that divide the K blocks evenly come first: the Gluon kernel
-    needs them."""
+    """Split-K helps some decode shapes and hurts others (atomics, zero-fill, cast); time no split,
+    `split_k_for`'s split and the splits up to twice it that divide the K blocks evenly (the only ones the
+    Gluon kernel takes) once per shape on first use (never during graph capture: callers warm up first),
+    and keep the fastest."""
     m, k = xq.shape
     key = (m, w.shape[0], k)
     if key not in _SPLIT_CHOICE:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from libs.kernels.fp8_gemm import FP8, FP8_MAX, GROUP
+
 
 @triton.jit
 def _add_rmsnorm_kernel(
@@ -80,8 +82,6 @@ def add_rmsnorm_quant(
     """add_rmsnorm straight into DeepSeek's 1x128 FP8 activation format for the next projection, one
     launch instead of two (the normalized row is quantized from fp32, never rounded to bf16 between):
     x [T, N] -> (xq [T, N] float8_e4m3fn, xs [T, N/128] float32); residual updated in place as there."""
-    from libs.kernels.fp8_gemm import FP8, FP8_MAX, GROUP
-
     t, n = x.shape
     if x.stride(-1) != 1 or n % GROUP or (residual is not None and residual.shape != x.shape):
         raise ValueError(

@@ -117,9 +117,12 @@ def align_masked(local_ids: torch.Tensor, num_experts: int, m_max: int) -> tuple
     p = local_ids.numel()
     dest = torch.empty(p, dtype=torch.int64, device=local_ids.device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=local_ids.device)
+    e_pow2 = triton.next_power_of_2(max(num_experts, 2))
+    block = max(
+        32, min(1024, 16384 // e_pow2)
+    )  # the one-hot tile stays <= 16K entries (256 experts: 64 pairs)
     _align_kernel[(1,)](
-        local_ids.contiguous(), dest, counts, p, m_max, E=num_experts,
-        E_POW2=triton.next_power_of_2(max(num_experts, 2)), BLOCK=1024, num_warps=8,
+        local_ids.contiguous(), dest, counts, p, m_max, E=num_experts, E_POW2=e_pow2, BLOCK=block, num_warps=8,
     )  # fmt: skip
     return dest, counts
 

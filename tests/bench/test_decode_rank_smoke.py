@@ -23,7 +23,6 @@ def test_decode_step_runs_every_op_at_toy_size(monkeypatch):
     torch.manual_seed(0)
     rank = R.build_rank(max_b=2, max_ctx=80, local_experts=4, mla_cfg=MLAConfig())
     bt = R.make_batch(rank, 2, ctx=64, gen=8, max_ctx=80)
-    for mode in ("block",):
-        rank.dense_fp8 = mode
-        nxt = R.decode_step(rank, bt, {"attn", "moe", "other"})
-        assert nxt.shape == (2,) and int(nxt.min()) >= 0 and int(nxt.max()) < 500
+    rank.dense_fp8 = "block"  # row-wise needs torch._scaled_mm, CUDA only
+    nxt = R.decode_step(rank, bt, {"attn", "moe", "other"})
+    assert nxt.shape == (2,) and int(nxt.min()) >= 0 and int(nxt.max()) < 500

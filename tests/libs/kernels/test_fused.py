@@ -32,7 +32,7 @@ def test_add_rmsnorm_quant_equals_norm_then_quantize(device):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(6, 384, generator=g).to(device)
     w = (1 + 0.1 * torch.randn(384, generator=g)).to(device)
-    res, res2 = torch.randn(6, 384, generator=g).to(device), None
+    res = torch.randn(6, 384, generator=g).to(device)
     res2 = res.clone()
     xq, xs = F.add_rmsnorm_quant(x, w, 1e-6, residual=res)
     xf = x.float() + res2.float()
