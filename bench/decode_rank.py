@@ -7,10 +7,12 @@ DP-attention batch, with random FP8 weights, timed with CUDA graphs.
 What the step does (every layer, as a real engine step): embedding; fused residual-add + RMSNorm;
 fused q_a/kv_a FP8 projection; q/kv latent norms; q_b projection; absorbed W_UK (bf16 bmm); RoPE
 on q_pe/k_pe with the new latent row written into the paged KV cache; Triton MLA decode over the
-pages; W_UV bmm; o_proj; then the dense MLP (first 3 layers) or the MoE: bf16 router GEMM, fused
-noaux_tc top-8 routing, shared expert, 1x128 FP8 quantization, token permutation into the masked
+pages; W_UV bmm; o_proj (its input quantized straight from the per-head bmm output); then the dense MLP
+(first 3 layers) or the MoE: bf16 router GEMM, fused noaux_tc top-8 routing (which also appends the
+shared expert as a 9th pair), 1x128 FP8 quantization, token permutation into the masked
 [local experts, M_max, D] layout (the copy an EP dispatch lands), grouped FP8 gate/up, fused
-SwiGLU+quant, grouped FP8 down, weighted combine; final norm, LM head, Gumbel-max sampling.
+SwiGLU+quant, grouped FP8 down, weighted combine; final norm, LM head, one-pass Gumbel-max sampling
+(temperature 0.7, libs.kernels.sampling).
 
 EP-72 with 288 physical experts: 4 local experts; a balanced deployment sends this rank 8*B token-
 expert pairs per MoE layer (the rank's own B tokens x top-8, mapped onto its 4 experts, stand in
@@ -46,7 +48,7 @@ from bench.harness import environment, graph_ms, write_results
 from bench.roofline import decode_step_bound
 from libs.kernels import fp8_gemm as G
 from libs.kernels import fp8_rowwise as RW
-from libs.kernels import fused, moe_ops, quant, routing
+from libs.kernels import fused, moe_ops, quant, routing, sampling
 from libs.kernels.mla_decode import MLAConfig, choose_num_splits, mla_decode
 
 D, QR, KVR, NOPE, ROPE, VD, HEADS = 7168, 1536, 512, 128, 64, 128, 128
@@ -154,8 +156,8 @@ def make_batch(rank: Rank, b: int, ctx: int, gen: int, max_ctx: int, gen_seed: i
     bt.scratch["o_lat"] = torch.zeros(b, HEADS, KVR, device=DEV, dtype=torch.bfloat16)
     bt.scratch["q_lat"] = torch.randn(HEADS, b, KVR, device=DEV, dtype=torch.bfloat16)
     e = rank.local_experts + (1 if rank.fuse_shared else 0)
-    bt.scratch["shared_id"] = torch.full((b, 1), rank.local_experts, device=DEV, dtype=torch.int32)
-    bt.scratch["ones"] = torch.ones(b, 1, device=DEV)
+    bt.scratch["temperature"] = torch.full((b,), 0.7, device=DEV)
+    bt.scratch["seed"] = torch.arange(b, device=DEV)
     bt.scratch["bq"] = torch.zeros(e, bt.m_max, D, device=DEV, dtype=G.FP8)
     bt.scratch["bs"] = torch.ones(e, bt.m_max, D // 128, device=DEV)
     bt.scratch["next"] = torch.empty(b, device=DEV, dtype=torch.long)
@@ -223,21 +225,25 @@ def attention(rank: Rank, bt: Batch, i: int, lw: Layer, x: torch.Tensor, parts: 
         mla_decode(sc["q_lat"].transpose(0, 1), kv, bt.table, bt.seq_lens, PAGE, SM_SCALE, num_splits=bt.num_splits,
                    cfg=rank.mla_cfg, out=sc["o_lat"], q_rope=sc["q_rope"])  # fmt: skip
     if "other" in parts:
-        o = torch.bmm(sc["o_lat"].transpose(0, 1), lw.w_uv)  # [H, B, VD]
-        return proj(rank, lw, "o_proj", o.transpose(0, 1).reshape(bt.b, HEADS * VD))
+        o = torch.bmm(sc["o_lat"].transpose(0, 1), lw.w_uv).transpose(0, 1)  # [B, H, VD] view of [H, B, VD]
+        if rank.dense_fp8 == "block":  # quantized and gathered into token rows in one pass, no copy
+            return proj(rank, lw, "o_proj", quant.quant_fp8_heads(o))
+        return proj(rank, lw, "o_proj", o.reshape(bt.b, HEADS * VD))
     return None
 
 
 def moe(rank: Rank, bt: Batch, lw: Layer, x: torch.Tensor) -> torch.Tensor:
     sc, m = bt.scratch, lw.moe
-    logits = torch.mm(x, m["gate_t"]).float()
-    weights, ids = routing.route(logits, m["bias"], TOPK, N_GROUP, TOPK_GROUP, SCALING)
-    local = ids % rank.local_experts  # stands in for the pairs other ranks send here
+    logits = torch.mm(x, m["gate_t"])  # bf16: the routing kernel reads it in fp32
     shared = None
     if rank.fuse_shared:  # the shared expert is one more local expert that every token visits, weight 1
-        local = torch.cat([local, sc["shared_id"]], 1)
-        weights = torch.cat([weights, sc["ones"]], 1)
+        weights, local = routing.route(
+            logits, m["bias"], TOPK, N_GROUP, TOPK_GROUP, SCALING, shared_expert=rank.local_experts
+        )
+        local[:, :TOPK] %= rank.local_experts  # stands in for the pairs other ranks send here
     else:
+        weights, ids = routing.route(logits, m["bias"], TOPK, N_GROUP, TOPK_GROUP, SCALING)
+        local = ids % rank.local_experts
         shared = proj(rank, lw, "shared_down", proj(rank, lw, "shared_gate_up", x), swiglu=True)
     dest, counts = moe_ops.align_masked(local.view(-1), sc["bq"].shape[0], bt.m_max)
     moe_ops.dispatch_quant(x, dest, sc["bq"], sc["bs"])  # quantize once, land in the masked layout
@@ -272,9 +278,9 @@ def decode_step(rank: Rank, bt: Batch, parts: set) -> torch.Tensor:
         h = h if h is not None else x
     if "other" in parts:
         x = fused.add_rmsnorm(h, rank.final_norm, EPS, residual=residual)
-        logits = F.linear(x, rank.head).float()  # [B, V]
-        gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp_(1e-10, 1.0)))
-        torch.argmax(logits / 0.7 + gumbel, -1, out=bt.scratch["next"])
+        logits = F.linear(x, rank.head)  # [B, V] bf16
+        sc = bt.scratch
+        sampling.gumbel_sample(logits, sc["temperature"], sc["seed"], bt.positions, out=sc["next"])
     return bt.scratch["next"]
 
 

@@ -103,42 +103,48 @@ def add_rmsnorm_quant(
 def _rope_kv_kernel(
     QPE, QOUT, KPE, CKV, KV, POS, SLOTS, COS_SIN,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_cb, stride_kv, stride_cs,
-    H: tl.constexpr, HALF: tl.constexpr, D_LAT: tl.constexpr,
+    BLOCK_H: tl.constexpr, HALF: tl.constexpr, D_LAT: tl.constexpr,
 ):  # fmt: skip
+    """Program (token b, head block): rotates BLOCK_H heads of q; the first head block also writes the
+    token's cache row. Pairs are loaded as whole contiguous rows and split in registers."""
     b = tl.program_id(0)
+    hb = tl.program_id(1)
     pos = tl.load(POS + b)
     i = tl.arange(0, HALF)
     cos = tl.load(COS_SIN + pos * stride_cs + i)
     sin = tl.load(COS_SIN + pos * stride_cs + HALF + i)
-    h = tl.arange(0, H)
-    q = QPE + b * stride_qb + h[:, None] * stride_qh + 2 * i[None, :]
-    q0 = tl.load(q).to(tl.float32)
-    q1 = tl.load(q + 1).to(tl.float32)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, 2 * HALF)
+    q = tl.load(QPE + b * stride_qb + h[:, None] * stride_qh + d[None, :]).to(tl.float32)
+    q0, q1 = tl.split(tl.reshape(q, [BLOCK_H, HALF, 2]))  # interleaved pairs (x[2i], x[2i+1])
     o = QOUT + b * stride_ob + h[:, None] * stride_oh + i[None, :]
     tl.store(o, (q0 * cos - q1 * sin).to(QOUT.dtype.element_ty))
     tl.store(o + HALF, (q0 * sin + q1 * cos).to(QOUT.dtype.element_ty))
-    k0 = tl.load(KPE + b * stride_kb + 2 * i).to(tl.float32)
-    k1 = tl.load(KPE + b * stride_kb + 2 * i + 1).to(tl.float32)
-    row = KV + tl.load(SLOTS + b).to(tl.int64) * stride_kv
-    tl.store(row + D_LAT + i, (k0 * cos - k1 * sin).to(KV.dtype.element_ty))
-    tl.store(row + D_LAT + HALF + i, (k0 * sin + k1 * cos).to(KV.dtype.element_ty))
-    d = tl.arange(0, D_LAT)
-    tl.store(row + d, tl.load(CKV + b * stride_cb + d).to(KV.dtype.element_ty))
+    if hb == 0:
+        k0, k1 = tl.split(tl.reshape(tl.load(KPE + b * stride_kb + d).to(tl.float32), [HALF, 2]))
+        row = KV + tl.load(SLOTS + b).to(tl.int64) * stride_kv
+        tl.store(row + D_LAT + i, (k0 * cos - k1 * sin).to(KV.dtype.element_ty))
+        tl.store(row + D_LAT + HALF + i, (k0 * sin + k1 * cos).to(KV.dtype.element_ty))
+        c = tl.arange(0, D_LAT)
+        tl.store(row + c, tl.load(CKV + b * stride_cb + c).to(KV.dtype.element_ty))
 
 
 def rope_and_write_kv(q_pe, q_out, k_pe, c_kv, kv_layer, positions, slots, cos_sin) -> None:
     """Rotate q_pe [T, H, 64] into q_out [T, H, 64] and write each token's latent row
     [c_kv (512) | rotated k_pe (64)] into kv_layer [slots, 576] at slots [T]; cos_sin [max_pos, 64]
-    holds cos (32) then sin (32) per position."""
+    holds cos (32) then sin (32) per position. H must be a power of two."""
     t, h, r = q_pe.shape
     if r != 64 or c_kv.shape[-1] != 512 or kv_layer.shape[-1] != 576 or k_pe.shape != (t, 64):
         raise ValueError("rope_and_write_kv expects 64-dim rope parts, 512-dim c_kv and 576-dim cache rows")
+    if h & (h - 1) or q_pe.stride(2) != 1 or k_pe.stride(1) != 1:
+        raise ValueError(f"rope_and_write_kv needs a power-of-two head count and contiguous rows, got {h} heads")
     if t == 0:
         return
-    _rope_kv_kernel[(t,)](
+    block_h = min(h, 16)  # 128 heads: 8 programs per token, each 16 rows of 64
+    _rope_kv_kernel[(t, h // block_h)](
         q_pe, q_out, k_pe, c_kv, kv_layer, positions, slots, cos_sin,
         q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1), k_pe.stride(0), c_kv.stride(0),
-        kv_layer.stride(0), cos_sin.stride(0), H=h, HALF=32, D_LAT=512, num_warps=4,
+        kv_layer.stride(0), cos_sin.stride(0), BLOCK_H=block_h, HALF=32, D_LAT=512, num_warps=2,
     )  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from libs.kernels.fp8_gemm import FP8, FP8_MAX, GROUP
 
 @triton.jit
 def _quant_rows_kernel(
-    X, XQ, XS, K, stride_xm, stride_qm, stride_sm, M_MAX, COUNTS,
+    X, XQ, XS, K, stride_xm, stride_xg, stride_qm, stride_sm, M_MAX, COUNTS,
     SWIGLU: tl.constexpr, MASKED: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_SIZE: tl.constexpr,
     FMAX: tl.constexpr,
 ):  # fmt: skip
@@ -29,7 +29,8 @@ def _quant_rows_kernel(
         offs = g[:, None] * GROUP_SIZE + c[None, :]
         mask = offs < K
         x_row = X + row.to(tl.int64) * stride_xm
-        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        x_offs = g[:, None] * stride_xg + c[None, :]  # stride_xg: GROUP_SIZE unless gathering heads
+        x = tl.load(x_row + x_offs, mask=mask, other=0.0).to(tl.float32)
         if SWIGLU:  # X holds [gate | up], each K wide
             up = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
             x = x / (1.0 + tl.exp(-x)) * up
@@ -40,7 +41,7 @@ def _quant_rows_kernel(
         tl.store(XS + row.to(tl.int64) * stride_sm + g, scale, mask=g * GROUP_SIZE < K)
 
 
-def _quant(x2d: torch.Tensor, k: int, swiglu: bool, counts: torch.Tensor | None, m_max: int):
+def _quant(x2d: torch.Tensor, k: int, swiglu: bool, counts: torch.Tensor | None, m_max: int, stride_xg=GROUP):
     rows = x2d.shape[0]
     if k % GROUP:
         raise ValueError(f"quantized width {k} must be a multiple of {GROUP}")
@@ -51,7 +52,7 @@ def _quant(x2d: torch.Tensor, k: int, swiglu: bool, counts: torch.Tensor | None,
     if rows == 0:
         return xq, xs
     _quant_rows_kernel[(rows,)](
-        x2d, xq, xs, k, x2d.stride(0), xq.stride(0), xs.stride(0), m_max,
+        x2d, xq, xs, k, x2d.stride(0), stride_xg, xq.stride(0), xs.stride(0), m_max,
         counts if counts is not None else xs,
         SWIGLU=swiglu, MASKED=counts is not None, GROUPS_POW2=triton.next_power_of_2(k // GROUP),
         GROUP_SIZE=GROUP, FMAX=FP8_MAX, num_warps=4,
@@ -64,6 +65,15 @@ def quant_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     k = x.shape[-1]
     xq, xs = _quant(x.reshape(-1, k), k, False, None, 1)
     return xq.view(x.shape), xs.view(*x.shape[:-1], k // GROUP)
+
+
+def quant_fp8_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, G, 128] with any T and G strides (MLA's per-head W_UV output [H, T, 128] seen as [T, H, 128])
+    -> (xq [T, G * 128] fp8, xs [T, G] f32): the gather into token rows happens in the quantization, no copy."""
+    t, g, c = x.shape
+    if c != GROUP or x.stride(-1) != 1:
+        raise ValueError(f"quant_fp8_heads needs [T, G, {GROUP}] with a contiguous last dimension, got {tuple(x.shape)}")
+    return _quant(x.as_strided((t, g * c), (x.stride(0), 1)), g * c, False, None, 1, stride_xg=x.stride(1))
 
 
 def silu_mul_quant(gate_up: torch.Tensor, counts: torch.Tensor | None = None):

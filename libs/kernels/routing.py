@@ -16,9 +16,9 @@ import triton.language as tl
 
 @triton.jit
 def _route_kernel(
-    LOGITS, BIAS, W_OUT, ID_OUT, stride_l, scaling,
+    LOGITS, BIAS, W_OUT, ID_OUT, stride_l, scaling, shared_id,
     N_EXP: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_POW2: tl.constexpr, NORM: tl.constexpr,
+    TOPK_POW2: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     PER: tl.constexpr = N_EXP // N_GROUP
@@ -52,8 +52,12 @@ def _route_kernel(
     if NORM:
         ws = ws / (tl.sum(ws, 0) + 1e-20)
     ws = ws * scaling
-    tl.store(W_OUT + t * TOPK + kidx, ws, mask=kidx < TOPK)
-    tl.store(ID_OUT + t * TOPK + kidx, ids, mask=kidx < TOPK)
+    width: tl.constexpr = TOPK + (1 if SHARED else 0)  # SHARED: one more column, the shared expert at weight 1
+    if SHARED:
+        ids = tl.where(kidx == TOPK, shared_id, ids)
+        ws = tl.where(kidx == TOPK, 1.0, ws)
+    tl.store(W_OUT + t * width + kidx, ws, mask=kidx < width)
+    tl.store(ID_OUT + t * width + kidx, ids, mask=kidx < width)
 
 
 def route(
@@ -64,8 +68,13 @@ def route(
     topk_group: int,
     routed_scaling_factor: float,
     norm_topk_prob: bool = True,
+    shared_expert: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (any float dtype), bias [E] -> (weights [T, top_k] f32, expert ids [T, top_k] int32)."""
+    """logits [T, E] (any float dtype), bias [E] -> (weights [T, top_k] f32, expert ids [T, top_k] int32).
+
+    shared_expert: also route every token to this expert id at weight 1, as column top_k of
+    [T, top_k + 1] outputs (the shared expert run as one more grouped-GEMM expert, as SGLang's shared
+    experts fusion does)."""
     t, n_exp = logits.shape
     per = n_exp // n_group if n_group else 0
     pow2 = triton.next_power_of_2
@@ -79,13 +88,14 @@ def route(
         )
     if logits.stride(-1) != 1:
         raise ValueError("logits need a contiguous last dimension")
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    width = top_k + (shared_expert is not None)
+    weights = torch.empty(t, width, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, width, dtype=torch.int32, device=logits.device)
     if t:
         _route_kernel[(t,)](
-            logits, bias, weights, ids, logits.stride(0), routed_scaling_factor,
-            N_EXP=n_exp, N_GROUP=n_group, TOPK_GROUP=topk_group, TOPK=top_k, TOPK_POW2=pow2(top_k),
-            NORM=norm_topk_prob, num_warps=4,
+            logits, bias, weights, ids, logits.stride(0), routed_scaling_factor, shared_expert or 0,
+            N_EXP=n_exp, N_GROUP=n_group, TOPK_GROUP=topk_group, TOPK=top_k, TOPK_POW2=pow2(width),
+            NORM=norm_topk_prob, SHARED=shared_expert is not None, num_warps=4,
         )  # fmt: skip
     return weights, ids
 

@@ -46,8 +46,9 @@ def test_add_rmsnorm_quant_equals_norm_then_quantize(device):
         F.add_rmsnorm_quant(x[:, :100].contiguous(), w[:100], 1e-6)
 
 
-def test_rope_and_kv_write(device):
-    t, h = 3, 4
+@pytest.mark.parametrize("h", [4, 32])  # 32 heads: two 16-head programs per token
+def test_rope_and_kv_write(device, h):
+    t = 3
     cs = F.rope_cos_sin(64, device=device)
     pos = torch.tensor([0, 5, 63], device=device)
     q = torch.randn(t, h, 192, device=device)
@@ -63,3 +64,5 @@ def test_rope_and_kv_write(device):
     untouched = torch.ones(16, dtype=torch.bool, device=device)
     untouched[slots] = False
     assert kv[untouched].isnan().all()
+    with pytest.raises(ValueError, match="power-of-two head count"):
+        F.rope_and_write_kv(q_pe[:, :3], q_out[:, :3], k_pe, c_kv, kv, pos, slots, cs)

@@ -21,6 +21,17 @@ def test_quant_matches_reference_bit_for_bit(device):
     assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
 
 
+def test_quant_heads_gathers_a_per_head_layout_into_token_rows(device):
+    per_head = (torch.randn(3, 5, 128) * torch.logspace(-2, 2, 128)).to(torch.bfloat16).to(device)  # [H, T, 128]
+    xq, xs = Q.quant_fp8_heads(per_head.transpose(0, 1))  # seen as [T, H, 128]: no copy made
+    rq, rs = Q.quant_fp8_groups_reference(per_head.transpose(0, 1).reshape(5, 3 * 128))
+    assert xq.shape == (5, 384) and xs.shape == (5, 3)
+    torch.testing.assert_close(xs, rs, rtol=1e-6, atol=0)
+    assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        Q.quant_fp8_heads(per_head.transpose(1, 2))
+
+
 def test_silu_mul_quant_skips_rows_past_counts(device):
     gu = torch.randn(2, 6, 512).to(torch.bfloat16).to(device)
     counts = torch.tensor([3, 6], dtype=torch.int32, device=device)
@@ -47,6 +58,17 @@ def test_route_matches_transformers_router(device, t):
     mine, theirs = ids.long().sort(-1), rids.long().sort(-1)
     assert torch.equal(mine.values, theirs.values)
     torch.testing.assert_close(w.gather(1, mine.indices), rw.gather(1, theirs.indices))
+
+
+def test_route_appends_the_shared_expert_column(device):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 256, generator=g).to(torch.bfloat16).to(device)  # bf16: cast in the kernel
+    bias = (torch.randn(256, generator=g) * 0.5).to(device)
+    w, ids = route(logits, bias, 8, 8, 4, 2.5, shared_expert=256)
+    plain_w, plain_ids = route(logits, bias, 8, 8, 4, 2.5)
+    assert ids.shape == w.shape == (5, 9)
+    assert torch.equal(ids[:, :8], plain_ids) and torch.equal(w[:, :8], plain_w)
+    assert (ids[:, 8] == 256).all() and (w[:, 8] == 1.0).all()
 
 
 def test_route_rejects_bad_grouping(device):
