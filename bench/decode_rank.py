@@ -6,7 +6,7 @@ DP-attention batch, with random FP8 weights, timed with CUDA graphs.
 
 What the step does (every layer, as a real engine step): embedding; fused residual-add + RMSNorm;
 fused q_a/kv_a FP8 projection; q/kv latent norms; q_b projection; absorbed W_UK (bf16 bmm); RoPE
-on q_pe/k_pe with the new latent row written into the paged KV cache; Triton MLA decode over the
+on q_pe/k_pe with the new latent row normed and written into the paged KV cache (one kernel); Triton MLA decode over the
 pages; W_UV bmm; o_proj (its input quantized straight from the per-head bmm output); then the dense MLP
 (first 3 layers) or the MoE: bf16 router GEMM, fused noaux_tc top-8 routing (which also appends the
 shared expert as a 9th pair), 1x128 FP8 quantization, token permutation into the masked
@@ -213,12 +213,12 @@ def attention(rank: Rank, bt: Batch, i: int, lw: Layer, x: torch.Tensor, parts: 
     if "other" in parts:
         qkv = proj(rank, lw, "qkv_a", x)  # [B, 2112]
         q_c = norm_for_proj(rank, qkv[:, :QR], lw.norms["q"])
-        c_kv = fused.add_rmsnorm(qkv[:, QR : QR + KVR], lw.norms["kv"], EPS)
         q = proj(rank, lw, "q_b", q_c).view(bt.b, HEADS, NOPE + ROPE)
         torch.bmm(q[..., :NOPE].transpose(0, 1), lw.w_uk, out=sc["q_lat"])  # [H, B, KVR]
-        fused.rope_and_write_kv(
-            q[..., NOPE:], sc["q_rope"], qkv[:, QR + KVR :], c_kv, kv, bt.positions, bt.slots, rank.cos_sin
-        )
+        fused.rope_and_write_kv(  # kv latent norm fused into the cache write
+            q[..., NOPE:], sc["q_rope"], qkv[:, QR + KVR :], qkv[:, QR : QR + KVR], kv, bt.positions, bt.slots,
+            rank.cos_sin, kv_norm=lw.norms["kv"], eps=EPS,
+        )  # fmt: skip
     if "attn" in parts and rank.fi is not None:
         rank.fi.run(sc["q_lat"].transpose(0, 1), sc["q_rope"], kv, out=sc["o_lat"])
     elif "attn" in parts:

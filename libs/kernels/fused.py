@@ -101,12 +101,13 @@ def add_rmsnorm_quant(
 
 @triton.jit
 def _rope_kv_kernel(
-    QPE, QOUT, KPE, CKV, KV, POS, SLOTS, COS_SIN,
+    QPE, QOUT, KPE, CKV, KV, POS, SLOTS, COS_SIN, NORM_W, eps,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_cb, stride_kv, stride_cs,
-    BLOCK_H: tl.constexpr, HALF: tl.constexpr, D_LAT: tl.constexpr,
+    BLOCK_H: tl.constexpr, HALF: tl.constexpr, D_LAT: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     """Program (token b, head block): rotates BLOCK_H heads of q; the first head block also writes the
-    token's cache row. Pairs are loaded as whole contiguous rows and split in registers."""
+    token's cache row (its latent RMS-normed first when NORM). Pairs are loaded as whole contiguous rows and
+    split in registers."""
     b = tl.program_id(0)
     hb = tl.program_id(1)
     pos = tl.load(POS + b)
@@ -126,13 +127,21 @@ def _rope_kv_kernel(
         tl.store(row + D_LAT + i, (k0 * cos - k1 * sin).to(KV.dtype.element_ty))
         tl.store(row + D_LAT + HALF + i, (k0 * sin + k1 * cos).to(KV.dtype.element_ty))
         c = tl.arange(0, D_LAT)
-        tl.store(row + c, tl.load(CKV + b * stride_cb + c).to(KV.dtype.element_ty))
+        lat = tl.load(CKV + b * stride_cb + c).to(tl.float32)
+        if NORM:  # as add_rmsnorm without a residual
+            lat = lat * tl.rsqrt(tl.sum(lat * lat, 0) / D_LAT + eps) * tl.load(NORM_W + c).to(tl.float32)
+            lat = lat.to(CKV.dtype.element_ty)
+        tl.store(row + c, lat.to(KV.dtype.element_ty))
 
 
-def rope_and_write_kv(q_pe, q_out, k_pe, c_kv, kv_layer, positions, slots, cos_sin) -> None:
+def rope_and_write_kv(
+    q_pe, q_out, k_pe, c_kv, kv_layer, positions, slots, cos_sin, kv_norm: torch.Tensor | None = None, eps=1e-6
+) -> None:
     """Rotate q_pe [T, H, 64] into q_out [T, H, 64] and write each token's latent row
     [c_kv (512) | rotated k_pe (64)] into kv_layer [slots, 576] at slots [T]; cos_sin [max_pos, 64]
-    holds cos (32) then sin (32) per position. H must be a power of two."""
+    holds cos (32) then sin (32) per position. H must be a power of two. kv_norm [512]: c_kv is the raw
+    kv_a output and is RMS-normed with this weight on the way (MLA's kv_a_layernorm, rounded to c_kv's
+    dtype as add_rmsnorm's output would be)."""
     t, h, r = q_pe.shape
     if r != 64 or c_kv.shape[-1] != 512 or kv_layer.shape[-1] != 576 or k_pe.shape != (t, 64):
         raise ValueError("rope_and_write_kv expects 64-dim rope parts, 512-dim c_kv and 576-dim cache rows")
@@ -143,8 +152,10 @@ def rope_and_write_kv(q_pe, q_out, k_pe, c_kv, kv_layer, positions, slots, cos_s
     block_h = min(h, 16)  # 128 heads: 8 programs per token, each 16 rows of 64
     _rope_kv_kernel[(t, h // block_h)](
         q_pe, q_out, k_pe, c_kv, kv_layer, positions, slots, cos_sin,
+        kv_norm if kv_norm is not None else cos_sin, eps,
         q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1), k_pe.stride(0), c_kv.stride(0),
-        kv_layer.stride(0), cos_sin.stride(0), BLOCK_H=block_h, HALF=32, D_LAT=512, num_warps=2,
+        kv_layer.stride(0), cos_sin.stride(0), BLOCK_H=block_h, HALF=32, D_LAT=512, NORM=kv_norm is not None,
+        num_warps=2,
     )  # fmt: skip
 
 

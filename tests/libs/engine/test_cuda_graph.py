@@ -192,11 +192,10 @@ def test_greedy_with_graphs_equals_eager_and_cpu_float32(tmp_path, dims):
     assert graphed == eager == cpu_tokens
 
 
-@pytest.mark.gpu
-@gpu
-def test_bf16_kernel_decode_graph_replay_equals_eager(tmp_path):
-    path = _tiny(tmp_path, first_k_dense_replace=3, **KERNEL_DIMS)
-    model = load_model(path, dtype="bfloat16", device="cuda", progress=False)
+def _decode_graph_vs_eager(model) -> None:
+    """Prefill 3 prompts eagerly, then the same decode step replayed from a graph (3 rows padded to 4) and
+    eagerly: logits agree to rounding (kernel choices and split-K counts differ with the padded batch, so
+    not bitwise), and a subset of rows gives the same rows."""
     engine = Engine(model, page_size=16, num_pages=64, max_num_seqs=8)
     runner = engine.runner
     assert isinstance(runner.backend, TritonAttention) and runner.backend.kernel_cfg is not None
@@ -211,22 +210,34 @@ def test_bf16_kernel_decode_graph_replay_equals_eager(tmp_path):
     runner.graphs, saved = None, runner.graphs
     eager = runner.forward_last(decode)  # the same step again: it rewrites the same KV rows
     runner.graphs = saved
-    assert ((graphed - eager).norm() / eager.norm()).item() < 1e-2  # split-K counts differ: not bitwise
+    assert ((graphed - eager).norm() / eager.norm()).item() < 1e-2
     want = runner.forward_last(decode, [True, False, True])
     assert want.shape[0] == 2 and torch.allclose(want, graphed[[0, 2]])
 
 
 @pytest.mark.gpu
 @gpu
-def test_fp8_moe_engine_with_graphs_equals_eager(tmp_path):
+def test_bf16_kernel_decode_graph_replay_equals_eager(tmp_path):
+    path = _tiny(tmp_path, first_k_dense_replace=3, **KERNEL_DIMS)
+    _decode_graph_vs_eager(load_model(path, dtype="bfloat16", device="cuda", progress=False))
+
+
+@pytest.mark.gpu
+@gpu
+def test_fp8_moe_decode_graph_replay_equals_eager(tmp_path):
+    """FP8 experts (masked layout) captured: graph replay == eager decode to rounding, and a whole
+    generation runs through the graphs. Greedy tokens of a random tiny model are not compared over many
+    steps: near-tied logits flip on rounding differences (seen on the H200 at the 8th token)."""
     path = write_tiny_model(tmp_path, seed=5, fp8=True, moe_intermediate_size=128, **KERNEL_DIMS)
     model = load_model(path, dtype="bfloat16", device="cuda", progress=False)
     if not model.graph_safe_decode():
         pytest.skip("this model's MoE does not declare a graph-safe decode path (MoE.graph_safe)")
+    _decode_graph_vs_eager(model)
     eager, _ = _engine_tokens(model, cuda_graphs=False)
     graphed, engine = _engine_tokens(model, cuda_graphs=True)
     assert engine.runner.graphs is not None and engine.runner.graphs.captured
-    assert graphed == eager
+    assert [len(t) for t in graphed] == [len(t) for t in eager] == [8, 8, 8]
+    assert [t[:2] for t in graphed] == [t[:2] for t in eager]  # prefill's token and the first decode step
 
 
 def _ragged_case(dtype, seed=0):

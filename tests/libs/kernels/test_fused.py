@@ -64,5 +64,9 @@ def test_rope_and_kv_write(device, h):
     untouched = torch.ones(16, dtype=torch.bool, device=device)
     untouched[slots] = False
     assert kv[untouched].isnan().all()
+    raw = torch.randn(t, 512, device=device) * 3  # the kv_a output before its norm, fused
+    w = torch.rand(512, device=device) + 0.5
+    F.rope_and_write_kv(q_pe, q_out, k_pe, raw, kv, pos, slots, cs, kv_norm=w, eps=1e-6)
+    torch.testing.assert_close(kv[slots, :512], F.add_rmsnorm_reference(raw, w, 1e-6), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="power-of-two head count"):
         F.rope_and_write_kv(q_pe[:, :3], q_out[:, :3], k_pe, c_kv, kv, pos, slots, cs)
