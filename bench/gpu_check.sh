@@ -14,9 +14,10 @@ fi
 summary="$OUT/summary.txt"
 : > "$summary"
 for f in tests/libs/kernels/test_*.py tests/libs/engine/test_cuda_graph.py tests/libs/engine/test_attention_backends.py; do
-  line=$(timeout 240 python3 -m pytest -q -rf --tb=line --confcutdir=tests/libs -p no:cacheprovider "$f" 2>&1 \
-    | grep -E "^(FAILED|ERROR)|passed|failed|error" | tail -6 | tr '\n' ' ')
+  log=$(timeout 240 python3 -m pytest -q -rf --tb=short --confcutdir=tests/libs -p no:cacheprovider "$f" 2>&1)
+  line=$(echo "$log" | grep -E "^(FAILED|ERROR)|passed|failed|error" | tail -6 | tr '\n' ' ')
   echo "$f: ${line:-timed out or crashed}" | tee -a "$summary"
+  case "$line" in *failed*|*error*|"") echo "$log" | grep -v -i warn | tail -60 > "$OUT/fail-$(basename "$f" .py).txt";; esac
 done
 [ "${1:-}" = quick ] && exit 0
 timeout 300 python3 -m bench.decode_rank --batch 256,512 --attn flashinfer --dense-fp8 block,rowwise 2>&1 \
