@@ -194,7 +194,15 @@ def _graph_time(fn) -> float:
     it (eager timing of these microsecond kernels measures the Python launch path instead)."""
     import triton.testing
 
-    return float(triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median"))
+    # do_bench_cudagraph runs the candidates on a stream of its own, unordered with this one: without the
+    # first sync their writes to `out` can land while kernels queued here still read what the caching
+    # allocator gave `out` from (a just-freed temporary), corrupting them; seen on the H200 as NaN tiles in
+    # a float32 matmul queued just before a first-use FP8 GEMM. The second keeps the timing's work off
+    # whatever runs next.
+    torch.cuda.synchronize()
+    ms = float(triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median"))
+    torch.cuda.synchronize()
+    return ms
 
 
 _TIMINGS: dict[tuple, dict[str, float]] = {}  # what _choose measured, for benchmarks to record
