@@ -56,7 +56,6 @@ LAYERS, DENSE_LAYERS, INTER_DENSE, INTER_MOE, EXPERTS, TOPK, VOCAB = 61, 3, 1843
 N_GROUP, TOPK_GROUP, SCALING, EPS = 8, 4, 2.5, 1e-6
 PAGE = 64
 DEV = "cuda"
-FUSE_SHARED = True
 SM_SCALE = 1.0 / math.sqrt(NOPE + ROPE)
 
 
@@ -86,7 +85,7 @@ class Layer:
     rowwise: dict = field(default_factory=dict)  # projection name -> (wq, ws [1, N]) when requantized
 
 
-def build_layer(i: int, local_experts: int) -> Layer:
+def build_layer(i: int, local_experts: int, fuse_shared: bool) -> Layer:
     norms = {k: norm_weight(n) for k, n in [("in", D), ("post", D), ("q", QR), ("kv", KVR)]}
     layer = Layer(
         qkv_a=fp8_weight(QR + KVR + ROPE, D), q_b=fp8_weight(HEADS * (NOPE + ROPE), QR),
@@ -101,9 +100,9 @@ def build_layer(i: int, local_experts: int) -> Layer:
             "gate_t": torch.randn(D, EXPERTS, device=DEV, dtype=torch.bfloat16) / math.sqrt(D),  # [D, E]
             "bias": 0.01 * torch.randn(EXPERTS, device=DEV),
             # the shared expert: [local_experts] of w13/w2 when fused, this pair when not
-            "shared": (fp8_weight(2 * INTER_MOE, D), fp8_weight(D, INTER_MOE)) if not FUSE_SHARED else None,
-            "w13": fp8_weight(2 * INTER_MOE, D, local_experts + FUSE_SHARED),
-            "w2": fp8_weight(D, INTER_MOE, local_experts + FUSE_SHARED),
+            "shared": (fp8_weight(2 * INTER_MOE, D), fp8_weight(D, INTER_MOE)) if not fuse_shared else None,
+            "w13": fp8_weight(2 * INTER_MOE, D, local_experts + fuse_shared),
+            "w2": fp8_weight(D, INTER_MOE, local_experts + fuse_shared),
         }  # fmt: skip
     return layer
 
@@ -315,8 +314,8 @@ def shrink_for_smoke_test() -> None:
     DEV = "cpu"
 
 
-def build_rank(max_b: int, max_ctx: int, local_experts: int, mla_cfg: MLAConfig) -> Rank:
-    layers = [build_layer(i, local_experts) for i in range(LAYERS)]
+def build_rank(max_b: int, max_ctx: int, local_experts: int, mla_cfg: MLAConfig, fuse_shared: bool = True) -> Rank:
+    layers = [build_layer(i, local_experts, fuse_shared) for i in range(LAYERS)]
     slots = max_b * math.ceil(max_ctx / PAGE) * PAGE
     kv = torch.empty(LAYERS, slots, KVR + ROPE, device=DEV, dtype=torch.bfloat16)
     for i in range(LAYERS):
@@ -330,6 +329,7 @@ def build_rank(max_b: int, max_ctx: int, local_experts: int, mla_cfg: MLAConfig)
         cos_sin=fused.rope_cos_sin(max_ctx + 1, device=DEV),
         local_experts=local_experts,
         mla_cfg=mla_cfg,
+        fuse_shared=fuse_shared,
     )
 
 
@@ -428,10 +428,7 @@ def worker(local_rank: int, world: int, a) -> None:
     torch.manual_seed(local_rank)
     batches = [int(x) for x in a.batch.split(",")]
     env = environment()
-    global FUSE_SHARED
-    FUSE_SHARED = not a.separate_shared
-    rank = build_rank(max(batches), a.ctx + a.gen, a.physical // a.ep, load_mla_config())
-    rank.fuse_shared = FUSE_SHARED
+    rank = build_rank(max(batches), a.ctx + a.gen, a.physical // a.ep, load_mla_config(), not a.separate_shared)
     if a.attn == "flashinfer":
         from libs.kernels.flashinfer_mla import FlashInferMLA
 

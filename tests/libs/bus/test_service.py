@@ -10,6 +10,7 @@ import pytest
 
 from libs.bus import Bus, NoResponders, Service, ServiceSettings
 from libs.natsd import start_nats_server
+from tests.service_helpers import start_service
 
 
 class Ping(msgspec.Struct, frozen=True, tag=True):
@@ -61,20 +62,10 @@ async def get(svc, path):
         return await c.get(f"http://127.0.0.1:{svc.http_port}{path}")
 
 
-async def started(svc, install_signals=False):
-    task = asyncio.create_task(svc.run(install_signals=install_signals))
-    done, _ = await asyncio.wait({task, asyncio.ensure_future(svc.started.wait())}, timeout=10,
-                                 return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-    if task in done:
-        task.result()  # setup failed: raise it here
-    assert svc.started.is_set()
-    return task
-
-
 async def test_health_metrics_and_graceful_drain(nats_server):
     s = f"test.svc.{uuid.uuid4().hex}"
     svc = EchoService(ServiceSettings(nats_url=nats_server, http_port=-1, http_host="127.0.0.1"), s)
-    task = await started(svc)
+    task = await start_service(svc)
     client = await Bus.connect(nats_server, "client")
     try:
         assert (await get(svc, "/health")).status_code == 200
@@ -103,7 +94,7 @@ async def test_health_metrics_and_graceful_drain(nats_server):
 
 async def test_sigterm_drains(nats_server):
     svc = EchoService(ServiceSettings(nats_url=nats_server), f"test.svc.{uuid.uuid4().hex}")
-    task = await started(svc, install_signals=True)
+    task = await start_service(svc, install_signals=True)
     os.kill(os.getpid(), signal.SIGTERM)  # handled by the service's loop handler, removed on exit
     await asyncio.wait_for(task, 10)
     assert svc.drained and svc.http_port is None
@@ -113,7 +104,7 @@ async def test_health_follows_the_connection_through_a_nats_restart():
     server = start_nats_server(jetstream=False)
     port = server.port
     svc = EchoService(ServiceSettings(nats_url=server.url, http_port=-1, http_host="127.0.0.1"), "test.svc.r")
-    task = await started(svc)
+    task = await start_service(svc)
     try:
 
         async def status_is(code):

@@ -10,28 +10,10 @@ from libs.engine.pages import PageAllocator
 from libs.engine.radix_cache import RadixCache
 from libs.engine.tiny import write_tiny_model
 from libs.prefix import block_hashes
+from tests.libs.cache_recorder import Recorder
 
 PS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-
-
-class Recorder:
-    """A CacheListener that keeps the events in order."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, list[int]]] = []
-
-    def blocks_stored(self, hashes: list[int]) -> None:
-        self.events.append(("stored", hashes))
-
-    def blocks_removed(self, hashes: list[int]) -> None:
-        self.events.append(("removed", hashes))
-
-    def held(self) -> set[int]:
-        out: set[int] = set()
-        for kind, hs in self.events:
-            out = out | set(hs) if kind == "stored" else out - set(hs)
-        return out
 
 
 def _store(alloc: PageAllocator, cache: RadixCache, tokens: list[int]) -> None:

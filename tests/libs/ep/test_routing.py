@@ -3,17 +3,7 @@
 from __future__ import annotations
 
 from libs.ep.routing import RankBlocks, pick_rank
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, list[int]]] = []
-
-    def blocks_stored(self, hashes: list[int]) -> None:
-        self.events.append(("stored", hashes))
-
-    def blocks_removed(self, hashes: list[int]) -> None:
-        self.events.append(("removed", hashes))
+from tests.libs.cache_recorder import Recorder
 
 
 def test_least_busy_rank_wins_without_a_cached_prefix() -> None:

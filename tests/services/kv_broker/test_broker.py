@@ -7,6 +7,7 @@ from libs.bus import Bus, RequestRejected
 from proto import messages as m
 from proto import subjects
 from services.kv_broker.service import BrokerSettings, KvBroker
+from tests.service_helpers import start_service, stop_service
 
 from .factories import geometry, handle, register, worker
 
@@ -25,28 +26,6 @@ def settings(nats_url: str, tag: str, **kw) -> BrokerSettings:
     )
 
 
-async def start(broker: KvBroker) -> asyncio.Task:
-    task = asyncio.create_task(broker.run(install_signals=False))
-    waiter = asyncio.ensure_future(broker.started.wait())
-    done, _ = await asyncio.wait({task, waiter}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        task.result()
-    assert broker.started.is_set()
-    return task
-
-
-async def stop(broker: KvBroker, task: asyncio.Task) -> None:
-    broker.request_stop()
-    await asyncio.wait_for(task, 10)
-
-
-@pytest.fixture
-async def client(nats_server):
-    bus = await Bus.connect(nats_server, "broker-test-client")
-    yield bus
-    await bus.close()
-
-
 @pytest.fixture
 async def broker(nats_server):
     """A broker on its own buckets, with a fake clock the test moves (sweeps are run by hand)."""
@@ -54,9 +33,9 @@ async def broker(nats_server):
     b = KvBroker(
         settings(nats_url=nats_server, tag=uuid.uuid4().hex[:12], max_sweep_interval_s=60.0), clock=clock
     )
-    task = await start(b)
+    task = await start_service(b)
     yield b, clock
-    await stop(b, task)
+    await stop_service(b, task)
 
 
 async def ask(bus: Bus, msg) -> m.BrokerReply:
@@ -196,7 +175,7 @@ async def test_two_replicas_share_state_and_expire_each_handle_once(nats_server,
     tag = uuid.uuid4().hex[:12]
     a = KvBroker(settings(nats_server, tag, max_sweep_interval_s=0.05))
     b = KvBroker(settings(nats_server, tag, max_sweep_interval_s=0.05))
-    ta, tb = await start(a), await start(b)
+    ta, tb = await start_service(a), await start_service(b)
     try:
         w = worker(f"decode-{uuid.uuid4().hex[:6]}")
         await ask(client, register(w))  # lands on one replica; the other must still accept its handles
@@ -210,5 +189,5 @@ async def test_two_replicas_share_state_and_expire_each_handle_once(nats_server,
         expired = sum(x.registry.get_sample_value("moemesh_kv_broker_expired_total") for x in (a, b))
         assert expired == len(hs)  # compare-and-set: one replica won each expiry
     finally:
-        await stop(a, ta)
-        await stop(b, tb)
+        await stop_service(a, ta)
+        await stop_service(b, tb)

@@ -20,6 +20,7 @@ from libs.worker.kv_events import KvEventPublisher
 from proto import messages as m
 from proto import subjects
 from services.kv_broker.service import BrokerSettings, KvBroker
+from tests.service_helpers import start_service, stop_service
 
 PS = 4
 TIMEOUT = 5.0
@@ -97,31 +98,14 @@ async def start_broker(nats_url: str) -> tuple[KvBroker, asyncio.Task]:
             nats_url=nats_url, handles_bucket=f"h_{tag}", workers_bucket=f"w_{tag}", drain_timeout_s=2
         )
     )
-    task = asyncio.create_task(b.run(install_signals=False))
-    ready = asyncio.ensure_future(b.started.wait())
-    await asyncio.wait({task, ready}, timeout=TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        task.result()
-    return b, task
-
-
-async def stop_broker(b: KvBroker, task: asyncio.Task) -> None:
-    b.request_stop()
-    await asyncio.wait_for(task, TIMEOUT)
-
-
-@pytest.fixture
-async def client(nats_server):
-    bus = await Bus.connect(nats_server, "prefix-test")
-    yield bus
-    await bus.close()
+    return b, await start_service(b, TIMEOUT)
 
 
 @pytest.fixture
 async def broker(nats_server):
     b, task = await start_broker(nats_server)
     yield b
-    await stop_broker(b, task)
+    await stop_service(b, task, TIMEOUT)
 
 
 @pytest.fixture
@@ -196,7 +180,7 @@ async def test_a_broker_started_after_the_workers_learns_their_caches(nats_serve
                     "snapshot after the first heartbeat")  # fmt: skip
         assert metric(b, "moemesh_kv_broker_prefix_resyncs_total", reason="unknown") == 1
     finally:
-        await stop_broker(b, task)
+        await stop_service(b, task, TIMEOUT)
 
 
 async def test_departed_and_silent_workers_leave_the_index(broker, client, workers) -> None:
