@@ -15,8 +15,9 @@ from urllib.parse import urlsplit, urlunsplit
 import msgspec
 
 MASK = "***"
-# field names whose values are secrets, wherever they appear in a settings object
-SECRET_FIELDS = frozenset({"nats_password", "nats_token", "api_key", "password", "token", "secret"})
+# field names whose values are secrets, wherever they appear in a settings object (and, by suffix in
+# is_secret, any "<x>_password", "<x>_token", "<x>_secret", "<x>_api_key")
+SECRET_FIELDS = frozenset({"api_key", "password", "token", "secret"})
 
 
 def is_secret(name: str) -> bool:

@@ -19,6 +19,8 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from libs.bus.security import MASK, is_secret, redacted_repr
+
 S = TypeVar("S")
 
 # also read from the unprefixed MOEMESH_<FIELD>: one NATS address and one set of credentials for all
@@ -52,8 +54,6 @@ class ServiceSettings(msgspec.Struct, frozen=True, kw_only=True):
     nats_tls_key: str = ""
 
     def __repr__(self) -> str:
-        from libs.bus.security import redacted_repr
-
         return redacted_repr(self)
 
 
@@ -167,6 +167,4 @@ def _sources(err: str, raw: dict[str, tuple[str, str]]) -> str:
 
 
 def _shown(name: str, value: str) -> str:
-    from libs.bus.security import MASK, is_secret
-
     return MASK if is_secret(name) else repr(value)

@@ -1,13 +1,14 @@
 """The whole mesh on one machine: nats-server plus every service as its own process, on loopback.
 
 `moemesh up` and the e2e tests use it. Readiness is observed, not assumed: the mesh is up when every
-worker has sent a heartbeat (it loaded its model and registered its KV pool at the kv-broker) and the
-gateway's /health answers 200.
+worker has sent a heartbeat (it loaded its model and registered its KV pool at the kv-broker), every
+scheduler replica has sent its heartbeat (its subscriptions are live) and the gateway's /health answers 200.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import tempfile
 import time
@@ -66,7 +67,9 @@ class Mesh:
         self.port = cfg.port or free_port(cfg.host)
         self.model_name = cfg.served_model_name or Path(cfg.model_dir).resolve().name
         self.http_ports: dict[str, int] = {}  # service name -> its /health and /metrics side port
-        self.nats_store = self.log_dir / "nats-store"  # JetStream state survives a server restart
+        # the JetStream store and the 0600 nats-auth.conf: private to this Mesh, kept across
+        # restart_nats (state survives a server restart), removed in stop()
+        self._nats_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -138,9 +141,11 @@ class Mesh:
         return ["scheduler"] if n == 1 else [f"scheduler-{i}" for i in range(n)]
 
     def _start_nats(self, port: int) -> NatsServer:
-        args = self.cfg.nats_auth.server_args(self.log_dir) if self.cfg.nats_auth else []
+        if self._nats_dir is None:
+            self._nats_dir = Path(tempfile.mkdtemp(prefix="moemesh-nats-"))
+        args = self.cfg.nats_auth.server_args(self._nats_dir) if self.cfg.nats_auth else []
         return start_nats_server(
-            port, jetstream=True, host="127.0.0.1", store_dir=str(self.nats_store), extra_args=args
+            port, jetstream=True, host="127.0.0.1", store_dir=str(self._nats_dir / "store"), extra_args=args
         )
 
     def restart_nats(self) -> None:
@@ -219,6 +224,9 @@ class Mesh:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+        if self._nats_dir is not None:
+            shutil.rmtree(self._nats_dir, ignore_errors=True)
+            self._nats_dir = None
 
     def __enter__(self) -> Mesh:
         return self.start()

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from libs.bus.security import MASK, tls_context
+from libs.bus.security import MASK, nats_connect_options
+from libs.bus.settings import ServiceSettings
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,9 @@ class NatsAuth:
         return {k: v for k, v in env.items() if v}
 
     def client_options(self) -> dict[str, Any]:
-        """nats-py connect options for a client outside the services (tests, benchmarks)."""
-        opts: dict[str, Any] = {}
-        if self.user:
-            opts.update(user=self.user, password=self.password)
-        if self.token:
-            opts["token"] = self.token
-        ctx = tls_context(self.tls_ca)
-        if ctx is not None:
-            opts["tls"] = ctx
-        return opts
+        """nats-py connect options for a client outside the services (tests, benchmarks): what a
+        service given `client_env()` connects with."""
+        s = ServiceSettings(
+            nats_user=self.user, nats_password=self.password, nats_token=self.token, nats_tls_ca=self.tls_ca
+        )
+        return nats_connect_options(s)

@@ -117,7 +117,8 @@ def start_nats_server(
 
     port 0 lets the server pick a free port. With `store_dir=None` JetStream data goes to a temporary
     directory removed on `stop()`; pass a directory to keep state across server restarts. `extra_args`
-    go to nats-server as they are (e.g. `--user U --pass P`, `--auth TOKEN`, `--tls ...`).
+    go to nats-server as they are (e.g. `-c <file>`: a 0600 config file with the authorization and TLS
+    blocks, as libs.launch.natsauth writes, so no secret shows on the command line).
     """
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535, got {port}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from libs.telemetry.tracing import otlp_config
+from libs.telemetry.tracing import otlp_config, otlp_endpoint
 
 
 def main(argv: list[str]) -> int:
@@ -20,10 +20,7 @@ def main(argv: list[str]) -> int:
         print(f"{service}: tracing off (no OTEL_EXPORTER_OTLP_ENDPOINT, or disabled)")
         return 0
     kind, protocol = cfg
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
-    )
-    print(f"{service}: {kind} {protocol} {endpoint or ''}".rstrip())
+    print(f"{service}: {kind} {protocol} {otlp_endpoint(os.environ)}".rstrip())
     return 0
 
 

@@ -89,6 +89,11 @@ def annotate(**attributes: AttributeValue | None) -> None:
                 span.set_attribute(k.replace("__", "."), v)
 
 
+def otlp_endpoint(env: Mapping[str, str]) -> str:
+    """Where OTLP traces go: the traces-only endpoint, else the general one; "" when neither is set."""
+    return env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or ""
+
+
 def otlp_config(env: Mapping[str, str]) -> tuple[str, str] | None:
     """("otlp", protocol) or ("console", "") when traces should be exported, None when not.
     Raises ValueError for a protocol or exporter this build does not speak."""
@@ -103,7 +108,7 @@ def otlp_config(env: Mapping[str, str]) -> tuple[str, str] | None:
         raise ValueError(
             f"OTEL_TRACES_EXPORTER={env['OTEL_TRACES_EXPORTER']!r}: moemesh exports otlp, console or none"
         )
-    if not (env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+    if not otlp_endpoint(env):
         return None
     key = (
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
