@@ -28,7 +28,7 @@ from libs.engine.loader import load_model
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
 from libs.engine.pages import OutOfPagesError, PageAllocator
-from libs.engine.radix_cache import CacheListener, RadixCache, RadixNode
+from libs.engine.radix_cache import CacheListener, PrefixMatch, RadixCache, RadixNode
 from libs.engine.request import Request, Status
 from libs.engine.runner import Chunk, ModelRunner
 from libs.engine.sampling import SamplingParams, make_generator, sample
@@ -287,9 +287,7 @@ class Engine:
         self._check_new_rid(rid)
         if self.cache is None:
             return 0, self.reserve(rid, len(prompt_ids))
-        match = self.cache.match_prefix(prompt_ids[:-1])
-        self.cache.lock(match.node)  # before reserve() allocates, which may evict
-        self.allocator.incref(match.pages)
+        match = self._take_cached_prefix(self.cache, prompt_ids[:-1])  # before reserve(), which may evict
         try:
             pages = self.reserve(rid, len(prompt_ids) - match.length)
         except BaseException:
@@ -344,9 +342,7 @@ class Engine:
     def _admit(self, req: Request, join_running: bool = True) -> None:
         """Start from the longest cached prefix (at least one token is always left to compute)."""
         if self.cache is not None:
-            match = self.cache.match_prefix(req.tokens[: req.num_tokens - 1])
-            self.cache.lock(match.node)
-            self.allocator.incref(match.pages)
+            match = self._take_cached_prefix(self.cache, req.tokens[: req.num_tokens - 1])
             req.cache_node, req.pages = match.node, list(match.pages)
             req.num_computed, req.num_cached_pages = match.length, len(match.pages)
         if not req.admitted:
@@ -355,6 +351,14 @@ class Engine:
         if join_running:
             self.waiting.remove(req)
             self.running.append(req)
+
+    def _take_cached_prefix(self, cache: RadixCache, tokens: Sequence[int]) -> PrefixMatch:
+        """The longest cached whole-page prefix of `tokens`, its node locked (not evicted) and its pages
+        referenced: the caller unlocks and frees them when done."""
+        match = cache.match_prefix(tokens)
+        cache.lock(match.node)
+        self.allocator.incref(match.pages)
+        return match
 
     def _release(self, req: Request) -> None:
         if self.cache is not None and req.cache_node is not None:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 
 from libs.engine.config import ModelConfig
 from libs.engine.forward_batch import ForwardBatch
@@ -36,6 +35,7 @@ from libs.engine.layers.mla import (
     mla_decode_paged,
     mla_expanded,
     mla_extend_sdpa,
+    padded_page_table,
 )
 
 BACKENDS = ("auto", "torch", "triton", "flashinfer")
@@ -102,19 +102,9 @@ class TorchAttention(AttentionBackend):
 
 
 def pack_batch(batch: ForwardBatch, page_size: int) -> tuple[torch.Tensor, int]:
-    """One int64 host tensor [ids T | positions T | out_slots T | seq_lens S | page table S * P] and P.
-
-    The table holds each sequence's first ceil(seq_len / page_size) pages, 0-padded: real pool pages,
-    never a per-key expansion."""
-    need = [-(-n // page_size) for n in batch.seq_lens]
-    rows = []
-    for s, (table, n) in enumerate(zip(batch.page_tables, need, strict=True)):
-        if table.numel() < n:
-            raise ValueError(
-                f"sequence {s}: page table has {table.numel()} pages, {batch.seq_lens[s]} tokens need {n}"
-            )
-        rows.append(table[:n].to(torch.int64).cpu())
-    table = pad_sequence(rows, batch_first=True)  # [S, P]
+    """One int64 host tensor [ids T | positions T | out_slots T | seq_lens S | page table S * P] and P
+    (the table is `padded_page_table`)."""
+    table = padded_page_table(batch, page_size)  # [S, P]
     lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
     parts = [batch.input_ids, batch.positions, batch.out_slots, lens, table.flatten()]
     return torch.cat([p.to(torch.int64).cpu() for p in parts]), table.shape[1]

@@ -25,7 +25,7 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
-from libs.engine.fp8 import FP8_DTYPE, SCALE_SUFFIX
+from libs.engine.fp8 import FP8_DTYPE, dequantize_fp8_block
 
 log = logging.getLogger("moemesh.engine")
 
@@ -57,9 +57,15 @@ def unsupported(k: int, block: tuple[int, int]) -> str | None:
     return None
 
 
-def dequantized(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    from libs.engine.fp8 import dequantize_fp8_block
+def swiglu_unsupported(d: int, inter: int, block: tuple[int, int], what: str) -> str | None:
+    """`unsupported` for a SwiGLU block (hidden D, width `inter`) whose gate and up rows are stacked in one
+    FP8 weight; `what` names the width in the message."""
+    if inter % KERNEL_BLOCK[0]:
+        return f"{what} {inter} would put gate and up rows in one 128-row scale block"
+    return unsupported(d, block) or unsupported(inter, block)
 
+
+def dequantized(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_fp8_block(weight, scale, KERNEL_BLOCK, dtype)
 
 
@@ -155,7 +161,3 @@ def apply_fp8_weights(model: nn.Module, fp8_names: Collection[str], block: tuple
         to_fp8()
         kept.update(names)
     return kept
-
-
-def scale_name(weight_name: str) -> str:
-    return weight_name + SCALE_SUFFIX

@@ -31,6 +31,20 @@ from torch.nn.attention.bias import causal_lower_right
 from libs.engine.forward_batch import ForwardBatch
 
 
+def padded_page_table(batch: ForwardBatch, page_size: int) -> torch.Tensor:
+    """[S, P] int64 on the host: each sequence's first ceil(seq_len / page_size) pages, 0-padded to the
+    longest. Real pool pages, never a per-key expansion."""
+    need = [-(-n // page_size) for n in batch.seq_lens]
+    tables = torch.zeros(batch.num_seqs, max(need), dtype=torch.int64)
+    for s, (table, n) in enumerate(zip(batch.page_tables, need, strict=True)):
+        if table.numel() < n:
+            raise ValueError(
+                f"sequence {s}: page table has {table.numel()} pages, {batch.seq_lens[s]} tokens need {n}"
+            )
+        tables[s, :n] = table[:n].to(torch.int64).cpu()
+    return tables
+
+
 @dataclass
 class AttentionMetadata:
     """Index tensors built once per forward and shared by every layer."""
@@ -45,15 +59,7 @@ class AttentionMetadata:
         ext = torch.tensor(batch.extend_lens, dtype=torch.int64)
         prefix = torch.tensor(batch.prefix_lens(), dtype=torch.int64)
         k_max, q_max = max(batch.seq_lens), int(ext.max())
-        pages_needed = -(-k_max // page_size)
-        tables = torch.zeros(batch.num_seqs, pages_needed, dtype=torch.int64)
-        for s, (table, seq_len) in enumerate(zip(batch.page_tables, batch.seq_lens, strict=True)):
-            n = -(-seq_len // page_size)
-            if table.numel() < n:
-                raise ValueError(
-                    f"sequence {s}: page table has {table.numel()} pages, {seq_len} tokens need {n}"
-                )
-            tables[s, :n] = table[:n].to(torch.int64).cpu()
+        tables = padded_page_table(batch, page_size)
         key_pos = torch.arange(k_max)
         kv_slots = tables[:, key_pos // page_size] * page_size + key_pos % page_size
         q_pos = torch.minimum(torch.arange(q_max)[None, :], (ext - 1)[:, None])  # [S, Q]

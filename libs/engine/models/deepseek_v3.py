@@ -128,7 +128,7 @@ class Attention(nn.Module):
             cfg.qk_nope_head_dim,
             cfg.qk_rope_head_dim,
         )
-        self.kv_lora_rank, self.v_dim, self.scale = cfg.kv_lora_rank, cfg.v_head_dim, cfg.softmax_scale
+        self.kv_lora_rank, self.v_dim = cfg.kv_lora_rank, cfg.v_head_dim
         h, d, bias = cfg.num_attention_heads, cfg.hidden_size, cfg.attention_bias
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(d, h * cfg.qk_head_dim, False, dtype, device)
@@ -151,17 +151,14 @@ class Attention(nn.Module):
         w = self.kv_b_proj.weight
         key = (w.data_ptr(), w._version)
         if self._mla_weights is None or self._mla_weights[0] != key:
-            dense_weight = getattr(self.kv_b_proj, "dense_weight", None)
-            dense = dense_weight() if dense_weight is not None else w
+            dense = self.kv_b_proj.dense_weight()
             self._mla_weights = (key, MLAWeights.from_dense(dense, self.num_heads, self.nope_dim))
         return self._mla_weights[1]
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs,
-        kv: KVPool, out_slots: torch.Tensor, absorbed: bool,
-    ) -> torch.Tensor:  # fmt: skip
-        """`step` (passed through DecoderLayer as its `meta`) names the attention backend and its metadata;
-        `absorbed` is step.absorbed and `out_slots` step.out_slots."""
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, kv: KVPool
+    ) -> torch.Tensor:
+        """`step` names the attention backend, its metadata and the new tokens' pool slots."""
         t = x.shape[0]
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
@@ -173,7 +170,7 @@ class Attention(nn.Module):
         latent = self.kv_a_proj_with_mqa(x)  # [T, R + r]
         c_kv = self.kv_a_layernorm(latent[:, : self.kv_lora_rank])
         k_pe = self.rope.apply(latent[:, self.kv_lora_rank :], cos, sin)
-        kv.write(self.layer_id, out_slots, torch.cat([c_kv, k_pe], dim=-1))
+        kv.write(self.layer_id, step.out_slots, torch.cat([c_kv, k_pe], dim=-1))
         rows = kv.layer(self.layer_id)
         out = step.backend.attend(q_nope, q_pe, rows, self.mla_weights(), step)  # [T, H, V]
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
@@ -208,10 +205,8 @@ class MLP(nn.Module):
         return [f"{prefix}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
 
     def fp8_unsupported(self, block: tuple[int, int]) -> str | None:
-        inter, d = self.down_proj.weight.shape[1], self.down_proj.weight.shape[0]
-        if inter % fp8_linear.KERNEL_BLOCK[0]:
-            return f"width {inter} would put gate and up rows in one 128-row scale block"
-        return fp8_linear.unsupported(d, block) or fp8_linear.unsupported(inter, block)
+        d, inter = self.down_proj.weight.shape
+        return fp8_linear.swiglu_unsupported(d, inter, block, "width")
 
     def to_fp8(self) -> None:
         self.gate_up = fp8_linear.fuse_rows_fp8(self.gate_proj, self.up_proj)
@@ -281,10 +276,8 @@ class Experts(nn.Module):
         return [f"{prefix}.{e}.{p}.weight" for e in range(self.gate_up_proj.shape[0]) for p in projs]
 
     def fp8_unsupported(self, block: tuple[int, int]) -> str | None:
-        i, d = self.down_proj.shape[2], self.down_proj.shape[1]
-        if i % fp8_linear.KERNEL_BLOCK[0]:
-            return f"expert width {i} would put gate and up rows in one 128-row scale block"
-        return fp8_linear.unsupported(d, block) or fp8_linear.unsupported(i, block)
+        _, d, i = self.down_proj.shape
+        return fp8_linear.swiglu_unsupported(d, i, block, "expert width")
 
     def to_fp8(self) -> None:
         (e, i2, d), device = self.gate_up_proj.shape, self.gate_up_proj.device
@@ -343,8 +336,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, x, cos, sin, meta, kv, out_slots, absorbed) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv, out_slots, absorbed)
+    def forward(self, x, cos, sin, step, kv) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -409,7 +402,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         cos, sin = self.rope.cos_sin(step.positions)
         x = F.embedding(step.input_ids, self.model.embed_tokens.weight)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, step, kv, step.out_slots, step.absorbed)
+            x = layer(x, cos, sin, step, kv)
         return self.model.norm(x)
 
     def graph_safe_decode(self) -> bool:
@@ -417,7 +410,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         which the FP8 masked-layout experts set; the plain experts read counts on the host) and have no
         expert-parallel hook (its collectives are not captured)."""
         moes = [m for m in self.modules() if isinstance(m, MoE)]
-        return all(getattr(m, "graph_safe", False) and m.ep is None for m in moes)
+        return all(m.graph_safe for m in moes)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -62,19 +62,17 @@ def _batch(spans, page_size=PAGE, num_pages=64, seed=0) -> ForwardBatch:
     )
 
 
-def _inputs(cfg, batch, num_pages=64, dtype=torch.float32, seed=1):
+def _inputs(cfg, batch, num_pages=64, seed=1):
     g = torch.Generator().manual_seed(seed)
     t, h = batch.input_ids.shape[0], cfg.num_attention_heads
-    rows = torch.randn(num_pages * PAGE, cfg.kv_row_dim, generator=g).to(dtype)
-    w = (torch.randn(h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, generator=g) / 8).to(
-        dtype
-    )
-    q_nope = torch.randn(t, h, cfg.qk_nope_head_dim, generator=g).to(dtype)
-    q_pe = torch.randn(t, h, cfg.qk_rope_head_dim, generator=g).to(dtype)
+    rows = torch.randn(num_pages * PAGE, cfg.kv_row_dim, generator=g)
+    w = torch.randn(h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, generator=g) / 8
+    q_nope = torch.randn(t, h, cfg.qk_nope_head_dim, generator=g)
+    q_pe = torch.randn(t, h, cfg.qk_rope_head_dim, generator=g)
     return q_nope, q_pe, rows, MLAWeights.from_dense(w, h, cfg.qk_nope_head_dim)
 
 
-def _attend(backend, cfg, batch, inputs, absorbed):
+def _attend(backend, batch, inputs, absorbed):
     q_nope, q_pe, rows, weights = inputs
     step = backend.prepare(batch, PAGE, absorbed)
     return backend.attend(q_nope, q_pe, rows, weights, step)
@@ -88,8 +86,8 @@ def test_extend_with_prefixes_matches_expanded_reference():
     cfg, batch = _cfg(), _batch(RAGGED)
     inputs = _inputs(cfg, batch)
     cpu = torch.device("cpu")
-    ref = _attend(TorchAttention(cfg, cpu), cfg, batch, inputs, absorbed=False)
-    got = _attend(TritonAttention(cfg, cpu, torch.float32), cfg, batch, inputs, absorbed=False)
+    ref = _attend(TorchAttention(cfg, cpu), batch, inputs, absorbed=False)
+    got = _attend(TritonAttention(cfg, cpu, torch.float32), batch, inputs, absorbed=False)
     assert got.shape == ref.shape == (batch.input_ids.shape[0], cfg.num_attention_heads, cfg.v_head_dim)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
@@ -100,8 +98,8 @@ def test_paged_torch_decode_matches_absorbed_reference():
     cpu = torch.device("cpu")
     backend = TritonAttention(cfg, cpu, torch.float32)
     assert backend.kernel_cfg is None  # tiny dims: the plain-torch paged decode
-    ref = _attend(TorchAttention(cfg, cpu), cfg, batch, inputs, absorbed=True)
-    torch.testing.assert_close(_attend(backend, cfg, batch, inputs, absorbed=True), ref, atol=1e-5, rtol=1e-5)
+    ref = _attend(TorchAttention(cfg, cpu), batch, inputs, absorbed=True)
+    torch.testing.assert_close(_attend(backend, batch, inputs, absorbed=True), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_triton_decode_kernel_matches_absorbed_reference():
@@ -112,14 +110,14 @@ def test_triton_decode_kernel_matches_absorbed_reference():
     )
     batch = _batch([(0, 1), (19, 1), (44, 1)], num_pages=40)
     inputs = _inputs(cfg, batch, num_pages=40)
-    ref = _attend(TorchAttention(cfg, torch.device("cpu")), cfg, batch, inputs, absorbed=True)
+    ref = _attend(TorchAttention(cfg, torch.device("cpu")), batch, inputs, absorbed=True)
     device, dtype, tol = ("cuda", torch.bfloat16, 2e-2) if HAS_CUDA else ("cpu", torch.float32, 1e-4)
     q_nope, q_pe, rows, w = inputs
     weights = MLAWeights.from_dense(w.dense.to(device, dtype), cfg.num_attention_heads, cfg.qk_nope_head_dim)
     on_device = tuple(x.to(device, dtype) for x in (q_nope, q_pe, rows))
     backend = TritonAttention(cfg, torch.device(device), dtype, use_kernel=True)
     assert backend.kernel_cfg is not None
-    got = _attend(backend, cfg, batch, (*on_device, weights), absorbed=True)
+    got = _attend(backend, batch, (*on_device, weights), absorbed=True)
     assert _rel(got.cpu(), ref) < tol
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from libs.engine import Engine, SamplingParams
+from libs.engine.loader import load_model
 from libs.engine.pages import PageAllocator
 from libs.engine.radix_cache import RadixCache
 from libs.engine.tiny import write_tiny_model
@@ -83,7 +84,7 @@ def test_a_listener_set_late_hears_what_is_cached_already() -> None:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     ckpt = write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=1)
-    return Engine.from_pretrained(ckpt, page_size=PS, num_pages=64).model
+    return load_model(ckpt, progress=False)
 
 
 def _engine(model, **kw) -> Engine:

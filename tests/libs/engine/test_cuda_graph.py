@@ -27,6 +27,7 @@ from libs.engine.models.deepseek_v3 import MoE
 from libs.engine.runner import Chunk
 from libs.engine.sampling import SamplingParams
 from libs.engine.tiny import write_tiny_model
+from tests.libs.engine.test_attention_backends import _rel
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
@@ -192,10 +193,10 @@ def test_greedy_with_graphs_equals_eager_and_cpu_float32(tmp_path, dims):
     assert graphed == eager == cpu_tokens
 
 
-def _decode_graph_vs_eager(model, prompts=PROMPTS, tol=1e-2) -> float:
+def _decode_graph_vs_eager(model, prompts=PROMPTS, tol=1e-2) -> None:
     """Prefill the prompts eagerly, then the same decode step replayed from a graph (3 rows pad to 4; 4 do not) and
     eagerly: logits agree to `tol` (kernel choices and split-K counts follow the row count, so not
-    bitwise), and a subset of rows gives the same rows. Returns the relative difference."""
+    bitwise), and a subset of rows gives the same rows."""
     engine = Engine(model, page_size=16, num_pages=64, max_num_seqs=8)
     runner = engine.runner
     assert isinstance(runner.backend, TritonAttention) and runner.backend.kernel_cfg is not None
@@ -210,11 +211,9 @@ def _decode_graph_vs_eager(model, prompts=PROMPTS, tol=1e-2) -> float:
     runner.graphs, saved = None, runner.graphs
     eager = runner.forward_last(decode)  # the same step again: it rewrites the same KV rows
     runner.graphs = saved
-    rel = ((graphed - eager).norm() / eager.norm()).item()
-    assert rel < tol
+    assert _rel(graphed, eager) < tol
     want = runner.forward_last(decode, [True, False, True] + [False] * (len(prompts) - 3))
     assert want.shape[0] == 2 and torch.allclose(want, graphed[[0, 2]])
-    return rel
 
 
 @pytest.mark.gpu
@@ -237,8 +236,7 @@ def test_fp8_moe_decode_graph_replay_equals_eager(tmp_path):
     gives uncorrelated logits (~140%)."""
     path = write_tiny_model(tmp_path, seed=5, fp8=True, moe_intermediate_size=128, **KERNEL_DIMS)
     model = load_model(path, dtype="bfloat16", device="cuda", progress=False)
-    if not model.graph_safe_decode():
-        pytest.skip("this model's MoE does not declare a graph-safe decode path (MoE.graph_safe)")
+    assert model.graph_safe_decode()
     _decode_graph_vs_eager(model, PROMPTS + [[50, 51, 52, 53, 54, 55]], tol=5e-2)
     eager, _ = _engine_tokens(model, cuda_graphs=False)
     graphed, engine = _engine_tokens(model, cuda_graphs=True)
@@ -279,7 +277,7 @@ def test_prefill_backend_matches_expanded_reference_on_gpu(backend_name):
     backend = make_attention_backend(backend_name, cfg, "cuda", torch.bfloat16)
     step = backend.prepare(batch, 4, absorbed=False)
     got = backend.attend(q_nope, q_pe, rows, MLAWeights.from_dense(w, cfg.num_attention_heads, 128), step)
-    assert ((got.float().cpu() - expected).norm() / expected.norm()).item() < 2e-2
+    assert _rel(got.cpu(), expected) < 2e-2
 
 
 @pytest.mark.gpu
@@ -302,4 +300,4 @@ def test_decode_kernel_backend_matches_absorbed_reference_on_gpu():
     got = backend.attend(
         q_nope, q_pe, rows, MLAWeights.from_dense(w, h, 128), backend.prepare(batch, 4, True)
     )
-    assert ((got.float().cpu() - expected).norm() / expected.norm()).item() < 2e-2
+    assert _rel(got.cpu(), expected) < 2e-2

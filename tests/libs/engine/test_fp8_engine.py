@@ -27,6 +27,7 @@ from libs.engine.loader import load_model
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.engine.tiny import write_tiny_model
 from tests.libs.engine.hf_utils import hf_model
+from tests.libs.engine.test_attention_backends import _rel
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 # kernels vs torch: float32 rounding under the interpreter; a GPU's FP8 tensor cores accumulate each
@@ -73,10 +74,6 @@ def ckpt(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def fp8_model(ckpt) -> DeepseekV3ForCausalLM:
     return load_model(ckpt["fp8"], device=DEVICE, progress=False, quantization="fp8")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def _assert_tight(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -258,16 +255,6 @@ def test_bad_fp8_tensors_are_value_errors_naming_them(ckpt, tmp_path: Path, edit
     """(d) missing scales, scales of the wrong shape, a non-FP8 weight with a scale."""
     with pytest.raises(ValueError, match=error):
         load_model(_broken(ckpt, tmp_path, edit), progress=False, quantization="fp8")
-
-
-def test_worker_settings_validate_quantization() -> None:
-    from libs.worker.settings import WorkerSettings
-
-    assert WorkerSettings(model_dir="m", quantization="fp8").quantization == "fp8"
-    with pytest.raises(ValueError, match="quantization must be auto, fp8 or none"):
-        WorkerSettings(model_dir="m", quantization="int4")
-    with pytest.raises(ValueError, match="EP ranks load dequantized experts"):
-        WorkerSettings(model_dir="m", quantization="fp8", ep_size=2, dp_size=2)
 
 
 def test_engine_generates_with_fp8_weights_consistently_with_prefill(ckpt) -> None:
