@@ -112,7 +112,7 @@ class AllToAllDispatcher(Dispatcher):
         here = dest[token] == to_rank[:, None]  # [R, K] which of a row's experts live on its destination
         ids = torch.where(here, slots[token] % s, -1).to(torch.int32)
         w = torch.where(here, weights[token].float(), 0.0)
-        packed = self._pack(x[token], ids, w)
+        packed = self._pack(x, token, ids, w)
         got = self.comm.all_to_all(packed, send_rows, recv_rows)
         rx, rids, rw = self._unpack(got, x.shape[1], k, x.dtype)
         return Dispatched("tokens", rx, rids.long(), rw, handle=(token, send_rows, recv_rows, t, x.dtype))
@@ -124,11 +124,11 @@ class AllToAllDispatcher(Dispatcher):
         out = torch.zeros(t, y.shape[-1], dtype=dtype, device=y.device)
         return out.index_add_(0, token, back.to(dtype))
 
-    def _pack(self, rows: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """[R, bytes]: hidden (or fp8 + scales) | ids int32 | weights float32."""
-        parts = [*quantize_fp8(rows)] if self.fp8 else [rows]
-        parts += [ids, w]
-        return torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=1)
+    def _pack(self, x: torch.Tensor, token: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """[R, bytes]: rows x[token] as hidden (or fp8 + scales) | ids int32 | weights float32. FP8 quantizes
+        each token once, before the gather, however many ranks it visits."""
+        rows = [p.contiguous().view(torch.uint8)[token] for p in (quantize_fp8(x) if self.fp8 else [x])]
+        return torch.cat([*rows, *(p.contiguous().view(torch.uint8) for p in (ids, w))], dim=1)
 
     def _unpack(self, got: torch.Tensor, d: int, k: int, dtype: torch.dtype):
         cuts = [d, 4 * d // FP8_GROUP] if self.fp8 else [d * torch.empty((), dtype=dtype).element_size()]

@@ -40,6 +40,7 @@ from libs.engine.sampling import SamplingParams
 from libs.ep import eplb
 from libs.ep.dispatch import BACKENDS
 from libs.ep.group import RankGroup
+from libs.ep.mooncake_ep import DEFAULT_MAX_TOKENS
 from libs.ep.placement import Placement
 from libs.ep.rank import RankSpec
 from libs.ep.routing import RankBlocks, pick_rank
@@ -134,9 +135,9 @@ class EPEngine:
                 out[i] = o
         return out  # type: ignore[return-value]
 
-    def prefill_logits(self, tokens: Sequence[int], rank: int | None = None) -> torch.Tensor:
-        """[T, V] float32 logits at every position, computed on `rank` (default: the least loaded)."""
-        r = self._pick() if rank is None else rank
+    def prefill_logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        """[T, V] float32 logits at every position, computed on the least loaded rank."""
+        r = self._pick()
         return torch.from_numpy(self.group.op({r: ("prefill_logits", (list(tokens),))})[r])
 
     def prefill_logits_many(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -250,12 +251,10 @@ class EPEngine:
         return self._kv_pool
 
     # --- EPLB ---
-    def rebalance(self, load: np.ndarray | None = None) -> Placement:
-        """New placement by EPLB from `load` [L, E] (default: the load since the last change), applied."""
-        load = self.window_load if load is None else load
-        new = eplb.rebalance(
-            torch.as_tensor(load), self.placement.num_physical, self.ep_size, num_groups=self.config.n_group
-        )
+    def rebalance(self) -> Placement:
+        """New placement by EPLB from the load [L, E] since the last change, applied."""
+        load = torch.as_tensor(self.window_load)
+        new = eplb.rebalance(load, self.placement.num_physical, self.ep_size, num_groups=self.config.n_group)
         self.apply_placement(new)
         return new
 
@@ -340,7 +339,7 @@ def _check_args(
     if eplb_interval_steps < 0:
         raise ValueError(f"eplb_interval_steps must be >= 0, got {eplb_interval_steps}")
     if backend == "mooncake":  # low-latency only: every forward must fit its per-rank token limit
-        cap = int((options or {}).get("max_tokens", 128))
+        cap = int((options or {}).get("max_tokens", DEFAULT_MAX_TOKENS))
         if forward_tokens > cap:
             raise ValueError(
                 f"EP backend 'mooncake' takes at most {cap} tokens per forward: set max_prefill_tokens and "

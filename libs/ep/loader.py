@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from libs.engine.config import ModelConfig
-from libs.engine.loader import iter_checkpoint_tensors, parse_dtype
+from libs.engine.loader import _listing, iter_checkpoint_tensors, parse_dtype
 from libs.engine.models.deepseek_v3 import CHECKPOINT_EXPERT_NAME, DeepseekV3ForCausalLM
 from libs.ep.placement import Placement
 from libs.ep.runtime import moe_layers, shard_experts
@@ -83,8 +83,9 @@ def _check_complete(folder: Path, missing_dense: set[str], filled: set, local: l
         for slot, expert in enumerate(experts):
             missing += [f"MoE layer {j} expert {expert} {p}" for p in PROJS if (j, slot, p) not in filled]
     if missing:
-        shown = ", ".join(missing[:8]) + (f", ... ({len(missing) - 8} more)" if len(missing) > 8 else "")
-        raise ValueError(f"checkpoint {folder} is missing {len(missing)} tensors for this rank: {shown}")
+        raise ValueError(
+            f"checkpoint {folder} is missing {len(missing)} tensors for this rank: {_listing(missing)}"
+        )
 
 
 def _skippable(name: str, cfg: ModelConfig) -> bool:

@@ -4,8 +4,10 @@ built with EP).
 
 RUN ONCE (timing only) on nvidia-h200-x2 with mooncake-transfer-engine-cuda13 0.3.14: no RDMA NIC there, so
 Mooncake EP took its P2P-only path; 128 tokens per rank, hidden 7168, top-8: 2,562 us dispatch+combine vs
-1,655 us for the all-to-all dispatcher and 102 us raw NCCL (bench/results/ep_dispatch-mooncake-h200x2-*.json);
-its outputs were not checked against the reference. On the CPU machines (non-cuda wheel) `mooncake.ep` does not import. The code
+1,655 us for the all-to-all dispatcher and 102 us raw NCCL, from
+`python -m bench.ep_dispatch --iters 20 --backends torch,mooncake`
+(bench/results/ep_dispatch-mooncake-h200x2-20261130T201138.json); its outputs were not checked against the
+reference. On the CPU machines (non-cuda wheel) `mooncake.ep` does not import. The code
 follows Mooncake's documented Buffer API (dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
 num_experts, timeout_us, use_fp8) / combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)) as
 SGLang's Mooncake dispatcher uses it, and needs a GPU run before it is trusted.
@@ -25,12 +27,13 @@ from libs.ep.comm import Comm
 from libs.ep.dispatch import Dispatched, Dispatcher, dequantize_fp8, peak_tokens
 
 MAX_TOKENS_LIMIT = 1024  # Mooncake EP's per-rank dispatch limit
+DEFAULT_MAX_TOKENS = 128  # tokens per rank per forward unless the `max_tokens` option says otherwise
 
 
 class MooncakeEPDispatcher(Dispatcher):
     def __init__(
         self, group: Any, header: Comm, num_physical: int, hidden: int, dtype: torch.dtype,
-        fp8: bool = True, max_tokens: int = 128, timeout_us: int = 10_000_000,
+        fp8: bool = True, max_tokens: int = DEFAULT_MAX_TOKENS, timeout_us: int = 10_000_000,
     ) -> None:  # fmt: skip
         try:
             import mooncake.ep  # noqa: F401  (the EP extension; the Buffer module imports without it)

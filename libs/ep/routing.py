@@ -14,7 +14,10 @@ removed when the last rank drops it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: importing libs.engine would load the whole engine
+    from libs.engine.radix_cache import CacheListener
 
 
 def pick_rank(busy: Sequence[int], free: Sequence[int], matched: Sequence[int], slack: int) -> int:
@@ -24,17 +27,11 @@ def pick_rank(busy: Sequence[int], free: Sequence[int], matched: Sequence[int], 
     return max(candidates, key=lambda r: (matched[r], -busy[r], free[r], -r))
 
 
-class Listener(Protocol):
-    def blocks_stored(self, hashes: list[int]) -> None: ...
-
-    def blocks_removed(self, hashes: list[int]) -> None: ...
-
-
 class RankBlocks:
     def __init__(self, ranks: int) -> None:
         self.blocks: list[set[int]] = [set() for _ in range(ranks)]
         self.refs: dict[int, int] = {}  # block -> ranks holding it
-        self.listener: Listener | None = None
+        self.listener: CacheListener | None = None
 
     def apply(self, rank: int, events: Sequence[tuple[bool, list[int]]]) -> None:
         """One rank's cache events, in order: (stored?, block hashes)."""
@@ -55,7 +52,7 @@ class RankBlocks:
             if changed and self.listener is not None:
                 (self.listener.blocks_stored if stored else self.listener.blocks_removed)(changed)
 
-    def set_listener(self, listener: Listener | None) -> None:
+    def set_listener(self, listener: CacheListener | None) -> None:
         """From now on; what some rank caches already is reported as stored at once."""
         self.listener = listener
         if listener is not None and self.refs:

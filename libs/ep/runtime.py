@@ -84,10 +84,6 @@ class EPRuntime:
         )
         self.rounds = 0
 
-    @property
-    def layer_ids(self) -> list[int]:
-        return [i for i, _ in self.layers]
-
     # --- the model side: one MoE layer of an active forward ---
     def moe(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids/weights [T, K] (logical experts from the router) -> routed experts' output [T, D]."""

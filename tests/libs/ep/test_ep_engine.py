@@ -13,6 +13,7 @@ import torch
 from libs.engine import Engine, SamplingParams
 from libs.engine.tiny import write_tiny_model
 from libs.ep.engine import EPEngine
+from tests.libs.cache_recorder import Recorder
 
 PAGES = 48  # per rank
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -125,21 +126,13 @@ def test_bad_settings_are_refused_before_any_process_starts(tiny: Path) -> None:
 
 def test_a_request_goes_to_the_rank_that_caches_its_prefix(group: EPEngine) -> None:
     shared = prompt(40, 99)  # two full 16-token pages of shared prefix
-    events: list[tuple[bool, list[int]]] = []
-
-    class Listener:
-        def blocks_stored(self, hashes: list[int]) -> None:
-            events.append((True, hashes))
-
-        def blocks_removed(self, hashes: list[int]) -> None:
-            events.append((False, hashes))
-
-    group.set_cache_listener(Listener())
+    recorder = Recorder()
+    group.set_cache_listener(recorder)
     group.add_request("first", shared, GREEDY)
     first_rank = group.owner["first"]
     while group.has_unfinished():
         group.step()
-    first_rank_blocks = [b for stored, hs in events if stored for b in hs]
+    first_rank_blocks = [b for kind, hs in recorder.events if kind == "stored" for b in hs]
     assert len(first_rank_blocks) >= 2
     # make the caching rank the busier one: without prefix affinity "second" would go elsewhere
     group.add_request("filler", prompt(5, 1), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))

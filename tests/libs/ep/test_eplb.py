@@ -51,7 +51,8 @@ def test_rebalance_returns_a_valid_placement(experts, groups, ranks, redundant, 
     load = skewed_load(3, experts)
     p = eplb.rebalance(load, experts + redundant, ranks, num_groups=groups, num_nodes=nodes)
     assert isinstance(p, Placement) and p.num_physical == experts + redundant and p.ep_size == ranks
-    assert (p.logcnt >= 1).all() and int(p.logcnt.sum()) == 3 * (experts + redundant)
+    hottest = load.argmax(1, keepdim=True)  # [L, 1]
+    assert (p.logcnt.gather(1, hottest).squeeze(1) == p.logcnt.amax(1)).all()  # most copies to the hottest
 
 
 def test_hierarchical_keeps_each_expert_group_on_one_node() -> None:
