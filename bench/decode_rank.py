@@ -297,23 +297,6 @@ def capture(rank: Rank, bt: Batch, parts: set) -> torch.cuda.CUDAGraph:
     return g
 
 
-def shrink_for_smoke_test() -> None:
-    """Tiny dimensions on the CPU (Triton interpreter): exercises every op of the step, times nothing."""
-    global D, QR, HEADS, LAYERS, DENSE_LAYERS, INTER_DENSE, INTER_MOE, EXPERTS, VOCAB, DEV
-    D, QR, HEADS, LAYERS, DENSE_LAYERS, INTER_DENSE, INTER_MOE, EXPERTS, VOCAB = (
-        256,
-        128,
-        16,
-        3,
-        1,
-        256,
-        128,
-        32,
-        500,
-    )
-    DEV = "cpu"
-
-
 def build_rank(max_b: int, max_ctx: int, local_experts: int, mla_cfg: MLAConfig, fuse_shared: bool = True) -> Rank:
     layers = [build_layer(i, local_experts, fuse_shared) for i in range(LAYERS)]
     slots = max_b * math.ceil(max_ctx / PAGE) * PAGE

@@ -5,7 +5,7 @@
 # illegal address poisons the whole process) cannot hide the others' results; only compact summaries
 # go to $OUT (the device tool brings back a limited number of files).
 set -u
-OUT=${OUT:-/tmp/gpu_check}
+export OUT=${OUT:-/tmp/gpu_check}  # write_results puts the new records here
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   pip install --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -13,7 +13,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 summary="$OUT/summary.txt"
 : > "$summary"
-for f in tests/libs/kernels/test_*.py tests/libs/engine/test_cuda_graph.py tests/libs/engine/test_attention_backends.py; do
+for f in tests/libs/kernels/test_*.py tests/libs/engine/test_mla_forms.py tests/libs/engine/test_cuda_graph.py tests/libs/engine/test_attention_backends.py; do
   log=$(timeout 240 python3 -m pytest -q -rf --tb=short --confcutdir=tests/libs -p no:cacheprovider "$f" 2>&1)
   line=$(echo "$log" | grep -E "^(FAILED|ERROR)|passed|failed|error" | tail -6 | tr '\n' ' ')
   echo "$f: ${line:-timed out or crashed}" | tee -a "$summary"
@@ -22,7 +22,5 @@ done
 [ "${1:-}" = quick ] && exit 0
 timeout 300 python3 -m bench.decode_rank --batch 256,512 --attn flashinfer --dense-fp8 block,rowwise 2>&1 \
   | grep -E "^\[" | tee -a "$summary"
-newest=$(ls -t bench/results/decode_rank-w1-flashinfer-block-rowwise-2*.json 2>/dev/null | head -1)
-[ -n "$newest" ] && cp "$newest" "$OUT"/
 timeout 240 python3 -m bench.kernels --skip-mla > "$OUT/kernels.log" 2>&1
-grep -E "masked-autotuned|sm90-masked-128-128-8-4-4|choices" "$OUT/kernels.log" | cut -c1-160 | tee -a "$summary"
+grep -E "masked-chosen|sm90-masked-128-128-8-4-4|choices" "$OUT/kernels.log" | cut -c1-160 | tee -a "$summary"

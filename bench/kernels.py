@@ -139,14 +139,14 @@ def gemm_case(e, m, n, k, log) -> list[dict]:
     ref = G.fp8_gemm_reference(xq[0], xs[0], w[0], ws[0])
     err = ((out[0].float() - ref.float()).norm() / ref.float().norm()).item()
     flops = 2 * e * m * n * k
-    variants = {"masked-autotuned": lambda: G.fp8_gemm_masked(xq, xs, w, ws, counts, out=out)}
+    variants = {"masked-chosen": lambda: G.fp8_gemm_masked(xq, xs, w, ws, counts, out=out)}
     flat_q, flat_s = xq.view(e * m, k), xs.view(e * m, k // 128)
     for bm in (64, 128):
         te = torch.arange(e, device="cuda", dtype=torch.int32).repeat_interleave(m // bm)
         variants[f"contiguous-bm{bm}"] = lambda te=te, bm=bm: G.fp8_gemm_contiguous(
             flat_q, flat_s, w, ws, te, bm
         )
-    variants["dense-one-expert"] = lambda: G.fp8_gemm(xq[0], xs[0], w[0], ws[0])  # split-K chosen by shape
+    variants["dense-one-expert"] = lambda: G.fp8_gemm(xq[0], xs[0], w[0], ws[0])  # split-K measured per shape
     variants["dense-one-expert-nosplit"] = lambda: G.fp8_gemm(xq[0], xs[0], w[0], ws[0], split_k=1)
     variants.update(sm90_variants(xq, xs, w, ws, counts, out))
     records = []
@@ -157,19 +157,31 @@ def gemm_case(e, m, n, k, log) -> list[dict]:
             err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         ms = G._graph_time(fn)  # graph-replayed: eager timing of ~100 us kernels measures the launch path
         f = flops / e if "dense" in name else flops
-        cfg = (
-            str(G._fp8_gemm_tuned.best_config)
-            if name in ("masked-autotuned", "dense-one-expert-nosplit")
-            else None
-        )
-        if name == "dense-one-expert":
-            cfg = f"split_k={G.split_k_for(m, n, k)}"
+        cfg = None
+        if name == "masked-chosen":
+            cfg = chosen_kernel(G.MASKED, m, n, k, e)
+        elif name == "dense-one-expert-nosplit":
+            cfg = chosen_kernel(G.DENSE, m, n, k, 1)
+        elif name == "dense-one-expert":
+            split = G._SPLIT_CHOICE.get((m, n, k), 1)  # what _measured_split timed fastest
+            if split == 1:
+                cfg = f"split_k=1 {chosen_kernel(G.DENSE, m, n, k, 1)}"
+            else:  # _fp8_gemm_split_k: Gluon slices where it has a config, else Triton's 64x128 tiles
+                split_cfg = G._split_sm90_config(xq[0], w[0], split)
+                cfg = f"split_k={split} " + (f"sm90 {split_cfg}" if split_cfg else "triton 64x128")
         records.append({"benchmark": "moe_gemm", "variant": name, "experts": e, "tokens_per_expert": m,
                         "N": n, "K": k, "ms": ms, "TFLOPs": f / ms / 1e9, "rel_err": err, "config": cfg})  # fmt: skip
         log(
             f"gemm {name} {e}x{m} N={n} K={k}: {ms * 1e3:.1f} us {f / ms / 1e9:.0f} TFLOP/s (err {err:.1e}) {cfg or ''}"
         )
     return records
+
+
+def chosen_kernel(layout, m, n, k, e) -> str:
+    """What `fp8_gemm._choose` runs for this shape: a Gluon config, or the Triton kernel with the config its
+    autotuner last used (this shape's, when called right after timing it)."""
+    cfg = G._KERNEL_CHOICE.get((layout, m, n, k, e))
+    return f"sm90 {cfg}" if cfg is not None else f"triton {G._fp8_gemm_tuned.best_config}"
 
 
 def sm90_variants(xq, xs, w, ws, counts, out) -> dict:

@@ -1,5 +1,5 @@
-"""Kernel backends chosen by device: the engine calls these; CUDA tensors go to the Triton kernels
-(or FlashInfer's MLA where installed and asked for), CPU tensors to the plain-torch references.
+"""Kernel backends chosen by device: the engine calls these; CUDA tensors go to the Triton kernels, CPU
+tensors to the plain-torch references.
 
 The engine side calls (attention goes through libs.engine.layers.attention_backend instead):
 - `moe_route(logits, bias, ...)` -> (weights, ids)
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from libs.kernels import fp8_gemm, quant, routing
+from libs.kernels import fp8_gemm, moe_ops, quant, routing
+from libs.kernels.fp8_gemm import triton_usable
 
 
 def moe_route(logits, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob=True):
@@ -25,16 +26,6 @@ def moe_route(logits, bias, top_k, n_group, topk_group, routed_scaling_factor, n
 # kept float8 with 128x128 `weight_scale_inv` blocks, fp32 accumulation, outputs in the activation dtype.
 # Triton where `triton_usable` (CUDA, or CPU under Triton's interpreter in tests); otherwise the torch
 # reference of the same math, so an FP8 model gives the same numbers (to rounding) on every device.
-
-
-def triton_usable(t: torch.Tensor) -> bool:
-    """CUDA tensors, or CPU tensors when the kernels were built for Triton's interpreter (TRITON_INTERPRET=1
-    before libs.kernels was first imported: the tests' setup)."""
-    if t.is_cuda:
-        return True
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(fp8_gemm._fp8_gemm_body, InterpretedFunction)
 
 
 def _quant(x2d: torch.Tensor, kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,25 +79,21 @@ def fp8_moe(
         return torch.zeros_like(x) if add is None else add.clone()
     if not triton_usable(x):
         return fp8_moe_reference(x, ids, weights, w13, w2, add)
-    from libs.kernels import moe_ops
-
     run = _moe_masked if masked else _moe_contiguous
-    out, dest = run(moe_ops, x.contiguous(), ids.reshape(-1), w13, w2, block_m)
+    out, dest = run(x.contiguous(), ids.reshape(-1), w13, w2, block_m)
     return moe_ops.combine_fused(out, dest, weights.float().contiguous(), add=add)
 
 
-def _moe_masked(moe_ops, x, pair_ids, w13, w2, block_m):
+def _moe_masked(x, pair_ids, w13, w2, block_m):
     (e, _, d), t = w13[0].shape, x.shape[0]
     dest, counts = moe_ops.align_masked(pair_ids, e, t)
     xq = torch.empty(e, t, d, dtype=fp8_gemm.FP8, device=x.device)
     xs = torch.empty(e, t, d // fp8_gemm.GROUP, dtype=torch.float32, device=x.device)
     moe_ops.dispatch_quant(x, dest, xq, xs)
-    gate_up = fp8_gemm.fp8_gemm_masked(xq, xs, *w13, counts, out_dtype=x.dtype)
-    hq, hs = quant.silu_mul_quant(gate_up, counts)
-    return fp8_gemm.fp8_gemm_masked(hq, hs, *w2, counts, out_dtype=x.dtype), dest
+    return moe_ops.moe_masked(xq, xs, counts, *w13, *w2, out_dtype=x.dtype), dest
 
 
-def _moe_contiguous(moe_ops, x, pair_ids, w13, w2, block_m):
+def _moe_contiguous(x, pair_ids, w13, w2, block_m):
     e, t = w13[0].shape[0], x.shape[0]
     k = pair_ids.numel() // t
     order, tile_expert = moe_ops.align_contiguous(pair_ids, e, block_m)  # host sync
@@ -119,9 +106,8 @@ def _moe_contiguous(moe_ops, x, pair_ids, w13, w2, block_m):
     xq, xs = quant.quant_fp8_groups(x)  # each token once, then gathered into its K expert rows
     token = torch.where(valid, order // k, 0)
     rq = xq.view(torch.uint8)[token].view(fp8_gemm.FP8)
-    gate_up = fp8_gemm.fp8_gemm_contiguous(rq, xs[token], *w13, tile_expert, block_m, out_dtype=x.dtype)
-    hq, hs = quant.silu_mul_quant(gate_up)
-    return fp8_gemm.fp8_gemm_contiguous(hq, hs, *w2, tile_expert, block_m, out_dtype=x.dtype), dest
+    out = moe_ops.moe_contiguous(rq, xs[token], order, tile_expert, block_m, *w13, *w2, out_dtype=x.dtype)
+    return out, dest
 
 
 def fp8_moe_reference(x, ids, weights, w13, w2, add=None) -> torch.Tensor:

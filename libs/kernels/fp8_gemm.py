@@ -12,9 +12,10 @@ Three layouts share one kernel body:
 Program order keeps the row tiles of one column tile adjacent, so a weight tile read from HBM is reused
 from L2 by every row tile of its expert: for decode the weights are the bytes that matter.
 
-On SM90 the public entry points also consider `fp8_gemm_sm90`'s Gluon WGMMA kernel: the first call of a
-shape times the Triton kernel, the Gluon configs and (dense) split-K from CUDA-graph replays and keeps the
-fastest (`_choose`, `_measured_split`); later calls, and CUDA-graph captures after a warm-up, reuse it.
+On SM90 the dense and masked entry points also consider `fp8_gemm_sm90`'s Gluon WGMMA kernel: the first
+call of a shape times the Triton kernel, the Gluon configs and (dense) split-K from CUDA-graph replays and
+keeps the fastest (`_choose`, `_measured_split`); later calls, and CUDA-graph captures after a warm-up, reuse
+it. The contiguous layout always passes its block_m, so it keeps the Triton kernel.
 """
 
 from __future__ import annotations
@@ -33,7 +34,19 @@ DENSE, MASKED, CONTIGUOUS = 0, 1, 2
 
 
 def _on_gpu() -> bool:
+    """Whether to time and pick kernels (autotuning, Gluon, split-K): a real GPU, not the interpreter."""
     return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def triton_usable(t: torch.Tensor) -> bool:
+    """Whether libs.kernels' Triton kernels can take `t`: CUDA tensors, or CPU tensors when the kernels were
+    built for Triton's interpreter (TRITON_INTERPRET=1 before libs.kernels was first imported: the tests'
+    setup)."""
+    if t.is_cuda:
+        return True
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_fp8_gemm_body, InterpretedFunction)
 
 
 @triton.jit
@@ -218,11 +231,14 @@ def _check_weight(w: torch.Tensor, w_s: torch.Tensor, k: int) -> None:
         raise ValueError(f"weight scale shape {tuple(w_s.shape)} does not match weight {tuple(w.shape)}")
 
 
-def split_k_for(m: int, n: int, k: int, num_sms: int = 132) -> int:
+NUM_SMS = 132  # H100 / H200 SXM: the split-K heuristic's target
+
+
+def split_k_for(m: int, n: int, k: int) -> int:
     """Decode-sized dense GEMMs make too few 64x128 tiles to keep 132 SMs busy through a long K loop
     (measured: 256x4096x7168 ran at ~130 TFLOP/s with one tile per SM); split K until ~4 tiles per SM."""
     tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
-    return max(1, min(triton.cdiv(4 * num_sms, tiles), k // GROUP // 4))
+    return max(1, min(triton.cdiv(4 * NUM_SMS, tiles), k // GROUP // 4))
 
 
 _SPLIT_CHOICE: dict[tuple[int, int, int], int] = {}

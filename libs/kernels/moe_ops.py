@@ -11,13 +11,11 @@ tile, for `fp8_gemm_contiguous`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from libs.kernels.fp8_gemm import FP8_MAX, GROUP, fp8_gemm_contiguous, fp8_gemm_masked
+from libs.kernels.fp8_gemm import FP8_MAX, GROUP, fp8_gemm_contiguous, fp8_gemm_masked, triton_usable
 from libs.kernels.quant import silu_mul_quant
 
 
@@ -112,7 +110,7 @@ def align_masked(local_ids: torch.Tensor, num_experts: int, m_max: int) -> tuple
     """local_ids [P] (expert of each pair, -1 = not on this rank) -> (dest row [P] in E*M_max or -1,
     counts [E] int32). A pair's row is its rank among the pairs of its expert, in pair order.
     One Triton program on CUDA (and under the interpreter); the torch reference elsewhere."""
-    if not (local_ids.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not triton_usable(local_ids):
         return align_masked_reference(local_ids, num_experts, m_max)
     p = local_ids.numel()
     dest = torch.empty(p, dtype=torch.int64, device=local_ids.device)
@@ -153,11 +151,12 @@ def scatter_rows(src: torch.Tensor, dest: torch.Tensor, pair_token: torch.Tensor
     return out
 
 
-def moe_masked(xq, xs, counts, w13, w13_s, w2, w2_s) -> torch.Tensor:
-    """[E, M_max, D] fp8 tokens (+ scales) -> [E, M_max, D] bf16 expert outputs (rows past counts unset)."""
-    gate_up = fp8_gemm_masked(xq, xs, w13, w13_s, counts)
+def moe_masked(xq, xs, counts, w13, w13_s, w2, w2_s, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """[E, M_max, D] fp8 tokens (+ scales) -> [E, M_max, D] expert outputs in out_dtype (rows past counts
+    unset)."""
+    gate_up = fp8_gemm_masked(xq, xs, w13, w13_s, counts, out_dtype=out_dtype)
     hq, hs = silu_mul_quant(gate_up, counts)
-    return fp8_gemm_masked(hq, hs, w2, w2_s, counts)
+    return fp8_gemm_masked(hq, hs, w2, w2_s, counts, out_dtype=out_dtype)
 
 
 def combine(expert_out: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -189,8 +188,10 @@ def align_contiguous(local_ids: torch.Tensor, num_experts: int, block_m: int):
     return order, torch.tensor(tiles, dtype=torch.int32, device=ids.device)
 
 
-def moe_contiguous(xq, xs, order, tile_expert, block_m, w13, w13_s, w2, w2_s) -> torch.Tensor:
+def moe_contiguous(
+    xq, xs, order, tile_expert, block_m, w13, w13_s, w2, w2_s, out_dtype=torch.bfloat16
+) -> torch.Tensor:
     """Prefill MoE over sorted rows: xq/xs are per pair in `order` (padding rows may hold anything)."""
-    gate_up = fp8_gemm_contiguous(xq, xs, w13, w13_s, tile_expert, block_m)
+    gate_up = fp8_gemm_contiguous(xq, xs, w13, w13_s, tile_expert, block_m, out_dtype=out_dtype)
     hq, hs = silu_mul_quant(gate_up)
-    return fp8_gemm_contiguous(hq, hs, w2, w2_s, tile_expert, block_m)
+    return fp8_gemm_contiguous(hq, hs, w2, w2_s, tile_expert, block_m, out_dtype=out_dtype)

@@ -4,7 +4,8 @@ captured decode step replayed at the next position draws fresh noise and a seede
 tokens whatever shares its batch. Temperature 0 is greedy (ties to the lowest id, as torch.argmax).
 
 Replaces the ~10 torch kernels (cast, rand, log, neg, log, neg, div, add, argmax) a decode step otherwise
-spends on a [B, V] fp32 copy of the logits; top-k/top-p/min-p stay in libs.engine.sampling.
+spends on a [B, V] fp32 copy of the logits. Only bench.decode_rank uses it today; the engine samples with
+libs.engine.sampling.
 """
 
 from __future__ import annotations

@@ -26,6 +26,3 @@ def test_decode_step_runs_every_op_at_toy_size(monkeypatch):
     rank.dense_fp8 = "block"  # row-wise needs torch._scaled_mm, CUDA only
     nxt = R.decode_step(rank, bt, {"attn", "moe", "other"})
     assert nxt.shape == (2,) and int(nxt.min()) >= 0 and int(nxt.max()) < 500
-    from bench.decode_rank_checks import check_attention
-
-    assert check_attention(rank, bt) == 0.0  # no FlashInfer here: the configured backend is the reference kernel
