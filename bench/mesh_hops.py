@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
+import shlex
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from libs.bench.report import write_json
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
 from libs.telemetry.collector import Collector
@@ -96,9 +98,8 @@ def main() -> None:
     print(f"client TTFT p50 {statistics.median(ttft):.2f} ms over {len(ttft)} requests")
     result = {"benchmark": "mesh_hops", "prompt_len": args.prompt_len, "requests": len(ttft),
               "client_ttft_p50_ms": statistics.median(ttft), "load_avg": os.getloadavg(), "hops": rows,
-              "command": f"python -m bench.mesh_hops --requests {args.requests} --prompt-len {args.prompt_len}"}  # fmt: skip
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+              "command": shlex.join(["python", "-m", "bench.mesh_hops", *sys.argv[1:]])}  # fmt: skip
+    print(f"wrote {write_json(args.out, result)}")
 
 
 if __name__ == "__main__":

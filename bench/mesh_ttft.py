@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from libs.bench.report import write_json
 from libs.engine import Engine, SamplingParams
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
@@ -172,9 +173,7 @@ def main() -> None:
         results["load"] = asyncio.run(load(mesh.url, mesh.model_name, args.clients, args.gen_tokens, 40))
         print(json.dumps(results["load"]), flush=True)
     results["load_avg_after"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json(args.out, results)}")
 
 
 if __name__ == "__main__":

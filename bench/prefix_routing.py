@@ -32,6 +32,7 @@ import httpx
 
 from libs.bench.client import Endpoint
 from libs.bench.datasets import BenchRequest, shared_prefix_requests
+from libs.bench.report import write_json
 from libs.bench.runner import LoadConfig, run_benchmark
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
@@ -205,9 +206,7 @@ def main() -> None:
     }
     results["machine"]["load_avg_after"] = os.getloadavg()
     print("comparison", json.dumps(results["comparison"]), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json(args.out, results)}")
 
 
 if __name__ == "__main__":

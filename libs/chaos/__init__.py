@@ -3,12 +3,12 @@ check. Used by tests/e2e/test_chaos.py and bench/chaos.py."""
 
 from libs.chaos.load import Outcome, stream_completion, stream_many
 from libs.chaos.report import FaultResult, summarize
-from libs.chaos.workers import gateway_counter, request_pages, wait_for_no_leaks
+from libs.chaos.workers import metric_total, request_pages, wait_for_no_leaks
 
 __all__ = [
     "FaultResult",
     "Outcome",
-    "gateway_counter",
+    "metric_total",
     "request_pages",
     "stream_completion",
     "stream_many",

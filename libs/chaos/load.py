@@ -112,9 +112,9 @@ async def stream_many(
     *,
     deadline_s: float = 60.0,
     fault: Callable[[Progress], Awaitable[object]] | None = None,
-) -> tuple[list[Outcome], object]:
+) -> list[Outcome]:
     """All prompts at once; `fault(progress)` runs alongside (it waits on progress, then strikes).
-    Returns the outcomes in prompt order and what the fault returned."""
+    Returns the outcomes in prompt order."""
     progress = Progress([0] * len(prompts))
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(deadline_s), limits=limits) as client:
@@ -122,6 +122,7 @@ async def stream_many(
             asyncio.create_task(stream_completion(client, model, p, max_tokens, deadline_s, i, progress))
             for i, p in enumerate(prompts)
         ]
-        struck = await fault(progress) if fault is not None else None
+        if fault is not None:
+            await fault(progress)
         outcomes = await asyncio.gather(*tasks)
-    return list(outcomes), struck
+    return list(outcomes)

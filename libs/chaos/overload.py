@@ -4,7 +4,8 @@ resident memory of every service process sampled from /proc while it lasts.
 Capacity is measured first (requests/s finished with a fixed concurrency). During the overload each
 arrival is one short non-streaming completion; the answers are counted by status (200, 429 with
 Retry-After, other), and every admitted request must finish (200, or a clean error) before its
-deadline. Client concurrency is capped, so the load generator itself stays bounded.
+deadline. Client concurrency is capped, so the load generator itself stays bounded: arrivals due while
+`max_in_flight` requests are open are not sent (`client_capped`), and `sent_rps` is the rate delivered.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class OverloadResult:
     offered_rps: float
     seconds: float
     sent: int
+    sent_rps: float  # the load delivered: below offered_rps when the client cap held arrivals back
     statuses: dict[str, int]
     retry_after_on_429: bool
     admitted: int
@@ -150,8 +152,8 @@ async def overload(
         mem.sample(pids)
     admitted = sum(v for s, v in statuses.items() if not s.startswith("429"))
     return OverloadResult(
-        offered_rps=rate, seconds=seconds, sent=sent, statuses=dict(statuses), retry_after_on_429=retry_after,
-        admitted=admitted, admitted_finished=statuses.get("200", 0), client_capped=capped,
+        offered_rps=rate, seconds=seconds, sent=sent, sent_rps=round(sent / seconds, 2),
+        statuses=dict(statuses), retry_after_on_429=retry_after, admitted=admitted, admitted_finished=statuses.get("200", 0), client_capped=capped,
         max_latency_s=round(max(latencies, default=0.0), 3),
         memory={"start_kib": mem.start_kib, "peak_kib": mem.peak_kib, "end_kib": mem.end_kib,
                 "hwm_kib": mem.hwm_kib, "end_over_start": mem.growth()},

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from libs.chaos.load import Progress, stream_many
 from libs.chaos.report import FaultResult, summarize
-from libs.chaos.workers import gateway_counter, request_pages, wait_for_no_leaks
+from libs.chaos.workers import metric_total, request_pages, wait_for_no_leaks
 from libs.launch.mesh import Mesh, MeshConfig
 from libs.launch.natsauth import NatsAuth
 from proto import messages as m
@@ -67,19 +67,19 @@ def run_fault(
 ) -> tuple[FaultResult, dict[str, int]]:  # fmt: skip
     """One scenario; returns the row and what each live worker still holds (request pages + live)."""
     metrics = mesh.url + "/metrics"
-    before = gateway_counter(metrics, MIGRATIONS)
+    before = metric_total(metrics, MIGRATIONS)
 
     async def strike(progress: Progress) -> None:
         if not await progress.wait(*fault.after, timeout=deadline_s):
             raise RuntimeError(f"traffic never reached {fault.after} before striking {fault.killed}")
         await asyncio.to_thread(fault.strike, mesh)
 
-    outcomes, _ = asyncio.run(
+    outcomes = asyncio.run(
         stream_many(mesh.url, mesh.model_name, list(prompts), max_tokens, deadline_s=deadline_s, fault=strike)
     )
     live = workers(mesh, without=fault.killed if fault.restart else "")
     left = asyncio.run(wait_for_no_leaks(mesh.nats_url, live, leak_timeout_s, mesh.connect_options()))
-    migrated = int(gateway_counter(metrics, MIGRATIONS) - before)
+    migrated = int(metric_total(metrics, MIGRATIONS) - before)
     leaked = sum(v for v in left.values() if v > 0)
     return summarize(fault.killed, outcomes, want, max_tokens, migrated, leaked), left
 

@@ -1,5 +1,5 @@
 """What the fault tests read back from the mesh: every live worker's page accounting over the admin
-subject (GetStats -> WorkerStats), waiting for the leak check to settle, and gateway counters."""
+subject (GetStats -> WorkerStats), waiting for the leak check to settle, and metric totals from /metrics."""
 
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ async def wait_for_no_leaks(
         await asyncio.sleep(0.2)  # polling other processes' state: there is no event to wait on
 
 
-def gateway_counter(metrics_url: str, name: str) -> float:
-    """A counter's value (summed over labels) from the gateway's /metrics."""
+def metric_total(metrics_url: str, name: str) -> float:
+    """A metric's value summed over all its label sets, from a service's /metrics (Prometheus text)."""
     text = httpx.get(metrics_url, timeout=10).text
     return sum(
         float(line.rsplit(" ", 1)[1])

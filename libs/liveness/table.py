@@ -22,7 +22,6 @@ def expires_at(last_seen: float, interval_ms: float, dead_after_intervals: float
 class _Node:
     last_seen: float
     interval_ms: float
-    heard: bool  # False: assumed alive, never heard
 
 
 class LivenessTable:
@@ -57,12 +56,12 @@ class LivenessTable:
         if not interval_ms > 0:
             raise ValueError(f"heartbeat of {node_id!r}: interval_ms must be > 0, got {interval_ms}")
         if self._room(node_id):
-            self._nodes[node_id] = _Node(now, interval_ms, heard=True)
+            self._nodes[node_id] = _Node(now, interval_ms)
 
     def assume(self, node_id: str, now: float) -> None:
         """Treat a node never heard as alive for one grace period from `now` (no-op when known)."""
         if node_id not in self._nodes and self._room(node_id):
-            self._nodes[node_id] = _Node(now, self.default_interval_ms, heard=False)
+            self._nodes[node_id] = _Node(now, self.default_interval_ms)
 
     def gone(self, node_id: str) -> bool:
         """The node left (graceful shutdown): forget it now; True if it was known."""

@@ -1,8 +1,8 @@
 """A LivenessTable fed from the bus: worker heartbeats (HEARTBEAT: WorkerHeartbeat / WorkerGone) and
 scheduler heartbeats (SCHED_HEARTBEAT), with a timer that declares the silent dead.
 
-Caller side: `watch(node)` before relying on a node (an unknown one gets a grace period), `is_alive`,
-and the callbacks `on_dead(node_ids)` (once per death) and `on_reconnect()` (this process's own bus
+Caller side: `watch(node)` before relying on a node (an unknown one gets a grace period), and the
+callbacks `on_dead(node_ids)` (once per death) and `on_reconnect()` (this process's own bus
 connection came back: messages may have been lost meanwhile). While our own connection is down, silence
 proves nothing, so nobody is declared dead then; afterwards everyone gets a fresh grace period.
 """
@@ -60,9 +60,6 @@ class LivenessWatch:
         if node_id and node_id not in self.table:
             self.table.assume(node_id, self.clock())
             self._wake.set()
-
-    def is_alive(self, node_id: str) -> bool:
-        return self.table.is_alive(node_id, self.clock())
 
     async def _on_worker(self, msg: m.WorkerHeartbeat | m.WorkerGone) -> None:
         match msg:

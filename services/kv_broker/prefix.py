@@ -23,6 +23,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from libs.bus import Bus
+from libs.bus.periodic import Periodic
 from proto import messages as m
 from proto import subjects
 from services.kv_broker.prefix_index import PrefixIndex
@@ -44,11 +45,10 @@ class PrefixDirectory:
     ) -> None:
         self.bus, self.clock = bus, clock
         self.snapshot_timeout_s, self.resync_backoff_s = snapshot_timeout_s, resync_backoff_s
-        self.sweep_interval_s = sweep_interval_s
         self.index = PrefixIndex(dead_after_intervals)
         self._in_flight: dict[str, asyncio.Task] = {}
         self._last_try: dict[str, float] = {}
-        self._sweeper: asyncio.Task | None = None
+        self._sweeper = Periodic(sweep_interval_s, self._sweep, "prefix-index-sweep")
         r = registry
         Gauge("moemesh_kv_broker_prefix_blocks", "Distinct KV blocks in the prefix index", registry=r
               ).set_function(lambda: self.index.num_blocks)  # fmt: skip
@@ -79,10 +79,11 @@ class PrefixDirectory:
             subjects.BROKER_PREFIX, m.PrefixQuery, self.on_query, queue=subjects.QUEUE_BROKER
         )
         await self.bus.flush()  # subscribed at the server before the broker says it is started
-        self._sweeper = asyncio.create_task(self._sweep_loop())
+        self._sweeper.start()
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._sweeper, *self._in_flight.values()) if t is not None]
+        await self._sweeper.stop()
+        tasks = list(self._in_flight.values())
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -102,8 +103,10 @@ class PrefixDirectory:
                 if self.index.needs_snapshot(wid):
                     self.resync(wid, "unknown" if self.index.seq_of(wid) is None else "gap")
             case m.WorkerGone(worker_id=wid):
-                if self.index.seq_of(wid) is not None:
-                    self.index.drop_worker(wid)
+                indexed = self.index.seq_of(wid) is not None
+                self.index.drop_worker(wid)  # also forgets the interval of a worker heard but never indexed
+                self._last_try.pop(wid, None)
+                if indexed:
                     self.m_dropped.labels("gone").inc()
                     log.info("worker %s left: dropped from the prefix index", wid)
 
@@ -151,9 +154,8 @@ class PrefixDirectory:
             self._in_flight.pop(worker_id, None)
             self.resync(worker_id, "gap")
 
-    async def _sweep_loop(self) -> None:
-        while True:
-            for wid in self.index.expire(self.clock()):
-                self.m_dropped.labels("silent").inc()
-                log.warning("worker %s missed its heartbeats: dropped from the prefix index", wid)
-            await asyncio.sleep(self.sweep_interval_s)  # a periodic sweep, not a wait for a condition
+    async def _sweep(self) -> None:
+        for wid in self.index.expire(self.clock()):
+            self._last_try.pop(wid, None)
+            self.m_dropped.labels("silent").inc()
+            log.warning("worker %s missed its heartbeats: dropped from the prefix index", wid)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from libs.prefix import leading
 from proto.messages import BlocksRemoved, BlocksStored, KvSnapshot
 
 KvEvent = BlocksStored | BlocksRemoved
@@ -39,7 +40,6 @@ class _Worker:
     blocks: set[int] = field(default_factory=set)
     resyncing: bool = False
     buffered: list[KvEvent] = field(default_factory=list)
-    interval_s: float = DEFAULT_INTERVAL_S
     deadline: float = float("inf")
 
 
@@ -89,7 +89,7 @@ class PrefixIndex:
         if w is None or w.epoch != ev.epoch:
             w = self._reset(ev.worker_id, ev.epoch, w)
             w.resyncing = ev.seq != 1
-        self._touch(w, now)
+        self._touch(ev.worker_id, w, now)
         if w.resyncing:
             self._buffer(w, ev)
             return True
@@ -106,14 +106,14 @@ class PrefixIndex:
         """Take a snapshot (then replay buffered events after it); True when a resync is needed still."""
         w = self._workers.get(snap.worker_id)
         if w is not None and w.epoch == snap.epoch and not w.resyncing and snap.seq <= w.seq:
-            self._touch(w, now)
+            self._touch(snap.worker_id, w, now)
             return False  # older than what is applied
         buffered = sorted(
             (e for e in (w.buffered if w else []) if e.epoch == snap.epoch and e.seq > snap.seq),
             key=lambda e: e.seq,
         )
         w = self._reset(snap.worker_id, snap.epoch, w)
-        self._touch(w, now)
+        self._touch(snap.worker_id, w, now)
         self._set_blocks(snap.worker_id, w, set(snap.hashes))
         w.seq = snap.seq
         for i, ev in enumerate(buffered):
@@ -132,8 +132,7 @@ class PrefixIndex:
             self._intervals[worker_id] = interval_s
         w = self._workers.get(worker_id)
         if w is not None:
-            w.interval_s = self._intervals.get(worker_id, w.interval_s)
-            self._touch(w, now)
+            self._touch(worker_id, w, now)
 
     def expire(self, now: float) -> list[str]:
         dead = [wid for wid, w in self._workers.items() if now > w.deadline]
@@ -154,31 +153,19 @@ class PrefixIndex:
     # --- queries ---
     def overlap(self, hashes: Sequence[int]) -> dict[str, int]:
         """Worker id -> number of leading blocks of `hashes` it holds (workers holding none left out)."""
-        out: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, h in enumerate(hashes):
-            owners = self._owners.get(h, set())
-            still = set(owners) if alive is None else alive & owners
-            for wid in (alive or set()) - still:
-                out[wid] = i
-            alive = still
-            if not alive:
-                return out
-        for wid in alive or ():
-            out[wid] = len(hashes)
-        return out
+        return leading(hashes, self._owners)
 
     # --- internals ---
     def _reset(self, wid: str, epoch: str, old: _Worker | None) -> _Worker:
         """A fresh record (callers touch it next); the old one's blocks leave the index."""
         if old is not None:
             self._set_blocks(wid, old, set())
-        w = _Worker(epoch=epoch, interval_s=self._intervals.get(wid, DEFAULT_INTERVAL_S))
+        w = _Worker(epoch=epoch)
         self._workers[wid] = w
         return w
 
-    def _touch(self, w: _Worker, now: float) -> None:
-        w.deadline = now + self.dead_after_intervals * w.interval_s
+    def _touch(self, wid: str, w: _Worker, now: float) -> None:
+        w.deadline = now + self.dead_after_intervals * self._intervals.get(wid, DEFAULT_INTERVAL_S)
 
     def _buffer(self, w: _Worker, ev: KvEvent) -> None:
         w.buffered.append(ev)

@@ -35,6 +35,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from libs.liveness import expires_at
 from proto.messages import ErrorCode, Role, WorkerHeartbeat
 
 # ---------------------------------------------------------------------------------------------
@@ -47,9 +48,10 @@ class PolicyConfig:
     """`direct_prefill_threshold`: longest uncached prompt (tokens) prefilled on the decode worker
     itself (0 disables). `dead_after_intervals`: heartbeat periods of silence after which a worker is dead.
     `prefix_weight`: what a full prefix-cache hit is worth, in queued requests (0: load-only placement);
-    8 because on bench/prefix_routing.py's shared-prefix workload weights 2 and 4 still recomputed some
-    shared prefixes on a second worker (1.33x and 1.17x the prefill tokens of 8 and 16) for little gain
-    in balance."""
+    8 because on bench/prefix_routing.py's shared-prefix workload (`python -m bench.prefix_routing
+    --repeats 3`, bench/results/prefix_routing.json, medians of 3 runs) weight 2 still recomputed some
+    shared prefixes on a second worker: 53,248 prefill tokens computed against 36,864 at weight 8 (1.44x;
+    load-only 67,584), for the same request throughput (2.48/s)."""
 
     direct_prefill_threshold: int = 256
     dead_after_intervals: float = 3.0
@@ -117,7 +119,7 @@ class WorkerState:
         return self.hb.running + self.hb.waiting + self.inflight
 
     def expires_at(self, dead_after_intervals: float) -> float:
-        return self.last_seen + dead_after_intervals * self.hb.interval_ms / 1000.0
+        return expires_at(self.last_seen, self.hb.interval_ms, dead_after_intervals)
 
     def pages_for(self, tokens: int) -> int:
         """Pages this worker needs for a sequence of `tokens` tokens, capped at its context length."""

@@ -24,29 +24,11 @@ from collections.abc import Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from libs.bus import Bus
-from libs.prefix import block_hashes
+from libs.prefix import block_hashes, leading
 from proto import messages as m
 from proto import subjects
 
 log = logging.getLogger("moemesh.scheduler.prefix")
-
-
-def leading(
-    hashes: Sequence[int], holds: dict[int, set[str]] | dict[int, dict[str, float]]
-) -> dict[str, int]:
-    """Worker -> how many of `hashes`, from the first, it holds (left out when none)."""
-    out: dict[str, int] = {}
-    alive: set[str] | None = None
-    for i, h in enumerate(hashes):
-        owners = set(holds.get(h, ()))
-        still = owners if alive is None else alive & owners
-        for w in (alive or set()) - still:
-            out[w] = i
-        alive = still
-        if not alive:
-            return out
-    out.update((w, len(hashes)) for w in alive or ())
-    return out
 
 
 class RecentPlacements:

@@ -28,6 +28,7 @@ from services.gateway.settings import GatewaySettings
 from services.kv_broker.service import BrokerSettings, KvBroker
 from services.prefill_worker.service import PrefillWorker, PrefillWorkerSettings
 from services.scheduler.service import SchedulerService, SchedulerSettings
+from tests.service_helpers import start_service
 
 
 class InProcessMesh:
@@ -84,9 +85,8 @@ class InProcessMesh:
     async def _start(self) -> None:
         for svc in self._make():  # in order: the workers register at a broker that is up
             svc.telemetry = Telemetry.with_exporter(svc.name, self.exporter, svc.instance_id)
+            self.tasks[svc.name] = await start_service(svc, 60)
             self.services[svc.name] = svc
-            self.tasks[svc.name] = asyncio.create_task(svc.run(install_signals=False))
-            await self._until(lambda s=svc: s.started.is_set(), f"{svc.name} started")
         sched = self.scheduler
         await self._until(lambda: len(sched.workers.live(sched.clock())) == 2, "both workers heard", sched)
 

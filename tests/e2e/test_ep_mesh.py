@@ -8,10 +8,10 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
+from libs.chaos import metric_total
 from libs.engine import Engine, SamplingParams
 from libs.launch.mesh import Mesh, MeshConfig
 from libs.tokenizer import Tokenizer
@@ -54,15 +54,6 @@ def greedy_text(engine: Engine, tok: Tokenizer, prompt: list[int], max_tokens: i
     return tok.decode(engine.generate([prompt], params)[0].token_ids)
 
 
-def metric(mesh: Mesh, service: str, name: str) -> float:
-    text = httpx.get(mesh.metrics_url(service), timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and line[len(name)] in " {"
-    )
-
-
 def test_ep2_mesh_gives_the_single_rank_greedy_text(ep_mesh: Mesh, engine: Engine, tiny_model: Path) -> None:
     tok = Tokenizer.from_pretrained(tiny_model)
     prompts = [prompt_of(n, n) for n in (DIRECT_THRESHOLD - 3, 40, 90, 23, 61)]  # direct + disaggregated
@@ -80,8 +71,9 @@ def test_ep2_mesh_gives_the_single_rank_greedy_text(ep_mesh: Mesh, engine: Engin
 
     got = asyncio.run(all_at_once())
     assert got == [greedy_text(engine, tok, p, 16) for p in prompts]
-    assert metric(ep_mesh, "prefill-0", "moemesh_kv_transfer_bytes_total") > 0
+    assert metric_total(ep_mesh.metrics_url("prefill-0"), "moemesh_kv_transfer_bytes_total") > 0
     # every routed token of both groups counted: K experts per token per MoE layer
-    assert metric(ep_mesh, "decode-0", "moemesh_expert_load_tokens_total") > 0
-    assert metric(ep_mesh, "prefill-0", "moemesh_expert_load_tokens_total") >= 4 * 2 * (40 + 90 + 23 + 61)
-    assert metric(ep_mesh, "decode-0", "moemesh_ep_ranks") == EP
+    assert metric_total(ep_mesh.metrics_url("decode-0"), "moemesh_expert_load_tokens_total") > 0
+    routed = metric_total(ep_mesh.metrics_url("prefill-0"), "moemesh_expert_load_tokens_total")
+    assert routed >= 4 * 2 * (40 + 90 + 23 + 61)
+    assert metric_total(ep_mesh.metrics_url("decode-0"), "moemesh_ep_ranks") == EP

@@ -12,6 +12,8 @@ import nats
 import openai
 import pytest
 
+from libs.chaos import metric_total, stream_many
+from libs.chaos.load import Progress
 from libs.engine import Engine, SamplingParams
 from libs.launch.mesh import Mesh
 from libs.tokenizer import Tokenizer
@@ -67,20 +69,10 @@ def test_greedy_through_mesh_equals_in_process_engine(client, engine, tok, plen:
 
 
 def test_disaggregated_request_moved_kv_over_mooncake(mesh: Mesh, client, engine, tok) -> None:
-    before = metric(mesh, "prefill-0", "moemesh_kv_transfer_bytes_total")
+    before = metric_total(mesh.metrics_url("prefill-0"), "moemesh_kv_transfer_bytes_total")
     prompt = prompt_of(64, 5)
     assert mesh_tokens(client, tok, prompt, 8) == tok.decode(in_process(engine, [prompt], 8)[0])
-    assert metric(mesh, "prefill-0", "moemesh_kv_transfer_bytes_total") > before
-
-
-def metric(mesh: Mesh, service: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples (all label sets) from a service's /metrics."""
-    text = httpx.get(mesh.metrics_url(service), timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name)] in " {":
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    assert metric_total(mesh.metrics_url("prefill-0"), "moemesh_kv_transfer_bytes_total") > before
 
 
 def test_chat_streaming_with_openai_client(client: openai.OpenAI) -> None:
@@ -251,24 +243,13 @@ def test_broker_restart_mid_traffic_loses_no_handle(mesh: Mesh, client, engine, 
     prompts = [prompt_of(20 + 3 * i, 200 + i) for i in range(12)]
     want = [tok.decode(t) for t in in_process(engine, prompts, 40)]
 
-    async def traffic() -> list[str]:
-        c = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="none", max_retries=0, timeout=120)
+    async def restart(progress: Progress) -> None:
+        assert await progress.wait(1, 1, timeout=120), "no request streamed before the broker restart"
+        await asyncio.to_thread(mesh.sup.kill, "kv-broker")
+        await asyncio.to_thread(mesh.sup.start, mesh.sup.procs["kv-broker"].spec)
 
-        async def one(p: list[int]) -> str:
-            r = await c.completions.create(
-                model=mesh.model_name, prompt=p, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
-            )
-            return r.choices[0].text
-
-        async def restart() -> None:
-            await asyncio.sleep(0)  # let the requests go out first
-            await asyncio.to_thread(mesh.sup.kill, "kv-broker")
-            await asyncio.to_thread(mesh.sup.start, mesh.sup.procs["kv-broker"].spec)
-
-        results = await asyncio.gather(*(one(p) for p in prompts), restart())
-        return list(results[:-1])
-
-    assert asyncio.run(traffic()) == want
+    outcomes = asyncio.run(stream_many(mesh.url, mesh.model_name, prompts, 40, deadline_s=120, fault=restart))
+    assert [o.text for o in outcomes] == want, [o.error for o in outcomes]
     _wait_for(lambda: _broker_answers(mesh), "the restarted broker to answer")
     after = asyncio.run(_list_handles(mesh))
     lost = {h: s for h, s in before.items() if h not in after}

@@ -187,10 +187,6 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
 
 
-def delta(before: dict[str, Samples], after: dict[str, Samples], svc: str, name: str, **labels: str) -> float:
-    return total(after[svc], name, **labels) - total(before[svc], name, **labels)
-
-
 def run_traffic(mesh: InProcessMesh) -> dict[str, list[int]]:
     """Mixed traffic; returns the prompt lengths and cached tokens the clients were told."""
     seen: dict[str, list[int]] = {"disaggregated": [], "cached": []}

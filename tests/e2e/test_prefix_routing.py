@@ -10,11 +10,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import nats
 import openai
 import pytest
 
+from libs.chaos import metric_total
 from libs.launch.mesh import Mesh, MeshConfig
 from libs.prefix import block_hashes
 from libs.tokenizer import Tokenizer
@@ -78,13 +78,6 @@ async def chat(client: openai.AsyncOpenAI, model: str, messages: list[dict]) -> 
     return r.choices[0].message.content or "", r.usage.prompt_tokens_details.cached_tokens or 0
 
 
-def metric(mesh: Mesh, service: str, name: str) -> float:
-    text = httpx.get(mesh.metrics_url(service), timeout=10).text
-    return sum(
-        float(line.split()[-1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name
-    )
-
-
 async def index_knows(nc, prompt: list[int], worker: str) -> None:
     """Until the kv-broker's index answers that `worker` holds the prompt's full pages."""
     q = m.PrefixQuery(page_size=PAGE, hashes=block_hashes(prompt, PAGE))
@@ -137,9 +130,9 @@ async def test_second_turn_goes_to_the_prefill_worker_holding_the_first(mesh: Me
             assert task2.handle.cached_tokens >= len(prompt) // PAGE * PAGE
         # what the operators see: each worker's prefix hit rate, the broker's index size
         for w in mesh.worker_ids(m.Role.PREFILL):
-            assert metric(mesh, w, "moemesh_prefill_prefix_cache_hit_rate") > 0
-        assert metric(mesh, "decode-0", "moemesh_decode_prefix_cache_hit_rate") > 0
-        assert metric(mesh, "kv-broker", "moemesh_kv_broker_prefix_entries") > 0
+            assert metric_total(mesh.metrics_url(w), "moemesh_prefill_prefix_cache_hit_rate") > 0
+        assert metric_total(mesh.metrics_url("decode-0"), "moemesh_decode_prefix_cache_hit_rate") > 0
+        assert metric_total(mesh.metrics_url("kv-broker"), "moemesh_kv_broker_prefix_entries") > 0
     finally:
         await client.close()
         await nc.close()

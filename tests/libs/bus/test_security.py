@@ -3,7 +3,6 @@ and secrets never show up in a settings repr, an error or a log line."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import ssl
 import subprocess
@@ -16,6 +15,7 @@ from libs.bus.security import nats_connect_options, redact_url, tls_context
 from libs.launch.natsauth import NatsAuth
 from libs.natsd import start_nats_server
 from services.gateway.settings import GatewaySettings
+from tests.service_helpers import start_service, stop_service
 
 PASSWORD, TOKEN, API_KEY = "hunter2-pw", "s3cret-token", "sk-live-key"
 
@@ -58,17 +58,10 @@ def test_connect_options_and_their_checks() -> None:
         tls_context(cert="c.pem")
 
 
-async def _serve_once(settings: ServiceSettings) -> Service:
+async def _serve_once(settings: ServiceSettings) -> None:
     svc = Service(settings)
-    task = asyncio.create_task(svc.run(install_signals=False))
-    ready = asyncio.create_task(svc.started.wait())
-    await asyncio.wait({task, ready}, timeout=15, return_when=asyncio.FIRST_COMPLETED)
-    if not svc.started.is_set():
-        ready.cancel()
-        await task  # raises the connection error
-    svc.request_stop()
-    await asyncio.wait_for(task, 10)
-    return svc
+    task = await start_service(svc, 15)  # a connection error raises here
+    await stop_service(svc, task, 10)
 
 
 @pytest.mark.parametrize(

@@ -85,7 +85,7 @@ async def test_watch_reports_silence_and_goodbyes(nats_server: str) -> None:
         await pub.flush()
         async with asyncio.timeout(5):
             await changed.wait()
-        assert dead == [["w-silent"]] and watch.is_alive("s0")
+        assert dead == [["w-silent"]] and watch.table.is_alive("s0", watch.clock())
         changed.clear()
         await pub.publish(subjects.HEARTBEAT, m.WorkerGone(worker_id="s0", role=m.Role.DECODE))
         async with asyncio.timeout(5):
@@ -93,7 +93,7 @@ async def test_watch_reports_silence_and_goodbyes(nats_server: str) -> None:
         assert dead[-1] == ["s0"]
         changed.clear()
         watch.watch("never-heard")  # assumed alive for one grace period of the default interval
-        assert watch.is_alive("never-heard")
+        assert watch.table.is_alive("never-heard", watch.clock())
         async with asyncio.timeout(5):
             await changed.wait()
         assert dead[-1] == ["never-heard"]

@@ -198,6 +198,24 @@ async def test_departed_and_silent_workers_leave_the_index(broker, client, worke
     assert metric(broker, "moemesh_kv_broker_prefix_workers_dropped_total", reason="silent") >= 1
 
 
+async def test_a_departed_worker_never_indexed_is_forgotten(broker, client) -> None:
+    """Heard but never indexed (it answers no snapshot request): its WorkerGone still drops what the
+    directory kept of it (heartbeat interval, last resync attempt), or such workers pile up."""
+    wid = f"p-{uuid.uuid4().hex[:6]}"
+    hb = m.WorkerHeartbeat(
+        worker_id=wid, role=m.Role.PREFILL, model="tiny", running=0, waiting=0, free_pages=64, total_pages=64,
+        page_size=PS, max_context=1024, interval_ms=250, sent_ms=0,
+    )  # fmt: skip
+    d = broker.prefix
+    assert d is not None
+    await client.publish(subjects.HEARTBEAT, hb)
+    await until(lambda: wid in d.index._intervals and wid in d._last_try, "the heartbeat")
+    assert d.index.seq_of(wid) is None
+    await client.publish(subjects.HEARTBEAT, m.WorkerGone(worker_id=wid, role=m.Role.PREFILL))
+    await until(lambda: wid not in d.index._intervals and wid not in d._last_try, "WorkerGone")
+    assert metric(broker, "moemesh_kv_broker_prefix_workers_dropped_total", reason="gone") == 0
+
+
 async def test_bad_query_is_refused(broker, client) -> None:
     from libs.bus import RequestRejected
 
