@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from libs.bus import Bus
 from libs.liveness import Holders, LivenessWatch
@@ -64,3 +65,32 @@ class ReservationGuard:
         for node in nodes:
             for rid in self.holders.items_of(node):
                 await self.lost(rid, f"prefill worker {node} died before the KV arrived", node)
+
+
+@dataclass
+class LeaseBackstop:
+    """The decode side's own end for reservations nobody answers (pure). The broker's HandleExpired is the
+    normal end of a lease; when the bus loses it, or the CreateHandle that would have let the broker expire
+    the handle (a nats-server restart), the pages would stay reserved for good. `due` names the
+    reservations past their backstop deadline (set one more lease length after the lease ends, so no late
+    Mooncake write can still land) and forgets those that ended otherwise."""
+
+    _deadlines: dict[str, tuple[str, float]] = field(default_factory=dict)  # handle id -> (request id, when)
+
+    def __len__(self) -> int:
+        return len(self._deadlines)
+
+    def add(self, handle_id: str, rid: str, deadline: float) -> None:
+        self._deadlines[handle_id] = (rid, deadline)
+
+    def due(self, now: float, still_reserved: Callable[[str, str], bool]) -> list[tuple[str, str]]:
+        """(handle id, request id) of the reservations still held at `now` past their deadline; entries
+        whose reservation ended (joined or freed) are dropped."""
+        out = []
+        for handle_id, (rid, deadline) in list(self._deadlines.items()):
+            if not still_reserved(rid, handle_id):
+                del self._deadlines[handle_id]
+            elif now >= deadline:
+                del self._deadlines[handle_id]
+                out.append((handle_id, rid))
+        return out

@@ -23,6 +23,7 @@ import msgspec
 from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
+from libs.bus.periodic import Periodic
 from libs.engine.pages import OutOfPagesError
 from libs.telemetry import RequestTracker
 from libs.telemetry import attributes as span_attrs
@@ -38,7 +39,7 @@ from libs.worker.prefix_reuse import reserve_for
 from libs.worker.settings import WorkerSettings
 from proto import messages as m
 from proto import subjects
-from services.decode_worker.guard import ReservationGuard
+from services.decode_worker.guard import LeaseBackstop, ReservationGuard
 from services.decode_worker.streams import Live, group_by_stream
 
 log = logging.getLogger("moemesh.decode")
@@ -68,6 +69,9 @@ class DecodeWorker(WorkerService):
         self.work = asyncio.Event()
         self.guard = ReservationGuard(self.bus, self.cancelled.add)  # prefill deaths, lease expiry
         await self.guard.start()
+        self.leases = LeaseBackstop()  # frees what the broker never expires (a lost CreateHandle/HandleExpired)
+        self._backstop = Periodic(1.0, self._expire_unanswered, "lease-backstop")
+        self._backstop.start()
         self._metrics()
         register_engine_metrics(self.engine, self.registry)  # an EP group's expert load
         self.kv_events = await start_kv_events(self.bus, self.instance_id, self.et, self.registry)
@@ -143,6 +147,7 @@ class DecodeWorker(WorkerService):
             self.tracker.prefix_cache(rid, cached, msg.num_tokens)
         self.reserved[rid] = handle.handle_id
         self.guard.track(rid, msg.prefill_worker, msg.stream_subject)
+        self.leases.add(handle.handle_id, rid, time.monotonic() + 2 * msg.lease_ms / 1000)
         # Registered at the broker off the critical path; later broker messages for this handle wait for it.
         self._creates[handle.handle_id] = self._spawn(self._broker_call(m.CreateHandle(handle=handle)))
         return m.ReserveKvReply(request_id=rid, ok=True, handle=handle)
@@ -196,6 +201,12 @@ class DecodeWorker(WorkerService):
             return
         self.live[rid] = Live(msg.stream_subject, len(msg.prompt_ids))
         self.work.set()
+
+    async def _expire_unanswered(self) -> None:
+        """A reservation past its backstop ends as if the broker had sent HandleExpired."""
+        for handle_id, rid in self.leases.due(time.monotonic(), lambda r, h: self.reserved.get(r) == h):
+            log.warning("reservation of %s: no answer and no HandleExpired past its lease: freeing it", rid)
+            await self.on_inbox(m.HandleExpired(handle_id=handle_id, request_id=rid))
 
     async def drop_reservation(self, rid: str, handle_id: str, why: str) -> None:
         if self.reserved.get(rid) != handle_id:
@@ -323,6 +334,7 @@ class DecodeWorker(WorkerService):
         if self._background:
             await asyncio.wait(set(self._background), timeout=self.settings.broker_timeout_s)
         await self.heartbeat.stop()
+        await self._backstop.stop()
         await self.guard.stop()
         await self.kv_events.stop()
         self.et.shutdown()

@@ -62,3 +62,23 @@ def test_deltas_carry_their_offset_in_the_output() -> None:
     a = delta_of(StepOutput("r", [7, 8], None, False, None), live)
     b = delta_of(StepOutput("r", [9], None, True, "length"), live)
     assert (a.offset, b.offset, b.completion_tokens) == (1, 3, 4)
+
+
+def test_lease_backstop_frees_only_reservations_still_held_past_their_deadline() -> None:
+    from services.decode_worker.guard import LeaseBackstop
+
+    leases = LeaseBackstop()
+    reserved = {"r-lost": "h1", "r-joined": "h2", "r-young": "h3"}
+    leases.add("h1", "r-lost", deadline=10.0)  # its CreateHandle never reached the broker
+    leases.add("h2", "r-joined", deadline=10.0)
+    leases.add("h3", "r-young", deadline=20.0)
+    del reserved["r-joined"]  # its KV arrived: the reservation ended the normal way
+
+    def held(rid: str, handle_id: str) -> bool:
+        return reserved.get(rid) == handle_id
+
+    assert leases.due(5.0, held) == [] and len(leases) == 2  # the ended one is forgotten
+    assert leases.due(10.0, held) == [("h1", "r-lost")] and len(leases) == 1
+    assert leases.due(15.0, held) == []  # reported once
+    reserved["r-young"] = "h-other"  # the request reserved again under another handle: not this lease
+    assert leases.due(25.0, held) == [] and len(leases) == 0
