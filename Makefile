@@ -11,8 +11,10 @@ setup:
 up: setup
 	$(VENV)/moemesh up $(ARGS)
 
+# A Triton cache of the run's own, cold each time: a warm ~/.triton/cache must never hide a failure.
 test: setup
-	$(VENV)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	@cache=$$(mktemp -d); TRITON_CACHE_DIR=$$cache $(VENV)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); \
+	rc=$$?; rm -rf $$cache; exit $$rc
 
 lint: setup
 	$(VENV)/ruff check proto libs services tests bench

@@ -16,6 +16,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# A test process runs Triton in interpreter mode on CPU machines; a service decides its kernels for itself.
+NOT_INHERITED = frozenset({"TRITON_INTERPRET"})
+
 
 @dataclass(frozen=True)
 class ServiceSpec:
@@ -66,7 +69,8 @@ class Supervisor:
         if spec.name in self.procs and self.procs[spec.name].alive:
             raise ValueError(f"service {spec.name} is already running")
         log_path = self.log_dir / f"{spec.name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+        inherited = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
+        env = {**inherited, "PYTHONUNBUFFERED": "1", **spec.env}
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", spec.module, *spec.args],

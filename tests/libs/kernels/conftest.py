@@ -7,6 +7,9 @@ memory) need that conversion, so the interpreter's `__index__` is patched to tak
 Its float32 -> float8 cast also drops the carry when rounding overflows the mantissa (127.9 -> 64);
 that cast is done with torch instead, which rounds to nearest as the GPU does. (Its bf16 `tl.dot`
 multiplies the raw bits, so CPU tests feed the attention kernel float16; the GPU tests use bf16.)
+A device-function call (`tl.cdiv` and the other triton.language.standard helpers) patches
+triton.language.core for the interpreter and never restores it, which breaks any later Gluon compile in
+the same process; the call is wrapped so its patches are undone when it returns.
 """
 
 from __future__ import annotations
@@ -51,6 +54,19 @@ def _patch_interpreter_index() -> None:
         return original_fp_to_fp(self, src, dst_type, rounding_mode)
 
     builder_cls.create_fp_to_fp = fp_to_fp
+
+    def device_call(self, *args, **kwargs):
+        scope = interpreter._patch_lang(self.fn)
+        try:
+            fn = self.rewrite()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                raise interpreter.InterpreterError(repr(e)) from e
+        finally:
+            scope.restore()
+
+    interpreter.InterpretedFunction.__call__ = device_call
 
 
 if not HAS_CUDA:
