@@ -202,7 +202,8 @@ class DecodeGraphRunner:
 
         def step() -> torch.Tensor:
             inputs = static_step(g.packed, layout, self.page_size, self.backend)
-            return self.model.compute_logits(self.model.forward_step(inputs, self.kv_pool))
+            hidden = self.model.forward_step(inputs, self.kv_pool)
+            return self.model.compute_logits(hidden, raw=self.model.uses_fast_path(self.backend))
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -15,6 +15,7 @@ returns to "free + cached" with nothing leaked.
 from __future__ import annotations
 
 import itertools
+import secrets
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,10 +63,14 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         attention_backend: str = "auto",
         cuda_graphs: bool = True,
+        fast_path: bool | None = None,
     ) -> None:
         """attention_backend: "auto" | "torch" | "triton" | "flashinfer" (ModelRunner). cuda_graphs: run
-        decode steps as CUDA graphs where the device, backend and model allow it (cuda_graph.py)."""
+        decode steps as CUDA graphs where the device, backend and model allow it (cuda_graph.py).
+        fast_path: the fused decoder path (layers/fast_path.py) where the model allows it; None: on CUDA."""
         self.model = model
+        if fast_path or (fast_path is None and model.device.type == "cuda"):
+            model.enable_fast_path()
         self.config: ModelConfig = model.config
         cfg = self.config
         dtype, device = model.dtype, model.device
@@ -114,6 +119,7 @@ class Engine:
         quantization: str = "auto",
         attention_backend: str = "auto",
         cuda_graphs: bool = True,
+        fast_path: bool | None = None,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder; its tokenizer too when tokenizer.json is there.
         num_pages None sizes the pool by `default_num_pages`; quantization as `load_model` takes it."""
@@ -122,7 +128,7 @@ class Engine:
         return cls(
             model, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
             max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=enable_prefix_cache, tokenizer=tokenizer,
-            attention_backend=attention_backend, cuda_graphs=cuda_graphs,
+            attention_backend=attention_backend, cuda_graphs=cuda_graphs, fast_path=fast_path,
         )  # fmt: skip
 
     # --- offline API ---
@@ -251,7 +257,7 @@ class Engine:
                 n = min(len(req.prompt_ids) - req.num_computed, self.scheduler.max_prefill_tokens)
                 logits = self.runner.forward_last([self._chunk(req, n)])
                 req.num_computed += n
-            out = sample(logits, [params], [req.generator])
+            out = sample(logits, [params], [req.generator], [(req.seed, req.num_tokens)])
         except BaseException:
             self.abort(rid)
             raise
@@ -336,6 +342,7 @@ class Engine:
     def _new_request(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
         prompt = [int(t) for t in prompt_ids]
         req = Request(rid, prompt, params, make_generator(params.seed, self.kv_pool.buffer.device))
+        req.seed = params.seed if params.seed is not None else secrets.randbits(47)
         req.stopper = StopChecker(params, self.eos_ids, self.tokenizer, prompt)
         return req
 
@@ -416,7 +423,7 @@ class Engine:
 
     def _chunk(self, req: Request, n: int) -> Chunk:
         start = req.num_computed
-        return Chunk(req.tokens[start : start + n], start, req.pages)
+        return Chunk(req.token_slice(start, n), start, req.pages)
 
     def _run(self, plan: Plan) -> list[StepOutput]:
         items = [(self.requests[rid], n) for rid, n in plan.prefill]
@@ -440,7 +447,11 @@ class Engine:
             sampled += [req for (req, _), w in zip(group, want, strict=True) if w]
         if not sampled:
             return []
-        out = sample(torch.cat(logits_parts), [r.params for r in sampled], [r.generator for r in sampled])
+        logits = logits_parts[0] if len(logits_parts) == 1 else torch.cat([p.float() for p in logits_parts])
+        out = sample(
+            logits, [r.params for r in sampled], [r.generator for r in sampled],
+            [(r.seed, r.num_tokens) for r in sampled],
+        )  # fmt: skip
         return [
             self._accept(req, tok, lp)
             for req, tok, lp in zip(sampled, out.token_ids, out.logprobs, strict=True)

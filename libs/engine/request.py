@@ -43,10 +43,18 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cache_node: RadixNode | None = None  # locked radix node backing pages[:num_cached_pages]
     stopper: StopChecker | None = None
+    seed: int = 0  # Philox key of the one-pass sampler (libs.kernels.sampling): params.seed or a random one
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """tokens[start:start + n] without building the whole list (a decode step reads one token)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : start - p + n]
+        return (self.prompt_ids[start : start + n] + self.output_ids[: max(0, start + n - p)])[:n]
 
     @property
     def num_tokens(self) -> int:

@@ -110,7 +110,7 @@ class ModelRunner:
         last = batch.last_token_index().to(hidden.device)
         if want is not None:
             last = last[torch.tensor(list(want), dtype=torch.bool, device=hidden.device)]
-        return self.model.compute_logits(hidden[last])
+        return self.model.compute_logits(hidden[last], raw=self.model.uses_fast_path(self.backend))
 
     def forward_all(self, chunk: Chunk) -> torch.Tensor:
         """[len(chunk.tokens), V] float32 logits at every new token of one chunk."""

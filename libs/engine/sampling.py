@@ -173,17 +173,59 @@ class SampleOutput:
     logprobs: list[TokenLogprob | None]
 
 
+def one_pass_ok(p: SamplingParams) -> bool:
+    """Rows the one-pass Gumbel-max kernel samples exactly: greedy, or a temperature alone (no top-k/p,
+    min-p or logprobs)."""
+    if p.wants_logprobs:
+        return False
+    return p.greedy or (p.top_k in (0, -1) and p.top_p >= 1 and p.min_p <= 0)
+
+
 def sample(
-    logits: torch.Tensor,  # [S, V] float32
+    logits: torch.Tensor,  # [S, V] float32 (or the model's 16-bit logits)
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
+    keys: Sequence[tuple[int, int]] | None = None,
 ) -> SampleOutput:
-    """Sample one token per row. Greedy rows (temperature 0 or top_k 1) take the argmax and use no noise."""
+    """Sample one token per row. Greedy rows (temperature 0 or top_k 1) take the argmax and use no noise.
+
+    keys: (seed, position) per row. On CUDA, rows that `one_pass_ok` are sampled by the one-pass Gumbel-max
+    kernel keyed by them (libs.kernels.sampling: noise from the request's seed and the token's position,
+    so a request draws the same whatever shares its batch, and a prefill and a decode side agree); every
+    other row, and every row elsewhere, takes the exact sampler with its generator."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(
             f"sample() needs logits [S, V] with S == len(params) == len(generators); got "
             f"{tuple(logits.shape)}, {len(params)} params, {len(generators)} generators"
         )
+    if keys is not None and logits.is_cuda:
+        fast = [i for i, p in enumerate(params) if one_pass_ok(p)]
+        if len(fast) == len(params):
+            return SampleOutput(_one_pass(logits, params, keys).tolist(), [None] * len(params))
+        if fast:
+            tokens = _exact(logits, params, generators)
+            idx = torch.tensor(fast, device=logits.device)
+            picked = _one_pass(logits[idx], [params[i] for i in fast], [keys[i] for i in fast])
+            tokens[idx] = picked
+            token_list = tokens.tolist()
+            return SampleOutput(token_list, _logprobs(logits, token_list, params))
+    tokens = _exact(logits, params, generators)
+    token_list = tokens.tolist()
+    return SampleOutput(token_list, _logprobs(logits, token_list, params))
+
+
+def _one_pass(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[tuple[int, int]]):
+    from libs.kernels.sampling import gumbel_sample
+
+    host = torch.tensor(
+        [[0.0 if p.greedy else p.temperature, s & 0x7FFF_FFFF_FFFF, pos] for p, (s, pos) in zip(params, keys, strict=True)],
+        dtype=torch.float64,
+    )
+    dev = host.to(logits.device, non_blocking=True)
+    return gumbel_sample(logits.contiguous(), dev[:, 0].float(), dev[:, 1].long(), dev[:, 2].long())
+
+
+def _exact(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]):
     logits = logits.float()
     tokens = logits.argmax(dim=1)
     rand_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -192,8 +234,7 @@ def sample(
         sub_params = [params[i] for i in rand_rows]
         probs = _filter_tempered(logits[idx], sub_params).softmax(dim=1)
         tokens[idx] = _draw(probs, [generators[i] for i in rand_rows])
-    token_list = tokens.tolist()
-    return SampleOutput(token_list, _logprobs(logits, token_list, params))
+    return tokens
 
 
 def _logprobs(
@@ -204,7 +245,7 @@ def _logprobs(
     if not rows:
         return out
     idx = torch.tensor(rows, device=logits.device)
-    logp = logits[idx].log_softmax(dim=1)
+    logp = logits[idx].float().log_softmax(dim=1)
     n_top = max(params[i].num_top_logprobs for i in rows)
     top_vals, top_ids = logp.topk(min(n_top, logp.shape[1]), dim=1) if n_top else (None, None)
     for j, i in enumerate(rows):

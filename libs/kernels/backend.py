@@ -66,7 +66,7 @@ def fp8_swiglu_mlp(x: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor
 
 def fp8_moe(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple, w2: tuple,
-    add: torch.Tensor | None = None, *, masked: bool, block_m: int = 64,
+    add: torch.Tensor | None = None, *, masked: bool, block_m: int = 64, m_max: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Routed experts with FP8 weights: x [T, D], ids [T, K] expert per slot (-1: none; a token's K ids
     distinct, as top-k gives them), weights [T, K] f32, w13 = (gate_up [E, 2I, D], scales [E, 2I/128, D/128]),
@@ -74,21 +74,24 @@ def fp8_moe(
 
     masked=True: the graph-safe decode layout (no host sync, buffers [E, T, D] fixed by the shapes: an
     expert gets at most one row per token); masked=False: contiguous rows sorted by expert, padded to
-    block_m (one host sync for the run lengths; prefill)."""
+    block_m (one host sync for the run lengths; prefill). m_max: masked rows per expert (default T, one per
+    token; an emulated EP rank whose picks repeat a local expert needs T * K)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x) if add is None else add.clone()
     if not triton_usable(x):
         return fp8_moe_reference(x, ids, weights, w13, w2, add)
-    run = _moe_masked if masked else _moe_contiguous
-    out, dest = run(x.contiguous(), ids.reshape(-1), w13, w2, block_m)
+    if masked:
+        out, dest = _moe_masked(x.contiguous(), ids.reshape(-1), w13, w2, m_max or x.shape[0])
+    else:
+        out, dest = _moe_contiguous(x.contiguous(), ids.reshape(-1), w13, w2, block_m)
     return moe_ops.combine_fused(out, dest, weights.float().contiguous(), add=add)
 
 
-def _moe_masked(x, pair_ids, w13, w2, block_m):
-    (e, _, d), t = w13[0].shape, x.shape[0]
-    dest, counts = moe_ops.align_masked(pair_ids, e, t)
-    xq = torch.empty(e, t, d, dtype=fp8_gemm.FP8, device=x.device)
-    xs = torch.empty(e, t, d // fp8_gemm.GROUP, dtype=torch.float32, device=x.device)
+def _moe_masked(x, pair_ids, w13, w2, m_max):
+    e, _, d = w13[0].shape
+    dest, counts = moe_ops.align_masked(pair_ids, e, m_max)
+    xq = torch.empty(e, m_max, d, dtype=fp8_gemm.FP8, device=x.device)
+    xs = torch.empty(e, m_max, d // fp8_gemm.GROUP, dtype=torch.float32, device=x.device)
     moe_ops.dispatch_quant(x, dest, xq, xs)
     return moe_ops.moe_masked(xq, xs, counts, *w13, *w2, out_dtype=x.dtype), dest
 

@@ -22,12 +22,13 @@ from torch import nn
 from libs.engine.config import ModelConfig
 from libs.engine.forward_batch import ForwardBatch
 from libs.engine.kv_pool import KVPool
-from libs.engine.layers import fp8_linear
+from libs.engine.layers import fast_path, fp8_linear
 from libs.engine.layers.attention_backend import (
     AttentionBackend,
     MLAWeights,
     StepInputs,
     TorchAttention,
+    TritonAttention,
     make_attention_backend,
 )
 from libs.engine.layers.rope import RotaryEmbedding
@@ -143,6 +144,7 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(h * cfg.v_head_dim, d, bias, dtype, device)
         self._mla_weights: tuple[tuple[int, int], MLAWeights] | None = None
+        self.fast: fast_path.AttentionFast | None = None  # set by fast_path.enable
 
     def mla_weights(self) -> MLAWeights:
         """kv_b_proj as the attention paths read it (dense, W_UK/W_UV views): made on first use after
@@ -299,6 +301,7 @@ class MoE(nn.Module):
         # Expert parallelism, set from outside (libs/ep): ep(x, ids, weights) -> [T, D] replaces the local
         # routed experts with dispatch -> this rank's experts -> combine.
         self.ep: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.fast: fast_path.MoEFast | None = None  # set by fast_path.enable
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts.is_fp8:
@@ -367,6 +370,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, self.device)
         self._attention: AttentionBackend | None = None
+        self.fast: fast_path.ModelFast | None = None  # the fused decoder path, once enable_fast_path() said yes
+
+    def enable_fast_path(self) -> bool:
+        """Run the fused decoder path (layers/fast_path.py) from now on, where the model allows it (after
+        loading: it stacks loaded weights). The plain path stays the reference for everything else."""
+        return fast_path.enable(self)
+
+    def uses_fast_path(self, backend: AttentionBackend) -> bool:
+        """Whether a forward with `backend` takes the fused path (it needs the paged kernel backends)."""
+        return self.fast is not None and isinstance(backend, TritonAttention)
 
     def attention_backend(self, name: str = "auto") -> AttentionBackend:
         """A new attention backend for this model ("auto" | "torch" | "triton" | "flashinfer")."""
@@ -399,8 +412,13 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward_step(self, step: StepInputs, kv: KVPool) -> torch.Tensor:
         """The layers over inputs already on the device -> hidden [T, D]. No host syncs of its own: with a
         graph-safe backend and graph-safe MoEs (`graph_safe_decode`) a decode step can be captured."""
-        cos, sin = self.rope.cos_sin(step.positions)
         x = F.embedding(step.input_ids, self.model.embed_tokens.weight)
+        if self.fast is not None and self.uses_fast_path(step.backend):
+            residual = torch.zeros_like(x)
+            for layer in self.model.layers:
+                x = fast_path.decoder_layer(layer, x, residual, step, kv, self.fast)
+            return fast_path.final_norm(self.model.norm, x, residual, self.fast)
+        cos, sin = self.rope.cos_sin(step.positions)
         for layer in self.model.layers:
             x = layer(x, cos, sin, step, kv)
         return self.model.norm(x)
@@ -413,9 +431,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         return all(m.graph_safe for m in moes)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] -> logits [N, vocab] float32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+    def compute_logits(self, hidden: torch.Tensor, raw: bool = False) -> torch.Tensor:
+        """hidden [N, D] -> logits [N, vocab] float32 (raw: in the model dtype, for the samplers that read it
+        as it is: the decode step spends no pass over [N, vocab] on a cast)."""
+        logits = F.linear(hidden, self.lm_head.weight)
+        return logits if raw else logits.float()
 
     # --- weights ---
     def checkpoint_weight_names(self) -> set[str]:

@@ -1,0 +1,139 @@
+"""The fused decoder path (libs/engine/layers/fast_path.py) against the plain path on the same FP8 weights:
+logits close, greedy tokens equal, through prefill, decode and the engine's continuous batching.
+
+Without CUDA the kernels run under Triton's interpreter (the kernel tests' conftest, imported first). The
+config has DeepSeek's MLA dims (R 512, r 64, V 128) at a tiny width, so every fused kernel runs.
+"""
+
+from __future__ import annotations
+
+# first, before anything imports triton: selects and patches the interpreter when there is no GPU
+from tests.libs.kernels.conftest import HAS_CUDA
+
+# isort: split
+import pytest
+import torch
+
+from libs.engine.engine import Engine
+from libs.engine.loader import load_model
+from libs.engine.sampling import SamplingParams, one_pass_ok
+from libs.engine.tiny import write_tiny_model
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+# the interpreter multiplies bf16 as raw bits in places (see the kernel conftest): CPU runs float16
+DTYPE = "bfloat16" if HAS_CUDA else "float16"
+FAST = dict(
+    hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=32,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+    torch_dtype="bfloat16",
+)  # fmt: skip
+PROMPTS = [[5, 17, 99, 3, 250, 8, 41], [300, 2, 2, 7], list(range(40, 61))]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("fast") / "m", seed=11, fp8=True, **FAST)
+
+
+def _engine(ckpt, fast: bool, damp: bool = False) -> Engine:
+    model = load_model(ckpt, dtype=DTYPE, device=DEVICE, progress=False, quantization="fp8")
+    if damp:
+        _damp(model)
+    return Engine(
+        model, page_size=16, num_pages=64, max_num_seqs=4, attention_backend="triton", cuda_graphs=False,
+        fast_path=fast,
+    )  # fmt: skip
+
+
+def _damp(model, factor: float = 0.05) -> None:
+    """Scale every layer's output projections down: a random model amplifies rounding noise layer by
+    layer (each FP8 path is ~30% off a float32 reference at the last layer here), so two equally valid
+    rounding orders may pick different greedy tokens; damped, the layers still run every kernel but the
+    logits keep their margins."""
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight_scale_inv.data *= factor
+        mlp = layer.mlp
+        for down in (getattr(mlp, "down_proj", None), getattr(mlp.shared_experts, "down_proj", None)
+                     if hasattr(mlp, "shared_experts") else None):  # fmt: skip
+            if down is not None:
+                down.weight_scale_inv.data *= factor
+        if hasattr(mlp, "experts"):
+            mlp.experts.down_proj_scale_inv.data *= factor
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def test_fast_path_is_taken_and_stacks_weights_as_views(ckpt):
+    engine = _engine(ckpt, fast=True)
+    model = engine.model
+    assert model.fast is not None and engine.runner.model.uses_fast_path(engine.runner.backend)
+    attn = model.model.layers[1].self_attn
+    stacked, _ = attn.fast.qkv_a
+    assert attn.q_a_proj.weight.data_ptr() == stacked.data_ptr()  # the Linears are row views of the stack
+    assert attn.kv_a_proj_with_mqa.weight.data_ptr() == stacked[128:].data_ptr()
+    moe = model.model.layers[1].mlp
+    w13, _ = moe.fast.w13
+    assert w13.shape[0] == 9 and moe.fast.shared_id == 8  # 8 routed experts, then the shared one
+    assert moe.shared_experts.gate_up[0].data_ptr() == w13[8].data_ptr()
+    assert moe.experts.gate_up_proj.data_ptr() == w13.data_ptr()
+
+
+def test_fast_attention_layer_matches_the_plain_layer(ckpt):
+    """One attention layer on the same input: the output and the KV rows it writes agree to FP8 rounding
+    (the fused kernels norm and rotate in float32, the plain path rounds in between)."""
+    from libs.engine.layers import fast_path
+    from libs.engine.runner import Chunk, build_batch
+    from libs.kernels import fused
+
+    engine = _engine(ckpt, fast=True)
+    model, backend, kv = engine.model, engine.runner.backend, engine.kv_pool
+    layer = model.model.layers[0]
+    batch = build_batch([Chunk(PROMPTS[2], 0, [0, 1])], 16)
+    x = torch.nn.functional.embedding(batch.input_ids.to(DEVICE), model.model.embed_tokens.weight)
+    rows = slice(0, len(PROMPTS[2]))
+    for absorbed in (False, True):  # prefill (expanded) and, over the same rows, the absorbed form
+        step = backend.prepare(batch, 16, absorbed)
+        cos, sin = model.rope.cos_sin(step.positions)
+        ref = layer.self_attn(layer.input_layernorm(x), cos, sin, step, kv)
+        ref_kv = kv.layer(0)[rows].clone()
+        x8 = fused.add_rmsnorm_quant(x, layer.input_layernorm.weight, model.fast.eps)
+        got = fast_path.attention(layer.self_attn, x8, step, kv, model.fast)
+        assert _rel(got, ref) < 0.05
+        assert _rel(kv.layer(0)[rows, :512], ref_kv[:, :512]) < 0.02  # normed latent
+        assert _rel(kv.layer(0)[rows, 512:], ref_kv[:, 512:]) < 0.02  # roped k
+
+
+def test_fast_path_logits_are_as_close_to_float32_as_the_plain_path(ckpt):
+    """Against the float32 model on the dequantized weights, the fused path is no further off than the
+    plain FP8 path (both round differently; neither is the other's reference)."""
+    ref = Engine(load_model(ckpt, device=DEVICE, progress=False, quantization="none"), page_size=16, num_pages=64)
+    plain, fast = _engine(ckpt, fast=False), _engine(ckpt, fast=True)
+    for prompt in PROMPTS:
+        r = ref.prefill_logits(prompt)
+        assert _rel(fast.prefill_logits(prompt), r) < 1.5 * _rel(plain.prefill_logits(prompt), r) + 0.02
+
+
+def test_fast_path_greedy_tokens_equal_the_plain_path_under_continuous_batching(ckpt):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = _engine(ckpt, fast=False, damp=True).generate(PROMPTS, params)
+    fast = _engine(ckpt, fast=True, damp=True).generate(PROMPTS, params)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
+
+
+def test_fast_path_stays_off_where_the_model_cannot_take_it(ckpt, tmp_path):
+    dense = load_model(ckpt, dtype="bfloat16", device=DEVICE, progress=False, quantization="none")
+    assert not dense.enable_fast_path() and dense.fast is None  # dense (dequantized) projections
+    f32 = load_model(ckpt, dtype="float32", device=DEVICE, progress=False, quantization="fp8")
+    assert not f32.enable_fast_path()  # the fused kernels take 16-bit activations
+
+
+def test_one_pass_sampler_rows():
+    assert one_pass_ok(SamplingParams(temperature=0))
+    assert one_pass_ok(SamplingParams(temperature=0.7, seed=3))
+    assert not one_pass_ok(SamplingParams(temperature=0.7, top_p=0.9))
+    assert not one_pass_ok(SamplingParams(temperature=0.7, top_k=20))
+    assert not one_pass_ok(SamplingParams(temperature=0.7, min_p=0.1))
+    assert not one_pass_ok(SamplingParams(temperature=0, logprobs=True))
