@@ -105,7 +105,7 @@ def decode_graphs_supported(model, attention_backend: str) -> bool:
     """Whether decode steps of `model` with that backend name can run as CUDA graphs."""
     if model.device.type != "cuda" or not model.graph_safe_decode():
         return False
-    return resolve_backend(attention_backend, model.device) == "triton"
+    return resolve_backend(attention_backend, model.device) in ("triton", "flashinfer")
 
 
 def static_step(
@@ -181,11 +181,19 @@ class DecodeGraphRunner:
         fill_decode_inputs(
             g.staging.numpy(), g.layout, tokens, positions, page_tables, self.page_size, self.scratch_page
         )
+        self._plan(g)
         g.packed.copy_(g.staging, non_blocking=True)
         g.copied.record()
         assert g.graph is not None and g.logits is not None
         g.graph.replay()
         return g.logits[: len(tokens)]
+
+    def _plan(self, g: _Graph) -> None:
+        """Backends that plan on the host (FlashInfer) plan this step's lengths and table before the replay."""
+        plan = getattr(self.backend, "plan_graph", None)
+        if plan is not None:
+            _, _, _, lens, table = g.layout.views(g.staging.numpy())
+            plan(g.layout.batch, lens, table, self.page_size)
 
     def _capture(self, b: int) -> _Graph:
         layout = DecodeLayout(b, self.max_pages)
@@ -199,6 +207,7 @@ class DecodeGraphRunner:
             g.staging.numpy(), layout, [0], [0], [[self.scratch_page]], self.page_size, self.scratch_page
         )
         g.packed.copy_(g.staging)
+        self._plan(g)
 
         def step() -> torch.Tensor:
             inputs = static_step(g.packed, layout, self.page_size, self.backend)

@@ -8,6 +8,7 @@ FlashInfer is not a dependency: `available()` says whether it imports. The laten
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -20,12 +21,46 @@ def available() -> bool:
 
 
 class FlashInferMLA:
-    def __init__(self, device: torch.device | str, backend: str = "fa3", workspace_mb: int = 256) -> None:
+    """graph_batch: a wrapper for CUDA graphs of that batch size (its index buffers fixed, re-planned on the
+    host before each replay with `plan_host`); workspace: share another wrapper's float workspace (graphs of
+    different sizes replay one at a time)."""
+
+    def __init__(self, device: torch.device | str, backend: str = "fa3", workspace_mb: int = 256, *,
+                 workspace: torch.Tensor | None = None, graph_batch: int | None = None,
+                 max_pages: int = 0) -> None:  # fmt: skip
         import flashinfer
 
-        self._ws = torch.empty(workspace_mb << 20, dtype=torch.uint8, device=device)
-        self._wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(self._ws, backend=backend)
+        self._ws = workspace if workspace is not None else torch.empty(workspace_mb << 20, dtype=torch.uint8, device=device)
+        bufs = {}
+        if graph_batch is not None:
+            b = graph_batch
+            bufs = dict(
+                use_cuda_graph=True, qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=device),
+                kv_indptr=torch.zeros(b + 1, dtype=torch.int32, device=device),
+                kv_indices=torch.zeros(b * max_pages, dtype=torch.int32, device=device),
+                kv_len_arr=torch.zeros(b, dtype=torch.int32, device=device),
+            )  # fmt: skip
+        self._wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(self._ws, backend=backend, **bufs)
         self._page_size = 0
+
+    @property
+    def workspace(self) -> torch.Tensor:
+        return self._ws
+
+    def plan_host(self, seq_lens: np.ndarray, page_table: np.ndarray, page_size: int, num_heads: int,
+                  sm_scale: float, dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
+        """plan() from host arrays (seq_lens [B], page_table [B, P]): no device work but the index copies."""
+        b = seq_lens.shape[0]
+        pages = (seq_lens.astype(np.int64) + page_size - 1) // page_size
+        kv_indptr = np.zeros(b + 1, dtype=np.int32)
+        kv_indptr[1:] = np.cumsum(pages)
+        kv_indices = page_table[np.arange(page_table.shape[1])[None, :] < pages[:, None]].astype(np.int32)
+        self._page_size = page_size
+        self._wrapper.plan(
+            torch.arange(b + 1, dtype=torch.int32), torch.from_numpy(kv_indptr), torch.from_numpy(kv_indices),
+            torch.from_numpy(seq_lens.astype(np.int32)), num_heads, 512, 64, page_size, False, sm_scale, dtype,
+            dtype,
+        )  # fmt: skip
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_heads: int,
              sm_scale: float, dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip

@@ -12,8 +12,9 @@ written its new latent rows. The CUDA-graph runner (libs/engine/cuda_graph.py) b
   multiples of 16) and `mla_decode_paged` otherwise; extend (prefill, chunked prefill) with one SDPA per
   sequence (`mla_extend_sdpa`). Graph-safe.
 - "flashinfer": as "triton", but decode with FlashInfer's MLA kernel and extend with its ragged
-  prefill. FlashInfer plans on the host per forward, so decode graphs stay off with it.
-- "auto": "triton" on CUDA, "torch" elsewhere.
+  prefill. FlashInfer plans on the host: per eager forward in `prepare`, and for a captured decode graph
+  in `plan_graph` before each replay (one wrapper with fixed index buffers per batch size).
+- "auto": "flashinfer" on CUDA where it imports, else "triton"; "torch" elsewhere.
 
 Legend: T new tokens, S sequences, H heads, N nope dim, r rope dim, R kv_lora_rank, V v dim.
 """
@@ -181,7 +182,7 @@ class FlashInferAttention(TritonAttention):
     FlashInfer takes 16-bit inputs: a float32 model gets the torch paged decode and the SDPA prefill."""
 
     name = "flashinfer"
-    graph_safe = False
+    graph_safe = True  # decode graphs: one wrapper per captured batch size, planned before each replay
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__(cfg, device, dtype, use_kernel=False)
@@ -193,9 +194,12 @@ class FlashInferAttention(TritonAttention):
         self.mla = flashinfer_mla.FlashInferMLA(device) if fits else None
         self.prefill = flashinfer_mla.FlashInferRaggedPrefill(device) if half else None
         self._kv_index: torch.Tensor | None = None  # [sum K] pool slots of the extend batch's keys
+        self._graph_mla: dict[int, object] = {}  # captured batch size -> its FlashInferMLA
+        self._active = None  # the wrapper a graph step was last planned on (None: eager, self.mla)
 
     def prepare(self, batch: ForwardBatch, page_size: int, absorbed: bool) -> StepInputs:
         step = super().prepare(batch, page_size, absorbed)
+        self._active = None
         meta = step.meta
         assert isinstance(meta, PagedMetadata) and meta.extend_lens is not None and meta.kv_lens is not None
         if absorbed and self.mla is not None:
@@ -208,10 +212,27 @@ class FlashInferAttention(TritonAttention):
             self.prefill.plan(meta.extend_lens, meta.kv_lens, self.num_heads, self.scale, self.dtype, qk, vo)
         return step
 
+    def plan_graph(self, batch: int, seq_lens, page_table, page_size: int) -> None:
+        """Before a captured decode step of `batch` rows runs (capture or replay): plan its wrapper from the
+        host copies of the step's lengths [B] and page table [B, P] (numpy)."""
+        if self.mla is None:
+            return
+        from libs.kernels import flashinfer_mla
+
+        mla = self._graph_mla.get(batch)
+        if mla is None:
+            mla = flashinfer_mla.FlashInferMLA(
+                self.device, workspace=self.mla.workspace, graph_batch=batch, max_pages=page_table.shape[1]
+            )
+            self._graph_mla[batch] = mla
+        mla.plan_host(seq_lens, page_table, page_size, self.num_heads, self.scale, self.dtype)
+        self._active = mla
+
     def decode_latent(self, q_latent, q_pe, layer_rows, meta: PagedMetadata) -> torch.Tensor:
         if self.mla is None:
             return mla_decode_paged(q_latent, q_pe, layer_rows, meta, self.scale)
-        return self.mla.run(q_latent, q_pe.to(q_latent.dtype), layer_rows)
+        mla = self._active if self._active is not None else self.mla
+        return mla.run(q_latent, q_pe.to(q_latent.dtype), layer_rows)
 
     def extend(self, q_nope, q_pe, layer_rows, weights: MLAWeights, meta: PagedMetadata) -> torch.Tensor:
         if self.prefill is None:
@@ -235,7 +256,11 @@ def resolve_backend(name: str, device: torch.device) -> str:
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type != "cuda":
+            return "torch"
+        from libs.kernels import flashinfer_mla
+
+        return "flashinfer" if flashinfer_mla.available() else "triton"
     if name == "flashinfer":
         from libs.kernels import flashinfer_mla
 

@@ -236,9 +236,9 @@ class Experts(nn.Module):
     With `to_fp8()` the stacks are float8_e4m3fn with `gate_up_proj_scale_inv` [E, 2I/128, D/128] and
     `down_proj_scale_inv` [E, D/128, I/128], run by the grouped FP8 GEMMs (libs.engine.layers.fp8_linear)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, num_experts: int | None = None):
         super().__init__()
-        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        e, i, d = num_experts or cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.gate_up_proj = _param(e, 2 * i, d, dtype=dtype, device=device)  # [E, 2I, D]: gate rows, then up
         self.down_proj = _param(e, d, i, dtype=dtype, device=device)  # [E, D, I]
         self.gate_up_proj_scale_inv: nn.Parameter | None
@@ -292,10 +292,10 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Router -> routed experts (+ shared experts). Expert parallelism slots in between router and experts."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, local_experts: int | None = None):
         super().__init__()
         self.gate = Router(cfg, device)
-        self.experts = Experts(cfg, dtype, device)
+        self.experts = Experts(cfg, dtype, device, local_experts)
         shared = cfg.n_shared_experts * cfg.moe_intermediate_size
         self.shared_experts = MLP(cfg.hidden_size, shared, dtype, device) if shared else None
         # Expert parallelism, set from outside (libs/ep): ep(x, ids, weights) -> [T, D] replaces the local
@@ -329,11 +329,12 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layer_id: int, dtype: torch.dtype, device):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layer_id: int, dtype: torch.dtype, device,
+                 local_experts: int | None = None):  # fmt: skip
         super().__init__()
         self.self_attn = Attention(cfg, rope, layer_id, dtype, device)
         if cfg.is_moe_layer(layer_id):
-            self.mlp: nn.Module = MoE(cfg, dtype, device)
+            self.mlp: nn.Module = MoE(cfg, dtype, device, local_experts)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -345,11 +346,12 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, dtype: torch.dtype, device):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, dtype: torch.dtype, device,
+                 local_experts: int | None = None):  # fmt: skip
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rope, i, dtype, device) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, rope, i, dtype, device, local_experts) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -358,12 +360,15 @@ class DeepseekV3ForCausalLM(nn.Module):
     """One forward over a ForwardBatch: new tokens' latent rows go into `kv`; returns final-normed hidden."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-    ):
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+        local_experts: int | None = None,
+    ):  # fmt: skip
+        """local_experts: build only this many routed experts per MoE layer (one EP rank's slots; the router
+        still scores all n_routed_experts), None: all of them."""
         super().__init__()
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.rope = RotaryEmbedding(config.rope, config.qk_rope_head_dim, config.rope_interleave, self.device)
-        self.model = Model(config, self.rope, dtype, self.device)
+        self.model = Model(config, self.rope, dtype, self.device, local_experts)
         self.lm_head: Linear | Embedding
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
