@@ -509,7 +509,7 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     reserved_handles: int
     requests: list[str] = []
     forward_sleep_ms: float = 0.0
-    # Leak check (libs.worker.pages): pages held outside the prefix cache vs requests alive here.
+    # Leak check (libs.worker.page_accounting): pages held outside the prefix cache vs requests alive here.
     used_pages: int = 0
     cached_pages: int = 0
     request_pages: int = 0  # used_pages - cached_pages: reservations, running and pinned requests

@@ -43,7 +43,7 @@ from libs.ep.group import RankGroup
 from libs.ep.mooncake_ep import DEFAULT_MAX_TOKENS
 from libs.ep.placement import Placement
 from libs.ep.rank import RankSpec
-from libs.ep.routing import RankBlocks, pick_rank
+from libs.ep.rank_routing import RankBlocks, pick_rank
 from libs.prefix import block_hashes
 
 STAT_KEYS = ("total_pages", "free_pages", "used_pages", "cached_pages", "evictable_pages", "running",

@@ -34,7 +34,7 @@ from libs.worker.common import (
     to_params,
 )
 from libs.worker.kv_events import start_kv_events
-from libs.worker.pages import install_page_gauges, page_account
+from libs.worker.page_accounting import install_page_gauges, page_account
 from libs.worker.prefix_reuse import reserve_for
 from libs.worker.settings import WorkerSettings
 from proto import messages as m

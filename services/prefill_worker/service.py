@@ -30,7 +30,7 @@ from libs.worker.common import (
     to_wire_logprob,
 )
 from libs.worker.kv_events import start_kv_events
-from libs.worker.pages import install_page_gauges, page_account
+from libs.worker.page_accounting import install_page_gauges, page_account
 from libs.worker.prefix_reuse import pages_to_send
 from libs.worker.settings import WorkerSettings
 from proto import messages as m
