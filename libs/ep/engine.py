@@ -38,9 +38,9 @@ from libs.engine.loader import parse_dtype
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
 from libs.engine.sampling import SamplingParams
 from libs.ep import eplb
-from libs.ep.dispatch import BACKENDS
+from libs.ep.dispatch.factory import BACKENDS
+from libs.ep.dispatch.mooncake_ep import DEFAULT_MAX_TOKENS
 from libs.ep.group import RankGroup
-from libs.ep.mooncake_ep import DEFAULT_MAX_TOKENS
 from libs.ep.placement import Placement
 from libs.ep.rank import RankSpec
 from libs.ep.rank_routing import RankBlocks, pick_rank

@@ -17,9 +17,13 @@ visits, with local slot ids (-1: the expert lives elsewhere) and weights; the ex
 per row. "experts" (DeepEP/Mooncake low latency): [S, cap, D] rows grouped by local expert with counts; the
 experts return [S, cap, D] unweighted and combine applies the weights.
 
-Backends: `AllToAllDispatcher` over a Comm (torch.distributed all_to_all_single on gloo/NCCL, or the
-in-process hub for tests); `deepep.DeepEPDispatcher`; `mooncake_ep.MooncakeEPDispatcher`. `make_dispatcher`
-picks one by name and says clearly when the chosen library is missing.
+Backends, one module each beside this one: all_to_all.py (`AllToAllDispatcher` over a Comm:
+torch.distributed all_to_all_single on gloo/NCCL, or the in-process hub for tests), deepep.py
+(`DeepEPDispatcher`), mooncake_ep.py (`MooncakeEPDispatcher`). factory.py picks one by name (`make_dispatcher`)
+and says clearly when the chosen library is missing.
+
+FP8 dispatch sends hidden states in DeepSeek's 1x128 format (libs.quant.fp8) with DeepEP's amax floor,
+through `quantize_for_dispatch` here, so every backend puts the same bytes on the wire.
 """
 
 from __future__ import annotations
@@ -30,12 +34,7 @@ from typing import Any
 
 import torch
 
-from libs.ep.comm import Comm
-
-BACKENDS = ("torch", "deepep", "mooncake")
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-FP8_GROUP = 128
+from libs.quant.fp8 import DEEPEP_MIN_AMAX, quantize_fp8_groups
 
 
 @dataclass
@@ -70,92 +69,6 @@ def peak_tokens(header: Any, active: bool, num_tokens: int) -> int | None:
     return max(row[1] for row in table)
 
 
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, D] -> (fp8 [M, D], scales [M, D/128] float32) with one scale per 128 values (DeepEP's format)."""
-    m, d = x.shape
-    if d % FP8_GROUP:
-        raise ValueError(f"FP8 dispatch needs hidden size divisible by {FP8_GROUP}, got {d}")
-    groups = x.float().view(m, d // FP8_GROUP, FP8_GROUP)
-    amax = groups.abs().amax(-1).clamp(min=1e-4)  # [M, D/128]
-    q = (groups * (FP8_MAX / amax[..., None])).to(FP8).view(m, d)
-    return q, amax / FP8_MAX
-
-
-def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    shape = q.shape
-    groups = q.float().view(*shape[:-1], -1, FP8_GROUP) * scales[..., None]
-    return groups.view(shape).to(dtype)
-
-
-class AllToAllDispatcher(Dispatcher):
-    """Dispatch/combine with `all_to_all_single`: a header all-gather (activity, token count, rows per
-    destination), one all-to-all of packed byte rows (hidden state, FP8 scales, slot ids, weights), one
-    all-to-all back. Each token travels once per destination rank, not once per expert."""
-
-    def __init__(self, comm: Comm, slots_per_rank: int, fp8: bool = False, combine_dtype=None) -> None:
-        self.comm, self.slots_per_rank = comm, slots_per_rank
-        self.fp8, self.combine_dtype = fp8, combine_dtype
-
-    def dispatch(
-        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, active: bool = True
-    ) -> Dispatched | None:
-        n, s, me = self.comm.size, self.slots_per_rank, self.comm.rank
-        t, k = slots.shape
-        dest = slots // s  # [T, K] rank of each chosen expert
-        visits = torch.zeros(t, n, dtype=torch.bool, device=x.device).scatter_(1, dest, True)  # [T, N]
-        to_rank, token = visits.t().nonzero(as_tuple=True)  # send rows, grouped by destination rank
-        send_rows = torch.bincount(to_rank, minlength=n).tolist()
-        table = self.comm.all_gather_ints([int(active), t, *send_rows])
-        if not any(row[0] for row in table):
-            return None
-        recv_rows = [row[2 + me] for row in table]
-        here = dest[token] == to_rank[:, None]  # [R, K] which of a row's experts live on its destination
-        ids = torch.where(here, slots[token] % s, -1).to(torch.int32)
-        w = torch.where(here, weights[token].float(), 0.0)
-        packed = self._pack(x, token, ids, w)
-        got = self.comm.all_to_all(packed, send_rows, recv_rows)
-        rx, rids, rw = self._unpack(got, x.shape[1], k, x.dtype)
-        return Dispatched("tokens", rx, rids.long(), rw, handle=(token, send_rows, recv_rows, t, x.dtype))
-
-    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
-        token, send_rows, recv_rows, t, dtype = d.handle
-        wire = y.to(self.combine_dtype) if self.combine_dtype is not None else y
-        back = self.comm.all_to_all(wire, recv_rows, send_rows)  # [R, D], in send order
-        out = torch.zeros(t, y.shape[-1], dtype=dtype, device=y.device)
-        return out.index_add_(0, token, back.to(dtype))
-
-    def _pack(self, x: torch.Tensor, token: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """[R, bytes]: rows x[token] as hidden (or fp8 + scales) | ids int32 | weights float32. FP8 quantizes
-        each token once, before the gather, however many ranks it visits."""
-        rows = [p.contiguous().view(torch.uint8)[token] for p in (quantize_fp8(x) if self.fp8 else [x])]
-        return torch.cat([*rows, *(p.contiguous().view(torch.uint8) for p in (ids, w))], dim=1)
-
-    def _unpack(self, got: torch.Tensor, d: int, k: int, dtype: torch.dtype):
-        cuts = [d, 4 * d // FP8_GROUP] if self.fp8 else [d * torch.empty((), dtype=dtype).element_size()]
-        cuts += [4 * k, 4 * k]
-        parts = torch.split(got, cuts, dim=1)
-        ids, w = parts[-2].view(torch.int32), parts[-1].view(torch.float32)
-        if self.fp8:
-            x = dequantize_fp8(parts[0].view(FP8), parts[1].view(torch.float32), dtype)
-        else:
-            x = parts[0].view(dtype)
-        return x, ids, w
-
-
-def make_dispatcher(
-    backend: str, comm: Comm, *, slots_per_rank: int, num_physical: int, hidden: int,
-    dtype: torch.dtype, fp8: bool = False, group=None, **options: Any,
-) -> Dispatcher:  # fmt: skip
-    """The dispatcher named by `backend` ("torch", "deepep", "mooncake"). DeepEP and Mooncake EP need their
-    libraries and CUDA; a missing one is a RuntimeError naming what to install."""
-    if backend == "torch":
-        return AllToAllDispatcher(comm, slots_per_rank, fp8=fp8, combine_dtype=options.get("combine_dtype"))
-    if backend == "deepep":
-        from libs.ep.deepep import DeepEPDispatcher
-
-        return DeepEPDispatcher(group, comm, num_physical, hidden, dtype, fp8=fp8, **options)
-    if backend == "mooncake":
-        from libs.ep.mooncake_ep import MooncakeEPDispatcher
-
-        return MooncakeEPDispatcher(group, comm, num_physical, hidden, dtype, fp8=fp8, **options)
-    raise ValueError(f"unknown EP dispatch backend {backend!r}: use one of {BACKENDS}")
+def quantize_for_dispatch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, D] -> (fp8 [M, D], scales [M, D/128] float32), DeepEP's format; D must be a multiple of 128."""
+    return quantize_fp8_groups(x, DEEPEP_MIN_AMAX)

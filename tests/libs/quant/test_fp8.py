@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from libs.engine.fp8 import (
+from libs.quant.fp8 import (
     FP8_DTYPE,
     dequantize_fp8_block,
     is_fp8_weight_name,

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from libs.ep.comm import Comm
-from libs.ep.dispatch import Dispatched, Dispatcher, dequantize_fp8, peak_tokens
+from libs.ep.dispatch.base import Dispatched, Dispatcher, peak_tokens
+from libs.quant.fp8 import dequantize_fp8_groups
 
 MAX_TOKENS_LIMIT = 1024  # Mooncake EP's per-rank dispatch limit
 DEFAULT_MAX_TOKENS = 128  # tokens per rank per forward unless the `max_tokens` option says otherwise
@@ -72,7 +73,7 @@ class MooncakeEPDispatcher(Dispatcher):
             x.to(torch.bfloat16).contiguous(), slots.contiguous(), self.active_ranks, self.max_tokens,
             self.num_physical, self._timeout(), use_fp8=self.fp8,
         )  # fmt: skip
-        rx = dequantize_fp8(recv[0], recv[1], x.dtype) if self.fp8 else recv.to(x.dtype)
+        rx = dequantize_fp8_groups(recv[0], recv[1], x.dtype) if self.fp8 else recv.to(x.dtype)
         return Dispatched("experts", rx, counts=counts.tolist(), handle=(handle, slots, weights, x.dtype))
 
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
