@@ -2,7 +2,7 @@
 
 The worker process holds only this front; `ep_size` rank processes (rank.py) each run an Engine on their own
 requests and KV pages, with the routed experts sharded over the group. The front:
-- hands each new request (add_request, reserve, prefill) to a rank (routing.py: the least busy, or the
+- hands each new request (add_request, reserve, prefill) to a rank (rank_routing.py: the least busy, or the
   one caching most of its prefix) and remembers its owner, so later calls for that request (abort,
   add_prefilled, release, ...) go to the same rank;
 - runs group operations (step, prefill, generate, rebalance) on every rank at once, ranks with nothing to
