@@ -1,8 +1,7 @@
 """DeepEP backend: `deep_ep.Buffer` normal kernels for prefill-sized rounds, low-latency kernels for decode.
 
-UNRUN: deep_ep is not installed on the machine this was written on (no GPU); the code follows DeepEP's
-documented Python API (deep_ep/buffer.py: get_dispatch_layout / dispatch / combine, low_latency_dispatch /
-low_latency_combine, the buffer size hints) and needs a GPU run before it is trusted.
+Written against DeepEP's documented Python API (deep_ep/buffer.py: get_dispatch_layout / dispatch / combine,
+low_latency_dispatch / low_latency_combine, the buffer size hints); what has run where: bench/NOTES-ep.md.
 
 The mode is picked per round from the header every rank exchanges first (runtime.py's lockstep): when the
 largest token count on any rank fits `ll_max_tokens`, every rank uses the low-latency kernels, else every
