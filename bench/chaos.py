@@ -28,12 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from libs.bench.report import write_json
 from libs.chaos.overload import measure_capacity, overload, service_pids
 from libs.chaos.scenarios import chaos_config, chaos_prompts, restart_service, run_fault, standard_faults
 from libs.engine import Engine, SamplingParams
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh
+from libs.loadgen.report import write_json
 from libs.tokenizer import Tokenizer
 
 COLUMNS = (

@@ -12,7 +12,7 @@ pages; W_UV bmm; o_proj (its input quantized straight from the per-head bmm outp
 shared expert as a 9th pair), 1x128 FP8 quantization, token permutation into the masked
 [local experts, M_max, D] layout (the copy an EP dispatch lands), grouped FP8 gate/up, fused
 SwiGLU+quant, grouped FP8 down, weighted combine; final norm, LM head, one-pass Gumbel-max sampling
-(temperature 0.7, libs.kernels.sampling).
+(temperature 0.7, libs.kernels.gumbel).
 
 EP-72 with 288 physical experts: 4 local experts; a balanced deployment sends this rank 8*B token-
 expert pairs per MoE layer (the rank's own B tokens x top-8, mapped onto its 4 experts, stand in
@@ -48,7 +48,8 @@ from bench.harness import environment, graph_ms, write_results
 from bench.roofline import decode_step_bound
 from libs.kernels import fp8_gemm as G
 from libs.kernels import fp8_rowwise as RW
-from libs.kernels import fused, moe_ops, quant, routing, sampling
+from libs.kernels import fused, moe_ops, quant, routing
+from libs.kernels import gumbel as sampling
 from libs.kernels.mla_decode import MLAConfig, choose_num_splits, mla_decode
 
 D, QR, KVR, NOPE, ROPE, VD, HEADS = 7168, 1536, 512, 128, 64, 128, 128

@@ -32,8 +32,10 @@ import torch
 import torch.distributed as dist
 
 from libs.ep.comm import TorchComm
-from libs.ep.dispatch import FP8_GROUP, AllToAllDispatcher, make_dispatcher
+from libs.ep.dispatch.all_to_all import AllToAllDispatcher
+from libs.ep.dispatch.factory import make_dispatcher
 from libs.ep.placement import Placement
+from libs.quant.fp8 import FP8_GROUP
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

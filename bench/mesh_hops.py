@@ -23,9 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from libs.bench.report import write_json
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
+from libs.loadgen.report import write_json
 from libs.telemetry.collector import Collector
 
 WARMUP = 5

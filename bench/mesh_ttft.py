@@ -25,10 +25,10 @@ from pathlib import Path
 
 import httpx
 
-from libs.bench.report import write_json
 from libs.engine import Engine, SamplingParams
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
+from libs.loadgen.report import write_json
 
 
 def pct(xs: list[float], p: float) -> float:

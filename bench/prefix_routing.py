@@ -5,7 +5,7 @@
 
 For each placement mode the tiny model is served by a fresh mesh (nats-server, kv-broker, scheduler,
 2 prefill workers, 1 decode worker, gateway; Mooncake TCP; every prompt disaggregated, so prefill
-placement is what is measured) and sent the same shared-prefix workload (libs.bench.datasets: groups of
+placement is what is measured) and sent the same shared-prefix workload (libs.loadgen.datasets: groups of
 prompts sharing a random "system prompt", shuffled) at a fixed concurrency:
 - cache-aware, once per `--prefix-weights` value: the scheduler's `prefix_weight` (a full prefix hit is
   worth that many queued requests), hits from the kv-broker's prefix index;
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import httpx
 
-from libs.bench.client import Endpoint
-from libs.bench.datasets import BenchRequest, shared_prefix_requests
-from libs.bench.report import write_json
-from libs.bench.runner import LoadConfig, run_benchmark
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
+from libs.loadgen.benchmark import LoadConfig, run_benchmark
+from libs.loadgen.client import Endpoint
+from libs.loadgen.datasets import BenchRequest, shared_prefix_requests
+from libs.loadgen.report import write_json
 from libs.tokenizer import Tokenizer
 from proto import messages as m
 
@@ -166,7 +166,7 @@ def main() -> None:
         "command": "python -m bench.prefix_routing " + " ".join(sys.argv[1:]),
         "machine": {"node": platform.node(), "cpus": os.cpu_count(), "load_avg_before": os.getloadavg()},
         "workload": {
-            "dataset": "libs.bench.datasets.shared_prefix_requests (shuffled)",
+            "dataset": "libs.loadgen.datasets.shared_prefix_requests (shuffled)",
             "groups": args.groups,
             "prompts_per_group": args.prompts_per_group,
             "system_len": args.system_len,

@@ -1,8 +1,7 @@
 """Lower bound on one DeepSeek-V3 (671B) decode step of an EP rank with DP attention.
 
-A function-shaped copy of ../shared/machines/roofline.py (that folder does not travel to the GPU
-machine), same formulas and the H200 peaks measured there: step >= MLA (max of KV bytes / HBM and
-MLA FLOPs / bf16 peak) + GEMMs (max of weight bytes / HBM and GEMM FLOPs / fp8 peak).
+With an H200's peaks as defaults (HBM 4.27 TB/s, 780 bf16 and 1,399 fp8 TFLOP/s): step >= MLA (max of
+KV bytes / HBM and MLA FLOPs / bf16 peak) + GEMMs (max of weight bytes / HBM and GEMM FLOPs / fp8 peak).
 """
 
 from __future__ import annotations

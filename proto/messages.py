@@ -4,7 +4,7 @@ One union per subject (see proto.subjects); receivers decode with a decoder buil
 with `match`. Every top-level message carries `v` (SCHEMA_VERSION): a receiver that gets a newer major
 version rejects it with a clear error instead of misreading it (rolling upgrades).
 
-Life of a request (DESIGN.md): gateway --Submit--> scheduler --ReserveKv--> decode worker
+Life of a request (README.md): gateway --Submit--> scheduler --ReserveKv--> decode worker
 (--CreateHandle--> broker) ; scheduler --PrefillTask--> prefill worker --Mooncake write--> decode
 worker's pages ; prefill --KvReady--> decode --TokenBatch--> gateway. Short prompts skip the prefill
 worker: scheduler --DecodeDirect--> decode worker.
@@ -509,7 +509,7 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     reserved_handles: int
     requests: list[str] = []
     forward_sleep_ms: float = 0.0
-    # Leak check (libs.worker.pages): pages held outside the prefix cache vs requests alive here.
+    # Leak check (libs.worker.page_accounting): pages held outside the prefix cache vs requests alive here.
     used_pages: int = 0
     cached_pages: int = 0
     request_pages: int = 0  # used_pages - cached_pages: reservations, running and pinned requests

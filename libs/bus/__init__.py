@@ -10,7 +10,9 @@ from libs.bus.bus import (
     RequestRejected,
     RequestTimeout,
 )
-from libs.bus.context import (
+from libs.bus.service import Service
+from libs.bus.settings import ServiceSettings, SettingsError, env_prefix, load_settings
+from libs.telemetry.context import (
     DEADLINE,
     TRACEPARENT,
     current_deadline,
@@ -20,8 +22,6 @@ from libs.bus.context import (
     request_context,
     time_left,
 )
-from libs.bus.service import Service
-from libs.bus.settings import ServiceSettings, SettingsError, env_prefix, load_settings
 
 __all__ = [
     "DEADLINE",

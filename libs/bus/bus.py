@@ -6,7 +6,7 @@ Struct is sent as the reply when the message has a reply subject. A handler that
 that does not decode, is logged and answered (when it has a reply subject) with `proto.messages.Rejected`;
 the subscription keeps serving. `request()` turns a `Rejected` answer back into `RequestRejected`.
 
-Every outgoing message carries the caller's trace context and deadline (libs.bus.context); `request()`
+Every outgoing message carries the caller's trace context and deadline (libs.telemetry.context); `request()`
 also bounds its wait by the deadline in force and tells the receiver when it will stop waiting.
 """
 
@@ -29,8 +29,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from libs.bus.context import incoming_context, now_ms, outgoing_headers, time_left
 from libs.bus.security import redact_url
+from libs.telemetry.context import incoming_context, now_ms, outgoing_headers, time_left
 from proto import Decoder, SchemaVersionError, encode
 from proto.messages import ErrorCode, Rejected
 

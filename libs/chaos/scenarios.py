@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from libs.chaos.fault_table import FaultResult, summarize
 from libs.chaos.load import Progress, stream_many
-from libs.chaos.report import FaultResult, summarize
 from libs.chaos.workers import metric_total, request_pages, wait_for_no_leaks
 from libs.launch.mesh import Mesh, MeshConfig
 from libs.launch.natsauth import NatsAuth

@@ -87,7 +87,7 @@ def _tokenizer(path: str) -> Any:
 
 
 def build_requests(args: argparse.Namespace) -> list:
-    from libs.bench import datasets as ds
+    from libs.loadgen import datasets as ds
 
     tok = _tokenizer(args.tokenizer)
     vocab = args.random_vocab_size or (tok.vocab_size if tok is not None else 1000)
@@ -112,8 +112,8 @@ def build_requests(args: argparse.Namespace) -> list:
 
 
 def _endpoint(args: argparse.Namespace) -> Any:
-    from libs.bench.client import Endpoint, first_model
-    from libs.bench.runner import http_client
+    from libs.loadgen.benchmark import http_client
+    from libs.loadgen.client import Endpoint, first_model
 
     try:
         extra = json.loads(args.extra_request_body) if args.extra_request_body else {}
@@ -136,7 +136,7 @@ def _endpoint(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from libs.bench.runner import LoadConfig
+    from libs.loadgen.benchmark import LoadConfig
 
     if args.slowdown_ms < 0:
         raise ValueError(f"--slowdown-ms must be >= 0, got {args.slowdown_ms}")
@@ -159,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _one_run(ep: Any, requests: list, load: Any, label: str) -> Any:
-    from libs.bench.report import format_summary
-    from libs.bench.runner import run_benchmark
+    from libs.loadgen.benchmark import run_benchmark
+    from libs.loadgen.report import format_summary
 
     run = asyncio.run(run_benchmark(ep, requests, load, label))
     print(format_summary(run.summary, f"Serving Benchmark Result ({label})"), flush=True)
@@ -171,8 +171,8 @@ def _one_run(ep: Any, requests: list, load: Any, label: str) -> Any:
 
 
 def _write(args: argparse.Namespace, runs: list, sweep: bool) -> None:
-    from libs.bench import plots
-    from libs.bench.report import provenance, write_json
+    from libs.loadgen import plots
+    from libs.loadgen.report import provenance, write_json
 
     if args.output_file:
         data = {"sweep": [r.to_json() for r in runs]} if sweep else runs[0].to_json()
@@ -190,8 +190,8 @@ def _write(args: argparse.Namespace, runs: list, sweep: bool) -> None:
 
 
 def _run_slowdown(args: argparse.Namespace, ep: Any, requests: list) -> int:
-    from libs.bench import plots, slowdown
-    from libs.bench.report import provenance, write_json
+    from libs.loadgen import plots, slowdown
+    from libs.loadgen.report import provenance, write_json
 
     cfg = slowdown.SlowdownConfig(args.slowdown_ms, args.release_at_batch)
     # SIGTERM unwinds like Ctrl-C, so the experiment's `finally` turns the server's slow-down off.

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from libs.engine.batcher import Batcher as Scheduler
+from libs.engine.batcher import Plan, SeqView, pages_for
 from libs.engine.config import ModelConfig
 from libs.engine.cuda_graph import capture_sizes, decode_graphs_supported
 from libs.engine.kv_pool import KVPool
@@ -33,7 +35,6 @@ from libs.engine.radix_cache import CacheListener, PrefixMatch, RadixCache, Radi
 from libs.engine.request import Request, Status
 from libs.engine.runner import Chunk, ModelRunner
 from libs.engine.sampling import SamplingParams, make_generator, sample
-from libs.engine.scheduler import Plan, Scheduler, SeqView, pages_for
 from libs.engine.stopping import StopChecker
 from libs.engine.validation import Limits, check_prompt, check_token
 from libs.tokenizer import Tokenizer

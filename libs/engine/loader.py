@@ -25,9 +25,9 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from libs.engine.config import ModelConfig
-from libs.engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_fp8_block
 from libs.engine.layers.fp8_linear import apply_fp8_weights
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from libs.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_fp8_block
 
 log = logging.getLogger("moemesh.engine")
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from libs.engine.fp8 import quantize_fp8_block
+from libs.quant.fp8 import quantize_fp8_block
 from libs.tokenizer.build import VOCAB_SIZE, build_tokenizer
 
 FP8_BLOCK = (128, 128)

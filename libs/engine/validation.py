@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from libs.engine.batcher import pages_for
 from libs.engine.sampling import SamplingParams
-from libs.engine.scheduler import pages_for
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The worker process holds only this front; `ep_size` rank processes (rank.py) each run an Engine on their own
 requests and KV pages, with the routed experts sharded over the group. The front:
-- hands each new request (add_request, reserve, prefill) to a rank (routing.py: the least busy, or the
+- hands each new request (add_request, reserve, prefill) to a rank (rank_routing.py: the least busy, or the
   one caching most of its prefix) and remembers its owner, so later calls for that request (abort,
   add_prefilled, release, ...) go to the same rank;
 - runs group operations (step, prefill, generate, rebalance) on every rank at once, ranks with nothing to
@@ -38,12 +38,12 @@ from libs.engine.loader import parse_dtype
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
 from libs.engine.sampling import SamplingParams
 from libs.ep import eplb
-from libs.ep.dispatch import BACKENDS
+from libs.ep.dispatch.factory import BACKENDS
+from libs.ep.dispatch.mooncake_ep import DEFAULT_MAX_TOKENS
 from libs.ep.group import RankGroup
-from libs.ep.mooncake_ep import DEFAULT_MAX_TOKENS
 from libs.ep.placement import Placement
 from libs.ep.rank import RankSpec
-from libs.ep.routing import RankBlocks, pick_rank
+from libs.ep.rank_routing import RankBlocks, pick_rank
 from libs.prefix import block_hashes
 
 STAT_KEYS = ("total_pages", "free_pages", "used_pages", "cached_pages", "evictable_pages", "running",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from libs.ep.dispatch import Dispatched
+from libs.ep.dispatch.base import Dispatched
 
 
 def expert_mlp(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

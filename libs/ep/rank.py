@@ -36,7 +36,7 @@ import torch
 from libs.engine.engine import Engine
 from libs.engine.pages import OutOfPagesError
 from libs.ep.comm import TorchComm
-from libs.ep.dispatch import make_dispatcher
+from libs.ep.dispatch.factory import make_dispatcher
 from libs.ep.loader import load_rank_model
 from libs.ep.placement import Placement
 from libs.ep.runtime import EPRuntime, enable_expert_parallel

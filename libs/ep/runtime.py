@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from libs.ep.comm import Comm
-from libs.ep.dispatch import Dispatched, Dispatcher
+from libs.ep.dispatch.base import Dispatched, Dispatcher
 from libs.ep.experts import run_local_experts
 from libs.ep.placement import Placement
 

@@ -13,6 +13,7 @@ import torch
 
 from libs.kernels import fp8_gemm, moe_ops, quant, routing
 from libs.kernels.fp8_gemm import triton_usable
+from libs.quant.fp8 import dequantize_fp8_groups, quantize_fp8_groups
 
 
 def moe_route(logits, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob=True):
@@ -31,7 +32,7 @@ def moe_route(logits, bias, top_k, n_group, topk_group, routed_scaling_factor, n
 def _quant(x2d: torch.Tensor, kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if kernels:
         return quant.quant_fp8_groups(x2d.contiguous())
-    return quant.quant_fp8_groups_reference(x2d)
+    return quantize_fp8_groups(x2d)
 
 
 def _gemm(xq, xs, w, w_s, dtype: torch.dtype, kernels: bool) -> torch.Tensor:
@@ -60,7 +61,7 @@ def fp8_swiglu_mlp(x: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor
     if kernels:
         hq, hs = quant.silu_mul_quant(h)
     else:
-        hq, hs = quant.quant_fp8_groups_reference(quant.silu_mul_reference(h))
+        hq, hs = quantize_fp8_groups(quant.silu_mul_reference(h))
     return _gemm(hq, hs, down[0], down[1], x.dtype, kernels)
 
 
@@ -117,11 +118,11 @@ def fp8_moe_reference(x, ids, weights, w13, w2, add=None) -> torch.Tensor:
     """fp8_moe in plain torch, expert by expert: the same quantization steps, rounded to x.dtype where the
     kernels store (each GEMM's output), summed in float32."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    xd = fp8_gemm.dequant_rows(*quant.quant_fp8_groups_reference(x))  # [T, D] f32
+    xd = dequantize_fp8_groups(*quantize_fp8_groups(x))  # [T, D] f32
     for e in ids[ids >= 0].unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         gate_up = (xd[tok] @ fp8_gemm.dequant_blocks(w13[0][e], w13[1][e]).T).to(x.dtype)
-        h = fp8_gemm.dequant_rows(*quant.quant_fp8_groups_reference(quant.silu_mul_reference(gate_up)))
+        h = dequantize_fp8_groups(*quantize_fp8_groups(quant.silu_mul_reference(gate_up)))
         y = (h @ fp8_gemm.dequant_blocks(w2[0][e], w2[1][e]).T).to(x.dtype)
         out.index_add_(0, tok, y.float() * weights[tok, slot, None].float())
     if add is not None:

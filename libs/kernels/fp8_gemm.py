@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-GROUP = 128
+from libs.quant.fp8 import FP8_DTYPE as FP8
+from libs.quant.fp8 import FP8_GROUP as GROUP
+from libs.quant.fp8 import dequantize_fp8_groups
 
 DENSE, MASKED, CONTIGUOUS = 0, 1, 2
 
@@ -358,13 +358,9 @@ def fp8_gemm_contiguous(xq, xs, w, w_s, tile_expert, block_m, out_dtype=torch.bf
 
 def fp8_gemm_reference(xq, xs, w, w_s, out_dtype=torch.bfloat16) -> torch.Tensor:
     """Dequantize both sides in float32 and multiply: the oracle for all three layouts."""
-    x = dequant_rows(xq, xs)
+    x = dequantize_fp8_groups(xq, xs)
     wf = dequant_blocks(w, w_s)
     return (x @ wf.transpose(-1, -2)).to(out_dtype)
-
-
-def dequant_rows(xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
-    return (xq.float().unflatten(-1, (-1, GROUP)) * xs.unsqueeze(-1)).flatten(-2)
 
 
 def dequant_blocks(w: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:

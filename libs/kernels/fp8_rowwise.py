@@ -22,7 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from libs.kernels.fp8_gemm import FP8, FP8_MAX, GROUP, dequant_blocks
+from libs.kernels.fp8_gemm import dequant_blocks
+from libs.quant.fp8 import FP8_DTYPE as FP8
+from libs.quant.fp8 import FP8_GROUP as GROUP
+from libs.quant.fp8 import FP8_MAX
 
 _ROWS_PER_CHUNK = 1024  # rows dequantized at a time at load: bounds the fp32 copy of a large weight
 

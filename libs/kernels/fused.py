@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from libs.kernels.fp8_gemm import FP8, FP8_MAX, GROUP
+from libs.quant.fp8 import FP8_DTYPE as FP8
+from libs.quant.fp8 import FP8_GROUP as GROUP
+from libs.quant.fp8 import FP8_MAX
 
 
 @triton.jit

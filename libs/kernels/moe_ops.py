@@ -15,8 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from libs.kernels.fp8_gemm import FP8_MAX, GROUP, fp8_gemm_contiguous, fp8_gemm_masked, triton_usable
+from libs.kernels.fp8_gemm import fp8_gemm_contiguous, fp8_gemm_masked, triton_usable
 from libs.kernels.quant import silu_mul_quant
+from libs.quant.fp8 import FP8_GROUP as GROUP
+from libs.quant.fp8 import FP8_MAX
 
 
 @triton.jit

@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from libs.kernels.fp8_gemm import FP8, FP8_MAX, GROUP
+from libs.quant.fp8 import FP8_DTYPE as FP8
+from libs.quant.fp8 import FP8_GROUP as GROUP
+from libs.quant.fp8 import FP8_MAX
 
 
 @triton.jit
@@ -90,12 +92,6 @@ def silu_mul_quant(gate_up: torch.Tensor, counts: torch.Tensor | None = None):
         raise ValueError("masked silu_mul_quant needs gate_up [E, M_max, 2I] and counts [E]")
     xq, xs = _quant(gate_up.reshape(-1, i2), i, True, counts, m_max)
     return xq.view(*gate_up.shape[:-1], i), xs.view(*gate_up.shape[:-1], i // GROUP)
-
-
-def quant_fp8_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    g = x.float().unflatten(-1, (-1, GROUP))
-    s = g.abs().amax(-1).clamp(min=1e-10) / FP8_MAX
-    return (g / s.unsqueeze(-1)).flatten(-2).to(FP8), s
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from libs.bus.context import TRACEPARENT, context_from_headers, current_traceparent
+from libs.telemetry.context import TRACEPARENT, context_from_headers, current_traceparent
 from libs.telemetry.tracing import Telemetry
 
 # path -> (endpoint label, as the gateway's own request counter names it; gen_ai.operation.name)

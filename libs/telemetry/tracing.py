@@ -1,7 +1,7 @@
 """OpenTelemetry tracing for one service, joined across processes through the bus's `traceparent`.
 
 Each service owns a `Telemetry` (the Service shell makes one from the environment). Spans are started
-as children of the W3C `traceparent` in force (libs.bus.context: the one that came in the NATS headers
+as children of the W3C `traceparent` in force (libs.telemetry.context: the one that came in the NATS headers
 of the message being handled), and while a span is open *its* context is the traceparent in force, so
 every message sent from inside it carries it on: one request is one trace across every process.
 
@@ -31,7 +31,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from libs.bus.context import TRACEPARENT, context_from_headers, current_traceparent, request_context
+from libs.telemetry.context import TRACEPARENT, context_from_headers, current_traceparent, request_context
 
 log = logging.getLogger("moemesh.telemetry")
 
@@ -44,7 +44,7 @@ class _Current:
         return "CURRENT"
 
 
-CURRENT: Any = _Current()  # `parent=CURRENT`: the traceparent in force (libs.bus.context)
+CURRENT: Any = _Current()  # `parent=CURRENT`: the traceparent in force (libs.telemetry.context)
 
 # str, bool, int, float or a list of one of those (OpenTelemetry's rule; the SDK drops anything else)
 AttributeValue = Any

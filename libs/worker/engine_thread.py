@@ -12,11 +12,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from libs.engine.protocol import EngineLike
+
 T = TypeVar("T")
 
 
 class EngineThread:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: EngineLike) -> None:
         self.engine = engine
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         # run on the event loop after every call, failed ones too (KV cache events publish a step's batch)

@@ -10,12 +10,12 @@ older scheduler, or `decode_prefix_reuse` off) reserves everything, as before.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
+from libs.engine.protocol import EngineLike
 from proto import messages as m
 
 
-def reserve_for(engine: Any, msg: m.ReserveKv) -> tuple[int, list[int]]:
+def reserve_for(engine: EngineLike, msg: m.ReserveKv) -> tuple[int, list[int]]:
     """(cached tokens, pages to receive) for a ReserveKv; ValueError on an inconsistent message."""
     if not msg.prompt_ids:
         return 0, engine.reserve(msg.request_id, msg.num_tokens)

@@ -1,4 +1,4 @@
-"""Reservations waiting for their KV, watched so that none hangs (DESIGN.md, life of a request, step 8).
+"""Reservations waiting for their KV, watched so that none hangs (README: "Failures, overload and security").
 
 A reservation knows who fills its pages (the prefill worker named in ReserveKv) and whom to tell (the
 request's stream subject). When that prefill worker dies (heartbeats, libs.liveness) or the lease runs

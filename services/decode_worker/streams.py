@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from libs.engine.outputs import StepOutput
-from libs.worker.common import to_wire_logprob
+from libs.worker.wire import to_wire_logprob
 from proto import messages as m
 
 FINISH = {"stop": m.FinishReason.STOP, "length": m.FinishReason.LENGTH, "abort": m.FinishReason.ABORT}

@@ -28,13 +28,13 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from libs.bus.context import TRACEPARENT, context_from_headers, new_traceparent, request_context
+from libs.telemetry.context import TRACEPARENT, context_from_headers, new_traceparent, request_context
 from libs.tokenizer import Tokenizer
 from services.gateway import formatting as fmt
 from services.gateway.convert import ModelInfo, Plan, plan_chat, plan_completion
 from services.gateway.errors import ApiError, error_body
 from services.gateway.generation import Generation
-from services.gateway.mesh import MeshClient
+from services.gateway.mesh_client import MeshClient
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import install_openapi
 from services.gateway.output import TokenText

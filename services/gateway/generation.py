@@ -20,7 +20,7 @@ from proto.messages import RequestError, Submit, TokenDelta
 from services.gateway.convert import Plan
 from services.gateway.errors import ApiError, mesh_error
 from services.gateway.formatting import Choice, Usage
-from services.gateway.mesh import MeshClient, StreamItem
+from services.gateway.mesh_client import MeshClient, StreamItem
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import ChoiceRun, TokenGap
 from services.gateway.output import ChoiceOutput, Step, TokenText

@@ -21,7 +21,7 @@ from libs.tokenizer import Tokenizer
 from services.gateway.admin import AdminMesh, install_admin
 from services.gateway.app import GatewayContext, create_app
 from services.gateway.convert import ModelInfo
-from services.gateway.mesh import MeshClient
+from services.gateway.mesh_client import MeshClient
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.settings import GatewaySettings
 

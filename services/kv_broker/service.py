@@ -33,7 +33,7 @@ from proto import messages as m
 from proto import subjects
 from services.kv_broker import handles
 from services.kv_broker.handles import HandleError
-from services.kv_broker.prefix import PrefixDirectory
+from services.kv_broker.prefix_directory import PrefixDirectory
 from services.kv_broker.store import Bucket, Conflict
 
 log = logging.getLogger("moemesh.kv_broker")

@@ -22,17 +22,14 @@ from prometheus_client import Counter, Gauge, Histogram
 from libs.kvtransfer import PageGeometry, plan_page_runs
 from libs.telemetry import RequestTracker
 from libs.telemetry import attributes as span_attrs
-from libs.worker.common import (
-    Heartbeater,
-    WorkerService,
-    register_engine_metrics,
-    to_params,
-    to_wire_logprob,
-)
+from libs.worker.heartbeat import Heartbeater
 from libs.worker.kv_events import start_kv_events
-from libs.worker.pages import install_page_gauges, page_account
+from libs.worker.page_accounting import install_page_gauges, page_account
 from libs.worker.prefix_reuse import pages_to_send
+from libs.worker.service import WorkerService
 from libs.worker.settings import WorkerSettings
+from libs.worker.startup import register_engine_metrics
+from libs.worker.wire import to_params, to_wire_logprob
 from proto import messages as m
 from proto import subjects
 

@@ -48,10 +48,8 @@ class PolicyConfig:
     """`direct_prefill_threshold`: longest uncached prompt (tokens) prefilled on the decode worker
     itself (0 disables). `dead_after_intervals`: heartbeat periods of silence after which a worker is dead.
     `prefix_weight`: what a full prefix-cache hit is worth, in queued requests (0: load-only placement);
-    8 because on bench/prefix_routing.py's shared-prefix workload (`python -m bench.prefix_routing
-    --repeats 3`, bench/results/prefix_routing.json, medians of 3 runs) weight 2 still recomputed some
-    shared prefixes on a second worker: 53,248 prefill tokens computed against 36,864 at weight 8 (1.44x;
-    load-only 67,584), for the same request throughput (2.48/s)."""
+    8 because a smaller weight still recomputes shared prefixes on a second worker at no gain in
+    throughput (the measurement: bench/NOTES-routing.md)."""
 
     direct_prefill_threshold: int = 256
     dead_after_intervals: float = 3.0

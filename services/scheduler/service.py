@@ -51,7 +51,7 @@ from services.scheduler.policy import (
     Refuse,
     WorkerTable,
 )
-from services.scheduler.prefix import PrefixClient
+from services.scheduler.prefix_lookup import PrefixClient
 from services.scheduler.queue import AdmissionQueue, DuplicateRequest, Entry, QueueFull, Retry
 
 log = logging.getLogger("moemesh.scheduler")

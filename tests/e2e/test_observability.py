@@ -15,8 +15,8 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from prometheus_client.parser import text_string_to_metric_families
 
-from libs.bus.context import new_traceparent
 from libs.engine.tiny import write_tiny_model
+from libs.telemetry.context import new_traceparent
 from tests.e2e.inprocess import InProcessMesh
 
 pytestmark = pytest.mark.e2e

@@ -25,7 +25,7 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
-from libs.engine.fp8 import FP8_DTYPE, dequantize_fp8_block
+from libs.quant.fp8 import FP8_DTYPE, dequantize_fp8_block
 
 log = logging.getLogger("moemesh.engine")
 

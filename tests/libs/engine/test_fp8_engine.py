@@ -21,11 +21,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from libs.engine.forward_batch import ForwardBatch
-from libs.engine.fp8 import FP8_DTYPE, dequantize_fp8_block
 from libs.engine.kv_pool import KVPool
 from libs.engine.loader import load_model
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.engine.tiny import write_tiny_model
+from libs.quant.fp8 import FP8_DTYPE, dequantize_fp8_block
 from tests.libs.engine.hf_utils import hf_model
 from tests.libs.engine.test_attention_backends import _rel
 

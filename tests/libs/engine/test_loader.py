@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from libs.engine.fp8 import FP8_DTYPE, dequantize_fp8_block, fp8_quantization_config, quantize_state_dict
 from libs.engine.kv_pool import KVPool
 from libs.engine.loader import load_model
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from libs.quant.fp8 import FP8_DTYPE, dequantize_fp8_block, fp8_quantization_config, quantize_state_dict
 from tests.libs.engine.hf_utils import hf_model, make_hf_checkpoint, rewrite_config
 
 PROMPT = [5, 17, 300, 2, 999, 41, 7, 7, 123, 64, 8]

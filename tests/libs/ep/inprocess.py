@@ -10,7 +10,7 @@ from typing import Any
 from libs.engine.engine import Engine
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.ep.comm import InProcessHub
-from libs.ep.dispatch import AllToAllDispatcher
+from libs.ep.dispatch.all_to_all import AllToAllDispatcher
 from libs.ep.placement import Placement
 from libs.ep.rank import RankWorker
 from libs.ep.runtime import enable_expert_parallel, shard_experts

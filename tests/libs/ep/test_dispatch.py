@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from libs.ep.comm import InProcessHub
-from libs.ep.dispatch import AllToAllDispatcher, dequantize_fp8, make_dispatcher, quantize_fp8
+from libs.ep.dispatch.all_to_all import AllToAllDispatcher
+from libs.ep.dispatch.base import quantize_for_dispatch
+from libs.ep.dispatch.factory import make_dispatcher
 from libs.ep.experts import expert_mlp, run_local_experts
 from libs.ep.placement import Placement
+from libs.quant.fp8 import dequantize_fp8_groups
 from tests.libs.ep.inprocess import run_ranks
 
 E, D, I, K = 16, 128, 32, 4
@@ -81,14 +84,14 @@ def test_fp8_dispatch_equals_the_dense_moe_on_fp8_rounded_inputs() -> None:
     placement = Placement.uniform(1, E, 2, num_redundant=2)
     results, gate_up, down = ep_moe(placement, [9, 4], fp8=True)
     for x, ids, w, out in results:
-        xq = dequantize_fp8(*quantize_fp8(x), torch.float32)
+        xq = dequantize_fp8_groups(*quantize_for_dispatch(x), torch.float32)
         assert (xq - x).abs().max() > 0  # the wire format really is lossy
         torch.testing.assert_close(out, dense(xq, ids, w, gate_up, down), atol=1e-5, rtol=1e-5)
 
 
 def test_fp8_needs_hidden_divisible_by_128() -> None:
     with pytest.raises(ValueError, match="divisible by 128"):
-        quantize_fp8(torch.ones(2, 100))
+        quantize_for_dispatch(torch.ones(2, 100))
 
 
 def test_unknown_and_missing_backends_say_what_is_wrong() -> None:

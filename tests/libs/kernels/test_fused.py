@@ -27,7 +27,7 @@ def test_add_rmsnorm_updates_residual(device):
 def test_add_rmsnorm_quant_equals_norm_then_quantize(device):
     """Same residual update as add_rmsnorm; the FP8 row dequantizes to the fp32 norm within e4m3's
     rounding, and each 128-group's scale is its amax / 448."""
-    from libs.kernels.quant import quant_fp8_groups_reference
+    from libs.quant.fp8 import quantize_fp8_groups
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(6, 384, generator=g).to(device)
@@ -38,7 +38,7 @@ def test_add_rmsnorm_quant_equals_norm_then_quantize(device):
     xf = x.float() + res2.float()
     ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
     torch.testing.assert_close(res, xf.to(res.dtype))
-    rq, rs = quant_fp8_groups_reference(ref)
+    rq, rs = quantize_fp8_groups(ref)
     torch.testing.assert_close(xs, rs, rtol=1e-5, atol=1e-7)
     deq = (xq.float().view(6, 3, 128) * xs[..., None]).view(6, 384)
     assert ((deq - ref).norm() / ref.norm()).item() < 3e-2

@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 from libs.kernels import fp8_gemm as G  # noqa: E402
 from libs.kernels import moe_ops as M  # noqa: E402
 from libs.kernels import quant as Q  # noqa: E402
+from libs.quant.fp8 import dequantize_fp8_groups, quantize_fp8_groups  # noqa: E402
 
 T, K, E, D, I = 6, 4, 3, 256, 128
 
@@ -29,14 +30,14 @@ def _setup(device):
 
 def _reference(xq, xs, ids, w, weights):
     w13, w13s, w2, w2s = weights
-    xd = G.dequant_rows(xq, xs)
+    xd = dequantize_fp8_groups(xq, xs)
     out = torch.zeros(T, D, device=xq.device)
     for t in range(T):
         for k in range(K):
             e = ids[t, k]
             h = (xd[t] @ G.dequant_blocks(w13[e], w13s[e]).T).to(torch.bfloat16)  # the kernel's bf16 round
-            aq, a_s = Q.quant_fp8_groups_reference(Q.silu_mul_reference(h[None]))
-            out[t] += w[t, k] * (G.dequant_rows(aq, a_s)[0] @ G.dequant_blocks(w2[e], w2s[e]).T)
+            aq, a_s = quantize_fp8_groups(Q.silu_mul_reference(h[None]))
+            out[t] += w[t, k] * (dequantize_fp8_groups(aq, a_s)[0] @ G.dequant_blocks(w2[e], w2s[e]).T)
     return out
 
 

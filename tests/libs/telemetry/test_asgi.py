@@ -12,9 +12,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from libs.bus.context import new_traceparent
 from libs.telemetry import Telemetry
 from libs.telemetry.asgi import TracedApp
+from libs.telemetry.context import new_traceparent
 
 seen: list[str | None] = []
 

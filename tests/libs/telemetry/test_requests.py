@@ -7,8 +7,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry
 
-from libs.bus.context import current_traceparent, new_traceparent, request_context
 from libs.telemetry import RequestTracker, Telemetry, reason_of, traceparent_of
+from libs.telemetry.context import current_traceparent, new_traceparent, request_context
 
 
 class Cancelled(Exception):

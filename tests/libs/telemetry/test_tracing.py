@@ -9,8 +9,8 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import INVALID_SPAN, StatusCode
 
-from libs.bus.context import current_traceparent, new_traceparent, outgoing_headers, request_context
 from libs.telemetry import CURRENT, Telemetry, annotate, mark_error, otlp_config, traceparent_of
+from libs.telemetry.context import current_traceparent, new_traceparent, outgoing_headers, request_context
 
 
 @pytest.fixture

@@ -108,7 +108,7 @@ def test_bad_weight_is_a_clear_error(weight: float) -> None:
 
 
 def test_recent_placements_count_as_leading_blocks_until_they_expire() -> None:
-    from services.scheduler.prefix import RecentPlacements
+    from services.scheduler.prefix_lookup import RecentPlacements
 
     recent = RecentPlacements(ttl_s=5.0)
     recent.note([1, 2, 3], "p0", now=0.0)

@@ -1,8 +1,7 @@
 """DeepEP backend: `deep_ep.Buffer` normal kernels for prefill-sized rounds, low-latency kernels for decode.
 
-UNRUN: deep_ep is not installed on the machine this was written on (no GPU); the code follows DeepEP's
-documented Python API (deep_ep/buffer.py: get_dispatch_layout / dispatch / combine, low_latency_dispatch /
-low_latency_combine, the buffer size hints) and needs a GPU run before it is trusted.
+Written against DeepEP's documented Python API (deep_ep/buffer.py: get_dispatch_layout / dispatch / combine,
+low_latency_dispatch / low_latency_combine, the buffer size hints); what has run where: bench/NOTES-ep.md.
 
 The mode is picked per round from the header every rank exchanges first (runtime.py's lockstep): when the
 largest token count on any rank fits `ll_max_tokens`, every rank uses the low-latency kernels, else every
@@ -20,7 +19,8 @@ from typing import Any
 import torch
 
 from libs.ep.comm import Comm
-from libs.ep.dispatch import Dispatched, Dispatcher, dequantize_fp8, peak_tokens, quantize_fp8
+from libs.ep.dispatch.base import Dispatched, Dispatcher, peak_tokens, quantize_for_dispatch
+from libs.quant.fp8 import dequantize_fp8_groups
 
 MODES = ("auto", "normal", "low_latency")
 
@@ -78,13 +78,13 @@ class DeepEPDispatcher(Dispatcher):
         buf = self.normal
         assert buf is not None
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(slots, self.num_physical)
-        payload = quantize_fp8(x) if self.fp8 else x.to(torch.bfloat16).contiguous()
+        payload = quantize_for_dispatch(x) if self.fp8 else x.to(torch.bfloat16).contiguous()
         recv, recv_ids, recv_w, _, handle, _ = buf.dispatch(
             payload, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=slots,
             topk_weights=weights.float(),
         )  # fmt: skip
-        rx = dequantize_fp8(recv[0], recv[1], x.dtype) if self.fp8 else recv.to(x.dtype)
+        rx = dequantize_fp8_groups(recv[0], recv[1], x.dtype) if self.fp8 else recv.to(x.dtype)
         return Dispatched("tokens", rx, recv_ids, recv_w, handle=("normal", handle, x.dtype))
 
     def _dispatch_ll(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> Dispatched:
@@ -92,7 +92,7 @@ class DeepEPDispatcher(Dispatcher):
         recv, counts, handle, _, _ = self.ll.low_latency_dispatch(
             x.to(torch.bfloat16).contiguous(), slots, self.ll_max_tokens, self.num_physical, use_fp8=self.fp8
         )
-        rx = dequantize_fp8(recv[0], recv[1], x.dtype) if self.fp8 else recv.to(x.dtype)
+        rx = dequantize_fp8_groups(recv[0], recv[1], x.dtype) if self.fp8 else recv.to(x.dtype)
         return Dispatched(
             "experts", rx, counts=counts.tolist(), handle=("ll", handle, slots, weights, x.dtype)
         )

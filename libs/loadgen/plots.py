@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from libs.bench.metrics import RequestRecord
+from libs.loadgen.stats import RequestRecord
 
 
 def _cdf(ax, values_ms: Sequence[float], label: str) -> None:

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from libs.kernels.sampling import gumbel_sample  # noqa: E402
+from libs.kernels.gumbel import gumbel_sample  # noqa: E402
 
 
 def _inputs(b, device, temp, seed0=0, pos=7):

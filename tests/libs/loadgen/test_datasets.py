@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from libs.bench.datasets import (
+from libs.loadgen.datasets import (
     BenchRequest,
     load_jsonl,
     random_requests,

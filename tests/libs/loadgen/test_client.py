@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from libs.bench.client import Endpoint, parse_chunk, request_body
-from libs.bench.datasets import BenchRequest
-from libs.bench.slowdown import SlowdownConfig, release_reason
+from libs.loadgen.client import Endpoint, parse_chunk, request_body
+from libs.loadgen.datasets import BenchRequest
+from libs.loadgen.slowdown import SlowdownConfig, release_reason
 
 
 def test_completion_body_streams_with_usage_and_holds_the_output_length() -> None:

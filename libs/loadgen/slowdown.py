@@ -20,10 +20,10 @@ from typing import Any
 
 import httpx
 
-from libs.bench.client import Endpoint, perf_clock
-from libs.bench.datasets import BenchRequest
-from libs.bench.metrics import RequestRecord, aggregate_rate, decode_rate, summarize
-from libs.bench.runner import LoadConfig, http_client, run_load, warm_up
+from libs.loadgen.benchmark import LoadConfig, http_client, run_load, warm_up
+from libs.loadgen.client import Endpoint, perf_clock
+from libs.loadgen.datasets import BenchRequest
+from libs.loadgen.stats import RequestRecord, aggregate_rate, decode_rate, summarize
 
 
 class AdminApi:

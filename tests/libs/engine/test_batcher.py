@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from libs.engine.scheduler import Plan, Scheduler, SeqView, pages_for
+from libs.engine.batcher import Batcher, Plan, SeqView, pages_for
 
 PS = 4
 
@@ -40,7 +40,7 @@ def apply(plan: Plan, running: list[SeqView], waiting: list[SeqView]) -> tuple[l
 
 
 def test_decode_all_running_and_admit_in_fifo_order():
-    sched = Scheduler(PS, max_num_seqs=8, max_prefill_tokens=100)
+    sched = Batcher(PS, max_num_seqs=8, max_prefill_tokens=100)
     running = [decoding("a", 9), decoding("b", 6)]
     plan = sched.schedule(running, make_requests(5, 7), free_pages=100)
     assert plan.decode == ["a", "b"]
@@ -49,7 +49,7 @@ def test_decode_all_running_and_admit_in_fifo_order():
 
 
 def test_chunked_prefill_under_a_token_budget():
-    sched = Scheduler(PS, max_prefill_tokens=6)
+    sched = Batcher(PS, max_prefill_tokens=6)
     running, waiting = [], make_requests(10, 3)
     plan = sched.schedule(running, waiting, 100)
     assert plan.prefill == [("r0", 6)] and plan.admit == ["r0"]
@@ -62,13 +62,13 @@ def test_chunked_prefill_under_a_token_budget():
 
 
 def test_max_num_seqs_caps_admission():
-    sched = Scheduler(PS, max_num_seqs=2, max_prefill_tokens=100)
+    sched = Batcher(PS, max_num_seqs=2, max_prefill_tokens=100)
     plan = sched.schedule([decoding("a", 5)], make_requests(3, 3), 100)
     assert plan.admit == ["r0"]
 
 
 def test_admission_is_fifo_and_charges_the_whole_prompt():
-    sched = Scheduler(PS, max_prefill_tokens=4)
+    sched = Batcher(PS, max_prefill_tokens=4)
     # r0 needs 5 pages for its whole prompt even though only one chunk runs now; r1 must not overtake it.
     plan = sched.schedule([], make_requests(20, 2), free_pages=4)
     assert plan.empty
@@ -77,25 +77,25 @@ def test_admission_is_fifo_and_charges_the_whole_prompt():
 
 
 def test_prefix_hit_starts_after_the_cached_pages():
-    sched = Scheduler(PS, max_prefill_tokens=100)
+    sched = Batcher(PS, max_prefill_tokens=100)
     plan = sched.schedule([], make_requests(11, cached=8), 100)
     assert plan.prefill == [("r0", 3)] and plan.new_pages == {"r0": 1}
 
 
 def test_half_done_prompt_keeps_its_pages_from_newcomers():
-    sched = Scheduler(PS, max_prefill_tokens=4)
+    sched = Batcher(PS, max_prefill_tokens=4)
     running = [SeqView("a", 4, 16, 1)]  # 3 more pages to come
     plan = sched.schedule(running, make_requests(1), free_pages=3)
     assert plan.prefill == [("a", 4)] and plan.admit == []
     plan = sched.schedule(running, make_requests(1), free_pages=4)
     assert plan.admit == [] and plan.prefill == [("a", 4)]  # the prefill budget is spent anyway
-    sched = Scheduler(PS, max_prefill_tokens=13)
+    sched = Batcher(PS, max_prefill_tokens=13)
     plan = sched.schedule(running, make_requests(1), free_pages=4)
     assert plan.prefill == [("a", 12), ("r0", 1)]
 
 
 def test_decode_preempts_the_newest_when_pages_run_out():
-    sched = Scheduler(PS)
+    sched = Batcher(PS)
     running = [decoding("old", 9), decoding("mid", 5, num_cached_pages=0), decoding("new", 13, 2)]
     # every one needs a fresh page (positions 8, 4, 12); only one page is free
     plan = sched.schedule(running, [], free_pages=1)
@@ -106,13 +106,13 @@ def test_decode_preempts_the_newest_when_pages_run_out():
 
 
 def test_oldest_request_preempts_itself_last():
-    sched = Scheduler(PS)
+    sched = Batcher(PS)
     plan = sched.schedule([decoding("only", 9)], [], free_pages=0)
     assert plan.preempt == ["only"] and plan.empty
 
 
 def test_stuck_prompts_let_the_oldest_through():
-    sched = Scheduler(PS, max_prefill_tokens=100)
+    sched = Batcher(PS, max_prefill_tokens=100)
     running = [SeqView("a", 4, 12, 1), SeqView("b", 4, 12, 1)]
     plan = sched.schedule(running, [], free_pages=0)
     assert plan.preempt == ["b"] and plan.prefill == [("a", 4)]
@@ -120,7 +120,7 @@ def test_stuck_prompts_let_the_oldest_through():
 
 def test_simulated_run_never_exceeds_the_pool_and_finishes_everything():
     """Join/leave over many steps: page use stays within the pool and every prompt completes."""
-    sched = Scheduler(PS, max_num_seqs=3, max_prefill_tokens=7)
+    sched = Batcher(PS, max_num_seqs=3, max_prefill_tokens=7)
     pool = 12
     waiting = make_requests(9, 3, 14, 5, 6)
     running: list[SeqView] = []
@@ -143,4 +143,4 @@ def test_simulated_run_never_exceeds_the_pool_and_finishes_everything():
 
 def test_bad_config():
     with pytest.raises(ValueError, match="max_prefill_tokens"):
-        Scheduler(PS, max_prefill_tokens=0)
+        Batcher(PS, max_prefill_tokens=0)

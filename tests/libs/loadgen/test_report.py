@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from libs.bench.metrics import RequestRecord, summarize
-from libs.bench.report import format_summary, write_json
+from libs.loadgen.report import format_summary, write_json
+from libs.loadgen.stats import RequestRecord, summarize
 
 
 def test_json_keeps_number_lists_on_one_line_and_round_trips(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from libs.bench.schedule import arrival_times
+from libs.loadgen.schedule import arrival_times
 
 
 def test_infinite_rate_sends_everything_at_once() -> None:

@@ -2,15 +2,9 @@
 (IBGDA, with per-rank activity for fault tolerance). Available when `mooncake.ep` imports (the CUDA wheel
 built with EP).
 
-RUN ONCE (timing only) on nvidia-h200-x2 with mooncake-transfer-engine-cuda13 0.3.14: no RDMA NIC there, so
-Mooncake EP took its P2P-only path; 128 tokens per rank, hidden 7168, top-8: 2,562 us dispatch+combine vs
-1,655 us for the all-to-all dispatcher and 102 us raw NCCL, from
-`python -m bench.ep_dispatch --iters 20 --backends torch,mooncake`
-(bench/results/ep_dispatch-mooncake-h200x2-20261130T201138.json); its outputs were not checked against the
-reference. On the CPU machines (non-cuda wheel) `mooncake.ep` does not import. The code
-follows Mooncake's documented Buffer API (dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+Follows Mooncake's documented Buffer API (dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
 num_experts, timeout_us, use_fp8) / combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)) as
-SGLang's Mooncake dispatcher uses it, and needs a GPU run before it is trusted.
+SGLang's Mooncake dispatcher uses it; what has run where, and its timings: bench/NOTES-ep.md.
 
 Mooncake EP has no normal (prefill) mode: every forward on every rank must fit `max_tokens` tokens (at most
 1024), which EPEngine checks against max_prefill_tokens and max_num_seqs at start. The "experts" layout:
@@ -24,7 +18,8 @@ from typing import Any
 import torch
 
 from libs.ep.comm import Comm
-from libs.ep.dispatch import Dispatched, Dispatcher, dequantize_fp8, peak_tokens
+from libs.ep.dispatch.base import Dispatched, Dispatcher, peak_tokens
+from libs.quant.fp8 import dequantize_fp8_groups
 
 MAX_TOKENS_LIMIT = 1024  # Mooncake EP's per-rank dispatch limit
 DEFAULT_MAX_TOKENS = 128  # tokens per rank per forward unless the `max_tokens` option says otherwise
@@ -72,7 +67,7 @@ class MooncakeEPDispatcher(Dispatcher):
             x.to(torch.bfloat16).contiguous(), slots.contiguous(), self.active_ranks, self.max_tokens,
             self.num_physical, self._timeout(), use_fp8=self.fp8,
         )  # fmt: skip
-        rx = dequantize_fp8(recv[0], recv[1], x.dtype) if self.fp8 else recv.to(x.dtype)
+        rx = dequantize_fp8_groups(recv[0], recv[1], x.dtype) if self.fp8 else recv.to(x.dtype)
         return Dispatched("experts", rx, counts=counts.tolist(), handle=(handle, slots, weights, x.dtype))
 
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from libs.bench.metrics import RequestRecord, aggregate_rate, decode_rate, distribution_ms, summarize
-from libs.bench.slowdown import full_batch_window
+from libs.loadgen.slowdown import full_batch_window
+from libs.loadgen.stats import RequestRecord, aggregate_rate, decode_rate, distribution_ms, summarize
 
 
 def rec(index: int, start: float, chunks: list[float], *, tokens: list[int] | None = None, end: float | None = None,

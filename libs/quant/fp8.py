@@ -1,8 +1,12 @@
-"""DeepSeek's block-scaled FP8 weight format: float8_e4m3fn weights with one float32 scale per block.
+"""DeepSeek-V3's FP8 formats, the one home of their constants and torch math (no Triton: the CPU image
+imports this; libs/kernels holds the Triton kernels of the same math and tests them against it).
 
-A weight W [M, N] is stored as `<name>` (float8_e4m3fn [M, N]) plus `<name>_scale_inv` (float32
-[ceil(M/bm), ceil(N/bn)], block (bm, bn) = quantization_config.weight_block_size, 128x128 in DeepSeek-V3).
-Dequantization is W = fp8 * scale_inv of its block; edge blocks are partial.
+- Activations, 1x128: x [..., D] -> float8_e4m3fn [..., D] plus one float32 scale per row and 128-wide
+  group ([..., D/128]); scale = max(amax, min_amax) / 448, x ~= q * scale. The engine's FP8 GEMMs
+  quantize their inputs this way on the fly, and EP dispatch sends hidden states this way (DeepEP's format).
+- Weights, 128x128 blocks: a weight W [M, N] is stored as `<name>` (float8_e4m3fn [M, N]) plus
+  `<name>_scale_inv` (float32 [ceil(M/bm), ceil(N/bn)], block (bm, bn) = quantization_config's
+  weight_block_size, 128x128 in DeepSeek-V3). W = fp8 * scale_inv of its block; edge blocks are partial.
 """
 
 from __future__ import annotations
@@ -10,8 +14,30 @@ from __future__ import annotations
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
+FP8_GROUP = 128  # activation scales: one per row and FP8_GROUP consecutive values
 SCALE_SUFFIX = "_scale_inv"
+ACT_MIN_AMAX = 1e-10  # the kernels' floor on a group's amax (an all-zero group gets a tiny, finite scale)
+DEEPEP_MIN_AMAX = 1e-4  # DeepEP's floor (its per_token_cast_to_fp8), kept by EP dispatch
+
+
+def quantize_fp8_groups(x: torch.Tensor, min_amax: float = ACT_MIN_AMAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (float8_e4m3fn [..., D], float32 scales [..., D/128]); D a multiple of 128. Bit for bit
+    what libs.kernels.quant's Triton kernels produce (with the default floor)."""
+    if x.shape[-1] % FP8_GROUP:
+        raise ValueError(
+            f"1x{FP8_GROUP} FP8 quantization needs a last dim divisible by {FP8_GROUP}, got {x.shape[-1]}"
+        )
+    g = x.float().unflatten(-1, (-1, FP8_GROUP))
+    s = g.abs().amax(-1).clamp(min=min_amax) / FP8_MAX
+    return (g / s.unsqueeze(-1)).flatten(-2).to(FP8_DTYPE), s
+
+
+def dequantize_fp8_groups(
+    q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The inverse of quantize_fp8_groups (computed in float32): q [..., D], scales [..., D/128]."""
+    return (q.float().unflatten(-1, (-1, FP8_GROUP)) * scales.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 def _expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:

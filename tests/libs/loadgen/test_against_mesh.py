@@ -10,12 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from libs.bench.client import Endpoint
-from libs.bench.datasets import random_requests
-from libs.bench.slowdown import SlowdownConfig, slowdown_experiment
 from libs.cli.main import main
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
+from libs.loadgen.client import Endpoint
+from libs.loadgen.datasets import random_requests
+from libs.loadgen.slowdown import SlowdownConfig, slowdown_experiment
 
 pytestmark = pytest.mark.e2e
 

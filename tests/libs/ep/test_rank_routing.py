@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from libs.ep.routing import RankBlocks, pick_rank
+from libs.ep.rank_routing import RankBlocks, pick_rank
 from tests.libs.cache_recorder import Recorder
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
-from libs.bench.datasets import BenchRequest
-from libs.bench.metrics import RequestRecord
+from libs.loadgen.datasets import BenchRequest
+from libs.loadgen.stats import RequestRecord
 
 BACKENDS = ("openai", "openai-chat")
 

@@ -1,17 +1,56 @@
-"""DeepSeek block FP8: dequantization against a per-block loop, round trip, and shape errors."""
+"""DeepSeek FP8: 1x128 activation groups (scales, round trip, the amax floor) and 128x128 weight blocks against a
+per-block loop, round trips, and shape errors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from libs.engine.fp8 import (
+from libs.quant.fp8 import (
+    DEEPEP_MIN_AMAX,
     FP8_DTYPE,
+    FP8_GROUP,
+    FP8_MAX,
     dequantize_fp8_block,
+    dequantize_fp8_groups,
     is_fp8_weight_name,
     quantize_fp8_block,
+    quantize_fp8_groups,
     quantize_state_dict,
 )
+
+
+def test_groups_scale_each_row_and_128_values_to_the_fp8_range() -> None:
+    x = torch.randn(3, 2, 4 * FP8_GROUP, generator=torch.Generator().manual_seed(0)) * torch.logspace(
+        -3, 3, 4
+    ).repeat_interleave(FP8_GROUP)
+    q, s = quantize_fp8_groups(x)
+    assert q.dtype == FP8_DTYPE and q.shape == x.shape and s.shape == (3, 2, 4) and s.dtype == torch.float32
+    groups = x.unflatten(-1, (4, FP8_GROUP))
+    torch.testing.assert_close(s, groups.abs().amax(-1) / FP8_MAX, rtol=1e-6, atol=0)
+    assert (
+        q.float().unflatten(-1, (4, FP8_GROUP)).abs().amax(-1) == FP8_MAX
+    ).all()  # each group's max hits 448
+    back = dequantize_fp8_groups(q, s)
+    assert back.dtype == torch.float32
+    assert (
+        (back - x).abs() <= groups.abs().amax(-1).repeat_interleave(FP8_GROUP, -1) / 16
+    ).all()  # e4m3: 3 bits
+    assert dequantize_fp8_groups(q, s, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_groups_floor_the_scale_of_an_all_zero_group() -> None:
+    x = torch.zeros(2, 2 * FP8_GROUP)
+    x[1, :FP8_GROUP] = 1e-6
+    q, s = quantize_fp8_groups(x)
+    assert (s[0] > 0).all() and torch.equal(dequantize_fp8_groups(q, s)[0], x[0])
+    q4, s4 = quantize_fp8_groups(x, DEEPEP_MIN_AMAX)  # DeepEP's floor: tiny groups keep a coarser scale
+    assert s4[1, 0] == DEEPEP_MIN_AMAX / FP8_MAX and s[1, 0] < s4[1, 0]
+
+
+def test_groups_need_a_multiple_of_128() -> None:
+    with pytest.raises(ValueError, match="divisible by 128"):
+        quantize_fp8_groups(torch.ones(2, 100))
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Pure batch planning for continuous batching: `Scheduler.schedule(running, waiting, free_pages) -> Plan`.
+"""Pure batch planning for continuous batching: `Batcher.schedule(running, waiting, free_pages) -> Plan`.
 
 No tensors, no allocator: the engine describes each request as a `SeqView` and turns the `Plan` into
 ForwardBatches. One step, in order:
@@ -58,7 +58,7 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-class Scheduler:
+class Batcher:
     def __init__(self, page_size: int, max_num_seqs: int = 64, max_prefill_tokens: int = 2048) -> None:
         if page_size < 1 or max_num_seqs < 1 or max_prefill_tokens < 1:
             raise ValueError(

@@ -9,7 +9,7 @@ from libs.bus import (
     request_context,
     time_left,
 )
-from libs.bus.context import context_from_headers, incoming_context, outgoing_headers
+from libs.telemetry.context import context_from_headers, incoming_context, outgoing_headers
 
 
 def test_no_context_means_no_headers():

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from libs.engine import Engine, SamplingParams
 from libs.engine.tiny import write_tiny_model
-from libs.worker.pages import install_page_gauges, leaked_pages, page_account
+from libs.worker.page_accounting import install_page_gauges, leaked_pages, page_account
 
 
 def test_account_separates_cached_pages_and_flags_leaks_only_when_idle() -> None:

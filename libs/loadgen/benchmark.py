@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from libs.bench.client import Endpoint, send
-from libs.bench.datasets import BenchRequest
-from libs.bench.metrics import RequestRecord, summarize
-from libs.bench.schedule import arrival_times
+from libs.loadgen.client import Endpoint, send
+from libs.loadgen.datasets import BenchRequest
+from libs.loadgen.schedule import arrival_times
+from libs.loadgen.stats import RequestRecord, summarize
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,66 @@
+"""The all-to-all dispatch backend: token rows packed into bytes and exchanged with `all_to_all_single` over a
+Comm (torch.distributed on gloo/NCCL, or the in-process hub in tests). Works everywhere torch does; the
+"tokens" layout of base.py."""
+
+from __future__ import annotations
+
+import torch
+
+from libs.ep.comm import Comm
+from libs.ep.dispatch.base import Dispatched, Dispatcher, quantize_for_dispatch
+from libs.quant.fp8 import FP8_DTYPE, FP8_GROUP, dequantize_fp8_groups
+
+
+class AllToAllDispatcher(Dispatcher):
+    """Dispatch/combine with `all_to_all_single`: a header all-gather (activity, token count, rows per
+    destination), one all-to-all of packed byte rows (hidden state, FP8 scales, slot ids, weights), one
+    all-to-all back. Each token travels once per destination rank, not once per expert."""
+
+    def __init__(self, comm: Comm, slots_per_rank: int, fp8: bool = False, combine_dtype=None) -> None:
+        self.comm, self.slots_per_rank = comm, slots_per_rank
+        self.fp8, self.combine_dtype = fp8, combine_dtype
+
+    def dispatch(
+        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, active: bool = True
+    ) -> Dispatched | None:
+        n, s, me = self.comm.size, self.slots_per_rank, self.comm.rank
+        t, k = slots.shape
+        dest = slots // s  # [T, K] rank of each chosen expert
+        visits = torch.zeros(t, n, dtype=torch.bool, device=x.device).scatter_(1, dest, True)  # [T, N]
+        to_rank, token = visits.t().nonzero(as_tuple=True)  # send rows, grouped by destination rank
+        send_rows = torch.bincount(to_rank, minlength=n).tolist()
+        table = self.comm.all_gather_ints([int(active), t, *send_rows])
+        if not any(row[0] for row in table):
+            return None
+        recv_rows = [row[2 + me] for row in table]
+        here = dest[token] == to_rank[:, None]  # [R, K] which of a row's experts live on its destination
+        ids = torch.where(here, slots[token] % s, -1).to(torch.int32)
+        w = torch.where(here, weights[token].float(), 0.0)
+        packed = self._pack(x, token, ids, w)
+        got = self.comm.all_to_all(packed, send_rows, recv_rows)
+        rx, rids, rw = self._unpack(got, x.shape[1], k, x.dtype)
+        return Dispatched("tokens", rx, rids.long(), rw, handle=(token, send_rows, recv_rows, t, x.dtype))
+
+    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
+        token, send_rows, recv_rows, t, dtype = d.handle
+        wire = y.to(self.combine_dtype) if self.combine_dtype is not None else y
+        back = self.comm.all_to_all(wire, recv_rows, send_rows)  # [R, D], in send order
+        out = torch.zeros(t, y.shape[-1], dtype=dtype, device=y.device)
+        return out.index_add_(0, token, back.to(dtype))
+
+    def _pack(self, x: torch.Tensor, token: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """[R, bytes]: rows x[token] as hidden (or fp8 + scales) | ids int32 | weights float32. FP8 quantizes
+        each token once, before the gather, however many ranks it visits."""
+        rows = [p.contiguous().view(torch.uint8)[token] for p in (quantize_for_dispatch(x) if self.fp8 else [x])]
+        return torch.cat([*rows, *(p.contiguous().view(torch.uint8) for p in (ids, w))], dim=1)
+
+    def _unpack(self, got: torch.Tensor, d: int, k: int, dtype: torch.dtype):
+        cuts = [d, 4 * d // FP8_GROUP] if self.fp8 else [d * torch.empty((), dtype=dtype).element_size()]
+        cuts += [4 * k, 4 * k]
+        parts = torch.split(got, cuts, dim=1)
+        ids, w = parts[-2].view(torch.int32), parts[-1].view(torch.float32)
+        if self.fp8:
+            x = dequantize_fp8_groups(parts[0].view(FP8_DTYPE), parts[1].view(torch.float32), dtype)
+        else:
+            x = parts[0].view(dtype)
+        return x, ids, w

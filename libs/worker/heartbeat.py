@@ -1,0 +1,44 @@
+"""Worker liveness on the bus: a WorkerHeartbeat every interval, WorkerGone on a clean stop."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from libs.bus import Bus
+from libs.bus.periodic import Periodic
+from proto import messages as m
+from proto import subjects
+
+
+class Heartbeater:
+    """Publishes WorkerHeartbeat every interval from a stats callback; WorkerGone on stop."""
+
+    def __init__(
+        self, bus: Bus, worker_id: str, role: m.Role, model: str, interval_ms: int, stats: Any
+    ) -> None:
+        self.bus, self.worker_id, self.role, self.model = bus, worker_id, role, model
+        self.interval_ms, self.stats = interval_ms, stats
+        self.draining = False
+        self._periodic = Periodic(interval_ms / 1000, self.beat, "heartbeat")
+
+    def start(self) -> None:
+        self._periodic.start()
+
+    async def beat(self) -> None:
+        st = self.stats()
+        await self.bus.publish(
+            subjects.HEARTBEAT,
+            m.WorkerHeartbeat(
+                worker_id=self.worker_id, role=self.role, model=self.model, running=st["running"],
+                waiting=st["waiting"], free_pages=st["free_pages"], total_pages=st["total_pages"],
+                page_size=st["page_size"], max_context=st["max_context"], interval_ms=self.interval_ms,
+                sent_ms=int(time.time() * 1000), draining=self.draining,
+            ),
+        )  # fmt: skip
+
+    async def stop(self) -> None:
+        await self._periodic.stop()
+        with contextlib.suppress(Exception):
+            await self.bus.publish(subjects.HEARTBEAT, m.WorkerGone(worker_id=self.worker_id, role=self.role))

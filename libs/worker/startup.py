@@ -1,0 +1,71 @@
+"""Worker start-up: load the engine (one process, or the front of an EP rank group), expose its KV pool to
+the transfer fabric and announce it at the kv-broker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from libs.bus import Bus
+from libs.engine import Engine
+from libs.engine.protocol import EngineLike
+from libs.ep.engine import EPEngine
+from libs.kvtransfer import KvTransport, make_transport
+from libs.worker.settings import WorkerSettings
+from proto import messages as m
+from proto import subjects
+
+
+def load_engine(s: WorkerSettings) -> EngineLike:
+    """The engine in this process, or with ep_size > 1 the front of a group of EP rank processes
+    (libs.ep.engine.EPEngine, the same worker-facing API)."""
+    if s.ep_size > 1:
+        return EPEngine(
+            s.model_dir, s.ep_size, device=s.device, dtype=s.dtype, page_size=s.page_size,
+            num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
+            max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
+            backend=s.ep_backend, num_redundant_experts=s.ep_redundant_experts, fp8_dispatch=s.ep_fp8_dispatch,
+            torch_threads=s.torch_threads, eplb_interval_steps=s.eplb_interval_steps,
+        )  # fmt: skip
+    if s.torch_threads and s.device == "cpu":
+        torch.set_num_threads(s.torch_threads)
+    return Engine.from_pretrained(
+        s.model_dir, device=s.device, dtype=s.dtype, page_size=s.page_size,
+        num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
+        max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
+        quantization=s.quantization,
+    )  # fmt: skip
+
+
+def register_engine_metrics(engine: EngineLike, registry: Any) -> None:
+    """Metrics the engine exports itself (an EP group: expert load per layer, rank imbalance, rebalances)."""
+    register = getattr(engine, "register_metrics", None)
+    if register is not None:
+        register(registry)
+
+
+def geometry(engine: EngineLike) -> m.KvGeometry:
+    pool = engine.kv_pool
+    return m.KvGeometry(
+        num_layers=pool.num_layers, num_pages=pool.num_pages, page_size=pool.page_size,
+        page_bytes=pool.bytes_per_page, layer_stride=pool.layer_stride_bytes, base_addr=pool.data_ptr(),
+        dtype=str(pool.dtype).removeprefix("torch."),
+    )  # fmt: skip
+
+
+def open_transport(s: WorkerSettings, engine: EngineLike) -> KvTransport:
+    t = make_transport(s.transfer_protocol, s.transfer_hostname, s.transfer_device)
+    t.register(engine.kv_pool.data_ptr(), engine.kv_pool.nbytes)
+    return t
+
+
+async def register_at_broker(
+    bus: Bus, worker_id: str, role: m.Role, transport: KvTransport, engine: EngineLike, timeout: float
+) -> None:
+    msg = m.RegisterWorker(
+        worker_id=worker_id, role=role, session_id=transport.session_id, geometry=geometry(engine)
+    )
+    reply: m.BrokerReply = await bus.request(subjects.BROKER, msg, m.BrokerReply, timeout=timeout)
+    if not reply.ok:
+        raise RuntimeError(f"kv-broker refused registration of {worker_id}: {reply.message}")
