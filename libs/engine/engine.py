@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from libs.engine.batcher import Batcher as Scheduler
+from libs.engine.batcher import Batcher
 from libs.engine.batcher import Plan, SeqView, pages_for
 from libs.engine.config import ModelConfig
 from libs.engine.cuda_graph import capture_sizes, decode_graphs_supported
@@ -86,7 +86,7 @@ class Engine:
         self.limits = Limits(cfg.vocab_size, cfg.max_position_embeddings, page_size, num_pages)
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(self.allocator, page_size) if enable_prefix_cache else None
-        self.scheduler = Scheduler(page_size, max_num_seqs, max_prefill_tokens)
+        self.batcher = Batcher(page_size, max_num_seqs, max_prefill_tokens)
         self.runner = ModelRunner(
             model, self.kv_pool, attention_backend=attention_backend,
             graph_batch_sizes=capture_sizes(max_num_seqs) if graphs else (), scratch_page=num_pages,
@@ -164,7 +164,7 @@ class Engine:
         tokens = check_prompt(tokens, None, self.limits, "tokens")
         pages = self._alloc(pages_for(len(tokens), self.page_size))
         try:
-            step = self.scheduler.max_prefill_tokens
+            step = self.batcher.max_prefill_tokens
             parts = [
                 self.runner.forward_all(Chunk(list(tokens[s : s + step]), s, pages))
                 for s in range(0, len(tokens), step)
@@ -185,7 +185,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Plan and run one batch (prefill chunks + one decode token per running request)."""
         outputs, self._pending = self._pending, []
-        plan = self.scheduler.schedule(
+        plan = self.batcher.schedule(
             [self._view(r) for r in self.running], self._waiting_views(), self._available_pages()
         )
         self._stalled = plan.empty and not outputs
@@ -255,7 +255,7 @@ class Engine:
             self._admit(req, join_running=False)
             req.pages += self._alloc(pages_for(len(req.prompt_ids), self.page_size) - len(req.pages))
             while req.num_computed < len(req.prompt_ids):
-                n = min(len(req.prompt_ids) - req.num_computed, self.scheduler.max_prefill_tokens)
+                n = min(len(req.prompt_ids) - req.num_computed, self.batcher.max_prefill_tokens)
                 logits = self.runner.forward_last([self._chunk(req, n)])
                 req.num_computed += n
             out = sample(logits, [params], [req.generator], [(req.seed, req.num_tokens)])
@@ -415,7 +415,7 @@ class Engine:
 
     def _waiting_views(self) -> list[SeqView]:
         """Only the requests that could be admitted now are matched against the cache."""
-        room = self.scheduler.max_num_seqs - len(self.running)
+        room = self.batcher.max_num_seqs - len(self.running)
         views = []
         for r in itertools.islice(self.waiting, max(room, 0)):
             hit = self.cache.match_prefix(r.tokens[: r.num_tokens - 1]).length if self.cache else 0

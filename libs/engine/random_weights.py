@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from libs.engine.fp8 import FP8_DTYPE
+from libs.quant.fp8 import FP8_DTYPE
 
 
 @torch.no_grad()

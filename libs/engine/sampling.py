@@ -190,7 +190,7 @@ def sample(
     """Sample one token per row. Greedy rows (temperature 0 or top_k 1) take the argmax and use no noise.
 
     keys: (seed, position) per row. On CUDA, rows that `one_pass_ok` are sampled by the one-pass Gumbel-max
-    kernel keyed by them (libs.kernels.sampling: noise from the request's seed and the token's position,
+    kernel keyed by them (libs.kernels.gumbel: noise from the request's seed and the token's position,
     so a request draws the same whatever shares its batch, and a prefill and a decode side agree); every
     other row, and every row elsewhere, takes the exact sampler with its generator."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
@@ -215,7 +215,7 @@ def sample(
 
 
 def _one_pass(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[tuple[int, int]]):
-    from libs.kernels.sampling import gumbel_sample
+    from libs.kernels.gumbel import gumbel_sample
 
     host = torch.tensor(
         [[0.0 if p.greedy else p.temperature, s & 0x7FFF_FFFF_FFFF, pos] for p, (s, pos) in zip(params, keys, strict=True)],
