@@ -11,36 +11,47 @@ HEADS, QR, KVR, NOPE, ROPE, VD = 128, 1536, 512, 128, 64, 128
 INTER_DENSE, INTER_MOE, TOPK = 18432, 2048, 8
 
 
+# H200 peaks: measured on the lent machines (shared/machines notes, 2026-11-30) and NVIDIA's spec sheet.
+PEAKS = {
+    "measured": {"hbm": 4.27e12, "bf16": 780e12, "fp8": 1399e12},
+    "spec": {"hbm": 4.8e12, "bf16": 989e12, "fp8": 1979e12},
+}
+
+
 def decode_step_bound(
     batch: int,
     ctx: float,
     ep: int = 72,
     physical: int = 288,
     kv_bytes: float = 2,
-    hbm: float = 4.27e12,
-    bf16: float = 780e12,
-    fp8: float = 1399e12,
+    layers: int = L,
+    peaks: str = "measured",
 ) -> dict[str, float]:
-    """Seconds for the step's lower bound and its parts; `tokens_per_s` = batch / bound."""
+    """Seconds for the step's lower bound and its parts; `tokens_per_s` = batch / bound. layers: a model cut
+    to fewer layers (its first LD stay dense); peaks: "measured" or "spec" (PEAKS)."""
+    hbm, bf16, fp8 = (PEAKS[peaks][k] for k in ("hbm", "bf16", "fp8"))
+    ld = min(LD, layers)
+    lm = layers - ld
+    # attn_params counts kv_b_proj once: in absorbed decode it is W_UK (q side) and W_UV (output side),
+    # H * N * R + H * R * V, the same multiply-adds per token as kv_b as a GEMM.
     attn_params = (
         H * QR + QR * HEADS * (NOPE + ROPE) + H * (KVR + ROPE) + KVR * HEADS * (NOPE + VD) + HEADS * VD * H
     )
     expert = 3 * H * INTER_MOE
     local = physical // ep
     w_bytes = (
-        L * attn_params
-        + LD * 3 * H * INTER_DENSE
-        + LM * (expert * (1 + local))
-        + LM * 256 * H * 2
+        layers * attn_params
+        + ld * 3 * H * INTER_DENSE
+        + lm * (expert * (1 + local))
+        + lm * 256 * H * 2
         + V * H * 2
     )
-    kv = batch * ctx * L * (KVR + ROPE) * kv_bytes
-    mla_flops = batch * L * HEADS * ctx * ((KVR + ROPE) + KVR) * 2
+    kv = batch * ctx * layers * (KVR + ROPE) * kv_bytes
+    mla_flops = batch * layers * HEADS * ctx * ((KVR + ROPE) + KVR) * 2
     gemm_flops = batch * (
-        L * 2 * attn_params
-        + L * HEADS * NOPE * KVR * 2 * 2
-        + LD * 2 * 3 * H * INTER_DENSE
-        + LM * 2 * expert * (1 + TOPK)
+        layers * 2 * attn_params
+        + ld * 2 * 3 * H * INTER_DENSE
+        + lm * 2 * expert * (1 + TOPK)
         + 2 * V * H
     )
     t_mla = max(kv / hbm, mla_flops / bf16)
@@ -53,5 +64,5 @@ def decode_step_bound(
         "tokens_per_s": batch / t,
         "weight_bytes": w_bytes,
         "kv_bytes": kv,
-        "ep_bytes_per_step": LM * batch * TOPK * H * (1 + 2),
+        "ep_bytes_per_step": lm * batch * TOPK * H * (1 + 2),
     }

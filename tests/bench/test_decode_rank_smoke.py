@@ -1,7 +1,6 @@
-"""bench/decode_rank's decode step on CPU at toy sizes under Triton's interpreter: every op of the step
-(fused norm+quant, FP8 projections, paged MLA decode, routing, masked MoE, sampling) runs, times nothing
-and checks no values (the interpreter's bf16 dot is not IEEE: see the kernels' conftest). The numbers are
-the GPU's to measure; this keeps the benchmark's code path from rotting between device runs."""
+"""bench/decode_rank's Engine at toy width on CPU under Triton's interpreter: the rank's model builds with
+only its local experts, takes the fused path with emulated EP, joins requests as a decode worker does and
+steps. Times nothing (the GPU's to measure); keeps the benchmark's path from rotting between device runs."""
 
 from __future__ import annotations
 
@@ -13,16 +12,25 @@ from tests.libs.kernels.conftest import HAS_CUDA
 pytestmark = pytest.mark.skipif(HAS_CUDA, reason="the GPU runs the real benchmark")
 
 
-def test_decode_step_runs_every_op_at_toy_size(monkeypatch):
+def test_rank_engine_builds_local_experts_and_steps_on_the_fused_path():
     import bench.decode_rank as R
-    from libs.kernels.mla_decode import MLAConfig
+    from libs.engine.presets import deepseek_v3_config
 
-    for name, value in dict(D=256, QR=128, HEADS=16, LAYERS=3, DENSE_LAYERS=1, INTER_DENSE=256, INTER_MOE=128,
-                            EXPERTS=32, VOCAB=500, DEV="cpu").items():  # fmt: skip
-        monkeypatch.setattr(R, name, value)
-    torch.manual_seed(0)
-    rank = R.build_rank(max_b=2, max_ctx=80, local_experts=4, mla_cfg=MLAConfig())
-    bt = R.make_batch(rank, 2, ctx=64, gen=8, max_ctx=80)
-    rank.dense_fp8 = "block"  # row-wise needs torch._scaled_mm, CUDA only
-    nxt = R.decode_step(rank, bt, {"attn", "moe", "other"})
-    assert nxt.shape == (2,) and int(nxt.min()) >= 0 and int(nxt.max()) < 500
+    config = deepseek_v3_config(
+        hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128,
+        n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, vocab_size=600,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    engine = R.build_engine(
+        config, ep=8, physical=16, max_batch=4, max_ctx=64, device="cpu", dtype=torch.float16,
+        attention="triton", page_size=16,
+    )  # fmt: skip
+    moe = engine.model.model.layers[1].mlp
+    assert moe.experts.gate_up_proj.shape[0] == 2  # 16 physical / EP 8: two local experts
+    assert moe.fast is not None and moe.fast.emulate_ep is not None and moe.fast.shared_id == 2
+    rids = R.fill(engine, 3, ctx=20, gen=4)
+    for _ in range(2):
+        out = engine.step()
+        assert sorted(o.rid for o in out) == sorted(rids)
+        assert all(len(o.token_ids) == 1 and 0 <= o.token_ids[0] < 600 for o in out)
