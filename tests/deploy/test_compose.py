@@ -1,10 +1,18 @@
-"""docker-compose.yml and deploy/compose.gpu.yml, parsed and checked against the project (no Docker
-engine here, so the files are made correct by construction and held to it by these checks)."""
+"""docker-compose.yml and deploy/compose.gpu.yml, validated against the Compose specification's JSON
+schema and checked against the project (no Docker engine or compose plugin here, so the files are made
+correct by construction and held to it by these checks).
+
+The schema is the compose-spec project's `schema/compose-spec.json` (Apache-2.0) as vendored by
+check-jsonschema, pinned in pyproject.toml (0.39.0: sha256 d549057e... of the file); its licence ships
+beside it (check_jsonschema/builtin_schemas/vendor/licenses/LICENSE.compose-spec)."""
 
 from __future__ import annotations
 
+import importlib.resources
+import json
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
@@ -36,6 +44,45 @@ def compose() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def gpu() -> dict[str, Any]:
     return load("deploy/compose.gpu.yml")
+
+
+COMPOSE_SCHEMA = json.loads(
+    (importlib.resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text()
+)
+_Validator = jsonschema.validators.validator_for(COMPOSE_SCHEMA)
+COMPOSE_VALIDATOR = _Validator(COMPOSE_SCHEMA, format_checker=_Validator.FORMAT_CHECKER)
+
+
+def schema_errors(doc: Any) -> list[str]:
+    return [
+        f"{'.'.join(str(p) for p in e.absolute_path) or '(top)'}: {e.message}"
+        for e in COMPOSE_VALIDATOR.iter_errors(doc)
+    ]
+
+
+def interpolated(doc: Any) -> Any:
+    """The file as compose sees it after `${VAR:-default}` interpolation with nothing set."""
+    if isinstance(doc, dict):
+        return {k: interpolated(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [interpolated(v) for v in doc]
+    return interpolate(doc) if isinstance(doc, str) else doc
+
+
+@pytest.mark.parametrize("path", ["docker-compose.yml", "deploy/compose.gpu.yml"])
+def test_compose_files_follow_the_compose_specification(path: str) -> None:
+    doc = load(path)
+    assert COMPOSE_SCHEMA["title"] == "Compose Specification"
+    assert not schema_errors(doc), schema_errors(doc)
+    assert not schema_errors(interpolated(doc)), schema_errors(interpolated(doc))
+
+
+def test_the_compose_schema_catches_a_misspelt_key(compose) -> None:
+    bad = json.loads(json.dumps(compose))  # a deep copy the module fixture does not share
+    bad["services"]["gateway"]["healthchek"] = bad["services"]["gateway"].pop("healthcheck")
+    bad["services"]["decode-worker"]["depends_on"]["nats"]["condition"] = "service_ready"
+    errors = schema_errors(bad)
+    assert any("healthchek" in e for e in errors) and any("service_ready" in e for e in errors), errors
 
 
 def env_of(svc: dict[str, Any], over: dict[str, Any] | None = None) -> dict[str, str]:
