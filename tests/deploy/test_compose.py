@@ -131,11 +131,11 @@ def test_settings_are_fields_the_services_read_and_load(compose, gpu) -> None:
         if name in ("prefill-worker", "decode-worker"):
             assert (cpu.device, cpu.model_dir) == ("cpu", "/models/tiny-v3")
             assert gpu_settings.device == "cuda" and gpu_settings.model_dir == "/models/model"
-        if name != "gateway":  # the side port is what the health check asks
+        if name != "gateway":  # the side port's readiness is what the health check asks
             assert cpu.http_port == 9090
-            assert "9090/health" in " ".join(svc["healthcheck"]["test"])
+            assert svc["healthcheck"]["test"][-1] == "http://127.0.0.1:9090/ready"
     gw = check_settings("gateway", env_of(compose["services"]["gateway"]))
-    assert gw.host == "0.0.0.0" and f"{gw.port}/health" in " ".join(
+    assert gw.host == "0.0.0.0" and f"{gw.port}/ready" in " ".join(
         compose["services"]["gateway"]["healthcheck"]["test"]
     )
     names = {

@@ -52,7 +52,12 @@ def test_strict_validation_catches_what_kubernetes_would_refuse() -> None:
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
            "spec": {"containers": [{"name": "c", "image": "i", "readinesProbe": {}}]}}  # fmt: skip
     assert schema_errors(pod, K8S_VERSIONS[0]) and "readinesProbe" in schema_errors(pod, K8S_VERSIONS[0])[0]
-    svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s"}, "spec": {"ports": [{"port": "x"}]}}
+    svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "s"},
+        "spec": {"ports": [{"port": "x"}]},
+    }
     assert schema_errors(svc, K8S_VERSIONS[-1])
 
 
@@ -94,4 +99,6 @@ def test_base_files_are_all_listed() -> None:
         kust = yaml.safe_load((kdir / "kustomization.yaml").read_text())
         listed = {*kust.get("resources", []), *(p["path"] for p in kust.get("patches", []))}
         files = {p.name for p in kdir.glob("*.yaml") if p.name != "kustomization.yaml"}
-        assert files <= listed, f"{kdir.relative_to(ROOT)}: {sorted(files - listed)} not in kustomization.yaml"
+        assert files <= listed, (
+            f"{kdir.relative_to(ROOT)}: {sorted(files - listed)} not in kustomization.yaml"
+        )
