@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import re
 from typing import Any
 
 import jsonschema
@@ -109,6 +110,26 @@ def test_images_build_from_the_dockerfile(compose, gpu) -> None:
             assert b["target"] in stages, name
     ignored = (ROOT / ".dockerignore").read_text()
     assert ".venv/" in ignored and ".git/" in ignored  # the build context stays small
+
+
+def test_the_gpu_image_installs_one_cuda_major_throughout() -> None:
+    """The gpu stage pins every CUDA package and they agree on the CUDA major of the base image: torch's
+    wheel index, Mooncake's wheel, FlashInfer's JIT (the base's nvcc)."""
+    text = DOCKERFILE.read_text()
+    gpu = text[text.index(" AS gpu") :]
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, flags=re.M))
+    major = re.fullmatch(r"nvidia/cuda:(\d+)\.\d+\.\d+-devel-ubuntu[\d.]+", args["CUDA_IMAGE"]).group(1)
+    assert args["TORCH_INDEX_URL"].endswith(f"/cu{major}0")
+    pins = dict(re.findall(r'"([a-z0-9-]+)==\$\{(\w+)\}"', gpu))
+    assert pins.keys() >= {
+        "torch",
+        "triton",
+        "flashinfer-python",
+        "apache-tvm-ffi",
+        f"mooncake-transfer-engine-cuda{major}",
+    }
+    assert all(args.get(arg) for arg in pins.values()), pins
+    assert "/opt/moemesh/versions.txt" in gpu  # the image says what it installed
 
 
 def test_every_command_exists_in_the_project(compose) -> None:
