@@ -6,9 +6,12 @@ in `on_drain()`; `python -m services.<name>` calls `<Service>.main()`. Shutdown 
 -> messages already delivered and running handlers finish, up to `drain_timeout_s` -> `on_drain()` ->
 the connection drains (pending publishes flushed) and closes -> the HTTP side port closes.
 
-HTTP side port (`http_port`; 0 off, -1 any free port): `GET /health` is 200 when connected and ready,
-503 otherwise (readiness probe); `GET /livez` is 200 while the process serves (liveness probe);
-`GET /metrics` is this service's prometheus registry.
+HTTP side port (`http_port`; 0 off, -1 any free port): `GET /ready` is 200 when this instance takes
+work (connected, set up, not draining, and the subclass's `not_ready_reason()` is None; a worker: its
+model is loaded and its KV pool registered) and 503 otherwise with the reason as an OpenAI-style error
+body (the readiness probe); `GET /health` is 200 when connected, set up and not draining; `GET /livez`
+is 200 while the process serves (the liveness probe); `GET /metrics` is this service's prometheus
+registry.
 
 Tracing: `self.telemetry` (libs.telemetry) is built from the OTEL_* environment with `service.name` =
 `name`; it is a no-op unless an OTLP endpoint is configured, and is flushed after the bus closes.
@@ -48,6 +51,7 @@ class Service:
         self._ready = False
         self.draining = False
         self.started = asyncio.Event()  # set once setup() is done and the service is ready
+        self.startup_stage = "connecting to NATS"  # what /ready names while setup() runs
         self.stopping = asyncio.Event()
         self.http_port: int | None = None  # the bound port, once run() started the side port
         self._ready_gauge = Gauge(
@@ -71,6 +75,10 @@ class Service:
         """Extra readiness condition on top of 'connected, set up, not draining'."""
         return True
 
+    def not_ready_reason(self) -> str | None:
+        """Why this set-up, connected instance takes no work now (None: it does); /ready's 503 says it."""
+        return None if self.is_ready() else f"{self.name} is not ready"
+
     # --- state ---
     @property
     def bus(self) -> Bus:
@@ -87,6 +95,16 @@ class Service:
             and self.is_ready()
         )
 
+    def unready_reason(self) -> str | None:
+        """Why /ready is 503 (None: 200)."""
+        if self.draining:
+            return f"{self.name} is draining"
+        if self._bus is None or not self._bus.is_connected:
+            return f"{self.name} is not connected to NATS"
+        if not self._ready:
+            return f"{self.name} is starting: {self.startup_stage}"
+        return self.not_ready_reason()
+
     def request_stop(self) -> None:
         """Begin the graceful drain (what SIGINT/SIGTERM do)."""
         self.stopping.set()
@@ -102,6 +120,7 @@ class Service:
         http = await self._start_http() if s.http_port != 0 else None
         signals = self._install_signals() if install_signals else []
         try:
+            self.startup_stage = "setting up"
             await self.setup()
             await self.bus.flush()  # subscriptions are known to the server before anyone is told we are ready
             self._ready = True
@@ -192,11 +211,22 @@ class Service:
                 "application/json",
                 json.dumps(body).encode(),
             )
+        if path == "/ready":
+            return self._ready_response()
         if path == "/livez":
             return "200 OK", "text/plain", b"ok\n"
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.registry)
         return "404 Not Found", "text/plain", b"not found\n"
+
+    def _ready_response(self) -> tuple[str, str, bytes]:
+        reason = self.unready_reason()
+        where = {"service": self.name, "instance": self.instance_id}
+        if reason is None:
+            return "200 OK", "application/json", json.dumps({"status": "ready", **where}).encode()
+        error = {"message": reason, "type": "service_unavailable_error", "param": None, "code": "not_ready"}
+        body = {"error": error, "status": "unavailable", **where}  # OpenAI's error shape
+        return "503 Service Unavailable", "application/json", json.dumps(body).encode()
 
     # --- entry point ---
     @classmethod

@@ -2,7 +2,9 @@
 
 `moemesh up` and the e2e tests use it. Readiness is observed, not assumed: the mesh is up when every
 worker has sent a heartbeat (it loaded its model and registered its KV pool at the kv-broker), every
-scheduler replica has sent its heartbeat (its subscriptions are live) and the gateway's /health answers 200.
+scheduler replica has sent its heartbeat (its subscriptions are live) and the gateway's /ready answers
+200 (it heard a decode worker and a scheduler; /health where no decode worker is started).
+`start(hold=...)` leaves named services unstarted, for `release(name)` to start later.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import socket
 import tempfile
 import time
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +73,7 @@ class Mesh:
         # the JetStream store and the 0600 nats-auth.conf: private to this Mesh, kept across
         # restart_nats (state survives a server restart), removed in stop()
         self._nats_dir: Path | None = None
+        self._held: dict[str, ServiceSpec] = {}  # services start(hold=...) left for release()
 
     @property
     def url(self) -> str:
@@ -156,22 +160,36 @@ class Mesh:
         self.nats.stop()
         self.nats = self._start_nats(port)
 
-    def start(self, timeout: float = 120.0) -> Mesh:
+    def start(self, timeout: float = 120.0, hold: Collection[str] = ()) -> Mesh:
+        """Start nats-server and every service, and wait until the mesh is ready (module docstring);
+        the services named in `hold` ("decode-0", ...) are not started: `release` starts them."""
         if self.cfg.schedulers < 1:
             raise ValueError(f"schedulers must be >= 1, got {self.cfg.schedulers}")
         self.nats = self._start_nats(self.cfg.nats_port)
         try:
-            for s in self.specs():
-                self.sup.start(s)
+            specs = self.specs()
+            unknown = set(hold) - {s.name for s in specs}
+            if unknown:
+                raise ValueError(f"hold: no services {sorted(unknown)} in this mesh")
+            for s in specs:
+                if s.name in hold:
+                    self._held[s.name] = s
+                else:
+                    self.sup.start(s)
             asyncio.run(self._wait_ready(timeout))
         except BaseException:
             self.stop()
             raise
         return self
 
+    def release(self, name: str) -> None:
+        """Start a service that `start(hold=...)` left out (no wait: the caller observes it)."""
+        self.sup.start(self._held.pop(name))
+
     async def _wait_ready(self, timeout: float) -> None:
         want = set(self.worker_ids(m.Role.PREFILL)) | set(self.worker_ids(m.Role.DECODE))
         want |= set(self.scheduler_names())  # every replica beats once its subscriptions are live
+        want -= set(self._held)
         seen: set[str] = set()
         dec = decoder(m.Heartbeat)
         sched_dec = decoder(m.SchedulerHeartbeat)
@@ -213,8 +231,10 @@ class Mesh:
         return f"http://{self.cfg.host}:{self.http_ports[service]}/metrics"
 
     def _gateway_healthy(self) -> bool:
+        decode_started = set(self.worker_ids(m.Role.DECODE)) - set(self._held)
+        path = "/ready" if decode_started else "/health"
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+            with urllib.request.urlopen(f"{self.url}{path}", timeout=1) as r:
                 return r.status == 200
         except OSError:
             return False

@@ -28,9 +28,12 @@ class WorkerService(Service):
     async def start_engine(self, role: m.Role) -> None:
         s = self.settings
         subjects.check_token(self.instance_id)
+        self.startup_stage = "loading the model"  # /ready says so (503) meanwhile
         self.engine = await asyncio.to_thread(load_engine, s)
         self.et = EngineThread(self.engine)
+        self.startup_stage = "registering the KV pool (transfer engine, kv-broker)"
         self.transport = open_transport(s, self.engine)
         await register_at_broker(
             self.bus, self.instance_id, role, self.transport, self.engine, s.broker_timeout_s
         )
+        self.startup_stage = "subscribing"

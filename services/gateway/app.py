@@ -38,6 +38,7 @@ from services.gateway.mesh_client import MeshClient
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import install_openapi
 from services.gateway.output import TokenText
+from services.gateway.readiness import Readiness
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.settings import GatewaySettings
 
@@ -57,6 +58,7 @@ class GatewayContext:
     metrics: GatewayMetrics
     healthy: Callable[[], bool]
     started: int = 0
+    readiness: Callable[[], Readiness] | None = None  # /ready's view of the mesh (readiness.py)
     tokens: TokenText = field(init=False)
 
     def __post_init__(self) -> None:
@@ -309,11 +311,31 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         body = {"status": "ok" if ok else "unavailable", "gateway_id": ctx.mesh.gateway_id}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    # A probe, not API: 503 is its normal "not yet" answer, so it stays out of /openapi.json.
+    @app.get("/ready", include_in_schema=False)
+    async def ready() -> Response:
+        return _ready_response(ctx)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _ready_response(ctx: GatewayContext) -> Response:
+    """200 when a request admitted now could run (readiness.py), else 503 with the reason as OpenAI's
+    error body; either way the counts it was decided on."""
+    r = ctx.readiness() if ctx.readiness is not None else None
+    reason = "the gateway is not connected to NATS, or is draining" if not ctx.healthy() else None
+    reason = reason or (r.reason if r is not None else "the gateway has no view of the mesh yet")
+    body: dict[str, Any] = {"status": "ready" if reason is None else "unavailable", "model": ctx.info.name}
+    if r is not None:
+        body |= {"decode_workers": r.decode_workers, "prefill_workers": r.prefill_workers,
+                 "schedulers": r.schedulers, "prompt_path": r.prompt_path}  # fmt: skip
+    if reason is None:
+        return JSONResponse(body)
+    return JSONResponse(error_body(503, reason, code="not_ready") | body, status_code=503)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -23,6 +23,7 @@ from services.gateway.app import GatewayContext, create_app
 from services.gateway.convert import ModelInfo
 from services.gateway.mesh_client import MeshClient
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.readiness import ReadinessWatch
 from services.gateway.settings import GatewaySettings
 
 log = logging.getLogger("moemesh.gateway")
@@ -74,7 +75,11 @@ class Gateway(Service):
         await self.mesh.start()
         mesh = self.mesh
         self.metrics.track_mesh_in_flight(lambda: mesh.in_flight)
-        ctx = GatewayContext(s, self.tokenizer, self.info, mesh, self.metrics, self.healthy)
+        self.readiness = ReadinessWatch(self.bus, self.info.name, s.dead_after_intervals)
+        await self.readiness.start()  # /ready: a decode worker and a scheduler heard
+        ctx = GatewayContext(
+            s, self.tokenizer, self.info, mesh, self.metrics, self.healthy, readiness=self.readiness.check
+        )
         sock = _bind(s.host, s.port)  # bind errors surface here, clearly, not as uvicorn's sys.exit
         self.port = sock.getsockname()[1]
         app = create_app(ctx)

@@ -1,10 +1,19 @@
-"""docker-compose.yml and deploy/compose.gpu.yml, parsed and checked against the project (no Docker
-engine here, so the files are made correct by construction and held to it by these checks)."""
+"""docker-compose.yml and deploy/compose.gpu.yml, validated against the Compose specification's JSON
+schema and checked against the project (no Docker engine or compose plugin here, so the files are made
+correct by construction and held to it by these checks).
+
+The schema is the compose-spec project's `schema/compose-spec.json` (Apache-2.0) as vendored by
+check-jsonschema, pinned in pyproject.toml (0.39.0: sha256 d549057e... of the file); its licence ships
+beside it (check_jsonschema/builtin_schemas/vendor/licenses/LICENSE.compose-spec)."""
 
 from __future__ import annotations
 
+import importlib.resources
+import json
+import re
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
@@ -38,6 +47,45 @@ def gpu() -> dict[str, Any]:
     return load("deploy/compose.gpu.yml")
 
 
+COMPOSE_SCHEMA = json.loads(
+    (importlib.resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text()
+)
+_Validator = jsonschema.validators.validator_for(COMPOSE_SCHEMA)
+COMPOSE_VALIDATOR = _Validator(COMPOSE_SCHEMA, format_checker=_Validator.FORMAT_CHECKER)
+
+
+def schema_errors(doc: Any) -> list[str]:
+    return [
+        f"{'.'.join(str(p) for p in e.absolute_path) or '(top)'}: {e.message}"
+        for e in COMPOSE_VALIDATOR.iter_errors(doc)
+    ]
+
+
+def interpolated(doc: Any) -> Any:
+    """The file as compose sees it after `${VAR:-default}` interpolation with nothing set."""
+    if isinstance(doc, dict):
+        return {k: interpolated(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [interpolated(v) for v in doc]
+    return interpolate(doc) if isinstance(doc, str) else doc
+
+
+@pytest.mark.parametrize("path", ["docker-compose.yml", "deploy/compose.gpu.yml"])
+def test_compose_files_follow_the_compose_specification(path: str) -> None:
+    doc = load(path)
+    assert COMPOSE_SCHEMA["title"] == "Compose Specification"
+    assert not schema_errors(doc), schema_errors(doc)
+    assert not schema_errors(interpolated(doc)), schema_errors(interpolated(doc))
+
+
+def test_the_compose_schema_catches_a_misspelt_key(compose) -> None:
+    bad = json.loads(json.dumps(compose))  # a deep copy the module fixture does not share
+    bad["services"]["gateway"]["healthchek"] = bad["services"]["gateway"].pop("healthcheck")
+    bad["services"]["decode-worker"]["depends_on"]["nats"]["condition"] = "service_ready"
+    errors = schema_errors(bad)
+    assert any("healthchek" in e for e in errors) and any("service_ready" in e for e in errors), errors
+
+
 def env_of(svc: dict[str, Any], over: dict[str, Any] | None = None) -> dict[str, str]:
     env = {**(svc.get("environment") or {}), **((over or {}).get("environment") or {})}
     return {k: interpolate(str(v)) for k, v in env.items()}
@@ -64,6 +112,26 @@ def test_images_build_from_the_dockerfile(compose, gpu) -> None:
     assert ".venv/" in ignored and ".git/" in ignored  # the build context stays small
 
 
+def test_the_gpu_image_installs_one_cuda_major_throughout() -> None:
+    """The gpu stage pins every CUDA package and they agree on the CUDA major of the base image: torch's
+    wheel index, Mooncake's wheel, FlashInfer's JIT (the base's nvcc)."""
+    text = DOCKERFILE.read_text()
+    gpu = text[text.index(" AS gpu") :]
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, flags=re.M))
+    major = re.fullmatch(r"nvidia/cuda:(\d+)\.\d+\.\d+-devel-ubuntu[\d.]+", args["CUDA_IMAGE"]).group(1)
+    assert args["TORCH_INDEX_URL"].endswith(f"/cu{major}0")
+    pins = dict(re.findall(r'"([a-z0-9-]+)==\$\{(\w+)\}"', gpu))
+    assert pins.keys() >= {
+        "torch",
+        "triton",
+        "flashinfer-python",
+        "apache-tvm-ffi",
+        f"mooncake-transfer-engine-cuda{major}",
+    }
+    assert all(args.get(arg) for arg in pins.values()), pins
+    assert "/opt/moemesh/versions.txt" in gpu  # the image says what it installed
+
+
 def test_every_command_exists_in_the_project(compose) -> None:
     for name, svc in compose["services"].items():
         if "command" in svc and svc.get("image", "").startswith("moemesh"):
@@ -84,11 +152,11 @@ def test_settings_are_fields_the_services_read_and_load(compose, gpu) -> None:
         if name in ("prefill-worker", "decode-worker"):
             assert (cpu.device, cpu.model_dir) == ("cpu", "/models/tiny-v3")
             assert gpu_settings.device == "cuda" and gpu_settings.model_dir == "/models/model"
-        if name != "gateway":  # the side port is what the health check asks
+        if name != "gateway":  # the side port's readiness is what the health check asks
             assert cpu.http_port == 9090
-            assert "9090/health" in " ".join(svc["healthcheck"]["test"])
+            assert svc["healthcheck"]["test"][-1] == "http://127.0.0.1:9090/ready"
     gw = check_settings("gateway", env_of(compose["services"]["gateway"]))
-    assert gw.host == "0.0.0.0" and f"{gw.port}/health" in " ".join(
+    assert gw.host == "0.0.0.0" and f"{gw.port}/ready" in " ".join(
         compose["services"]["gateway"]["healthcheck"]["test"]
     )
     names = {

@@ -1,6 +1,6 @@
-"""deploy/k8s: the manifests parse, their references hold (selectors, ports, volumes, config, scale
-targets), and what their containers run and set exists in the project; the cpu overlay patches
-resources the base has."""
+"""deploy/k8s as `kubectl apply -k` would apply each overlay (cpu, gpu: rendered by `kubectl kustomize`):
+references hold (selectors, ports, volumes, config, scale targets), and what the containers run and set
+exists in the project. Skipped where kubectl is not installed (tests/deploy/kustomize.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import yaml
 
 from libs.telemetry import otlp_config
 from tests.deploy.checks import ROOT, check_command, check_settings, dockerfile_tools
+from tests.deploy.kustomize import K8S, OVERLAYS, needs_kubectl, render
 
-K8S = ROOT / "deploy/k8s"
+pytestmark = needs_kubectl
 API = {
     "Namespace": "v1", "ConfigMap": "v1", "Service": "v1", "PersistentVolumeClaim": "v1",
     "Deployment": "apps/v1", "StatefulSet": "apps/v1", "HorizontalPodAutoscaler": "autoscaling/v2",
@@ -27,12 +28,14 @@ def docs_of(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def docs() -> list[dict[str, Any]]:
-    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    files = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
-    assert sorted(kust["resources"]) == files  # kustomize applies every manifest here
-    return [d for f in files for d in docs_of(K8S / f)]
+def docs(overlay) -> list[dict[str, Any]]:
+    return [dict(d) for d in render(f"deploy/k8s/{overlay}")]
 
 
 def index(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -105,7 +108,7 @@ def test_probes_ports_and_volumes_resolve(docs) -> None:
                 assert ("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]) in idx, name
 
 
-def test_containers_run_project_commands_with_settings_the_services_read(docs) -> None:
+def test_containers_run_project_commands_with_settings_the_services_read(docs, overlay) -> None:
     idx = index(docs)
     configmaps = {n: d["data"] for (k, n), d in idx.items() if k == "ConfigMap"}
     tools = dockerfile_tools(ROOT / "deploy/Dockerfile")
@@ -114,7 +117,7 @@ def test_containers_run_project_commands_with_settings_the_services_read(docs) -
         if kind not in WORKLOADS or name == "jaeger":
             continue
         for c in containers(w):
-            assert c["image"] == "moemesh", name  # kustomization.yaml's images: rewrites it
+            assert c["image"] == f"moemesh:{overlay}", name  # the overlay's images: rewrites it
             service = check_command(c["command"], tools)
             if service is None:
                 continue
@@ -125,20 +128,25 @@ def test_containers_run_project_commands_with_settings_the_services_read(docs) -
             ports = {p["containerPort"] for p in c["ports"]}
             assert (settings.port if service == "gateway" else settings.http_port) in ports, name
             if kind == "StatefulSet":
-                assert settings.device == "cuda" and c["resources"]["limits"]["nvidia.com/gpu"] == 1
+                gpus = c["resources"]["limits"].get("nvidia.com/gpu")
+                assert (settings.device, gpus) == (("cuda", 1) if overlay == "gpu" else ("cpu", None)), name
             seen.add(service)
     assert seen == set(MESH)
 
 
-def test_tracing_and_nats_endpoints_point_at_their_services(docs) -> None:
+def test_tracing_and_nats_endpoints_point_at_their_services(docs, overlay) -> None:
     idx = index(docs)
     cm = idx[("ConfigMap", "moemesh")]["data"]
     jaeger_ports = {p["port"] for p in idx[("Service", "jaeger")]["spec"]["ports"]}
     assert cm["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318" and 4318 in jaeger_ports
     assert cm["MOEMESH_NATS_URL"] == "nats://nats:4222"  # the NATS Helm chart's service for release "nats"
-    nats = yaml.safe_load((K8S / "helm/nats-values.yaml").read_text())
+    values = "nats-values.yaml" if overlay == "gpu" else "nats-values-single.yaml"  # as the overlay says
+    assert f"helm/{values}" in (K8S / overlay / "kustomization.yaml").read_text()
+    nats = yaml.safe_load((K8S / "helm" / values).read_text())
     assert nats["config"]["jetstream"]["enabled"] is True
-    assert nats["config"]["cluster"]["replicas"] >= int(cm["MOEMESH_KV_BROKER_BUCKET_REPLICAS"])
+    cluster = nats["config"]["cluster"]
+    nats_servers = cluster["replicas"] if cluster["enabled"] else 1
+    assert nats_servers >= int(cm["MOEMESH_KV_BROKER_BUCKET_REPLICAS"])
 
 
 def test_autoscalers_target_workloads_that_exist(docs) -> None:
@@ -154,27 +162,30 @@ def test_autoscalers_target_workloads_that_exist(docs) -> None:
             assert m["type"] == "Pods" and m["pods"]["metric"]["name"] in adapter  # served by the adapter
 
 
-def test_cpu_overlay_patches_what_the_base_has(docs) -> None:
-    idx = index(docs)
-    overlay = K8S / "cpu"
-    kust = yaml.safe_load((overlay / "kustomization.yaml").read_text())
-    assert kust["resources"] == [".."]
-    cm = dict(idx[("ConfigMap", "moemesh")]["data"])
+def test_cpu_overlay_serves_the_tiny_model_it_writes() -> None:
+    idx = index([dict(d) for d in render("deploy/k8s/cpu")])
+    assert ("PersistentVolumeClaim", "moemesh-model") not in idx  # no checkpoint volume
+    cm = idx[("ConfigMap", "moemesh")]["data"]
     tools = dockerfile_tools(ROOT / "deploy/Dockerfile")
-    for patch in kust["patches"]:
-        for d in docs_of(overlay / patch["path"]):
-            assert (d["kind"], d["metadata"]["name"]) in idx, d["metadata"]["name"]
-            if d["kind"] == "ConfigMap":
-                cm.update(d["data"])
-            if d["kind"] in WORKLOADS:
-                spec = d["spec"]["template"]["spec"]
-                [init] = spec["initContainers"]
-                check_command(init["command"], tools)
-                out = init["command"][init["command"].index("--out") + 1]
-                assert any(m["mountPath"] == out for m in init["volumeMounts"])
-                assert [v["name"] for v in spec["volumes"]] == ["model"] and "emptyDir" in spec["volumes"][0]
     for service in ("prefill-worker", "decode-worker", "gateway"):
+        spec = idx[(MESH[service], service)]["spec"]["template"]["spec"]
+        [init] = spec["initContainers"]
+        check_command(init["command"], tools)
+        out = init["command"][init["command"].index("--out") + 1]
+        assert any(m["mountPath"] == out for m in init["volumeMounts"])
+        assert {"name": "model", "emptyDir": {}} in spec["volumes"]
         s = check_settings(service, cm)
-        assert s.model_dir == "/models/model" and s.served_model_name == "tiny-v3"
+        assert s.model_dir == out and s.served_model_name == "tiny-v3"
         if service != "gateway":
             assert s.device == "cpu"
+
+
+def test_readiness_probes_ask_ready_and_liveness_does_not(docs) -> None:
+    """Readiness is /ready (a gateway: a decode worker is live; a worker: model loaded, KV pool registered);
+    liveness never depends on the rest of the mesh, so a NATS outage restarts nothing."""
+    idx = index(docs)
+    for name, kind in MESH.items():
+        [c] = [c for c in idx[(kind, name)]["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+        assert c["readinessProbe"]["httpGet"]["path"] == "/ready", name
+        live = c["livenessProbe"]
+        assert "tcpSocket" in live or live["httpGet"]["path"] == "/livez", name

@@ -346,7 +346,7 @@ def test_dashboard_and_autoscalers_use_metrics_the_services_export(obs_mesh: InP
     assert len(used) > 20 and used <= exported, sorted(used - exported)
     hpa_metrics = {
         m["pods"]["metric"]["name"]
-        for f in (ROOT / "deploy/k8s").glob("*.yaml")
+        for f in (ROOT / "deploy/k8s/base").glob("*.yaml")
         for doc in yaml.safe_load_all(f.read_text())
         if doc and doc.get("kind") == "HorizontalPodAutoscaler"
         for m in doc["spec"]["metrics"]

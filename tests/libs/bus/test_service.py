@@ -128,3 +128,55 @@ def test_main_rejects_bad_settings(monkeypatch, capsys):
     monkeypatch.setenv("MOEMESH_ECHO_NO_SUCH_KEY", "1")
     assert EchoService.main([]) == 2
     assert "MOEMESH_ECHO_NO_SUCH_KEY" in capsys.readouterr().err
+
+
+class SlowStart(Service):
+    """Setup waits for the test, as a worker loading its model does; not ready until told."""
+
+    name = "slow"
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.go = asyncio.Event()
+        self.leave = asyncio.Event()  # on_drain waits for it, so the test sees the draining state
+        self.usable = True
+
+    async def setup(self):
+        self.startup_stage = "loading the model"
+        await self.go.wait()
+
+    def not_ready_reason(self):
+        return None if self.usable else "the KV pool is gone"
+
+    async def on_drain(self):
+        await self.leave.wait()
+
+
+async def test_ready_says_why_not_until_setup_is_done_and_while_draining(nats_server):
+    svc = SlowStart(ServiceSettings(nats_url=nats_server, http_port=-1, http_host="127.0.0.1"))
+    task = asyncio.create_task(svc.run(install_signals=False))
+    try:
+        await wait_until(lambda: svc.http_port is not None)
+        ready = await get(svc, "/ready")
+        assert ready.status_code == 503
+        err = ready.json()["error"]
+        assert err == {"message": "slow is starting: loading the model", "type": "service_unavailable_error",
+                       "param": None, "code": "not_ready"}  # fmt: skip
+        assert (await get(svc, "/livez")).status_code == 200  # alive while it starts
+        svc.go.set()
+        await asyncio.wait_for(svc.started.wait(), 10)
+        ready = await get(svc, "/ready")
+        assert ready.status_code == 200 and ready.json()["status"] == "ready"
+        svc.usable = False  # the subclass's own condition
+        ready = await get(svc, "/ready")
+        assert ready.status_code == 503 and ready.json()["error"]["message"] == "the KV pool is gone"
+        svc.usable = True
+        svc.request_stop()
+        await wait_until(lambda: svc.draining)
+        ready = await get(svc, "/ready")
+        assert ready.status_code == 503 and ready.json()["error"]["message"] == "slow is draining"
+    finally:
+        svc.go.set()
+        svc.leave.set()
+        svc.request_stop()
+        await asyncio.wait_for(task, 10)
