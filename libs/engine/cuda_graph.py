@@ -162,12 +162,22 @@ class DecodeGraphRunner:
         """A pure decode batch (one token per sequence) that fits a captured size and the table width."""
         if bucket_for(len(tokens), self.sizes) is None or any(len(t) != 1 for t in tokens):
             return False
-        return all(s // self.page_size < self.max_pages for s in starts)
+        return self.can_run_decode(len(tokens), starts)
+
+    def can_run_decode(self, n: int, positions: Sequence[int]) -> bool:
+        """n decode rows at `positions` fit a captured size and the table width."""
+        if bucket_for(n, self.sizes) is None:
+            return False
+        return all(p // self.page_size < self.max_pages for p in positions)
 
     def run(
-        self, tokens: Sequence[int], positions: Sequence[int], page_tables: Sequence[Sequence[int]]
-    ) -> torch.Tensor:
-        """[n, V] float32 logits of n decode rows. A view of the graph's output: valid until the next run."""
+        self, tokens: Sequence[int], positions: Sequence[int], page_tables: Sequence[Sequence[int]],
+        token_src: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """[n, V] logits of n decode rows (float32, or the model dtype on the fused path). A view of the
+        graph's output: valid until the next run. token_src [n] (device): the input tokens, read on the
+        device (overlapped decode feeds the previous step's samples without a host round trip); `tokens`
+        is then ignored."""
         b = bucket_for(len(tokens), self.sizes)
         if b is None:
             raise ValueError(f"{len(tokens)} sequences exceed the largest captured batch {self.sizes[-1]}")
@@ -183,7 +193,9 @@ class DecodeGraphRunner:
         )
         self._plan(g)
         g.packed.copy_(g.staging, non_blocking=True)
-        g.copied.record()
+        if token_src is not None:
+            g.packed[: len(positions)].copy_(token_src)
+        g.copied.record()  # staging and the host plan's buffers may be rewritten once this has passed
         assert g.graph is not None and g.logits is not None
         g.graph.replay()
         return g.logits[: len(tokens)]

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from libs.engine.batcher import Batcher
-from libs.engine.batcher import Plan, SeqView, pages_for
+from libs.engine.batcher import Batcher, Plan, SeqView, pages_for
 from libs.engine.config import ModelConfig
 from libs.engine.cuda_graph import capture_sizes, decode_graphs_supported
 from libs.engine.kv_pool import KVPool
 from libs.engine.loader import load_model
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
+from libs.engine.overlap import OverlapDecoder
 from libs.engine.pages import OutOfPagesError, PageAllocator
 from libs.engine.radix_cache import CacheListener, PrefixMatch, RadixCache, RadixNode
 from libs.engine.request import Request, Status
@@ -65,10 +65,12 @@ class Engine:
         attention_backend: str = "auto",
         cuda_graphs: bool = True,
         fast_path: bool | None = None,
+        overlap: bool = True,
     ) -> None:
         """attention_backend: "auto" | "torch" | "triton" | "flashinfer" (ModelRunner). cuda_graphs: run
         decode steps as CUDA graphs where the device, backend and model allow it (cuda_graph.py).
-        fast_path: the fused decoder path (layers/fast_path.py) where the model allows it; None: on CUDA."""
+        fast_path: the fused decoder path (layers/fast_path.py) where the model allows it; None: on CUDA.
+        overlap: launch each decode-graph step before reading the previous one's tokens (overlap.py)."""
         self.model = model
         if fast_path or (fast_path is None and model.device.type == "cuda"):
             model.enable_fast_path()
@@ -104,6 +106,7 @@ class Engine:
         self._pending: list[StepOutput] = []  # finished outside step(), reported by the next step()
         self._stalled = False  # the last step() had nothing to run and nothing to report
         self.num_preemptions = 0
+        self._overlap = OverlapDecoder(self) if overlap and self.runner.graphs is not None else None
 
     @classmethod
     def from_pretrained(
@@ -183,7 +186,13 @@ class Engine:
         self.waiting.append(req)
 
     def step(self) -> list[StepOutput]:
-        """Plan and run one batch (prefill chunks + one decode token per running request)."""
+        """Plan and run one batch (prefill chunks + one decode token per running request). With overlapped
+        decode, a steady decode batch's tokens come out one call after they were computed."""
+        if self._overlap is not None:
+            out = self._overlap.try_step()
+            if out is not None:
+                return out
+            self._pending += self._overlap.drain()
         outputs, self._pending = self._pending, []
         plan = self.batcher.schedule(
             [self._view(r) for r in self.running], self._waiting_views(), self._available_pages()

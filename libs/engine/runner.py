@@ -112,6 +112,24 @@ class ModelRunner:
             last = last[torch.tensor(list(want), dtype=torch.bool, device=hidden.device)]
         return self.model.compute_logits(hidden[last], raw=self.model.uses_fast_path(self.backend))
 
+    def can_graph_decode(self, n: int, positions: Sequence[int]) -> bool:
+        return self.graphs is not None and self.graphs.can_run_decode(n, positions)
+
+    def decode_graph(
+        self, tokens: Sequence[int], positions: Sequence[int], pages: Sequence[Sequence[int]],
+        token_src: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """One decode step on the captured graph (DecodeGraphRunner.run); None when graphs are off or the
+        capture failed (nothing ran)."""
+        if self.graphs is None:
+            return None
+        try:
+            return self.graphs.run(tokens, positions, pages, token_src=token_src)
+        except GraphCaptureError:
+            log.warning("decode CUDA graphs off for this engine: capture failed", exc_info=True)
+            self.graphs = None
+            return None
+
     def forward_all(self, chunk: Chunk) -> torch.Tensor:
         """[len(chunk.tokens), V] float32 logits at every new token of one chunk."""
         batch = build_batch([chunk], self.kv_pool.page_size)

@@ -201,11 +201,11 @@ def sample(
     if keys is not None and logits.is_cuda:
         fast = [i for i, p in enumerate(params) if one_pass_ok(p)]
         if len(fast) == len(params):
-            return SampleOutput(_one_pass(logits, params, keys).tolist(), [None] * len(params))
+            return SampleOutput(one_pass_sample(logits, params, keys).tolist(), [None] * len(params))
         if fast:
             tokens = _exact(logits, params, generators)
             idx = torch.tensor(fast, device=logits.device)
-            picked = _one_pass(logits[idx], [params[i] for i in fast], [keys[i] for i in fast])
+            picked = one_pass_sample(logits[idx], [params[i] for i in fast], [keys[i] for i in fast])
             tokens[idx] = picked
             token_list = tokens.tolist()
             return SampleOutput(token_list, _logprobs(logits, token_list, params))
@@ -214,7 +214,8 @@ def sample(
     return SampleOutput(token_list, _logprobs(logits, token_list, params))
 
 
-def _one_pass(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[tuple[int, int]]):
+def one_pass_sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[tuple[int, int]]):
+    """[S] int64 token ids on the device, rows that `one_pass_ok` only (no host sync)."""
     from libs.kernels.gumbel import gumbel_sample
 
     host = torch.tensor(

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger("moemesh.engine")
@@ -43,6 +42,7 @@ class AttentionFast:
 
 @dataclass
 class MoEFast:
+    gate_t: torch.Tensor  # [D, E_logical] router weight in the activation dtype (fp32 logits from the kernel)
     w13: tuple[torch.Tensor, torch.Tensor]  # [E (+1 shared), 2I, D] FP8 and scales
     w2: tuple[torch.Tensor, torch.Tensor]  # [E (+1), D, I]
     shared_id: int | None  # local id of the shared expert in the stacks, None when the model has none
@@ -97,7 +97,7 @@ def enable(model) -> bool:
         a.fast = AttentionFast(_stack_rows_fp8(a.q_a_proj, a.kv_a_proj_with_mqa))
         moe = layer.mlp
         if hasattr(moe, "experts"):
-            moe.fast = _moe_fast(moe, cfg)
+            moe.fast = _moe_fast(moe, cfg, model.dtype)
     max_pos = cfg.max_position_embeddings
     pos = torch.arange(max_pos, device=model.device)
     cos, sin = model.rope.cos_sin(pos)
@@ -117,7 +117,7 @@ def _stack_rows_fp8(first, second) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, scale
 
 
-def _moe_fast(moe, cfg) -> MoEFast | None:
+def _moe_fast(moe, cfg, dtype: torch.dtype) -> MoEFast | None:
     ex = moe.experts
     if not ex.is_fp8 or moe.ep is not None or not _fused_routing(cfg):
         return None
@@ -126,8 +126,11 @@ def _moe_fast(moe, cfg) -> MoEFast | None:
     if shared is not None and not stack_shared:
         return None  # a shared expert wider than a routed one: the plain FP8 path adds it
     e = ex.gate_up_proj.shape[0]
+    gate_t = moe.gate.weight.data.to(dtype).t().contiguous()
     if not stack_shared:
-        return MoEFast((ex.gate_up_proj, ex.gate_up_proj_scale_inv), (ex.down_proj, ex.down_proj_scale_inv), None)
+        return MoEFast(
+            gate_t, (ex.gate_up_proj, ex.gate_up_proj_scale_inv), (ex.down_proj, ex.down_proj_scale_inv), None
+        )
     assert shared.gate_up is not None
     w13 = torch.cat([ex.gate_up_proj.data, shared.gate_up[0][None]])
     s13 = torch.cat([ex.gate_up_proj_scale_inv.data, shared.gate_up[1][None]])
@@ -145,7 +148,8 @@ def _moe_fast(moe, cfg) -> MoEFast | None:
     shared.gate_up = (w13[e], s13[e])
     shared.down_proj.weight = nn.Parameter(w2[e], requires_grad=False)
     shared.down_proj.weight_scale_inv = nn.Parameter(s2[e], requires_grad=False)
-    return MoEFast((w13, s13), (w2, s2), e)
+    return MoEFast(gate_t, (w13, s13), (w2, s2), e)
+
 
 
 def _fused_routing(cfg) -> bool:
@@ -214,7 +218,7 @@ def moe(block, x: torch.Tensor) -> torch.Tensor:
 
     fast: MoEFast = block.fast
     cfg = block.gate.cfg
-    logits = F.linear(x.float(), block.gate.weight)  # [T, E_logical] float32, as the plain router
+    logits = torch.mm(x, fast.gate_t)  # [T, E_logical] in x's dtype: the routing kernel reads it in fp32
     weights, ids = routing.route(
         logits, block.gate.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
         cfg.routed_scaling_factor, cfg.norm_topk_prob, shared_expert=fast.shared_id,

@@ -1,0 +1,103 @@
+"""Overlapped decode: the next decode step is launched before the current one's tokens are read, so the
+host's per-step work (scheduling, metadata, FlashInfer's plan, stop checks, outputs) runs while the GPU
+computes, as SGLang's overlap scheduler and vLLM's async scheduling do.
+
+Step k launches decode step N+1 on the captured graph with its input tokens taken on the device from step
+N's sampled tokens (positions, slots and page tables do not depend on token values, so the host knows
+them), samples it with the one-pass kernel, starts the copy of its tokens to the host, and only then
+reads step N's tokens and runs the per-request accounting. `Engine.step()` therefore reports each token
+one call later than it was computed; the first overlapped call reports nothing.
+
+It runs only in the steady state it is for: every running request decoding on a captured graph, no
+waiting request, sampling the one-pass kernel does exactly (greedy or temperature alone, no logprobs),
+and no request that certainly ends with its in-flight token (max_tokens) is fed again. Anything else
+(a join, a finish, a prefill chunk, a preemption) first drains the in-flight step and lets the plain
+step run. A request that ends on a stop token while its next step is in flight had one extra KV row
+computed into its own pages; that token is dropped, and the pages are only reused by work launched
+after it on the same stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from libs.engine.batcher import pages_for
+from libs.engine.outputs import StepOutput
+from libs.engine.request import Request
+from libs.engine.sampling import one_pass_ok, one_pass_sample
+
+if TYPE_CHECKING:
+    from libs.engine.engine import Engine
+
+
+@dataclass
+class InFlight:
+    reqs: list[Request]  # in batch order
+    tokens: torch.Tensor  # [n] int64 on the device: what the step sampled
+    host: torch.Tensor  # [n] int64 pinned: its copy, valid once `done` has passed
+    done: torch.cuda.Event
+
+
+class OverlapDecoder:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.inflight: InFlight | None = None
+
+    def try_step(self) -> list[StepOutput] | None:
+        """Launch the next decode step and report the previous one's tokens; None when the steady state
+        does not hold (the caller drains and steps plainly)."""
+        e, prev = self.engine, self.inflight
+        reqs = e.running
+        if e.waiting or e._pending or not reqs:
+            return None
+        if prev is not None and (len(prev.reqs) != len(reqs) or any(a is not b for a, b in zip(prev.reqs, reqs))):  # noqa: B905
+            return None
+        ahead = 1 if prev is not None else 0  # tokens sampled but not read yet
+        for r in reqs:
+            if not one_pass_ok(r.params) or len(r.output_ids) + ahead >= r.params.max_tokens:
+                return None
+            if r.num_computed != r.num_tokens - 1 + ahead:
+                return None  # not a plain decode row (a prefill chunk is due)
+        positions = [r.num_computed for r in reqs]
+        if not e.runner.can_graph_decode(len(reqs), positions):
+            return None
+        need = [max(0, pages_for(p + 1, e.page_size) - len(r.pages)) for r, p in zip(reqs, positions, strict=True)]
+        if sum(need) > e.allocator.num_free:
+            return None
+        for r, n in zip(reqs, need, strict=True):
+            if n:
+                r.pages += e._alloc(n)
+        tokens = [r.output_ids[-1] for r in reqs] if prev is None else [0] * len(reqs)
+        logits = e.runner.decode_graph(
+            tokens, positions, [r.pages for r in reqs], token_src=prev.tokens if prev is not None else None
+        )
+        if logits is None:  # graphs turned off (a capture failed): nothing was launched
+            return None
+        keys = [(r.seed, p + 1) for r, p in zip(reqs, positions, strict=True)]  # the sampled token's position
+        sampled = one_pass_sample(logits, [r.params for r in reqs], keys)
+        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        host.copy_(sampled, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        for r in reqs:
+            r.num_computed += 1
+        self.inflight = InFlight(list(reqs), sampled, host, done)
+        return self._read(prev) if prev is not None else []
+
+    def drain(self) -> list[StepOutput]:
+        """Read the in-flight step, if any: afterwards every request is in the plain step's state."""
+        prev, self.inflight = self.inflight, None
+        return self._read(prev) if prev is not None else []
+
+    def _read(self, step: InFlight) -> list[StepOutput]:
+        e = self.engine
+        step.done.synchronize()
+        outs = []
+        for r, token in zip(step.reqs, step.host.tolist(), strict=True):
+            if e.requests.get(r.rid) is not r or r.finished:
+                continue  # aborted, or ended by the token before this one: its extra token is dropped
+            outs.append(e._accept(r, token, None))
+        return outs

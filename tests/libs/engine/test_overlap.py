@@ -1,0 +1,70 @@
+"""Overlapped decode (libs/engine/overlap.py) on a GPU: the same tokens as the plain step, greedy and seeded
+sampling, with requests of different lengths finishing, joining and being aborted mid-stream, and no page
+left behind."""
+
+from __future__ import annotations
+
+# first, before anything imports triton: selects and patches the interpreter when there is no GPU
+from tests.libs.kernels.conftest import HAS_CUDA
+
+# isort: split
+import pytest
+
+from libs.engine.engine import Engine
+from libs.engine.loader import load_model
+from libs.engine.sampling import SamplingParams
+from libs.engine.tiny import write_tiny_model
+from tests.libs.engine.test_fast_path import FAST
+
+pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="overlapped decode runs on captured CUDA graphs")
+PROMPTS = [[5, 17, 99, 3, 250, 8, 41], [300, 2, 2, 7], list(range(40, 61)), [9] * 30, [1, 2, 3]]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("overlap") / "m", seed=5, fp8=True, **FAST)
+
+
+def _engine(ckpt, overlap: bool) -> Engine:
+    model = load_model(ckpt, dtype="bfloat16", device="cuda", progress=False, quantization="fp8")
+    return Engine(model, page_size=16, num_pages=128, max_num_seqs=8, overlap=overlap)
+
+
+def _run(engine: Engine, params: list[SamplingParams], abort_after: int | None = None) -> dict[str, list[int]]:
+    """Every prompt as its own request; the last one joins after a few steps (a composition change)."""
+    got: dict[str, list[int]] = {}
+    for i, (p, sp) in enumerate(zip(PROMPTS[:-1], params, strict=False)):
+        engine.add_request(f"r{i}", p, sp)
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.rid, []).extend(out.token_ids)
+        steps += 1
+        if steps == 4:
+            engine.add_request("late", PROMPTS[-1], params[-1])
+        if abort_after is not None and steps == abort_after:
+            engine.abort("r0")
+    return got
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_overlap_gives_the_plain_steps_tokens(ckpt, temperature):
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=4 + 3 * i, ignore_eos=True)
+              for i in range(len(PROMPTS))]  # fmt: skip
+    plain_engine, fast_engine = _engine(ckpt, overlap=False), _engine(ckpt, overlap=True)
+    assert plain_engine._overlap is None and fast_engine._overlap is not None
+    plain, overlapped = _run(plain_engine, params), _run(fast_engine, params)
+    assert overlapped == plain
+    assert [len(overlapped[f"r{i}"]) for i in range(4)] == [4, 7, 10, 13]
+    for e in (plain_engine, fast_engine):
+        st = e.stats()
+        assert st["used_pages"] == st["cached_pages"] and st["running"] == 0
+
+
+def test_abort_while_a_step_is_in_flight_drops_its_token_and_pages(ckpt):
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) for _ in PROMPTS]
+    engine = _engine(ckpt, overlap=True)
+    got = _run(engine, params, abort_after=6)
+    assert len(got["r0"]) < 12 and all(len(got[f"r{i}"]) == 12 for i in range(1, 4))
+    st = engine.stats()
+    assert st["used_pages"] == st["cached_pages"] and st["running"] == 0
