@@ -49,10 +49,7 @@ def decode_step_bound(
     kv = batch * ctx * layers * (KVR + ROPE) * kv_bytes
     mla_flops = batch * layers * HEADS * ctx * ((KVR + ROPE) + KVR) * 2
     gemm_flops = batch * (
-        layers * 2 * attn_params
-        + ld * 2 * 3 * H * INTER_DENSE
-        + lm * 2 * expert * (1 + TOPK)
-        + 2 * V * H
+        layers * 2 * attn_params + ld * 2 * 3 * H * INTER_DENSE + lm * 2 * expert * (1 + TOPK) + 2 * V * H
     )
     t_mla = max(kv / hbm, mla_flops / bf16)
     t_gemm = max(w_bytes / hbm, gemm_flops / fp8)
@@ -65,4 +62,26 @@ def decode_step_bound(
         "weight_bytes": w_bytes,
         "kv_bytes": kv,
         "ep_bytes_per_step": lm * batch * TOPK * H * (1 + 2),
+    }
+
+
+def prefill_bound(tokens: int, prompt_len: int, ep: int = 32, peaks: str = "measured") -> dict[str, float]:
+    """Seconds for a lower bound on prefilling `tokens` prompt tokens (prompts of prompt_len) on one EP rank
+    with DP attention: the GEMMs' FLOPs at the FP8 peak plus causal MLA (expanded form, keys N + r = 192,
+    values V = 128) at the bf16 peak. Compute-bound at these sizes; weights are read once per forward."""
+    _, bf16, fp8 = (PEAKS[peaks][k] for k in ("hbm", "bf16", "fp8"))
+    attn_params = (
+        H * QR + QR * HEADS * (NOPE + ROPE) + H * (KVR + ROPE) + KVR * HEADS * (NOPE + VD) + HEADS * VD * H
+    )
+    per_token_gemm = 2 * (
+        L * attn_params + LD * 3 * H * INTER_DENSE + LM * 3 * H * INTER_MOE * (TOPK + 1) + LM * 256 * H
+    )
+    mean_ctx = (prompt_len + 1) / 2
+    per_token_attn = 2 * L * HEADS * mean_ctx * ((NOPE + ROPE) + VD)
+    t_gemm, t_attn = tokens * per_token_gemm / fp8, tokens * per_token_attn / bf16
+    return {
+        "step_s": t_gemm + t_attn,
+        "gemm_s": t_gemm,
+        "attn_s": t_attn,
+        "tokens_per_s": tokens / (t_gemm + t_attn),
     }

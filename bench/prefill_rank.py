@@ -1,0 +1,89 @@
+"""One EP rank of a DeepSeek-V3 prefill deployment on one GPU, through the Engine the prefill worker runs:
+prompts of 2,000 tokens batched into forwards of a token budget (4k / 8k / 16k), timed as `Engine.step()`.
+
+    python -m bench.prefill_rank [--budgets 4096,8192,16384] [--prompt 2000] [--ep 32 --physical 288]
+
+The Engine is bench.decode_rank's rank engine (DeepSeek-V3's config, random FP8 block-scaled weights,
+only this rank's local experts: 9 of 288 at EP-32), EP emulated on one GPU (each token's routed picks
+mapped onto the local experts: no dispatch or combine bytes move; that traffic is left out). Prompts join
+with `add_request` (max_tokens 1) and the engine's batcher packs them into forwards of up to the budget,
+chunking a prompt that does not fit: the MoE takes the grouped FP8 GEMM in the contiguous layout,
+attention the backend's expanded-form prefill. tokens/s counts prompt tokens over the wall time of the
+steps that prefilled them (first tokens sampled, KV left in the pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from bench.decode_rank import build_engine
+from bench.harness import environment, write_results
+from bench.roofline import prefill_bound
+from libs.engine.presets import deepseek_v3_config
+from libs.engine.sampling import SamplingParams
+
+
+def run_budget(engine, budget: int, prompt: int, rounds: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    vocab = engine.config.vocab_size
+    per_round = max(1, 2 * budget // prompt)  # two forwards' worth of prompts per round
+    engine.batcher.max_prefill_tokens = budget
+    times, tokens = [], 0
+    for r in range(rounds + 1):  # round 0 warms up (kernel choices for these shapes)
+        for i in range(per_round):
+            ids = [rng.randrange(vocab) for _ in range(prompt)]
+            engine.add_request(f"p{budget}-{r}-{i}", ids, SamplingParams(temperature=0, max_tokens=1))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        torch.cuda.synchronize()
+        if r:
+            times.append(time.perf_counter() - t0)
+            tokens += per_round * prompt
+    secs = sum(times)
+    return {"budget": budget, "prompts_per_round": per_round, "tokens": tokens, "seconds": secs,
+            "tokens_per_s_per_gpu": tokens / secs}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budgets", default="4096,8192,16384")
+    ap.add_argument("--prompt", type=int, default=2000)
+    ap.add_argument("--ep", type=int, default=32)
+    ap.add_argument("--physical", type=int, default=288)
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--attn", choices=["auto", "triton", "flashinfer"], default="auto")
+    a = ap.parse_args()
+    budgets = [int(b) for b in a.budgets.split(",")]
+    config = deepseek_v3_config(num_hidden_layers=a.layers, max_position_embeddings=a.prompt + 64)
+    engine = build_engine(
+        config, ep=a.ep, physical=a.physical, max_batch=64, max_ctx=a.prompt + 64, attention=a.attn
+    )
+    engine.kv_pool.buffer.zero_()
+    env, backend, records = environment(), engine.runner.backend.name, []
+    for b in budgets:
+        rec = run_budget(engine, b, a.prompt, a.rounds, seed=b)
+        roof = prefill_bound(rec["tokens"], a.prompt, ep=a.ep)
+        spec = prefill_bound(rec["tokens"], a.prompt, ep=a.ep, peaks="spec")
+        rec.update({
+            "benchmark": "prefill_rank", "path": "engine", "prompt": a.prompt, "layers": a.layers, "ep": a.ep,
+            "local_experts": a.physical // a.ep, "attention_backend": backend,
+            "ep_communication": "emulated (no bytes moved)",
+            "roofline_fraction": roof["step_s"] / rec["seconds"], "roofline_fraction_spec": spec["step_s"] / rec["seconds"],
+            **env,
+        })  # fmt: skip
+        records.append(rec)
+        print(f"budget {b}: {rec['tokens_per_s_per_gpu']:.0f} prefill tok/s/GPU ({rec['tokens']} tokens in "
+              f"{rec['seconds']:.2f} s); roofline {rec['roofline_fraction']:.2f} measured peaks, "
+              f"{rec['roofline_fraction_spec']:.2f} spec [{backend}, EP emulated]", flush=True)  # fmt: skip
+    print("wrote", write_results(f"prefill_rank-engine-{backend}", records))
+
+
+if __name__ == "__main__":
+    main()
