@@ -25,6 +25,8 @@ def fill_random_(model: torch.nn.Module, seed: int = 0) -> None:
             p.copy_(0.01 * noise)
         elif name == "model.embed_tokens.weight":
             p.copy_(noise)
+        elif name.endswith("mlp.gate.weight"):  # the router: float32 values a bf16 checkpoint holds
+            p.copy_((noise / math.sqrt(p.shape[-1])).to(torch.bfloat16))
         else:
             p.copy_(noise / math.sqrt(p.shape[-1]))
     for name, p in params.items():

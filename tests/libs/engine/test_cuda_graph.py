@@ -193,13 +193,15 @@ def test_greedy_with_graphs_equals_eager_and_cpu_float32(tmp_path, dims):
     assert graphed == eager == cpu_tokens
 
 
-def _decode_graph_vs_eager(model, prompts=PROMPTS, tol=1e-2) -> None:
+def _decode_graph_vs_eager(model, prompts=PROMPTS, tol=1e-2, backend="triton") -> None:
     """Prefill the prompts eagerly, then the same decode step replayed from a graph (3 rows pad to 4; 4 do not) and
     eagerly: logits agree to `tol` (kernel choices and split-K counts follow the row count, so not
     bitwise), and a subset of rows gives the same rows."""
-    engine = Engine(model, page_size=16, num_pages=64, max_num_seqs=8)
+    engine = Engine(model, page_size=16, num_pages=64, max_num_seqs=8, attention_backend=backend)
     runner = engine.runner
-    assert isinstance(runner.backend, TritonAttention) and runner.backend.kernel_cfg is not None
+    assert runner.backend.name == backend
+    if backend == "triton":
+        assert isinstance(runner.backend, TritonAttention) and runner.backend.kernel_cfg is not None
     assert runner.graphs is not None
     pages = engine.allocator.alloc(2 * len(prompts))
     tables = [pages[2 * i : 2 * i + 2] for i in range(len(prompts))]
@@ -214,6 +216,19 @@ def _decode_graph_vs_eager(model, prompts=PROMPTS, tol=1e-2) -> None:
     assert _rel(graphed, eager) < tol
     want = runner.forward_last(decode, [True, False, True] + [False] * (len(prompts) - 3))
     assert want.shape[0] == 2 and torch.allclose(want, graphed[[0, 2]])
+
+
+@pytest.mark.gpu
+@gpu
+def test_flashinfer_decode_graph_replay_equals_eager(tmp_path):
+    """FlashInfer's MLA inside the decode graph, planned on the host before each replay."""
+    from libs.kernels import flashinfer_mla
+
+    if not flashinfer_mla.available():
+        pytest.skip("flashinfer is not installed")
+    path = _tiny(tmp_path, first_k_dense_replace=3, **KERNEL_DIMS)
+    model = load_model(path, device="cuda", dtype="bfloat16", progress=False)
+    _decode_graph_vs_eager(model, backend="flashinfer")
 
 
 @pytest.mark.gpu
