@@ -14,7 +14,8 @@ written its new latent rows. The CUDA-graph runner (libs/engine/cuda_graph.py) b
 - "flashinfer": as "triton", but decode with FlashInfer's MLA kernel and extend with its ragged
   prefill. FlashInfer plans on the host: per eager forward in `prepare`, and for a captured decode graph
   in `plan_graph` before each replay (one wrapper with fixed index buffers per batch size).
-- "auto": "flashinfer" on CUDA where it imports, else "triton"; "torch" elsewhere.
+- "auto": "triton" on CUDA, "torch" elsewhere. (FlashInfer is faster for 128-head decode, but its
+  graph-vs-eager GPU test failed on the last H200 run, cause not found: it stays opt-in until it passes.)
 
 Legend: T new tokens, S sequences, H heads, N nope dim, r rope dim, R kv_lora_rank, V v dim.
 """
@@ -256,11 +257,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
-        if device.type != "cuda":
-            return "torch"
-        from libs.kernels import flashinfer_mla
-
-        return "flashinfer" if flashinfer_mla.available() else "triton"
+        return "triton" if device.type == "cuda" else "torch"
     if name == "flashinfer":
         from libs.kernels import flashinfer_mla
 
