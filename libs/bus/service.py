@@ -8,7 +8,9 @@ the connection drains (pending publishes flushed) and closes -> the HTTP side po
 
 HTTP side port (`http_port`; 0 off, -1 any free port): `GET /health` is 200 when connected and ready,
 503 otherwise (readiness probe); `GET /livez` is 200 while the process serves (liveness probe);
-`GET /metrics` is this service's prometheus registry.
+`GET /metrics` is this service's prometheus registry. With `ports_file` set, the ports the service
+bound (`bound_ports()`: "http", and the gateway's "api") are written there before it counts as started,
+so a launcher can ask for any free port and learn which one it got (libs.bus.ports).
 
 Tracing: `self.telemetry` (libs.telemetry) is built from the OTEL_* environment with `service.name` =
 `name`; it is a no-op unless an OTLP endpoint is configured, and is flushed after the bus closes.
@@ -28,6 +30,7 @@ from typing import ClassVar
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from libs.bus.bus import Bus, BusError
+from libs.bus.ports import write_ports
 from libs.bus.security import nats_connect_options, redact_url
 from libs.bus.settings import ServiceSettings, SettingsError, load_settings
 
@@ -71,6 +74,10 @@ class Service:
         """Extra readiness condition on top of 'connected, set up, not draining'."""
         return True
 
+    def bound_ports(self) -> dict[str, int]:
+        """The ports this instance listens on, by role, as written to `ports_file`."""
+        return {} if self.http_port is None else {"http": self.http_port}
+
     # --- state ---
     @property
     def bus(self) -> Bus:
@@ -104,6 +111,8 @@ class Service:
         try:
             await self.setup()
             await self.bus.flush()  # subscriptions are known to the server before anyone is told we are ready
+            if s.ports_file:
+                write_ports(s.ports_file, self.bound_ports())
             self._ready = True
             self._ready_gauge.set(1)
             self.started.set()
