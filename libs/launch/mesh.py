@@ -140,7 +140,9 @@ class Mesh:
         """The ports a service bound, waiting (up to `timeout`) for a just started one to write them."""
         deadline = time.monotonic() + timeout
         while (ports := read_ports(self.ports_file(service))) is None:
-            self.sup.check_alive()
+            proc = self.sup.procs.get(service)
+            if proc is not None and not proc.alive:
+                raise RuntimeError(f"{service} exited before binding its ports; log tail:\n{proc.log_tail()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{service} wrote no ports file within {timeout:.0f}s; logs in {self.log_dir}"
