@@ -11,7 +11,9 @@ work (connected, set up, not draining, and the subclass's `not_ready_reason()` i
 model is loaded and its KV pool registered) and 503 otherwise with the reason as an OpenAI-style error
 body (the readiness probe); `GET /health` is 200 when connected, set up and not draining; `GET /livez`
 is 200 while the process serves (the liveness probe); `GET /metrics` is this service's prometheus
-registry.
+registry. With `ports_file` set, the ports the service
+bound (`bound_ports()`: "http", and the gateway's "api") are written there before it counts as started,
+so a launcher can ask for any free port and learn which one it got (libs.bus.ports).
 
 Tracing: `self.telemetry` (libs.telemetry) is built from the OTEL_* environment with `service.name` =
 `name`; it is a no-op unless an OTLP endpoint is configured, and is flushed after the bus closes.
@@ -31,6 +33,7 @@ from typing import ClassVar
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from libs.bus.bus import Bus, BusError
+from libs.bus.ports import write_ports
 from libs.bus.security import nats_connect_options, redact_url
 from libs.bus.settings import ServiceSettings, SettingsError, load_settings
 
@@ -79,6 +82,10 @@ class Service:
         """Why this set-up, connected instance takes no work now (None: it does); /ready's 503 says it."""
         return None if self.is_ready() else f"{self.name} is not ready"
 
+    def bound_ports(self) -> dict[str, int]:
+        """The ports this instance listens on, by role, as written to `ports_file`."""
+        return {} if self.http_port is None else {"http": self.http_port}
+
     # --- state ---
     @property
     def bus(self) -> Bus:
@@ -123,6 +130,8 @@ class Service:
             self.startup_stage = "setting up"
             await self.setup()
             await self.bus.flush()  # subscriptions are known to the server before anyone is told we are ready
+            if s.ports_file:
+                write_ports(s.ports_file, self.bound_ports())
             self._ready = True
             self._ready_gauge.set(1)
             self.started.set()

@@ -41,6 +41,8 @@ class ServiceSettings(msgspec.Struct, frozen=True, kw_only=True):
     instance_id: str = ""  # empty: "<service>-<random>"
     http_host: str = "0.0.0.0"
     http_port: Annotated[int, msgspec.Meta(ge=-1, le=65535)] = 0  # 0: off, -1: any free port
+    # where to write the bound ports as JSON once serving (libs.bus.ports); empty: nowhere
+    ports_file: str = ""
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     log_level: str = "INFO"

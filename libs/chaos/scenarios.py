@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from libs.bus.ports import read_ports
 from libs.chaos.fault_table import FaultResult, summarize
 from libs.chaos.load import Progress, stream_many
 from libs.chaos.workers import metric_total, request_pages, wait_for_no_leaks
@@ -105,8 +106,11 @@ def restart_service(mesh: Mesh, name: str, timeout: float = 60.0) -> None:
 
 
 def _healthy(mesh: Mesh, name: str) -> bool:
+    ports = read_ports(mesh.ports_file(name))  # None until the restarted process has bound its port
+    if ports is None:
+        return False
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{mesh.http_ports[name]}/health", timeout=1) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['http']}/health", timeout=1) as r:
             return r.status == 200
     except OSError:
         return False

@@ -5,13 +5,16 @@ worker has sent a heartbeat (it loaded its model and registered its KV pool at t
 scheduler replica has sent its heartbeat (its subscriptions are live) and the gateway's /ready answers
 200 (it heard a decode worker and a scheduler; /health where no decode worker is started).
 `start(hold=...)` leaves named services unstarted, for `release(name)` to start later.
+
+Ports are never picked in advance: nats-server picks its own (libs.natsd), and every service binds its
+side port (and the gateway its API port, unless one is configured) to port 0 and writes what it got to a
+ports file in the log folder (libs.bus.ports), which `side_port()` and the gateway's `url` read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import tempfile
 import time
 import urllib.request
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import nats
 
+from libs.bus.ports import read_ports
 from libs.launch.natsauth import NatsAuth
 from libs.launch.supervisor import ServiceSpec, Supervisor
 from libs.natsd import NatsServer, start_nats_server
@@ -28,18 +32,12 @@ from proto import decoder, subjects
 from proto import messages as m
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class MeshConfig:
     model_dir: Path
     host: str = "127.0.0.1"
-    port: int = 8000  # gateway; 0 picks a free port
-    nats_port: int = 0  # 0 picks a free port
+    port: int = 8000  # gateway; 0: any free port (the gateway binds it and writes it to its ports file)
+    nats_port: int = 0  # 0: any free port (nats-server picks it and writes its ports file)
     prefill_workers: int = 1
     decode_workers: int = 1
     schedulers: int = 1  # replicas in one queue group; names "scheduler" (one) or "scheduler-<i>"
@@ -67,9 +65,8 @@ class Mesh:
         self.log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="moemesh-logs-"))
         self.nats: NatsServer | None = None
         self.sup = Supervisor(self.log_dir)
-        self.port = cfg.port or free_port(cfg.host)
+        self.port = cfg.port  # the gateway's; with 0, the port it bound, once start() returned
         self.model_name = cfg.served_model_name or Path(cfg.model_dir).resolve().name
-        self.http_ports: dict[str, int] = {}  # service name -> its /health and /metrics side port
         # the JetStream store and the 0600 nats-auth.conf: private to this Mesh, kept across
         # restart_nats (state survives a server restart), removed in stop()
         self._nats_dir: Path | None = None
@@ -100,11 +97,11 @@ class Mesh:
             env = {"MOEMESH_NATS_URL": self.nats_url, "MOEMESH_LOG_LEVEL": "INFO"}
             env.update(c.nats_auth.client_env() if c.nats_auth else {})
             if module != "services.gateway":  # the gateway serves /health and /metrics on its API port
-                self.http_ports[name] = free_port(c.host)
-                fields = {"http_host": c.host, "http_port": self.http_ports[name], **fields}
+                fields = {"http_host": c.host, "http_port": -1, **fields}  # -1: any free port
+            fields = {"ports_file": self.ports_file(name), **fields}
             env.update({f"{prefix}{k.upper()}": str(v) for k, v in fields.items()})
             env.update(c.extra_env.get(module, {}))
-            return ServiceSpec(name, module, env)
+            return ServiceSpec(name, module, env, ports_file=self.ports_file(name))
 
         worker = dict(
             model_dir=model,
@@ -139,6 +136,27 @@ class Mesh:
             )
         )
         return out
+
+    def ports_file(self, service: str) -> Path:
+        return self.log_dir / "ports" / f"{service}.json"
+
+    def ports(self, service: str, timeout: float = 60.0) -> dict[str, int]:
+        """The ports a service bound, waiting (up to `timeout`) for a just started one to write them."""
+        deadline = time.monotonic() + timeout
+        while (ports := read_ports(self.ports_file(service))) is None:
+            proc = self.sup.procs.get(service)
+            if proc is not None and not proc.alive:
+                raise RuntimeError(f"{service} exited before binding its ports; log tail:\n{proc.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{service} wrote no ports file within {timeout:.0f}s; logs in {self.log_dir}"
+                )
+            time.sleep(0.05)  # a child process writes the file: nothing to wait on but the file
+        return ports
+
+    def side_port(self, service: str) -> int:
+        """The /health and /metrics port of a service other than the gateway."""
+        return self.ports(service)["http"]
 
     def scheduler_names(self) -> list[str]:
         n = self.cfg.schedulers
@@ -209,7 +227,9 @@ class Mesh:
         try:
             while True:
                 self.sup.check_alive()
-                if want <= seen and self._gateway_healthy():
+                if (ports := read_ports(self.ports_file("gateway"))) is not None:
+                    self.port = ports["api"]
+                if want <= seen and ports is not None and self._gateway_healthy():
                     return
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -228,7 +248,7 @@ class Mesh:
         """Prometheus endpoint of one service ("gateway", "scheduler", "prefill-0", ...)."""
         if service == "gateway":
             return f"{self.url}/metrics"
-        return f"http://{self.cfg.host}:{self.http_ports[service]}/metrics"
+        return f"http://{self.cfg.host}:{self.side_port(service)}/metrics"
 
     def _gateway_healthy(self) -> bool:
         decode_started = set(self.worker_ids(m.Role.DECODE)) - set(self._held)

@@ -2,7 +2,8 @@
 
 Used by `moemesh up` and by the e2e tests. Each child gets its own log file and its own process group,
 so a stop reaches whatever it spawned (e.g. EP ranks). Stopping is SIGTERM (the services drain), then
-SIGKILL after a grace period.
+SIGKILL after a grace period. A spec's ports file is removed before each start, so what is read from
+it afterwards comes from the process now running.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class ServiceSpec:
     module: str  # e.g. "services.decode_worker"
     env: dict[str, str] = field(default_factory=dict)
     args: tuple[str, ...] = ()
+    ports_file: Path | None = None  # where the service writes the ports it bound (libs.bus.ports)
 
 
 class ServiceProcess:
@@ -69,6 +71,8 @@ class Supervisor:
         if spec.name in self.procs and self.procs[spec.name].alive:
             raise ValueError(f"service {spec.name} is already running")
         log_path = self.log_dir / f"{spec.name}.log"
+        if spec.ports_file is not None:  # a previous life's ports are not this one's
+            spec.ports_file.unlink(missing_ok=True)
         inherited = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
         env = {**inherited, "PYTHONUNBUFFERED": "1", **spec.env}
         with open(log_path, "ab") as log:

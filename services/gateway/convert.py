@@ -61,6 +61,7 @@ class Plan:
     top_logprobs: int
     stream: bool
     include_usage: bool
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)
 
 
 def _max_tokens(
@@ -132,6 +133,7 @@ def _plan(
         top_logprobs=lp[1],
         stream=req.stream,
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
+        tokens_as_ids=req.return_tokens_as_token_ids,
     )
 
 

@@ -49,7 +49,15 @@ class Generation:
         self.created = int(time.time())
         self.queue: asyncio.Queue[tuple[int, StreamItem]] = asyncio.Queue()
         self.outputs = [
-            ChoiceOutput.create(c.index, tok, tokens, plan.prompts[c.prompt_index], plan.stop, plan.logprobs)
+            ChoiceOutput.create(
+                c.index,
+                tok,
+                tokens,
+                plan.prompts[c.prompt_index],
+                plan.stop,
+                plan.logprobs,
+                plan.tokens_as_ids,
+            )
             for c in plan.choices
         ]
         self.runs = [

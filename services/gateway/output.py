@@ -83,6 +83,7 @@ class ChoiceOutput:
     detok: IncrementalDetokenizer
     stop: StopMatcher
     want_logprobs: bool
+    tokens_as_ids: bool = False  # logprob entries name tokens "token_id:<id>" instead of their text
     text: list[str] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None
@@ -99,8 +100,10 @@ class ChoiceOutput:
         prompt_ids: list[int],
         stop: list[str],
         want_logprobs: bool,
+        tokens_as_ids: bool = False,
     ) -> ChoiceOutput:
-        return cls(index, tokens, IncrementalDetokenizer(tok, prompt_ids), StopMatcher(stop), want_logprobs)
+        detok = IncrementalDetokenizer(tok, prompt_ids)
+        return cls(index, tokens, detok, StopMatcher(stop), want_logprobs, tokens_as_ids)
 
     @property
     def done(self) -> bool:
@@ -143,11 +146,15 @@ class ChoiceOutput:
         step.text += emitted if hit else emitted + self.stop.flush()
         step.finish_reason = "stop" if hit else _FINISH[delta.finish]
 
+    def _label(self, token_id: int) -> tuple[str, list[int]]:
+        text, raw = self.tokens.lookup(token_id)
+        return (f"token_id:{token_id}", raw) if self.tokens_as_ids else (text, raw)
+
     def _entry(self, lp: TokenLogprob, offset: int) -> LogprobEntry:
-        text, raw = self.tokens.lookup(lp.token_id)
+        text, raw = self._label(lp.token_id)
         top = []
         for t in lp.top:
-            ttext, traw = self.tokens.lookup(t.token_id)
+            ttext, traw = self._label(t.token_id)
             top.append(TopEntry(ttext, traw, t.logprob))
         return LogprobEntry(text, raw, lp.logprob, top, offset)
 

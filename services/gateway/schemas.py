@@ -76,6 +76,8 @@ class _Sampling(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # vLLM's extension: logprobs name each token "token_id:<id>" (exact, where its text may not be)
+    return_tokens_as_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod

@@ -99,6 +99,12 @@ class Gateway(Service):
             "gateway %s serving %s on http://%s:%d/v1", self.instance_id, self.info.name, s.host, self.port
         )
 
+    def bound_ports(self) -> dict[str, int]:
+        ports = super().bound_ports()
+        if self.port is not None:
+            ports["api"] = self.port
+        return ports
+
     def request_stop(self) -> None:
         """Stop HTTP first; the bus drains (Service.request_stop) once uvicorn has finished."""
         if self._server is None or self._serve_task is None or self._serve_task.done():

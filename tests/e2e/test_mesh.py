@@ -48,30 +48,40 @@ def in_process(engine: Engine, prompts: list[list[int]], max_tokens: int) -> lis
     return [o.token_ids for o in outs]
 
 
-def mesh_tokens(client: openai.OpenAI, tok: Tokenizer, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy completion through the mesh; token ids recovered from the logprobs' token strings is lossy,
-    so ask for the text and compare it with the engine's decoded text plus the token count."""
+IDS = {"logprobs": 0, "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}
+
+
+def ids_of(tokens: list[str] | None) -> list[int]:
+    """Token ids from logprobs that name tokens "token_id:<id>" (return_tokens_as_token_ids)."""
+    assert tokens is not None
+    assert all(t.startswith("token_id:") for t in tokens), tokens
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def mesh_tokens(client: openai.OpenAI, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+    """Greedy completion through the mesh: the token ids the decode side produced, and the text."""
     r = client.completions.create(
-        model=client.models.list().data[0].id, prompt=prompt, max_tokens=max_tokens, temperature=0,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=max_tokens, temperature=0, **IDS
+    )
     assert r.usage is not None and r.usage.completion_tokens == max_tokens
     assert r.usage.prompt_tokens == len(prompt)
-    return r.choices[0].text  # type: ignore[return-value]
+    assert r.choices[0].logprobs is not None
+    return ids_of(r.choices[0].logprobs.tokens), r.choices[0].text
 
 
 @pytest.mark.parametrize("plen", [DIRECT_THRESHOLD - 3, 40, 90], ids=["direct", "disagg-40", "disagg-90"])
 def test_greedy_through_mesh_equals_in_process_engine(client, engine, tok, plen: int) -> None:
     prompt = prompt_of(plen, plen)
     want = in_process(engine, [prompt], 24)[0]
-    text = mesh_tokens(client, tok, prompt, 24)
+    ids, text = mesh_tokens(client, prompt, 24)
+    assert ids == want
     assert text == tok.decode(want)
 
 
-def test_disaggregated_request_moved_kv_over_mooncake(mesh: Mesh, client, engine, tok) -> None:
+def test_disaggregated_request_moved_kv_over_mooncake(mesh: Mesh, client, engine) -> None:
     before = metric_total(mesh.metrics_url("prefill-0"), "moemesh_kv_transfer_bytes_total")
     prompt = prompt_of(64, 5)
-    assert mesh_tokens(client, tok, prompt, 8) == tok.decode(in_process(engine, [prompt], 8)[0])
+    assert mesh_tokens(client, prompt, 8)[0] == in_process(engine, [prompt], 8)[0]
     assert metric_total(mesh.metrics_url("prefill-0"), "moemesh_kv_transfer_bytes_total") > before
 
 
@@ -94,25 +104,33 @@ def test_chat_streaming_with_openai_client(client: openai.OpenAI) -> None:
     assert full.choices[0].message.content == text
 
 
-def test_32_concurrent_streaming_clients_all_finish(mesh: Mesh) -> None:
-    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str | None]:
-        stream = await client.completions.create(
-            model=mesh.model_name, prompt=prompt_of(4 + (i * 5) % 50, i), max_tokens=10 + i % 7,
-            temperature=0, stream=True, extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        n, finish = 0, None
-        async for c in stream:
-            n += 1
-            finish = c.choices[0].finish_reason or finish
-        return n, finish
+def test_32_concurrent_streams_each_equal_the_engine(mesh: Mesh, engine) -> None:
+    """Every one of 32 concurrent streams (both PD paths, mixed lengths) gets the engine's greedy token ids."""
+    prompts = [prompt_of(4 + (i * 5) % 50, i) for i in range(32)]
+    lengths = [10 + i % 7 for i in range(32)]
+    longest = in_process(engine, prompts, max(lengths))  # greedy, ignore_eos: shorter runs are prefixes
+    want = [ids[:n] for ids, n in zip(longest, lengths, strict=True)]
 
-    async def main() -> list[tuple[int, str | None]]:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[list[int], str | None]:
+        stream = await client.completions.create(
+            model=mesh.model_name, prompt=prompts[i], max_tokens=lengths[i], temperature=0, stream=True, **IDS
+        )
+        ids: list[int] = []
+        finish = None
+        async for c in stream:
+            if c.choices:
+                ids += ids_of(c.choices[0].logprobs.tokens) if c.choices[0].logprobs else []
+                finish = c.choices[0].finish_reason or finish
+        return ids, finish
+
+    async def main() -> list[tuple[list[int], str | None]]:
         client = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="none", max_retries=0, timeout=120)
         return await asyncio.gather(*(one(client, i) for i in range(32)))
 
     results = asyncio.run(main())
-    assert all(finish == "length" for _, finish in results)
-    assert all(n >= 1 for n, _ in results)
+    assert [finish for _, finish in results] == ["length"] * 32
+    wrong = [i for i, (ids, _) in enumerate(results) if ids != want[i]]
+    assert not wrong, f"streams {wrong} differ from the engine: {[(results[i][0], want[i]) for i in wrong]}"
 
 
 async def _admin_stats(mesh: Mesh, service: str, worker: str) -> m.AdminReply:
@@ -207,7 +225,7 @@ def test_garbage_on_the_bus_is_rejected_and_services_keep_serving(mesh: Mesh, cl
 
     asyncio.run(send_garbage())
     prompt = prompt_of(30, 11)
-    assert mesh_tokens(client, tok, prompt, 6) == tok.decode(in_process(engine, [prompt], 6)[0])
+    assert mesh_tokens(client, prompt, 6)[0] == in_process(engine, [prompt], 6)[0]
     for name in ("decode-0", "prefill-0"):
         log = mesh.log_dir / f"{name}.log"
         _wait_for(
@@ -236,7 +254,7 @@ def _broker_answers(mesh: Mesh) -> bool:
 
 def test_broker_restart_mid_traffic_loses_no_handle(mesh: Mesh, client, engine, tok) -> None:
     for i in range(4):  # disaggregated requests leave handle records at the broker
-        mesh_tokens(client, tok, prompt_of(30 + i, 100 + i), 2)
+        mesh_tokens(client, prompt_of(30 + i, 100 + i), 2)
     _wait_for(lambda: len(asyncio.run(_list_handles(mesh))) >= 4, "4 handle records at the broker")
     before = asyncio.run(_list_handles(mesh))
 

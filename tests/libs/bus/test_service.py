@@ -9,8 +9,9 @@ import msgspec
 import pytest
 
 from libs.bus import Bus, NoResponders, Service, ServiceSettings
+from libs.bus.ports import read_ports, write_ports
 from libs.natsd import start_nats_server
-from tests.service_helpers import start_service
+from tests.service_helpers import start_service, stop_service
 
 
 class Ping(msgspec.Struct, frozen=True, tag=True):
@@ -90,6 +91,33 @@ async def test_health_metrics_and_graceful_drain(nats_server):
             await client.request(s, Ping(1), Pong, timeout=5)
     finally:
         await client.close()
+
+
+async def test_ports_file_names_the_side_port_it_bound_before_started(nats_server, tmp_path):
+    ports_file = tmp_path / "ports" / "echo.json"
+    settings = ServiceSettings(
+        nats_url=nats_server, http_port=-1, http_host="127.0.0.1", ports_file=str(ports_file)
+    )
+    svc = EchoService(settings, f"test.svc.{uuid.uuid4().hex}")
+    task = await start_service(svc)
+    try:
+        ports = read_ports(ports_file)  # written before `started`: no wait needed
+        assert ports == {"http": svc.http_port} and svc.http_port > 0
+        async with httpx.AsyncClient() as c:
+            assert (await c.get(f"http://127.0.0.1:{ports['http']}/health")).status_code == 200
+    finally:
+        await stop_service(svc, task)
+    assert list(ports_file.parent.iterdir()) == [ports_file]  # no temporary file left beside it
+
+
+def test_ports_file_is_none_until_written_and_rejects_garbage(tmp_path):
+    path = tmp_path / "x.json"
+    assert read_ports(path) is None
+    write_ports(path, {"http": 1234, "api": 80})
+    assert read_ports(path) == {"http": 1234, "api": 80}
+    path.write_text('{"http": "1234"}')
+    with pytest.raises(ValueError, match="not a ports file"):
+        read_ports(path)
 
 
 async def test_sigterm_drains(nats_server):

@@ -7,7 +7,9 @@ from libs.launch.natsauth import NatsAuth
 
 
 async def _kv(mesh: Mesh, put: bytes | None) -> bytes:
-    nc = await nats.connect(mesh.nats_url, connect_timeout=2, max_reconnect_attempts=0, **mesh.connect_options())
+    nc = await nats.connect(
+        mesh.nats_url, connect_timeout=2, max_reconnect_attempts=0, **mesh.connect_options()
+    )
     try:
         kv = await nc.jetstream().create_key_value(bucket="mesh_t")
         if put is not None:
@@ -40,3 +42,15 @@ def test_nats_store_and_auth_file_outlive_restart_but_not_stop(tmp_path, monkeyp
     leftovers = [p.name for p in logs.rglob("*")]
     assert "nats-auth.conf" not in leftovers and not any("store" in n for n in leftovers)
     assert not any("s3cret" in p.read_text(errors="replace") for p in logs.rglob("*") if p.is_file())
+
+
+def test_a_restart_never_reads_the_previous_lifes_ports(tmp_path):
+    from libs.bus.ports import read_ports, write_ports
+    from libs.launch.supervisor import ServiceSpec, Supervisor
+
+    ports = tmp_path / "ports" / "svc.json"
+    write_ports(ports, {"http": 1})  # left by a process that was killed
+    sup = Supervisor(tmp_path / "logs")
+    sup.start(ServiceSpec("svc", "sysconfig", ports_file=ports))  # a module that exits at once
+    assert read_ports(ports) is None
+    sup.stop_all()

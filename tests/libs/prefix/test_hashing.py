@@ -50,3 +50,40 @@ def test_bad_tokens_are_a_clear_error(bad) -> None:
 def test_bad_page_size_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="page_size"):
         block_hashes(TOKENS, 0)
+
+
+# Golden values: workers, the kv-broker and the scheduler of different versions meet in one mesh and
+# must agree on every block hash, so a change to the hash (domain, byte order, chaining, width) has to
+# break this test and be shipped as a deliberate, versioned change (a new domain string).
+GOLDEN_ROOTS = {1: 0xE96B0D2EC4CBE0B3, 16: 0x99D17C6FAEF99630}
+GOLDEN = [
+    (list(range(40)), 16, [0x5C93EB6CAA4BDFE1, 0x1A63FA16C192D6F6]),
+    ([0, 1, 2**32 - 1, 5], 2, [0x891EF62F785B6D56, 0x0888669B32CDAE90]),
+]
+
+
+def test_golden_block_hashes() -> None:
+    assert {p: root_hash(p) for p in GOLDEN_ROOTS} == GOLDEN_ROOTS
+    for tokens, page_size, want in GOLDEN:
+        assert block_hashes(tokens, page_size) == want
+
+
+def test_golden_values_follow_the_documented_formula() -> None:
+    """hash_i = blake2b-64(hash_{i-1} || page i's tokens), little-endian (8 bytes, then 4 per token),
+    from blake2b-64(b"moemesh-kv-block-v1" || page_size as 4 bytes); digests read little-endian."""
+    import hashlib
+
+    def b2(data: bytes) -> int:
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+    def root(page_size: int) -> int:
+        return b2(b"moemesh-kv-block-v1" + page_size.to_bytes(4, "little"))
+
+    assert {p: root(p) for p in GOLDEN_ROOTS} == GOLDEN_ROOTS
+    for tokens, page_size, want in GOLDEN:
+        h, got = root(page_size), []
+        for start in range(0, len(tokens) // page_size * page_size, page_size):
+            page = b"".join(t.to_bytes(4, "little") for t in tokens[start : start + page_size])
+            h = b2(h.to_bytes(8, "little") + page)
+            got.append(h)
+        assert got == want

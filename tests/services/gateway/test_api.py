@@ -137,6 +137,19 @@ async def test_completions_logprobs_streaming(
     assert offsets == [len("".join(tokens[:k])) for k in range(len(tokens))]
 
 
+async def test_return_tokens_as_token_ids_names_the_ids_the_mesh_sent(
+    client: openai.AsyncOpenAI, tokenizer: Tokenizer
+) -> None:
+    r = await client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=6, logprobs=1, extra_body={"return_tokens_as_token_ids": True}
+    )
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None
+    want = [f"token_id:{t}" for t in tokenizer.encode(TEXT, add_special_tokens=False)[:6]]
+    assert lp.tokens == want and [next(iter(t)) for t in lp.top_logprobs] == want
+    assert r.choices[0].text == script_text(tokenizer, 6)
+
+
 async def test_stop_string_truncates_and_cancels_the_worker(
     client: openai.AsyncOpenAI, fake_mesh: FakeMesh, gateway: Gateway
 ) -> None:

@@ -101,6 +101,16 @@ def test_logprob_entries_bytes_and_offsets(tokenizer: Tokenizer) -> None:
             assert TEXT[e.offset : nxt.offset] == e.token
 
 
+def test_tokens_as_ids_name_every_token_and_top_entry_by_id(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    out = ChoiceOutput.create(0, tokenizer, TokenText(tokenizer), [], [], True, tokens_as_ids=True)
+    for d in deltas(ids, 3, lp=True):
+        out.feed(d)
+    assert [e.token for e in out.logprobs] == [f"token_id:{t}" for t in ids]
+    assert all(e.top[0].token == e.token for e in out.logprobs)
+    assert out.full_text() == TEXT  # the text itself is unchanged
+
+
 def test_special_token_text_in_logprobs(tokenizer: Tokenizer) -> None:
     text, raw = TokenText(tokenizer).lookup(tokenizer.eos_token_id)
     assert text == tokenizer.eos_token and bytes(raw).decode() == text

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 from libs.bus import SettingsError, load_settings
+from libs.bus.ports import read_ports
 from services.gateway.settings import GatewaySettings
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -60,19 +60,14 @@ def test_settings_from_env_and_flags(model_dir: Path) -> None:
         load_settings(GatewaySettings, "gateway", env={**env, "MOEMESH_GATEWAY_REQUEST_TIMEOUT_S": "0"})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_runs_alone_and_stops_on_sigterm(nats_server: str, model_dir: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    ports_file = tmp_path / "ports" / "gateway.json"
     env = {
         **os.environ,
         "MOEMESH_NATS_URL": nats_server,
         "MOEMESH_GATEWAY_MODEL_DIR": str(model_dir),
-        "MOEMESH_GATEWAY_PORT": str(port),
+        "MOEMESH_GATEWAY_PORT": "0",  # any free port: the gateway binds it and says which in its ports file
+        "MOEMESH_GATEWAY_PORTS_FILE": str(ports_file),
     }
     log = (tmp_path / "gateway.log").open("w+")
     proc = subprocess.Popen(
@@ -80,6 +75,12 @@ def test_runs_alone_and_stops_on_sigterm(nats_server: str, model_dir: Path, tmp_
     )
     try:
         deadline = time.monotonic() + 20
+        while (ports := read_ports(ports_file)) is None:
+            assert proc.poll() is None, "gateway exited: " + (tmp_path / "gateway.log").read_text()
+            assert time.monotonic() < deadline, "gateway wrote no ports file in 20 s"
+            time.sleep(0.05)
+        port = ports["api"]
+        assert set(ports) == {"api"}  # no side port: the API port serves /health and /metrics
         while True:
             assert proc.poll() is None, "gateway exited: " + (tmp_path / "gateway.log").read_text()
             try:

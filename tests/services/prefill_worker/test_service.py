@@ -1,0 +1,150 @@
+"""The prefill worker service against a real nats-server: a task's KV lands in the decode worker's
+reserved pages and KvReady carries the engine's first token; a lease too close to its end, a transfer
+that fails half-way and a cancel each end in PrefillFailed (the decode side frees its reservation), tell
+the gateway when it must move the request, write nothing afterwards, and leave no page pinned."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import pytest
+import torch
+
+from libs.engine import Engine, SamplingParams
+from libs.kvtransfer.base import TransferError
+from proto import messages as m
+from proto import subjects
+from tests.services.prefill_worker.conftest import DECODE, Rig
+
+PROMPT = [(7 * i + 3) % 900 + 3 for i in range(40)]  # 40 tokens: 3 pages of 16, the last one partial
+DST_PAGES = [9, 2, 3]  # not in order, and a run of two: the planner merges consecutive pages
+
+
+def reference_prefill(engine: Engine, prompt: list[int]) -> tuple[int, torch.Tensor]:
+    """The first token and the prompt's KV rows [L, T, row] from the same checkpoint in this process."""
+    rid = f"ref-{uuid.uuid4().hex}"
+    res = engine.prefill(rid, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    ps = engine.page_size
+    idx = torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in res.page_ids])[: len(prompt)]
+    rows = engine.kv_pool.buffer[:, idx].clone()
+    engine.release(rid)
+    return res.first_token, rows
+
+
+def same_kv(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The same rows up to float32 rounding (the two engines run on different threads); a wrong or
+    missing page would be off by the size of the values themselves."""
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+async def test_the_kv_lands_in_the_reserved_pages_and_kv_ready_has_the_first_token(
+    make_rig, reference
+) -> None:
+    rig: Rig = await make_rig()
+    task = rig.task(PROMPT, DST_PAGES)
+    await rig.send(task)
+    ready = await rig.next_inbox()
+    assert isinstance(ready, m.KvReady), ready
+    first, rows = reference_prefill(reference, PROMPT)
+    assert (ready.request_id, ready.handle_id, ready.first_token.token_id) == (
+        task.request_id, task.handle.handle_id, first,
+    )  # fmt: skip
+    assert ready.prompt_ids == PROMPT and ready.prefill_worker == rig.worker.instance_id
+    same_kv(rig.decode.rows(DST_PAGES, len(PROMPT)), rows)
+    untouched = [p for p in range(rig.decode.buffer.shape[1] // rig.decode.page_size) if p not in DST_PAGES]
+    assert not rig.decode.rows(untouched, len(untouched) * rig.decode.page_size).any()
+    await rig.until(lambda: rig.written == [task.handle.handle_id], "HandleWritten at the broker")
+    await rig.settled()
+    assert rig.stream.empty()
+
+
+async def test_no_write_into_a_lease_that_ends_within_the_margin(make_rig) -> None:
+    rig: Rig = await make_rig(lease_margin_ms=5_000)
+    task = rig.task(PROMPT, DST_PAGES, lease_ms=2_000)  # live, but ends sooner than the margin
+    await rig.send(task)
+    failed = await rig.next_inbox()
+    assert isinstance(failed, m.PrefillFailed) and failed.handle_id == task.handle.handle_id
+    assert "lease" in failed.message
+    err = await asyncio.wait_for(rig.stream.get(), 10)
+    assert isinstance(err, m.RequestError) and (err.request_id, err.code) == (task.request_id, 503)
+    assert err.worker_id == rig.worker.instance_id
+    assert not rig.decode.buffer.any()  # nothing written into pages the decode side may reuse
+    assert rig.written == []
+    await rig.settled()
+
+
+async def test_a_transfer_failing_half_way_fails_the_request_and_the_worker_serves_on(
+    make_rig, reference
+) -> None:
+    rig: Rig = await make_rig()
+    real_write = rig.worker.transport.write
+    calls: list[int] = []
+
+    def write_half_then_fail(session: str, runs):  # the link drops after half of the runs landed
+        calls.append(len(runs))
+        if len(calls) == 1:
+            real_write(session, runs[: len(runs) // 2])
+            raise TransferError("connection reset by peer")
+        return real_write(session, runs)
+
+    rig.worker.transport.write = write_half_then_fail  # type: ignore[method-assign]
+    task = rig.task(PROMPT, DST_PAGES)
+    await rig.send(task)
+    failed = await rig.next_inbox()
+    assert isinstance(failed, m.PrefillFailed) and failed.request_id == task.request_id
+    assert "connection reset" in failed.message
+    err = await asyncio.wait_for(rig.stream.get(), 10)
+    assert isinstance(err, m.RequestError) and (err.request_id, err.code) == (task.request_id, 503)
+    assert rig.decode.buffer.any() and calls[0] > 1  # the failure came after some bytes had landed
+    assert rig.written == []
+    await rig.settled()
+
+    again = rig.task(PROMPT, DST_PAGES)  # the same prompt again: the transfer is whole this time
+    await rig.send(again)
+    ready = await rig.next_inbox()
+    assert isinstance(ready, m.KvReady) and ready.request_id == again.request_id
+    first, rows = reference_prefill(reference, PROMPT)
+    assert ready.first_token.token_id == first
+    same_kv(rig.decode.rows(DST_PAGES, len(PROMPT)), rows)
+    await rig.settled()
+
+
+@pytest.mark.parametrize("where", ["at-the-broker-lookup", "in-the-prefill"])
+async def test_a_cancel_while_the_task_runs_frees_the_reservation_without_writing(
+    make_rig, where: str
+) -> None:
+    rig: Rig = await make_rig()
+    task = rig.task(PROMPT, DST_PAGES)
+    hold = threading.Event()  # "in-the-prefill": keeps the engine thread busy, so the prefill waits
+    busy = asyncio.ensure_future(
+        rig.worker.et.call(hold.wait, 30) if where == "in-the-prefill" else asyncio.sleep(0)
+    )
+    if where == "at-the-broker-lookup":
+        rig.lookup_gate.clear()  # the destination's geometry is not known yet
+    try:
+        await rig.send(task)
+        if where == "at-the-broker-lookup":
+            await rig.until(lambda: task.request_id in rig.worker.active, "the task to start")
+        else:  # past the lookup: the next step is the prefill, queued behind `hold`
+            await rig.until(lambda: DECODE in rig.worker.dst_geoms, "the task to look up the decode worker")
+        await rig.bus.publish(subjects.CANCEL, m.Cancel(request_id=task.request_id, reason="client gone"))
+        await rig.bus.flush()
+        await rig.until(lambda: task.request_id in rig.worker.cancelled, "the worker to hear the cancel")
+    finally:
+        rig.lookup_gate.set()
+        hold.set()
+        await busy
+    failed = await rig.next_inbox()
+    assert isinstance(failed, m.PrefillFailed) and failed.handle_id == task.handle.handle_id
+    assert failed.message == "cancelled"
+    await rig.settled()
+    assert not rig.decode.buffer.any() and rig.written == []
+    # What the worker published for the cancelled task precedes what it publishes for the next one.
+    nxt = rig.task(PROMPT[:20], [4, 5])
+    await rig.send(nxt)
+    ready = await rig.next_inbox()
+    assert isinstance(ready, m.KvReady) and ready.request_id == nxt.request_id
+    assert rig.stream.empty()  # the gateway ended the request itself: no RequestError for a cancel
+    await rig.settled()
