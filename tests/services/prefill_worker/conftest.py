@@ -20,7 +20,7 @@ from libs.engine import Engine
 from libs.engine.tiny import write_tiny_model
 from libs.kvtransfer.inprocess import InProcessTransport
 from libs.natsd import start_nats_server
-from libs.worker.common import geometry
+from libs.worker.startup import geometry
 from proto import messages as m
 from proto import subjects
 from services.prefill_worker.service import PrefillWorker, PrefillWorkerSettings
