@@ -19,6 +19,7 @@ from libs.bus.service import Service
 from libs.telemetry.asgi import TracedApp
 from libs.tokenizer import Tokenizer
 from services.gateway.admin import AdminMesh, install_admin
+from services.gateway.launcher import watch_launchers
 from services.gateway.app import GatewayContext, create_app
 from services.gateway.convert import ModelInfo
 from services.gateway.mesh import MeshClient
@@ -78,6 +79,7 @@ class Gateway(Service):
         sock = _bind(s.host, s.port)  # bind errors surface here, clearly, not as uvicorn's sys.exit
         self.port = sock.getsockname()[1]
         app = create_app(ctx)
+        await watch_launchers(self.bus, self.registry)  # services up/restarting/given up (launcher.py)
         if s.enable_admin:  # worker stats and the decode slow-down (admin.py)
             admin = AdminMesh(self.bus)
             await admin.start()
