@@ -159,7 +159,9 @@ class Mesh:
         self._nats_dir = Path(tempfile.mkdtemp(prefix="moemesh-nats-"))
         args = self.cfg.nats_auth.server_args(self._nats_dir) if self.cfg.nats_auth else []
         store = str(self._nats_dir / "store")
-        self.nats = start_nats_server(port, jetstream=True, host="127.0.0.1", store_dir=store, extra_args=args)
+        self.nats = start_nats_server(
+            port, jetstream=True, host="127.0.0.1", store_dir=store, extra_args=args
+        )
         argv = (find_nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.nats.port), "-js", "-sd", store)
         self.sup.adopt(ServiceSpec(NATS, "", argv=(*argv, *args)), self.nats.proc, Path(self.nats.log_path))
 
@@ -207,7 +209,9 @@ class Mesh:
             if set(group) <= gone:
                 lost += group
         if lost:
-            raise RuntimeError(f"the mesh cannot serve: given up on {', '.join(lost)}; logs in {self.log_dir}")
+            raise RuntimeError(
+                f"the mesh cannot serve: given up on {', '.join(lost)}; logs in {self.log_dir}"
+            )
 
     async def _wait_ready(self, timeout: float) -> None:
         want = set(self.worker_ids(m.Role.PREFILL)) | set(self.worker_ids(m.Role.DECODE))

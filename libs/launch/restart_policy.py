@@ -63,7 +63,9 @@ def on_exit(rec: ServiceRecord, policy: RestartPolicy, now: float, code: int | N
         return rec
     exits = (*(t for t in rec.exits if now - t < policy.window_s), now)
     if len(exits) > policy.max_restarts:
-        return replace(rec, state=State.GIVEN_UP, exits=exits, restart_at=None, last_exit_code=code, since=now)
+        return replace(
+            rec, state=State.GIVEN_UP, exits=exits, restart_at=None, last_exit_code=code, since=now
+        )
     at = now + policy.delay(len(exits))
     return replace(rec, state=State.RESTARTING, exits=exits, restart_at=at, last_exit_code=code, since=now)
 

@@ -43,7 +43,9 @@ def status_message(
         m.ServiceState(name=n, status=_STATUS[r.state], restarts=r.restarts, last_exit_code=r.last_exit_code)
         for n, r in sorted(records.items())
     ]
-    return m.LauncherStatus(launcher_id=launcher_id, services=services, interval_ms=interval_ms, sent_ms=now_ms)
+    return m.LauncherStatus(
+        launcher_id=launcher_id, services=services, interval_ms=interval_ms, sent_ms=now_ms
+    )
 
 
 class SupervisionLoop:

@@ -7,7 +7,9 @@ from libs.launch.natsauth import NatsAuth
 
 
 async def _kv(mesh: Mesh, put: bytes | None) -> bytes:
-    nc = await nats.connect(mesh.nats_url, connect_timeout=2, max_reconnect_attempts=0, **mesh.connect_options())
+    nc = await nats.connect(
+        mesh.nats_url, connect_timeout=2, max_reconnect_attempts=0, **mesh.connect_options()
+    )
     try:
         kv = await nc.jetstream().create_key_value(bucket="mesh_t")
         if put is not None:

@@ -13,7 +13,9 @@ def test_metrics_show_each_service_status_and_restarts_and_drop_a_silent_launche
     view, now = LauncherView(), [100.0]
     registry = CollectorRegistry()
     registry.register(LauncherCollector(view, clock=lambda: now[0]))
-    view.observe(status("L1", 1, decode_0=(m.ServiceStatus.UP, 1), prefill_0=(m.ServiceStatus.GIVEN_UP, 5)), 100.0)
+    view.observe(
+        status("L1", 1, decode_0=(m.ServiceStatus.UP, 1), prefill_0=(m.ServiceStatus.GIVEN_UP, 5)), 100.0
+    )
     text = generate_latest(registry).decode()
     assert 'moemesh_launcher_service_status{launcher="L1",service="decode_0",status="up"} 1.0' in text
     assert 'moemesh_launcher_service_status{launcher="L1",service="decode_0",status="restarting"} 0.0' in text
