@@ -1,12 +1,15 @@
 """Fault tolerance and overload on the real mesh (CPU, tiny model): the kill table and the overload (10x
 capacity offered by default; see `sent_over_capacity` for what was delivered).
 
-    python -m bench.chaos [--requests 64] [--max-tokens 16] [--overload-seconds 30] [--overload-factor 10]
+    python -m bench.chaos [--requests 24] [--max-tokens 48] [--overload-seconds 30] [--overload-factor 10]
 
-1. Kill table: with 2 prefill + 2 decode workers and 2 scheduler replicas, while N greedy streams run,
-   SIGKILL a decode worker, a prefill worker and a scheduler replica, and restart the kv-broker and the
-   nats-server; per strike: requests, completed with the undisturbed text (in-process Engine), migrated,
-   clean errors, wrong, hung, pages left on live workers once traffic stopped.
+1. Kill table, under the launcher `moemesh up` runs (libs.launch.mesh, its supervisor restarting what
+   dies): with 2 prefill + 2 decode workers and 2 scheduler replicas, while N greedy streams run
+   (ignore_eos, long enough that none has finished at the strike), SIGKILL a decode worker, a prefill
+   worker, a scheduler replica, the kv-broker and the nats-server, one at a time; per strike: requests,
+   completed with the undisturbed text (in-process Engine), migrated, clean errors, wrong, hung, pages
+   left on the workers once traffic stopped, streams already finished at the strike, the supervisor's
+   restarts of the killed service and the seconds until it served again.
 2. Overload: measure the mesh's capacity (requests/s at a fixed concurrency), then offer `factor` x that
    for `seconds` with the schedulers' queues bounded at --max-queue (the client's in-flight cap can hold
    arrivals back: `sent_rps` and `sent_over_capacity` are the load delivered): answers by status
@@ -30,7 +33,7 @@ from pathlib import Path
 
 from libs.bench.report import write_json
 from libs.chaos.overload import measure_capacity, overload, service_pids
-from libs.chaos.scenarios import chaos_config, chaos_prompts, restart_service, run_fault, standard_faults
+from libs.chaos.scenarios import chaos_config, chaos_prompts, run_fault, standard_faults
 from libs.engine import Engine, SamplingParams
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh
@@ -46,6 +49,9 @@ COLUMNS = (
     "hung",
     "leaked_pages",
     "max_seconds",
+    "finished_before_strike",
+    "restarts",
+    "back_s",
 )
 
 
@@ -58,8 +64,8 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder (default: a fresh tiny model)")
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--overload-seconds", type=float, default=30.0)
     p.add_argument("--overload-factor", type=float, default=10.0)
     p.add_argument("--max-queue", type=int, default=64, help="each scheduler replica's queue bound")
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(["python", "-m", "bench.chaos", *(sys.argv[1:] if argv is None else argv)]),
         "environment": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "mesh": "2 prefill + 2 decode workers, 2 schedulers, kv-broker, gateway, nats (user/password); tiny "
-        "model on CPU; decode forward_sleep_ms 25, 48 KV pages per decode worker, lease 4 s",
+        "model on CPU; decode forward_sleep_ms 25, 160 KV pages per decode worker, lease 4 s; every "
+        "service supervised by the launcher (restart backoff 0.5 s)",
     }  # fmt: skip
     with Mesh(cfg) as mesh:
         print(f"mesh up ({mesh.url}); logs in {mesh.log_dir}", flush=True)
@@ -96,12 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = []
             for fault in standard_faults(args.requests):
                 row, _ = run_fault(
-                    mesh, fault, prompts, want, args.max_tokens, deadline_s=60.0, leak_timeout_s=15.0
+                    mesh, fault, prompts, want, args.max_tokens, deadline_s=90.0, leak_timeout_s=15.0
                 )
                 rows.append(row.as_dict())
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
-                if fault.restart:
-                    restart_service(mesh, fault.killed)
             result["faults"] = rows
             print("\n" + table(rows), flush=True)
         short = prompts[0]

@@ -17,6 +17,7 @@ import socket
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,7 @@ class Mesh:
         self.sup = Supervisor(self.log_dir, cfg.restart)
         self.report = report  # the supervisor's lines for the operator (exits, restarts, give-ups)
         self._loop: SupervisionLoop | None = None
+        self.launcher_id = f"launcher-{uuid.uuid4().hex[:8]}"  # in its LauncherStatus on the bus
         self.port = cfg.port or free_port(cfg.host)
         self.model_name = cfg.served_model_name or Path(cfg.model_dir).resolve().name
         self.http_ports: dict[str, int] = {}  # service name -> its /health and /metrics side port
@@ -191,7 +193,9 @@ class Mesh:
             raise ValueError(f"schedulers must be >= 1, got {self.cfg.schedulers}")
         try:
             self._start_nats(self.cfg.nats_port)
-            self._loop = SupervisionLoop(self.sup, self.nats_url, self.connect_options(), self.report)
+            self._loop = SupervisionLoop(
+                self.sup, self.nats_url, self.connect_options(), self.report, self.launcher_id
+            )
             self._loop.start()
             for s in self.specs():
                 self.sup.start(s)

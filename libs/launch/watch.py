@@ -53,10 +53,10 @@ class SupervisionLoop:
 
     def __init__(
         self, sup: Supervisor, nats_url: str, connect_options: dict[str, Any],
-        report: Callable[[str], None] = log.warning,
+        report: Callable[[str], None] = log.warning, launcher_id: str = "",
     ) -> None:  # fmt: skip
         self.sup, self.nats_url, self.connect_options, self.report = sup, nats_url, connect_options, report
-        self.launcher_id = f"launcher-{uuid.uuid4().hex[:8]}"
+        self.launcher_id = launcher_id or f"launcher-{uuid.uuid4().hex[:8]}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="moemesh-supervisor", daemon=True)
 
