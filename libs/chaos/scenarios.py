@@ -129,15 +129,15 @@ def chaos_config(
     extra_env: dict[str, dict[str, str]] | None = None,
 ) -> MeshConfig:  # fmt: skip
     """2 prefill + 2 decode workers, 2 scheduler replicas, nats with a user/password; a slower decode
-    step, so streams run long enough to be cut mid-way, a KV pool that holds every stream on one decode
-    worker (where the other's migrate), short waiting lines at the decode workers, so requests wait in
-    the schedulers' queues; short leases so lost reservations come back within seconds."""
+    step, so streams run long enough to be cut mid-way, a small KV pool (~8 of the chaos streams per
+    decode worker) and short waiting lines at the decode workers, so requests wait in the schedulers'
+    queues; short leases so lost reservations come back within seconds."""
     env = {
         "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": "16",
                                "MOEMESH_SCHEDULER_LEASE_MS": str(lease_ms),
                                "MOEMESH_SCHEDULER_MAX_DECODE_WAITING": "4"},
         "services.decode_worker": {"MOEMESH_DECODE_WORKER_FORWARD_SLEEP_MS": "25",
-                                   "MOEMESH_DECODE_WORKER_NUM_PAGES": "160"},
+                                   "MOEMESH_DECODE_WORKER_NUM_PAGES": "48"},
         "services.gateway": {"MOEMESH_GATEWAY_REQUEST_TIMEOUT_S": str(deadline_s),
                              "MOEMESH_GATEWAY_MAX_MIGRATIONS": "3"},
     }  # fmt: skip
