@@ -18,11 +18,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats
+from nats.aio.msg import Msg
+
 from libs.chaos.load import Progress, stream_many
 from libs.chaos.report import FaultResult, summarize
 from libs.chaos.workers import metric_total, request_pages, wait_for_no_leaks
 from libs.launch.mesh import NATS, Mesh, MeshConfig
 from libs.launch.natsauth import NatsAuth
+from proto import decoder, subjects
 from proto import messages as m
 
 MIGRATIONS = "moemesh_gateway_migrations_total"
@@ -34,19 +38,24 @@ def workers(mesh: Mesh) -> list[tuple[m.Role, str]]:
 
 @dataclass(frozen=True)
 class Fault:
-    """Which service to SIGKILL, and when: after `after` = (requests, chunks each) streamed."""
+    """Which service to SIGKILL, and when: after `after` = (requests, chunks each) streamed (and, for a
+    scheduler replica with `queued`, once its heartbeat reports requests waiting in its queue)."""
 
     killed: str
     after: tuple[int, int]
+    queued: bool = False
 
 
 def standard_faults(n_requests: int) -> list[Fault]:
+    """Each strikes while the first wave streams (6 requests with a few chunks: the chaos config runs 8
+    at once), before any stream has finished."""
+    first = min(6, n_requests)
     return [
-        Fault("decode-0", (n_requests // 2, 3)),
+        Fault("decode-0", (first, 3)),
         Fault("prefill-1", (4, 1)),
-        Fault("scheduler-0", (8, 2)),
-        Fault("kv-broker", (n_requests // 4, 2)),
-        Fault(NATS, (n_requests // 2, 3)),
+        Fault("scheduler-0", (first, 2), queued=True),
+        Fault("kv-broker", (first, 2)),
+        Fault(NATS, (first, 3)),
     ]
 
 
@@ -69,6 +78,8 @@ def run_fault(
     async def strike(progress: Progress) -> None:
         if not await progress.wait(*fault.after, timeout=deadline_s):
             raise RuntimeError(f"traffic never reached {fault.after} before striking {fault.killed}")
+        if fault.queued:
+            await until_queued(mesh, fault.killed, timeout=deadline_s)
         seen.finished_before = progress.finished()
         t0 = time.monotonic()
         await asyncio.to_thread(mesh.sup.kill, fault.killed)
@@ -88,6 +99,26 @@ def run_fault(
     row.restarts = mesh.sup.restarts(fault.killed) - restarts
     row.back_s = round(seen.back_s, 2)
     return row, left
+
+
+async def until_queued(mesh: Mesh, scheduler: str, timeout: float) -> None:
+    """Until a heartbeat of that scheduler replica reports requests in its queue."""
+    dec = decoder(m.SchedulerHeartbeat)
+    seen = asyncio.Event()
+
+    async def on_beat(msg: Msg) -> None:
+        hb = dec.decode(msg.data)
+        if hb.scheduler_id == scheduler and hb.queued > 0:
+            seen.set()
+
+    nc = await nats.connect(mesh.nats_url, **mesh.connect_options())
+    try:
+        await nc.subscribe(subjects.SCHED_HEARTBEAT, cb=on_beat)
+        await asyncio.wait_for(seen.wait(), timeout)
+    except TimeoutError:
+        raise RuntimeError(f"{scheduler} never reported a queued request within {timeout:.0f}s") from None
+    finally:
+        await nc.close()
 
 
 def wait_serving(mesh: Mesh, name: str, restarts: int, timeout: float = 90.0) -> None:
@@ -129,15 +160,16 @@ def chaos_config(
     extra_env: dict[str, dict[str, str]] | None = None,
 ) -> MeshConfig:  # fmt: skip
     """2 prefill + 2 decode workers, 2 scheduler replicas, nats with a user/password; a slower decode
-    step, so streams run long enough to be cut mid-way, a small KV pool (~8 of the chaos streams per
-    decode worker) and short waiting lines at the decode workers, so requests wait in the schedulers'
-    queues; short leases so lost reservations come back within seconds."""
+    step, so streams run long enough to be cut mid-way; batches of 4 and waiting lines of 4 at each decode
+    worker, so of 24 streams 8 wait in the schedulers' queues at first (a scheduler kill strikes them);
+    short leases so lost reservations come back within seconds."""
     env = {
         "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": "16",
                                "MOEMESH_SCHEDULER_LEASE_MS": str(lease_ms),
                                "MOEMESH_SCHEDULER_MAX_DECODE_WAITING": "4"},
         "services.decode_worker": {"MOEMESH_DECODE_WORKER_FORWARD_SLEEP_MS": "25",
-                                   "MOEMESH_DECODE_WORKER_NUM_PAGES": "48"},
+                                   "MOEMESH_DECODE_WORKER_NUM_PAGES": "64",
+                                   "MOEMESH_DECODE_WORKER_MAX_NUM_SEQS": "4"},
         "services.gateway": {"MOEMESH_GATEWAY_REQUEST_TIMEOUT_S": str(deadline_s),
                              "MOEMESH_GATEWAY_MAX_MIGRATIONS": "3"},
     }  # fmt: skip

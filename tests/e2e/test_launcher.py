@@ -57,6 +57,22 @@ class Console:
         return "".join(self.lines)
 
 
+def mesh_processes(nats_url: str) -> list[int]:
+    """Pids of the processes serving this mesh: services (their MOEMESH_NATS_URL) and its nats-server."""
+    port = nats_url.rsplit(":", 1)[1]
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        nats = b"nats-server" in argv[0] and port.encode() in argv
+        if nats or f"MOEMESH_NATS_URL={nats_url}".encode() in environ:
+            found.append(int(proc.name))
+    return found
+
+
 @pytest.fixture
 def up_with_a_broken_prefill_worker(
     tiny_model: Path, tmp_path: Path
@@ -86,7 +102,9 @@ def test_a_service_crashing_at_start_up_is_given_up_while_the_rest_serves(
     up_with_a_broken_prefill_worker,
 ) -> None:
     proc, console = up_with_a_broken_prefill_worker
-    url = console.wait_for(r"moemesh is up: (http://\S+)/v1", START_TIMEOUT_S).group(1)
+    up = console.wait_for(r"moemesh is up: (http://\S+)/v1 .*nats (nats://\S+)\)", START_TIMEOUT_S)
+    url, nats_url = up.group(1), up.group(2)
+    assert mesh_processes(nats_url), "no service process found"
     out = console.text
     # two restarts allowed, the third exit gives it up: three starts, each exit printed with its log tail
     assert out.count("prefill-0 exited with code 2") == 3, out
@@ -117,4 +135,5 @@ def test_a_service_crashing_at_start_up_is_given_up_while_the_rest_serves(
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the launcher's terminal
     assert proc.wait(90) == 0, console.text
     console.wait_for("stopping moemesh", 5)
+    assert mesh_processes(nats_url) == [], "processes of the mesh outlived the launcher"
     print(console.text)  # with -s: what a user sees
