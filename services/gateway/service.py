@@ -19,9 +19,9 @@ from libs.bus.service import Service
 from libs.telemetry.asgi import TracedApp
 from libs.tokenizer import Tokenizer
 from services.gateway.admin import AdminMesh, install_admin
-from services.gateway.launcher import watch_launchers
 from services.gateway.app import GatewayContext, create_app
 from services.gateway.convert import ModelInfo
+from services.gateway.launcher import watch_launchers
 from services.gateway.mesh import MeshClient
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.settings import GatewaySettings
