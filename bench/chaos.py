@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(["python", "-m", "bench.chaos", *(sys.argv[1:] if argv is None else argv)]),
         "environment": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "mesh": "2 prefill + 2 decode workers, 2 schedulers, kv-broker, gateway, nats (user/password); tiny "
-        "model on CPU; decode forward_sleep_ms 25, 64 KV pages and batches of 4 per decode worker, lease 4 s; every "
+        "model on CPU; decode forward_sleep_ms 25, 64 KV pages per decode worker, decode waiting line 1, lease 4 s; every "
         "service supervised by the launcher (restart backoff 0.5 s)",
     }  # fmt: skip
     with Mesh(cfg) as mesh:

@@ -47,8 +47,7 @@ class Fault:
 
 
 def standard_faults(n_requests: int) -> list[Fault]:
-    """Each strikes while the first wave streams (6 requests with a few chunks: the chaos config runs 8
-    at once), before any stream has finished."""
+    """Each strikes early, when 6 streams have a few chunks and none has finished (48-token streams)."""
     first = min(6, n_requests)
     return [
         Fault("decode-0", (first, 3)),
@@ -160,16 +159,16 @@ def chaos_config(
     extra_env: dict[str, dict[str, str]] | None = None,
 ) -> MeshConfig:  # fmt: skip
     """2 prefill + 2 decode workers, 2 scheduler replicas, nats with a user/password; a slower decode
-    step, so streams run long enough to be cut mid-way; batches of 4 and waiting lines of 4 at each decode
-    worker, so of 24 streams 8 wait in the schedulers' queues at first (a scheduler kill strikes them);
-    short leases so lost reservations come back within seconds."""
+    step, so streams run long enough to be cut mid-way; a decode waiting line of 1, so each scheduler
+    replica places about one request per decode worker per heartbeat (250 ms) and 24 streams wait in
+    the schedulers' queues for seconds (a scheduler kill strikes them); short leases so lost
+    reservations come back within seconds."""
     env = {
         "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": "16",
                                "MOEMESH_SCHEDULER_LEASE_MS": str(lease_ms),
-                               "MOEMESH_SCHEDULER_MAX_DECODE_WAITING": "4"},
+                               "MOEMESH_SCHEDULER_MAX_DECODE_WAITING": "1"},
         "services.decode_worker": {"MOEMESH_DECODE_WORKER_FORWARD_SLEEP_MS": "25",
-                                   "MOEMESH_DECODE_WORKER_NUM_PAGES": "64",
-                                   "MOEMESH_DECODE_WORKER_MAX_NUM_SEQS": "4"},
+                                   "MOEMESH_DECODE_WORKER_NUM_PAGES": "64"},
         "services.gateway": {"MOEMESH_GATEWAY_REQUEST_TIMEOUT_S": str(deadline_s),
                              "MOEMESH_GATEWAY_MAX_MIGRATIONS": "3"},
     }  # fmt: skip
