@@ -10,8 +10,9 @@ capacity offered by default; see `sent_over_capacity` for what was delivered).
    completed with the undisturbed text (in-process Engine), migrated, clean errors, wrong, hung, pages
    left on the workers once traffic stopped, streams already finished at the strike, the supervisor's
    restarts of the killed service and the seconds until it served again.
-2. Overload, on a mesh of its own (decode waiting line 4): measure its capacity (requests/s at a fixed concurrency), then offer `factor` x that
-   for `seconds` with the schedulers' queues bounded at --max-queue (the client's in-flight cap can hold
+2. Overload, on a mesh of its own (decode waiting line 4): measure its capacity (requests/s at a fixed
+   concurrency), then offer `factor` x that for `seconds` with the schedulers' queues bounded at
+   --max-queue (the client's in-flight cap can hold
    arrivals back: `sent_rps` and `sent_over_capacity` are the load delivered): answers by status
    (429 + Retry-After), whether every admitted request finished, and the RSS of each service process
    (from /proc) at the start, the highest sampled, at the end, and the kernel's high-water mark.
