@@ -1,14 +1,18 @@
 """Fault tolerance and overload on the real mesh (CPU, tiny model): the kill table and the overload (10x
 capacity offered by default; see `sent_over_capacity` for what was delivered).
 
-    python -m bench.chaos [--requests 64] [--max-tokens 16] [--overload-seconds 30] [--overload-factor 10]
+    python -m bench.chaos [--requests 24] [--max-tokens 48] [--overload-seconds 30] [--overload-factor 10]
 
-1. Kill table: with 2 prefill + 2 decode workers and 2 scheduler replicas, while N greedy streams run,
-   SIGKILL a decode worker, a prefill worker and a scheduler replica, and restart the kv-broker and the
-   nats-server; per strike: requests, completed with the undisturbed text (in-process Engine), migrated,
-   clean errors, wrong, hung, pages left on live workers once traffic stopped.
-2. Overload: measure the mesh's capacity (requests/s at a fixed concurrency), then offer `factor` x that
-   for `seconds` with the schedulers' queues bounded at --max-queue (the client's in-flight cap can hold
+1. Kill table, under the launcher `moemesh up` runs (libs.launch.mesh, its supervisor restarting what
+   dies): with 2 prefill + 2 decode workers and 2 scheduler replicas, while N greedy streams run
+   (ignore_eos, long enough that none has finished at the strike), SIGKILL a decode worker, a prefill
+   worker, a scheduler replica, the kv-broker and the nats-server, one at a time; per strike: requests,
+   completed with the undisturbed text (in-process Engine), migrated, clean errors, wrong, hung, pages
+   left on the workers once traffic stopped, streams already finished at the strike, the supervisor's
+   restarts of the killed service and the seconds until it served again.
+2. Overload, on a mesh of its own (decode waiting line 4): measure its capacity (requests/s at a fixed
+   concurrency), then offer `factor` x that for `seconds` with the schedulers' queues bounded at
+   --max-queue (the client's in-flight cap can hold
    arrivals back: `sent_rps` and `sent_over_capacity` are the load delivered): answers by status
    (429 + Retry-After), whether every admitted request finished, and the RSS of each service process
    (from /proc) at the start, the highest sampled, at the end, and the kernel's high-water mark.
@@ -29,7 +33,7 @@ import time
 from pathlib import Path
 
 from libs.chaos.overload import measure_capacity, overload, service_pids
-from libs.chaos.scenarios import chaos_config, chaos_prompts, restart_service, run_fault, standard_faults
+from libs.chaos.scenarios import chaos_config, chaos_prompts, run_fault, standard_faults
 from libs.engine import Engine, SamplingParams
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh
@@ -46,6 +50,9 @@ COLUMNS = (
     "hung",
     "leaked_pages",
     "max_seconds",
+    "finished_before_strike",
+    "restarts",
+    "back_s",
 )
 
 
@@ -58,8 +65,8 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder (default: a fresh tiny model)")
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--overload-seconds", type=float, default=30.0)
     p.add_argument("--overload-factor", type=float, default=10.0)
     p.add_argument("--max-queue", type=int, default=64, help="each scheduler replica's queue bound")
@@ -77,52 +84,53 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer.from_pretrained(model)
     want = [tok.decode(o.token_ids) for o in outs]
     del engine
-    cfg = chaos_config(
-        model, None, password=os.urandom(8).hex(),
-        extra_env={
-            "services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": str(args.max_queue)},
-            "services.gateway": {"MOEMESH_GATEWAY_MAX_IN_FLIGHT": str(args.gateway_max_in_flight)},
-        },
-    )  # fmt: skip
+    password = os.urandom(8).hex()
+    limits = {
+        "services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": str(args.max_queue)},
+        "services.gateway": {"MOEMESH_GATEWAY_MAX_IN_FLIGHT": str(args.gateway_max_in_flight)},
+    }
     result: dict = {
         "command": shlex.join(["python", "-m", "bench.chaos", *(sys.argv[1:] if argv is None else argv)]),
         "environment": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "mesh": "2 prefill + 2 decode workers, 2 schedulers, kv-broker, gateway, nats (user/password); tiny "
-        "model on CPU; decode forward_sleep_ms 25, 48 KV pages per decode worker, lease 4 s",
+        "model on CPU; decode forward_sleep_ms 25, 64 KV pages per decode worker, lease 4 s; every service "
+        "supervised by the launcher (restart backoff 0.5 s); decode waiting line 1 for the kill table (requests "
+        "wait at the schedulers), 4 for the overload (a mesh of its own)",
     }  # fmt: skip
-    with Mesh(cfg) as mesh:
-        print(f"mesh up ({mesh.url}); logs in {mesh.log_dir}", flush=True)
-        if not args.skip_faults:
-            rows = []
-            for fault in standard_faults(args.requests):
-                row, _ = run_fault(
-                    mesh, fault, prompts, want, args.max_tokens, deadline_s=60.0, leak_timeout_s=15.0
-                )
-                rows.append(row.as_dict())
-                print(table(rows[-1:]).splitlines()[-1], flush=True)
-                if fault.restart:
-                    restart_service(mesh, fault.killed)
-            result["faults"] = rows
-            print("\n" + table(rows), flush=True)
-        short = prompts[0]
-        capacity = asyncio.run(
-            measure_capacity(mesh.url, mesh.model_name, short, 8, concurrency=16, seconds=5.0)
-        )
-        rate = capacity * args.overload_factor
-        print(
-            f"capacity {capacity:.1f} req/s; offering {rate:.1f} req/s for {args.overload_seconds:.0f} s",
-            flush=True,
-        )
-        t0 = time.monotonic()
-        over = asyncio.run(
-            overload(mesh.url, mesh.model_name, short, 8, rate, args.overload_seconds, service_pids(mesh))
-        )
-        result["overload"] = {"capacity_rps": round(capacity, 2), "factor": args.overload_factor, **over.as_dict(),
-                              "sent_over_capacity": round(over.sent_rps / capacity, 2),
-                              "wall_seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
+    if not args.skip_faults:
+        with Mesh(chaos_config(model, None, password=password, extra_env=limits)) as mesh:
+            print(f"mesh up ({mesh.url}); logs in {mesh.log_dir}", flush=True)
+            result["faults"] = kill_table(mesh, prompts, want, args.max_tokens)
+    limits["services.scheduler"]["MOEMESH_SCHEDULER_MAX_DECODE_WAITING"] = "4"
+    with Mesh(chaos_config(model, None, password=password, extra_env=limits)) as mesh:
+        print(f"overload mesh up ({mesh.url}); logs in {mesh.log_dir}", flush=True)
+        result["overload"] = overload_run(mesh, prompts[0], args.overload_factor, args.overload_seconds)
     print(json.dumps(result["overload"], indent=1))
     print(f"wrote {write_json(args.out, result)}")
     return 0
+
+
+def kill_table(mesh: Mesh, prompts: list[list[int]], want: list[str], max_tokens: int) -> list[dict]:
+    rows = []
+    for fault in standard_faults(len(prompts)):
+        row, _ = run_fault(mesh, fault, prompts, want, max_tokens, deadline_s=90.0, leak_timeout_s=15.0)
+        rows.append(row.as_dict())
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print("\n" + table(rows), flush=True)
+    return rows
+
+
+def overload_run(mesh: Mesh, prompt: list[int], factor: float, seconds: float) -> dict:
+    capacity = asyncio.run(
+        measure_capacity(mesh.url, mesh.model_name, prompt, 8, concurrency=16, seconds=5.0)
+    )
+    rate = capacity * factor
+    print(f"capacity {capacity:.1f} req/s; offering {rate:.1f} req/s for {seconds:.0f} s", flush=True)
+    t0 = time.monotonic()
+    over = asyncio.run(overload(mesh.url, mesh.model_name, prompt, 8, rate, seconds, service_pids(mesh)))
+    return {"capacity_rps": round(capacity, 2), "factor": factor, **over.as_dict(),
+            "sent_over_capacity": round(over.sent_rps / capacity, 2),
+            "wall_seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -191,6 +191,32 @@ class SchedulerHeartbeat(Kind, frozen=True):
     queued: int = 0
 
 
+class ServiceStatus(enum.IntEnum):
+    """A supervised service's state in the embedded launcher (libs.launch.restart_policy.State)."""
+
+    UP = 1
+    RESTARTING = 2  # exited; started again after its backoff
+    GIVEN_UP = 3  # exited too often within the restart window: left down
+    STOPPED = 4  # the mesh is shutting down
+
+
+class ServiceState(msgspec.Struct, frozen=True, kw_only=True):
+    name: str  # "decode-0", "kv-broker", "nats-server", ...
+    status: ServiceStatus
+    restarts: int  # restarts since the launcher started (0: the first incarnation)
+    last_exit_code: int | None = None  # negative: killed by that signal
+
+
+class LauncherStatus(Kind, frozen=True):
+    """The embedded launcher's (`moemesh up`) view of the services it supervises, on
+    proto.subjects.LAUNCHER_STATUS every `interval_ms` and on every change; gateways export it."""
+
+    launcher_id: str
+    services: list[ServiceState]
+    interval_ms: int
+    sent_ms: int
+
+
 # ---------------------------------------------------------------------------------------------
 # scheduler -> decode worker (inbox union), prefill -> decode
 # ---------------------------------------------------------------------------------------------

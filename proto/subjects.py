@@ -21,6 +21,9 @@ HEARTBEAT = f"{PREFIX}.heartbeat"
 # scheduler replicas -> gateways (broadcast): SchedulerHeartbeat
 SCHED_HEARTBEAT = f"{PREFIX}.sched.heartbeat"
 
+# the embedded launcher -> gateways (broadcast): LauncherStatus
+LAUNCHER_STATUS = f"{PREFIX}.launcher.status"
+
 # kv-broker (request/reply, queue group QUEUE_BROKER): BrokerRequest union -> BrokerReply union
 BROKER = f"{PREFIX}.broker"
 QUEUE_BROKER = "kv-broker"

@@ -1,5 +1,6 @@
 """One row of the fault table: what was killed, how many requests completed with the undisturbed
-greedy text, how many migrated, failed cleanly, hung or came back wrong, and leaked pages after."""
+greedy text, how many migrated, failed cleanly, hung or came back wrong, leaked pages after, how many
+streams had already finished when it struck, and how the supervisor brought the killed service back."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ class FaultResult:
     leaked_pages: int  # request pages left on live workers once traffic stopped (must be 0)
     max_seconds: float
     error_samples: list[str]
+    finished_before_strike: int = -1  # streams already over when the fault struck (want 0: all running)
+    restarts: int = -1  # restarts of the killed service by the launcher's supervisor (want 1)
+    back_s: float = -1.0  # seconds from the SIGKILL until the killed service served again
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -37,6 +37,10 @@ class Progress:
 
     chunks: list[int] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: set[int] = field(default_factory=set)  # requests whose stream ended (finished or failed)
+
+    def finished(self) -> int:
+        return len(self.ended)
 
     def reached(self, min_chunks: int) -> int:
         return sum(c >= min_chunks for c in self.chunks)
@@ -81,6 +85,8 @@ async def stream_completion(
         out.error = f"{type(e).__name__}: {e}"
     finally:
         out.seconds = time.monotonic() - t0
+        if progress is not None:
+            progress.ended.add(index)
     if out.error is None and not out.hung and out.finish_reason is None:
         out.error = "the stream ended without a finish reason"
     return out

@@ -161,8 +161,6 @@ async def overload(
 
 
 def service_pids(mesh: object) -> dict[str, int]:
-    """Every service process of a libs.launch Mesh, plus its nats-server."""
+    """Every service process of a libs.launch Mesh, its nats-server included (current incarnations)."""
     pids = {name: p.proc.pid for name, p in mesh.sup.procs.items() if p.alive}  # type: ignore[attr-defined]
-    if getattr(mesh, "nats", None) is not None:
-        pids["nats-server"] = mesh.nats.proc.pid  # type: ignore[attr-defined]
     return {n: p for n, p in pids.items() if os.path.exists(f"/proc/{p}")}

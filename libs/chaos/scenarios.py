@@ -1,108 +1,144 @@
-"""The fault scenarios on a running Mesh, shared by the chaos e2e tests and bench/chaos.py.
+"""The fault scenarios on a running, supervised Mesh, shared by the chaos e2e tests and bench/chaos.py.
 
-`run_fault` streams every prompt, strikes once the traffic reaches a point (`after` = so many requests
-with so many chunks each), waits for the leak check on the workers still alive, and returns the table
-row. `restart_service` brings a killed service back and waits until it serves. `FAULTS` are the five
-standard strikes: SIGKILL a decode worker, a prefill worker, a scheduler replica; restart the kv-broker
-(kill + start: its state comes back from JetStream) and the nats-server (same port and store).
+Every fault is a SIGKILL, as a crash would be: of a decode worker, a prefill worker, a scheduler replica,
+the kv-broker or the nats-server. Nothing here starts the killed service again: the launcher's
+supervisor (libs.launch.supervisor, the same one `moemesh up` runs) does, and `run_fault` measures it.
+`run_fault` streams every prompt (greedy, ignore_eos, long enough that none has finished when the fault
+strikes), strikes once the traffic reaches a point (`after` = so many requests with so many chunks each),
+waits until the supervisor has the killed service back and serving, waits for the leak check on every
+worker, and returns the table row.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import nats
+from nats.aio.msg import Msg
 
 from libs.bus.ports import read_ports
 from libs.chaos.fault_table import FaultResult, summarize
 from libs.chaos.load import Progress, stream_many
 from libs.chaos.workers import metric_total, request_pages, wait_for_no_leaks
-from libs.launch.mesh import Mesh, MeshConfig
+from libs.launch.mesh import NATS, Mesh, MeshConfig
 from libs.launch.natsauth import NatsAuth
+from proto import decoder, subjects
 from proto import messages as m
 
 MIGRATIONS = "moemesh_gateway_migrations_total"
 
 
-def workers(mesh: Mesh, without: str = "") -> list[tuple[m.Role, str]]:
-    return [(r, w) for r in (m.Role.PREFILL, m.Role.DECODE) for w in mesh.worker_ids(r) if w != without]
+def workers(mesh: Mesh) -> list[tuple[m.Role, str]]:
+    return [(r, w) for r in (m.Role.PREFILL, m.Role.DECODE) for w in mesh.worker_ids(r)]
 
 
 @dataclass(frozen=True)
 class Fault:
-    """What to strike (`killed` names it in the table), how, when, and whether to restart it after."""
+    """Which service to SIGKILL, and when: after `after` = (requests, chunks each) streamed (and, for a
+    scheduler replica with `queued`, once its heartbeat reports requests waiting in its queue)."""
 
     killed: str
-    strike: Callable[[Mesh], None]
-    after: tuple[int, int]  # (requests, chunks each) streamed before the strike
-    restart: bool = True
-
-
-def _kill(name: str) -> Callable[[Mesh], None]:
-    return lambda mesh: mesh.sup.kill(name)
-
-
-def _kill_and_start(name: str) -> Callable[[Mesh], None]:
-    def strike(mesh: Mesh) -> None:
-        mesh.sup.kill(name)
-        mesh.sup.start(mesh.sup.procs[name].spec)
-
-    return strike
+    after: tuple[int, int]
+    queued: bool = False
 
 
 def standard_faults(n_requests: int) -> list[Fault]:
+    """Each strikes early, when 6 streams have a few chunks and none has finished (48-token streams)."""
+    first = min(6, n_requests)
     return [
-        Fault("decode-0", _kill("decode-0"), (n_requests // 2, 3)),
-        Fault("prefill-1", _kill("prefill-1"), (4, 1)),
-        Fault("scheduler-0", _kill("scheduler-0"), (8, 2)),
-        Fault("kv-broker", _kill_and_start("kv-broker"), (n_requests // 4, 2), restart=False),
-        Fault("nats-server", lambda mesh: mesh.restart_nats(), (n_requests // 2, 3), restart=False),
+        Fault("decode-0", (first, 3)),
+        Fault("prefill-1", (4, 1)),
+        Fault("scheduler-0", (first, 2), queued=True),
+        Fault("kv-broker", (first, 2)),
+        Fault(NATS, (first, 3)),
     ]
+
+
+@dataclass
+class _Strike:
+    finished_before: int = -1  # streams already finished when the fault struck
+    back_s: float = -1.0  # strike to the killed service serving again
 
 
 def run_fault(
     mesh: Mesh, fault: Fault, prompts: Sequence[list[int]], want: Sequence[str], max_tokens: int, *,
-    deadline_s: float, leak_timeout_s: float,
+    deadline_s: float, leak_timeout_s: float, back_timeout_s: float = 90.0,
 ) -> tuple[FaultResult, dict[str, int]]:  # fmt: skip
-    """One scenario; returns the row and what each live worker still holds (request pages + live)."""
+    """One scenario; returns the row and what each worker still holds (request pages + live)."""
     metrics = mesh.url + "/metrics"
     before = metric_total(metrics, MIGRATIONS)
+    restarts = mesh.sup.restarts(fault.killed)
+    seen = _Strike()
 
     async def strike(progress: Progress) -> None:
         if not await progress.wait(*fault.after, timeout=deadline_s):
             raise RuntimeError(f"traffic never reached {fault.after} before striking {fault.killed}")
-        await asyncio.to_thread(fault.strike, mesh)
+        if fault.queued:
+            await until_queued(mesh, fault.killed, timeout=deadline_s)
+        seen.finished_before = progress.finished()
+        t0 = time.monotonic()
+        await asyncio.to_thread(mesh.sup.kill, fault.killed)
+        await asyncio.to_thread(wait_serving, mesh, fault.killed, restarts + 1, back_timeout_s)
+        seen.back_s = time.monotonic() - t0
 
     outcomes = asyncio.run(
         stream_many(mesh.url, mesh.model_name, list(prompts), max_tokens, deadline_s=deadline_s, fault=strike)
     )
-    live = workers(mesh, without=fault.killed if fault.restart else "")
-    left = asyncio.run(wait_for_no_leaks(mesh.nats_url, live, leak_timeout_s, mesh.connect_options()))
+    left = asyncio.run(
+        wait_for_no_leaks(mesh.nats_url, workers(mesh), leak_timeout_s, mesh.connect_options())
+    )
     migrated = int(metric_total(metrics, MIGRATIONS) - before)
     leaked = sum(v for v in left.values() if v > 0)
-    return summarize(fault.killed, outcomes, want, max_tokens, migrated, leaked), left
+    row = summarize(fault.killed, outcomes, want, max_tokens, migrated, leaked)
+    row.finished_before_strike = seen.finished_before
+    row.restarts = mesh.sup.restarts(fault.killed) - restarts
+    row.back_s = round(seen.back_s, 2)
+    return row, left
 
 
-def restart_service(mesh: Mesh, name: str, timeout: float = 60.0) -> None:
-    """Start a killed service again and wait until it serves (a worker answers admin stats, anything
-    else answers /health)."""
-    mesh.sup.start(mesh.sup.procs[name].spec)
+async def until_queued(mesh: Mesh, scheduler: str, timeout: float) -> None:
+    """Until a heartbeat of that scheduler replica reports requests in its queue."""
+    dec = decoder(m.SchedulerHeartbeat)
+    seen = asyncio.Event()
+
+    async def on_beat(msg: Msg) -> None:
+        hb = dec.decode(msg.data)
+        if hb.scheduler_id == scheduler and hb.queued > 0:
+            seen.set()
+
+    nc = await nats.connect(mesh.nats_url, **mesh.connect_options())
+    try:
+        await nc.subscribe(subjects.SCHED_HEARTBEAT, cb=on_beat)
+        await asyncio.wait_for(seen.wait(), timeout)
+    except TimeoutError:
+        raise RuntimeError(f"{scheduler} never reported a queued request within {timeout:.0f}s") from None
+    finally:
+        await nc.close()
+
+
+def wait_serving(mesh: Mesh, name: str, restarts: int, timeout: float = 90.0) -> None:
+    """Until the supervisor has restarted `name` (`restarts` in all) and it serves again: a worker
+    answers admin stats, the nats-server accepts connections, anything else answers /health."""
+    deadline = time.monotonic() + timeout
+    mesh.wait_restarted(name, restarts, timeout)
     worker = name in mesh.worker_ids(m.Role.PREFILL) + mesh.worker_ids(m.Role.DECODE)
 
-    async def back() -> None:
-        async with asyncio.timeout(timeout):
-            while True:
-                if worker:
-                    if name in await request_pages(mesh.nats_url, workers(mesh), mesh.connect_options()):
-                        return
-                elif _healthy(mesh, name):
-                    return
-                mesh.sup.check_alive()
-                await asyncio.sleep(0.2)  # waiting for another process to come up
+    async def serving() -> bool:
+        if worker:
+            return name in await request_pages(mesh.nats_url, workers(mesh), mesh.connect_options())
+        return name == NATS or _healthy(mesh, name)
 
-    asyncio.run(back())
+    while not asyncio.run(serving()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{name} restarted but not serving after {timeout:.0f}s; logs in {mesh.log_dir}"
+            )
+        time.sleep(0.2)  # waiting for another process to come up
 
 
 def _healthy(mesh: Mesh, name: str) -> bool:
@@ -127,15 +163,16 @@ def chaos_config(
     extra_env: dict[str, dict[str, str]] | None = None,
 ) -> MeshConfig:  # fmt: skip
     """2 prefill + 2 decode workers, 2 scheduler replicas, nats with a user/password; a slower decode
-    step, a small KV pool (~14 requests per decode worker) and short waiting lines at the decode workers,
-    so streams run long enough to be cut mid-way and requests wait in the schedulers' queues; short
-    leases so lost reservations come back within seconds."""
+    step, so streams run long enough to be cut mid-way; a decode waiting line of 1, so each scheduler
+    replica places about one request per decode worker per heartbeat (250 ms) and 24 streams wait in
+    the schedulers' queues for seconds (a scheduler kill strikes them); short leases so lost
+    reservations come back within seconds."""
     env = {
         "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": "16",
                                "MOEMESH_SCHEDULER_LEASE_MS": str(lease_ms),
-                               "MOEMESH_SCHEDULER_MAX_DECODE_WAITING": "4"},
+                               "MOEMESH_SCHEDULER_MAX_DECODE_WAITING": "1"},
         "services.decode_worker": {"MOEMESH_DECODE_WORKER_FORWARD_SLEEP_MS": "25",
-                                   "MOEMESH_DECODE_WORKER_NUM_PAGES": "48"},
+                                   "MOEMESH_DECODE_WORKER_NUM_PAGES": "64"},
         "services.gateway": {"MOEMESH_GATEWAY_REQUEST_TIMEOUT_S": str(deadline_s),
                              "MOEMESH_GATEWAY_MAX_MIGRATIONS": "3"},
     }  # fmt: skip

@@ -1,4 +1,6 @@
-"""`moemesh up [--model DIR]`: start nats-server and every service on loopback; Ctrl-C stops them all."""
+"""`moemesh up [--model DIR]`: start nats-server and every service on loopback, supervised (a service
+that exits is restarted with backoff, or given up on after too many restarts while the rest keeps
+serving); Ctrl-C / SIGTERM drains and stops them all."""
 
 from __future__ import annotations
 
@@ -47,11 +49,19 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--dp-size", type=int, default=0, help="attention DP ranks per worker: 0 or --ep-size")
     p.add_argument("--served-model-name", default="")
     p.add_argument("--log-dir", default=None, help="where each service writes its log (default: a temp dir)")
+    p.add_argument("--restart-backoff", type=float, default=0.5, help="seconds before the first restart")
+    p.add_argument("--restart-max-backoff", type=float, default=30.0, help="cap of the doubling backoff")
+    p.add_argument(
+        "--restart-limit", type=int, default=5,
+        help="restarts of one service allowed within --restart-window; one more exit gives it up",
+    )  # fmt: skip
+    p.add_argument("--restart-window", type=float, default=60.0, help="seconds")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from libs.launch.mesh import Mesh, MeshConfig
+    from libs.launch.restart_policy import RestartPolicy
 
     model = Path(args.model) if args.model else _tiny_model()
     if not (model / "config.json").is_file():
@@ -67,20 +77,25 @@ def run(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, transfer_protocol=args.transfer_protocol,
         device=args.device, dtype=args.dtype, log_dir=Path(args.log_dir) if args.log_dir else None,
         ep_size=args.ep_size,
+        restart=RestartPolicy(
+            backoff_s=args.restart_backoff, max_backoff_s=args.restart_max_backoff,
+            max_restarts=args.restart_limit, window_s=args.restart_window,
+        ),
     )  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    mesh = Mesh(cfg)
+    mesh = Mesh(cfg, report=lambda line: print(line, flush=True))
     print(f"starting moemesh ({model}); logs in {mesh.log_dir}", flush=True)
     mesh.start()
     try:
         print(
-            f"moemesh is up: {mesh.url}/v1  (model {mesh.model_name!r}, nats {mesh.nats_url}); Ctrl-C stops",
+            f"moemesh is up: {mesh.url}/v1  (model {mesh.model_name!r}, nats {mesh.nats_url}); Ctrl-C stops\n"
+            f"{mesh.sup.summary()} (also on the gateway's /metrics: moemesh_launcher_service_*)",
             flush=True,
         )
-        while not stop.wait(1.0):
-            mesh.sup.check_alive()
+        while not stop.wait(1.0):  # the supervision thread restarts services; this only waits for Ctrl-C
+            mesh.check_serviceable()
     finally:
         print("stopping moemesh ...", flush=True)
         mesh.stop()

@@ -1,10 +1,13 @@
-"""The whole mesh on one machine: nats-server plus every service as its own process, on loopback.
+"""The whole mesh on one machine: nats-server plus every service as its own process, on loopback,
+supervised: a service that exits is restarted with backoff or given up on (libs.launch.restart_policy),
+the nats-server included (same port, same JetStream store).
 
-`moemesh up` and the e2e tests use it. Readiness is observed, not assumed: the mesh is up when every
-worker has sent a heartbeat (it loaded its model and registered its KV pool at the kv-broker), every
-scheduler replica has sent its heartbeat (its subscriptions are live) and the gateway's /ready answers
-200 (it heard a decode worker and a scheduler; /health where no decode worker is started).
-`start(hold=...)` leaves named services unstarted, for `release(name)` to start later.
+`moemesh up`, the e2e tests and the chaos benchmark all run the mesh through this class, so a fault
+test exercises the supervision users get. Readiness is observed, not assumed: the mesh is up when every
+worker not given up on has sent a heartbeat (it loaded its model and registered its KV pool at the
+kv-broker), every scheduler replica has sent its heartbeat (its subscriptions are live) and the
+gateway's /ready answers 200 (it heard a decode worker and a scheduler; /health where no decode worker
+is started). `start(hold=...)` leaves named services unstarted, for `release(name)` to start later.
 
 Ports are never picked in advance: nats-server picks its own (libs.natsd), and every service binds its
 side port (and the gateway its API port, unless one is configured) to port 0 and writes what it got to a
@@ -15,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import tempfile
 import time
 import urllib.request
-from collections.abc import Collection
+import uuid
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,8 +31,10 @@ import nats
 
 from libs.bus.ports import read_ports
 from libs.launch.natsauth import NatsAuth
+from libs.launch.restart_policy import RestartPolicy, State
 from libs.launch.supervisor import ServiceSpec, Supervisor
-from libs.natsd import NatsServer, start_nats_server
+from libs.launch.watch import SupervisionLoop, log
+from libs.natsd import NatsServer, find_nats_server_binary, start_nats_server
 from proto import decoder, subjects
 from proto import messages as m
 
@@ -51,6 +58,7 @@ class MeshConfig:
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
     # NATS security (libs.launch.natsauth): the embedded server requires it, every service is given it
     nats_auth: NatsAuth | None = None
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     def __repr__(self) -> str:  # NatsAuth's repr masks its secrets
         return (
@@ -59,12 +67,18 @@ class MeshConfig:
         )
 
 
+NATS = "nats-server"  # the supervisor's name for the embedded nats-server
+
+
 class Mesh:
-    def __init__(self, cfg: MeshConfig) -> None:
+    def __init__(self, cfg: MeshConfig, report: Callable[[str], None] = log.warning) -> None:
         self.cfg = cfg
         self.log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="moemesh-logs-"))
         self.nats: NatsServer | None = None
-        self.sup = Supervisor(self.log_dir)
+        self.sup = Supervisor(self.log_dir, cfg.restart)
+        self.report = report  # the supervisor's lines for the operator (exits, restarts, give-ups)
+        self._loop: SupervisionLoop | None = None
+        self.launcher_id = f"launcher-{uuid.uuid4().hex[:8]}"  # in its LauncherStatus on the bus
         self.port = cfg.port  # the gateway's; with 0, the port it bound, once start() returned
         self.model_name = cfg.served_model_name or Path(cfg.model_dir).resolve().name
         # the JetStream store and the 0600 nats-auth.conf: private to this Mesh, kept across
@@ -162,29 +176,50 @@ class Mesh:
         n = self.cfg.schedulers
         return ["scheduler"] if n == 1 else [f"scheduler-{i}" for i in range(n)]
 
-    def _start_nats(self, port: int) -> NatsServer:
-        if self._nats_dir is None:
-            self._nats_dir = Path(tempfile.mkdtemp(prefix="moemesh-nats-"))
+    def _start_nats(self, port: int) -> None:
+        """The first start picks the port (the server binds it); the supervisor restarts the server on
+        that port with the same JetStream store, so a restart loses no bucket."""
+        self._nats_dir = Path(tempfile.mkdtemp(prefix="moemesh-nats-"))
         args = self.cfg.nats_auth.server_args(self._nats_dir) if self.cfg.nats_auth else []
-        return start_nats_server(
-            port, jetstream=True, host="127.0.0.1", store_dir=str(self._nats_dir / "store"), extra_args=args
+        store = str(self._nats_dir / "store")
+        self.nats = start_nats_server(
+            port, jetstream=True, host="127.0.0.1", store_dir=store, extra_args=args
         )
+        argv = (find_nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.nats.port), "-js", "-sd", store)
+        self.sup.adopt(ServiceSpec(NATS, "", argv=(*argv, *args)), self.nats.proc, Path(self.nats.log_path))
 
-    def restart_nats(self) -> None:
-        """Stop the nats-server and start it again on the same port with the same JetStream store
-        (services reconnect on their own)."""
-        assert self.nats is not None
-        port = self.nats.port
-        self.nats.stop()
-        self.nats = self._start_nats(port)
+    def restart_nats(self, timeout: float = 30.0) -> None:
+        """Crash the nats-server (SIGKILL) and wait until the supervisor has it serving again on the
+        same port with the same JetStream store (services reconnect on their own)."""
+        n = self.sup.restarts(NATS)
+        self.sup.kill(NATS)
+        self.wait_restarted(NATS, n + 1, timeout)
+
+    def wait_restarted(self, name: str, restarts: int, timeout: float = 60.0) -> None:
+        """Until the supervisor restarted `name` at least `restarts` times in all and it is up again
+        (for the nats-server: accepting connections; other services: see libs.chaos.scenarios)."""
+        deadline = time.monotonic() + timeout
+        while not (self.sup.restarts(name) >= restarts and self.sup.state(name) is State.UP):
+            if self.sup.state(name) is State.GIVEN_UP or time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not restarted {restarts} times: {self.sup.summary()}")
+            time.sleep(0.05)  # the supervision thread restarts it; nothing to wait on but its records
+        if name == NATS:
+            while not _accepts(self.cfg.host, self.nats.port if self.nats else 0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nats-server not accepting connections after {timeout:.0f}s")
+                time.sleep(0.05)  # a starting server: poll its port
 
     def start(self, timeout: float = 120.0, hold: Collection[str] = ()) -> Mesh:
         """Start nats-server and every service, and wait until the mesh is ready (module docstring);
         the services named in `hold` ("decode-0", ...) are not started: `release` starts them."""
         if self.cfg.schedulers < 1:
             raise ValueError(f"schedulers must be >= 1, got {self.cfg.schedulers}")
-        self.nats = self._start_nats(self.cfg.nats_port)
         try:
+            self._start_nats(self.cfg.nats_port)
+            self._loop = SupervisionLoop(
+                self.sup, self.nats_url, self.connect_options(), self.report, self.launcher_id
+            )
+            self._loop.start()
             specs = self.specs()
             unknown = set(hold) - {s.name for s in specs}
             if unknown:
@@ -204,10 +239,23 @@ class Mesh:
         """Start a service that `start(hold=...)` left out (no wait: the caller observes it)."""
         self.sup.start(self._held.pop(name))
 
+    def check_serviceable(self) -> None:
+        """Raise when what was given up on leaves nothing that can serve a request."""
+        gone = set(self.sup.given_up())
+        lost = [n for n in (NATS, "kv-broker", "gateway") if n in gone]
+        for group in (self.scheduler_names(), self.worker_ids(m.Role.DECODE)):
+            if set(group) <= gone:
+                lost += group
+        if lost:
+            raise RuntimeError(
+                f"the mesh cannot serve: given up on {', '.join(lost)}; logs in {self.log_dir}"
+            )
+
     async def _wait_ready(self, timeout: float) -> None:
         want = set(self.worker_ids(m.Role.PREFILL)) | set(self.worker_ids(m.Role.DECODE))
         want |= set(self.scheduler_names())  # every replica beats once its subscriptions are live
         want -= set(self._held)
+        # a service the supervisor gave up on is not waited for (the operator saw why); the rest serves
         seen: set[str] = set()
         dec = decoder(m.Heartbeat)
         sched_dec = decoder(m.SchedulerHeartbeat)
@@ -226,10 +274,10 @@ class Mesh:
         deadline = time.monotonic() + timeout
         try:
             while True:
-                self.sup.check_alive()
+                self.check_serviceable()
                 if (ports := read_ports(self.ports_file("gateway"))) is not None:
                     self.port = ports["api"]
-                if want <= seen and ports is not None and self._gateway_healthy():
+                if want - set(self.sup.given_up()) <= seen and ports is not None and self._gateway_healthy():
                     return
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -260,7 +308,11 @@ class Mesh:
             return False
 
     def stop(self) -> None:
-        self.sup.stop_all()
+        """Drain and stop every service, then the nats-server (they drain over it)."""
+        if self._loop is not None:
+            self._loop.stop()
+            self._loop = None
+        self.sup.stop_all(last=(NATS,))
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
@@ -273,3 +325,11 @@ class Mesh:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False

@@ -129,7 +129,11 @@ def start_nats_server(
         args += ["-js", "-sd", store_dir or os.path.join(workdir, "store")]
     args += list(extra_args)
     with open(os.path.join(workdir, "server.log"), "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # its own session: a terminal's Ctrl-C reaches the launcher, which stops the server last (after
+        # the services drained over it), and a supervisor can signal its process group
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     try:
         url, monitor_url = _wait_ready(proc, workdir, time.monotonic() + ready_timeout)
     except BaseException:

@@ -21,6 +21,7 @@ from libs.tokenizer import Tokenizer
 from services.gateway.admin import AdminMesh, install_admin
 from services.gateway.app import GatewayContext, create_app
 from services.gateway.convert import ModelInfo
+from services.gateway.launcher import watch_launchers
 from services.gateway.mesh_client import MeshClient
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.readiness import ReadinessWatch
@@ -83,6 +84,7 @@ class Gateway(Service):
         sock = _bind(s.host, s.port)  # bind errors surface here, clearly, not as uvicorn's sys.exit
         self.port = sock.getsockname()[1]
         app = create_app(ctx)
+        await watch_launchers(self.bus, self.registry)  # services up/restarting/given up (launcher.py)
         if s.enable_admin:  # worker stats and the decode slow-down (admin.py)
             admin = AdminMesh(self.bus)
             await admin.start()

@@ -5,6 +5,10 @@
         +------ lease passes ------+--> expired (owner told to free the pages) --(retention)--> forgotten
     ReleaseHandle: forgotten at once, from any state.
 
+A decode worker that registers again from a new process (another Mooncake session: it restarted) is a
+new incarnation: every live handle into its old pool is expired at once, since those pages belonged to a
+process that is gone and nothing may be written into or claimed from them.
+
 A handle past its lease is expired even before the sweeper gets to it: written/consumed on it are
 refused, so nobody uses pages the owner may already be reusing. Consumed straight from reserved is
 allowed: KvReady reaching the decode worker proves the write happened, and the hot path need not wait
@@ -99,8 +103,14 @@ def consumed(rec: HandleRecord, now_ms: int) -> HandleRecord:
     return HandleRecord(handle=rec.handle, state=HandleState.CONSUMED, updated_ms=now_ms)
 
 
-def expire(rec: HandleRecord, now_ms: int) -> HandleRecord:
-    if not overdue(rec, now_ms):
+def of_old_incarnation(rec: HandleRecord, worker: WorkerRecord) -> bool:
+    """A live handle into `worker`'s pool made for an earlier process of it (another session)."""
+    h = rec.handle
+    return rec.state in LIVE and h.decode_worker == worker.worker_id and h.session_id != worker.session_id
+
+
+def expire(rec: HandleRecord, now_ms: int, old_incarnation: bool = False) -> HandleRecord:
+    if not (overdue(rec, now_ms) or (old_incarnation and rec.state in LIVE)):
         raise HandleError(f"handle {rec.handle.handle_id} is {rec.state.name.lower()}, not past its lease")
     return HandleRecord(handle=rec.handle, state=HandleState.EXPIRED, updated_ms=now_ms)
 

@@ -182,6 +182,13 @@ class KvBroker(Service):
         )
         await self._buckets()[1].put(req.worker_id, rec)
         log.info("registered %s worker %s at %s", req.role.name.lower(), req.worker_id, req.session_id)
+        stale = [hid for hid, h in self._buckets()[0].items() if handles.of_old_incarnation(h, rec)]
+        for hid in stale:  # a restarted worker: its old reservations name pages of a process that is gone
+            await self._expire(hid, old=rec)
+        if stale:
+            log.warning(
+                "%s is a new incarnation: expired %d handles of its old one", req.worker_id, len(stale)
+            )
         return m.BrokerReply(ok=True, worker=rec)
 
     async def _worker(self, wid: str) -> tuple[m.WorkerRecord, int] | None:
@@ -244,8 +251,9 @@ class KvBroker(Service):
         return m.BrokerReply(ok=True, handle=cur[0])
 
     # --- lease expiry ---
-    async def _expire(self, hid: str) -> m.HandleRecord | None:
-        """Mark an overdue handle expired (if it still is) and announce it; the record, or None."""
+    async def _expire(self, hid: str, old: m.WorkerRecord | None = None) -> m.HandleRecord | None:
+        """Mark an overdue handle (or, given the worker's new record, one of its old incarnation)
+        expired, if it still is, and announce it; the record, or None."""
         bucket = self._buckets()[0]
         for attempt in range(_CAS_ATTEMPTS):
             cur = await self._read(hid, fresh=attempt > 0)
@@ -253,9 +261,10 @@ class KvBroker(Service):
                 return None
             rec, rev = cur
             now = self.clock()
-            if not handles.overdue(rec, now):
+            stale = old is not None and handles.of_old_incarnation(rec, old)
+            if not (handles.overdue(rec, now) or stale):
                 return rec
-            new = handles.expire(rec, now)
+            new = handles.expire(rec, now, old_incarnation=stale)
             try:
                 await bucket.update(hid, new, rev)
             except Conflict:

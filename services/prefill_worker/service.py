@@ -153,6 +153,10 @@ class PrefillWorker(WorkerService):
         if self.dst_sessions.get(handle.decode_worker) != handle.session_id:
             self.dst_geoms.pop(handle.decode_worker, None)
         dst = await self._dst_geometry(handle.decode_worker)
+        if self.dst_sessions.get(handle.decode_worker) != handle.session_id:  # it restarted since
+            raise RuntimeError(
+                f"handle {handle.handle_id} names an old incarnation of {handle.decode_worker}"
+            )
         self._check_cancelled(rid)
         t0 = time.perf_counter()
         res = await self.et.call(self.engine.prefill, rid, task.prompt_ids, to_params(task.sampling))

@@ -1,28 +1,30 @@
-"""Chaos on the real mesh (CPU, tiny model): 2 prefill + 2 decode workers, 2 scheduler replicas, the
-kv-broker, the gateway and a nats-server requiring a user/password, each its own process. While 64
-greedy streaming requests run, one component is killed with SIGKILL (or restarted); every request must
-then finish with exactly the text of an undisturbed run (the in-process Engine on the same checkpoint)
-or end with a clear error event before its deadline; none hangs; and once traffic stops every live
-worker holds no request pages (cached prefix pages aside). The killed service is restarted afterwards,
-so the scenarios run in turn on one mesh."""
+"""Chaos on the real mesh under the launcher `moemesh up` runs (libs.launch.mesh, CPU, tiny model):
+2 prefill + 2 decode workers, 2 scheduler replicas, the kv-broker, the gateway and a nats-server requiring
+a user/password, each its own supervised process. While 24 greedy streams of 48 tokens run (ignore_eos:
+none has finished when the fault strikes), one service is killed with SIGKILL; every request must then
+finish with exactly the text of an undisturbed run (the in-process Engine on the same checkpoint), none
+hangs, none errs, the launcher's supervisor has the killed service back (restart count 1, also on the
+gateway's /metrics), and once traffic stops every worker holds no request pages (cached prefix pages
+aside). The scenarios run in turn on one mesh."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from libs.chaos import FaultResult, stream_many
-from libs.chaos.scenarios import chaos_config, chaos_prompts, restart_service, run_fault, standard_faults
+from libs.chaos import FaultResult, metric_total, stream_many
+from libs.chaos.scenarios import chaos_config, chaos_prompts, run_fault, standard_faults
 from libs.engine import Engine, SamplingParams
 from libs.launch.mesh import Mesh
 from libs.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e
 
-N_REQUESTS, MAX_TOKENS, DEADLINE_S, LEASE_MS = 64, 16, 60.0, 4000
+N_REQUESTS, MAX_TOKENS, DEADLINE_S, LEASE_MS = 24, 48, 90.0, 4000
 PASSWORD = "chaos-nats-pw-8c1f"
 PROMPTS = chaos_prompts(N_REQUESTS)
 
@@ -50,46 +52,54 @@ FAULTS = {f.killed: f for f in standard_faults(N_REQUESTS)}
 
 def run(mesh: Mesh, want: list[str], killed: str) -> FaultResult:
     """One standard fault (libs.chaos.scenarios) while every prompt streams, with the checks every
-    scenario shares; the struck service is restarted afterwards."""
-    fault = FAULTS[killed]
+    scenario shares."""
     result, left = run_fault(
-        mesh, fault, PROMPTS, want, MAX_TOKENS, deadline_s=DEADLINE_S, leak_timeout_s=LEASE_MS / 1000 + 10
-    )
+        mesh, FAULTS[killed], PROMPTS, want, MAX_TOKENS, deadline_s=DEADLINE_S,
+        leak_timeout_s=LEASE_MS / 1000 + 10,
+    )  # fmt: skip
     print(result)  # the table row, with -s
-    assert all(v == 0 for v in left.values()), f"pages or requests left on live workers: {left}"
-    assert result.hung == 0 and result.wrong == 0, result
-    assert result.completed + result.errors == N_REQUESTS, result
-    assert all(msg for msg in result.error_samples), result  # errors say what happened
-    if fault.restart:
-        restart_service(mesh, killed)
+    assert all(v == 0 for v in left.values()), f"pages or requests left on workers: {left}"
+    assert result.finished_before_strike == 0, result  # it struck while every stream was running
+    assert result.hung == 0 and result.wrong == 0 and result.errors == 0, result
+    assert result.completed == N_REQUESTS, result
+    assert result.restarts == 1 and mesh.sup.state(killed).value == "up", result
     return result
+
+
+def launcher_restarts(mesh: Mesh, service: str, want: int, timeout: float = 10.0) -> float:
+    """The gateway's view of the launcher (moemesh_launcher_service_restarts), once it reached `want`."""
+    name = f'moemesh_launcher_service_restarts{{launcher="{mesh.launcher_id}",service="{service}"}}'
+    deadline = time.monotonic() + timeout
+    while (got := metric_total(mesh.url + "/metrics", name)) < want and time.monotonic() < deadline:
+        time.sleep(0.2)  # the launcher publishes its status every second
+    return got
 
 
 def test_kill_a_decode_worker_mid_stream_migrates_its_requests(chaos_mesh: Mesh, want: list[str]) -> None:
     r = run(chaos_mesh, want, "decode-0")
-    assert r.migrated >= 1 and r.errors == 0 and r.completed == N_REQUESTS, r
+    assert r.migrated >= 1, r
+    assert launcher_restarts(chaos_mesh, "decode-0", 1) == 1
 
 
 def test_kill_a_prefill_worker(chaos_mesh: Mesh, want: list[str]) -> None:
-    r = run(chaos_mesh, want, "prefill-1")
-    assert r.errors == 0 and r.completed == N_REQUESTS, r
+    run(chaos_mesh, want, "prefill-1")
 
 
 def test_kill_a_scheduler_replica(chaos_mesh: Mesh, want: list[str]) -> None:
     r = run(chaos_mesh, want, "scheduler-0")
     # the requests queued at the dead replica are re-submitted to the other one
-    assert r.migrated >= 1 and r.errors == 0 and r.completed == N_REQUESTS, r
+    assert r.migrated >= 1, r
 
 
-def test_restart_the_kv_broker(chaos_mesh: Mesh, want: list[str]) -> None:
-    r = run(chaos_mesh, want, "kv-broker")
-    assert r.completed >= N_REQUESTS // 2, r
+def test_kill_the_kv_broker(chaos_mesh: Mesh, want: list[str]) -> None:
+    run(chaos_mesh, want, "kv-broker")
 
 
-def test_restart_nats_server_then_new_requests_succeed(chaos_mesh: Mesh, want: list[str]) -> None:
+def test_kill_the_nats_server_then_new_requests_succeed(chaos_mesh: Mesh, want: list[str]) -> None:
     run(chaos_mesh, want, "nats-server")
     fresh = asyncio.run(stream_many(chaos_mesh.url, chaos_mesh.model_name, PROMPTS[:8], MAX_TOKENS))
     assert [o.text for o in fresh] == want[:8], [o.error for o in fresh]
+    assert launcher_restarts(chaos_mesh, "nats-server", 1) == 1
 
 
 def test_no_secret_in_any_log(chaos_mesh: Mesh) -> None:

@@ -261,10 +261,11 @@ def test_broker_restart_mid_traffic_loses_no_handle(mesh: Mesh, client, engine, 
     prompts = [prompt_of(20 + 3 * i, 200 + i) for i in range(12)]
     want = [tok.decode(t) for t in in_process(engine, prompts, 40)]
 
-    async def restart(progress: Progress) -> None:
+    async def restart(progress: Progress) -> None:  # a crash: the launcher's supervisor restarts it
         assert await progress.wait(1, 1, timeout=120), "no request streamed before the broker restart"
+        n = mesh.sup.restarts("kv-broker")
         await asyncio.to_thread(mesh.sup.kill, "kv-broker")
-        await asyncio.to_thread(mesh.sup.start, mesh.sup.procs["kv-broker"].spec)
+        await asyncio.to_thread(mesh.wait_restarted, "kv-broker", n + 1)
 
     outcomes = asyncio.run(stream_many(mesh.url, mesh.model_name, prompts, 40, deadline_s=120, fault=restart))
     assert [o.text for o in outcomes] == want, [o.error for o in outcomes]

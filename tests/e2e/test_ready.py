@@ -76,7 +76,7 @@ async def test_ready_follows_the_decode_workers_heartbeats(tiny_model: Path, tmp
             assert answers_before_it == {503}, seen  # nothing was ready before the first heartbeat left
             assert ready["status"] == "ready" and ready["decode_workers"] == 1
             assert ready["prefill_workers"] == 0 and ready["prompt_path"] == "decode-local prefill"
-            side = f"http://{cfg.host}:{mesh.http_ports['decode-0']}/ready"
+            side = f"http://{cfg.host}:{mesh.side_port('decode-0')}/ready"
             worker = await http.get(side)  # the worker: model loaded, KV pool registered
             assert worker.status_code == 200 and worker.json()["instance"] == "decode-0"
             done = await http.post(

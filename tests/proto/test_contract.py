@@ -117,6 +117,15 @@ EXAMPLES: list[msgspec.Struct] = [
     m.PrefixQuery(page_size=16, hashes=[1, 2, 3]),
     m.PrefixReply(cached_tokens={"p0": 32, "d0": 16}),
     m.SchedulerHeartbeat(scheduler_id="s0", interval_ms=250, sent_ms=9, queued=3),
+    m.LauncherStatus(
+        launcher_id="launcher-1",
+        services=[
+            m.ServiceState(name="decode-0", status=m.ServiceStatus.UP, restarts=1, last_exit_code=-9),
+            m.ServiceState(name="prefill-0", status=m.ServiceStatus.GIVEN_UP, restarts=5, last_exit_code=2),
+        ],
+        interval_ms=1000,
+        sent_ms=9,
+    ),
     m.TokenBatch(deltas=[m.TokenDelta("r1", [5], offset=3)], worker_id="d0"),
     m.RequestError(request_id="r1", code=503, message="prefill worker p0 died", worker_id="p0"),
     m.ReserveKv(request_id="r2", num_tokens=3, lease_ms=100, prompt_ids=[5, 6, 7]),

@@ -19,7 +19,7 @@ async def _kv(mesh: Mesh, put: bytes | None) -> bytes:
         await nc.close()
 
 
-def test_nats_store_and_auth_file_outlive_restart_but_not_stop(tmp_path, monkeypatch):
+def test_nats_store_and_auth_file_outlive_a_crash_but_not_stop(tmp_path, monkeypatch):
     logs = tmp_path / "logs"
     auth = NatsAuth(user="mesh", password="s3cret")
     mesh = Mesh(MeshConfig(model_dir=tmp_path, log_dir=logs, nats_auth=auth))
@@ -33,7 +33,8 @@ def test_nats_store_and_auth_file_outlive_restart_but_not_stop(tmp_path, monkeyp
     nats_dir = mesh._nats_dir
     try:
         assert asyncio.run(_kv(mesh, b"kept")) == b"kept"
-        mesh.restart_nats()
+        mesh.restart_nats()  # SIGKILL: the supervisor starts it again, same port, same store
+        assert mesh.sup.restarts("nats-server") == 1
         assert asyncio.run(_kv(mesh, None)) == b"kept"
     finally:
         mesh.stop()

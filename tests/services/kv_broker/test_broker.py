@@ -191,3 +191,43 @@ async def test_two_replicas_share_state_and_expire_each_handle_once(nats_server,
     finally:
         await stop_service(a, ta)
         await stop_service(b, tb)
+
+
+async def test_a_restarted_decode_worker_is_a_new_incarnation_its_old_handles_expire(broker, client):
+    b, clock = broker
+    old = worker(f"decode-{uuid.uuid4().hex[:6]}", session="127.0.0.1:15000")
+    other = worker(f"decode-{uuid.uuid4().hex[:6]}", session="127.0.0.1:15001")
+    for w in (old, other):
+        await ask(client, register(w))
+    notices = await inbox(client, old.worker_id)
+    reserved, written, kept = (
+        handle(clock.now + 30_000, old),
+        handle(clock.now + 30_000, old),
+        handle(clock.now + 30_000, other),
+    )
+    for h in (reserved, written, kept):
+        assert (await ask(client, m.CreateHandle(handle=h))).ok
+    await ask(client, m.HandleWritten(handle_id=written.handle_id))
+    again = await ask(client, register(old))  # the same process registering again changes nothing
+    assert (
+        again.ok
+        and (await ask(client, m.LookupHandle(handle_id=reserved.handle_id))).handle.state
+        == m.HandleState.RESERVED
+    )
+
+    new = m.WorkerRecord(
+        worker_id=old.worker_id, role=old.role, session_id="127.0.0.1:15002", geometry=old.geometry
+    )
+    assert (
+        await ask(client, register(new))
+    ).ok  # restarted: a new Mooncake session, long before the leases end
+    got = {(await asyncio.wait_for(notices.get(), 5)).handle_id for _ in range(2)}
+    assert got == {reserved.handle_id, written.handle_id}
+    for h in (reserved, written):
+        r = await ask(client, m.HandleConsumed(handle_id=h.handle_id))
+        assert not r.ok and r.handle.state == m.HandleState.EXPIRED, r
+    assert (
+        await ask(client, m.LookupHandle(handle_id=kept.handle_id))
+    ).handle.state == m.HandleState.RESERVED
+    stale = handle(clock.now + 30_000, old)  # a reservation naming the old session is refused from now on
+    assert "stale worker incarnation" in (await ask(client, m.CreateHandle(handle=stale))).message

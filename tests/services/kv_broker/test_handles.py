@@ -98,3 +98,18 @@ def test_plan_sweep():
     assert sorted(plan.forget) == ["d", "f"]
     assert plan.next_due_ms == NOW + 350  # consumed_new leaves retention before live_later's lease
     assert handles.plan_sweep([], NOW, 100).next_due_ms is None
+
+
+def test_only_live_handles_of_the_same_worker_with_another_session_are_of_an_old_incarnation() -> None:
+    old, other = worker("decode-a", "127.0.0.1:1"), worker("decode-b", "127.0.0.1:2")
+    new = worker("decode-a", "127.0.0.1:3")
+    rec = HandleRecord(handle=handle(10_000, old), state=HandleState.RESERVED, updated_ms=0)
+    assert handles.of_old_incarnation(rec, new) and not handles.of_old_incarnation(rec, old)
+    assert not handles.of_old_incarnation(
+        HandleRecord(handle=handle(10_000, other), state=HandleState.RESERVED, updated_ms=0), new
+    )
+    done = HandleRecord(handle=rec.handle, state=HandleState.CONSUMED, updated_ms=0)
+    assert not handles.of_old_incarnation(done, new)
+    assert handles.expire(rec, 0, old_incarnation=True).state == HandleState.EXPIRED  # before its lease
+    with pytest.raises(handles.HandleError):
+        handles.expire(rec, 0)
