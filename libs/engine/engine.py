@@ -25,6 +25,7 @@ from libs.engine.config import ModelConfig
 from libs.engine.cuda_graph import capture_sizes, decode_graphs_supported
 from libs.engine.kv_pool import KVPool
 from libs.engine.loader import load_model
+from libs.engine.logits_processors import LogitsProcessors
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
 from libs.engine.pages import OutOfPagesError, PageAllocator
@@ -89,6 +90,7 @@ class Engine:
         self.eos_ids: tuple[int, ...] = cfg.eos_token_ids
         if not self.eos_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids = (tokenizer.eos_token_id,)
+        self.procs = LogitsProcessors(cfg.vocab_size, device, self.eos_ids, tokenizer)  # penalties, grammars
         self.requests: dict[str, Request] = {}  # every live request, whatever its state
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
@@ -207,6 +209,7 @@ class Engine:
         if req in self.running:
             self.running.remove(req)
         self._release(req)
+        self.procs.remove(rid)
         req.status = Status.FINISHED
         return True
 
@@ -251,7 +254,8 @@ class Engine:
                 n = min(len(req.prompt_ids) - req.num_computed, self.scheduler.max_prefill_tokens)
                 logits = self.runner.forward_last([self._chunk(req, n)])
                 req.num_computed += n
-            out = sample(logits, [params], [req.generator])
+            out = sample(self.procs.apply(logits, [req]), [params], [req.generator], logits)
+            self.procs.accept([req], out.token_ids)
         except BaseException:
             self.abort(rid)
             raise
@@ -318,6 +322,11 @@ class Engine:
                 f"add_prefilled: {len(pages)} reserved pages cannot hold {len(prompt_ids)} tokens"
             )
         req = self._new_request(rid, prompt_ids, params)
+        try:
+            self.procs.accept([req], [first_token])
+        except ValueError:
+            self.procs.remove(rid)
+            raise
         req.pages, req.num_computed, req.admitted = self.reservations.pop(rid), len(prompt_ids), True
         req.cache_node, req.num_cached_pages = self._reserved_prefix.pop(rid, (None, 0))
         req.status = Status.RUNNING
@@ -337,6 +346,7 @@ class Engine:
         prompt = [int(t) for t in prompt_ids]
         req = Request(rid, prompt, params, make_generator(params.seed, self.kv_pool.buffer.device))
         req.stopper = StopChecker(params, self.eos_ids, self.tokenizer, prompt)
+        self.procs.add(rid, prompt, params)
         return req
 
     def _admit(self, req: Request, join_running: bool = True) -> None:
@@ -383,6 +393,7 @@ class Engine:
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.running.remove(req)
         del self.requests[req.rid]
+        self.procs.remove(req.rid)
         self._cache_and_release(req)
         req.status = Status.FINISHED
         return self._step_output(req, new_tokens, new_logprobs)
@@ -440,7 +451,10 @@ class Engine:
             sampled += [req for (req, _), w in zip(group, want, strict=True) if w]
         if not sampled:
             return []
-        out = sample(torch.cat(logits_parts), [r.params for r in sampled], [r.generator for r in sampled])
+        logits = torch.cat(logits_parts)
+        processed = self.procs.apply(logits, sampled)
+        out = sample(processed, [r.params for r in sampled], [r.generator for r in sampled], logits)
+        self.procs.accept(sampled, out.token_ids)
         return [
             self._accept(req, tok, lp)
             for req, tok, lp in zip(sampled, out.token_ids, out.logprobs, strict=True)
