@@ -38,7 +38,7 @@ from services.gateway.mesh import MeshClient
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import install_openapi
 from services.gateway.output import TokenText
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, split_unknown
 from services.gateway.settings import GatewaySettings
 
 log = logging.getLogger("moemesh.gateway")
@@ -110,7 +110,12 @@ def validation_error(e: pydantic.ValidationError | RequestValidationError) -> Ap
     return ApiError(400, "; ".join(parts) + more, param=param, code="invalid_value")
 
 
-def _parse(model: type[pydantic.BaseModel], data: dict[str, Any]) -> Any:
+def _parse(model: type[pydantic.BaseModel], data: dict[str, Any], strict: bool = True) -> Any:
+    """The request body as `model`; unless strict, unknown top-level fields are dropped with one log line."""
+    if not strict:
+        data, ignored = split_unknown(model, data)
+        if ignored:
+            log.info("ignored request fields this server does not use: %s", ", ".join(ignored))
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
@@ -250,7 +255,7 @@ async def _generate(ctx: GatewayContext, request: Request, chat: bool) -> Respon
         if ctx.mesh.in_flight >= ctx.settings.max_in_flight:  # bounded memory under overload
             raise ApiError(429, "too many requests in flight at this gateway", code="overloaded")
         data = await _read_json(request, ctx.settings.max_body_bytes)
-        req = _parse(ChatCompletionRequest if chat else CompletionRequest, data)
+        req = _parse(ChatCompletionRequest if chat else CompletionRequest, data, ctx.settings.strict_fields)
         _check_model(ctx, req.model)
         plan: Plan = (plan_chat if chat else plan_completion)(req, ctx.tokenizer, ctx.info)  # type: ignore[arg-type]
         gen = Generation(

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from libs.tokenizer import Tokenizer
-from proto.messages import Sampling
+from proto.messages import Guided, Sampling
 from services.gateway.errors import ApiError, bad_param
+from services.gateway.guided import guided_of, logit_bias_of
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 # OpenAI's default for the legacy completions API; chat defaults to "the rest of the context".
@@ -92,8 +93,24 @@ def _check_ids(ids: Sequence[int], info: ModelInfo, param: str) -> None:
         raise bad_param(param, f"token id {bad} is out of range for a vocabulary of {info.vocab_size}")
 
 
-def _sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, i: int, lp: tuple[bool, int]):
+@dataclass(frozen=True)
+class Constraints:
+    """What shapes the output beyond temperature and friends, computed once per request."""
+
+    logit_bias: dict[int, float]
+    guided: Guided | None
+
+
+def _sampling(
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    i: int,
+    lp: tuple[bool, int],
+    c: Constraints,
+):
     seed = None if req.seed is None else (req.seed + i) % 2**63
+    if req.min_tokens > max_tokens:
+        raise bad_param("min_tokens", f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})")
     return Sampling(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -106,6 +123,12 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, i
         ignore_eos=req.ignore_eos,
         logprobs=lp[0],
         top_logprobs=lp[1],
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=c.logit_bias,
+        min_tokens=req.min_tokens,
+        guided=c.guided,
     )
 
 
@@ -117,13 +140,15 @@ def _plan(
     lp: tuple[bool, int],
     info: ModelInfo,
     param: str,
+    tool_guided: Guided | None = None,
 ) -> Plan:
+    c = Constraints(logit_bias_of(req, info.vocab_size), guided_of(req, tool_guided))
     choices = []
     for p, ids in enumerate(prompts):
         _check_ids(ids, info, param)
         max_tokens = _max_tokens(requested, default, len(ids), info, param)
         for i in range(req.n):
-            choices.append(ChoicePlan(p * req.n + i, p, _sampling(req, max_tokens, i, lp)))
+            choices.append(ChoicePlan(p * req.n + i, p, _sampling(req, max_tokens, i, lp, c)))
     return Plan(
         prompts=prompts,
         choices=choices,
