@@ -25,6 +25,10 @@ log = logging.getLogger("moemesh.worker")
 def load_engine(s: WorkerSettings) -> Engine:
     """The engine in this process, or with ep_size > 1 the front of a group of EP rank processes
     (libs.ep.engine.EPEngine, the same worker-facing API)."""
+    # The grammar engine's import holds the GIL for seconds: done here, before heartbeats start, rather
+    # than on the first structured-output request (which would stall the event loop past liveness).
+    import libs.engine.grammar  # noqa: F401
+
     if s.ep_size > 1:
         from libs.ep.engine import EPEngine
 
