@@ -18,6 +18,7 @@ from proto.messages import Guided, Sampling
 from services.gateway.errors import ApiError, bad_param
 from services.gateway.guided import guided_of, logit_bias_of
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.tools import ToolPlan, tool_plan
 
 # OpenAI's default for the legacy completions API; chat defaults to "the rest of the context".
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -62,6 +63,7 @@ class Plan:
     top_logprobs: int
     stream: bool
     include_usage: bool
+    tools: ToolPlan | None = None  # chat with tools: how to render them and read calls out of the output
 
 
 def _max_tokens(
@@ -140,9 +142,9 @@ def _plan(
     lp: tuple[bool, int],
     info: ModelInfo,
     param: str,
-    tool_guided: Guided | None = None,
+    tools: ToolPlan | None = None,
 ) -> Plan:
-    c = Constraints(logit_bias_of(req, info.vocab_size), guided_of(req, tool_guided))
+    c = Constraints(logit_bias_of(req, info.vocab_size), guided_of(req, tools.guided() if tools else None))
     choices = []
     for p, ids in enumerate(prompts):
         _check_ids(ids, info, param)
@@ -157,19 +159,21 @@ def _plan(
         top_logprobs=lp[1],
         stream=req.stream,
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
+        tools=tools,
     )
 
 
 def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, info: ModelInfo) -> Plan:
     """Render the conversation with the checkpoint's chat template and tokenize it."""
     req.check_unsupported()
+    tools = tool_plan(req.tools, req.tool_choice)
     messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
     try:
-        ids = tok.encode_chat(messages, add_generation_prompt=True)
+        ids = tok.encode_chat(messages, add_generation_prompt=True, tools=tools.render if tools else None)
     except ValueError as e:
         raise bad_param("messages", f"cannot apply the chat template: {e}") from e
     lp = (req.logprobs, req.top_logprobs or 0)
-    return _plan(req, [ids], req.requested_max_tokens(), None, lp, info, "messages")
+    return _plan(req, [ids], req.requested_max_tokens(), None, lp, info, "messages", tools)
 
 
 def _tokenize(tok: Tokenizer, prompt: str | list[int]) -> list[int]:

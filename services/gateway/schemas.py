@@ -140,10 +140,6 @@ class ChatCompletionRequest(_Sampling):
 
     def check_unsupported(self) -> None:
         self.check_common()
-        if self.tools:
-            raise unsupported("tools", "tool calling")
-        if self.tool_choice not in (None, "none"):
-            raise unsupported("tool_choice", "tool calling")
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
 

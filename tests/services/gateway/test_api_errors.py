@@ -82,7 +82,7 @@ async def test_bad_requests_are_400_naming_the_param(
 
 async def test_context_length_and_unknown_model(url: str) -> None:
     r = await post(
-        url, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "word " * 300}]}
+        url, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "word " * (2 * MAX_CONTEXT)}]}
     )
     assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded"
     r = await post(url, "/v1/chat/completions", {**CHAT, "model": "gpt-4"})
