@@ -166,7 +166,7 @@ def _plan(
 def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, info: ModelInfo) -> Plan:
     """Render the conversation with the checkpoint's chat template and tokenize it."""
     req.check_unsupported()
-    tools = tool_plan(req.tools, req.tool_choice)
+    tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
     messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
     try:
         ids = tok.encode_chat(messages, add_generation_prompt=True, tools=tools.render if tools else None)

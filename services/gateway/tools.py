@@ -36,6 +36,7 @@ class ToolPlan:
     mode: str  # auto | none | required | named
     tools: list[dict[str, Any]]
     name: str | None = None  # the named function
+    parallel: bool = True  # parallel_tool_calls: False allows one call at most
 
     @property
     def render(self) -> list[dict[str, Any]] | None:
@@ -62,11 +63,12 @@ class ToolPlan:
                     for n, p in params.items()
                 ]
             }
-            return Guided("json", json.dumps({"type": "array", "items": item, "minItems": 1}))
+            bounds = {"minItems": 1} if self.parallel else {"minItems": 1, "maxItems": 1}
+            return Guided("json", json.dumps({"type": "array", "items": item, **bounds}))
         return None
 
 
-def tool_plan(tools: list[Any] | None, tool_choice: Any) -> ToolPlan | None:
+def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None = None) -> ToolPlan | None:
     """The request's tools and tool_choice checked (400 naming the parameter); None without tools."""
     if not tools:
         if tool_choice not in (None, "none"):
@@ -83,7 +85,7 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any) -> ToolPlan | None:
             raise bad_param("tools", f"tools[{i}].function.parameters must be a JSON schema object")
         names.append(fn["name"])
     if tool_choice in (None, "auto", "none", "required"):
-        return ToolPlan(tool_choice or "auto", list(tools))
+        return ToolPlan(tool_choice or "auto", list(tools), parallel=parallel is not False)
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or tool_choice.get("type") != "function":

@@ -155,3 +155,35 @@ def test_unused_openai_fields_are_accepted(client) -> None:
         parallel_tool_calls=False, user="u-1",
     )  # fmt: skip
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "side": {"enum": ["left", "right"]},
+                "steps": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+            "required": ["side", "steps"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_required_and_named_tool_choice_yield_valid_calls(client) -> None:
+    messages = [{"role": "user", "content": "Which way?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+        r = client.chat.completions.create(
+            model=model_of(client), messages=messages, tools=[TOOL], tool_choice=choice,  # type: ignore[arg-type,list-item]
+            max_tokens=60, temperature=1.0, n=4, seed=1, parallel_tool_calls=False,
+        )  # fmt: skip
+        for c in r.choices:
+            (call,) = c.message.tool_calls or [None]
+            assert call is not None and call.function.name == "pick", (choice, c)  # type: ignore[union-attr]
+            args = json.loads(call.function.arguments)  # type: ignore[union-attr]
+            assert args["side"] in ("left", "right") and 0 <= args["steps"] <= 9
+            assert c.finish_reason == ("tool_calls" if choice == "required" else "stop")
