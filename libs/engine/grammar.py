@@ -15,6 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -46,6 +47,11 @@ class GrammarBackend:
             raise ValueError("structured output needs an EOS token id (config.json or the tokenizer)")
         self.vocab_size = vocab_size
         self.compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, eos_ids), max_threads=1)
+        # a finished grammar (under ignore_eos it can be asked again) allows only EOS
+        words = xgr.get_bitmask_shape(1, vocab_size)[1]
+        allowed = np.zeros(words * 32, dtype=bool)
+        allowed[[e for e in eos_ids if 0 <= e < vocab_size]] = True
+        self._eos_only = torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32).copy())
 
     def compile(self, spec: GuidedSpec) -> xgr.CompiledGrammar:
         try:
@@ -70,8 +76,11 @@ class GrammarBackend:
 
     def fill_bitmask(self, matchers: Sequence[Any]) -> torch.Tensor:
         """[G, ceil(V/32)] int32 on the host: row g allows what matchers[g] accepts next (a finished
-        grammar allows only EOS)."""
+        grammar allows only EOS: under ignore_eos the request goes on to max_tokens)."""
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         for g, matcher in enumerate(matchers):
-            matcher.fill_next_token_bitmask(bitmask, g)
+            if matcher.is_terminated():
+                bitmask[g] = self._eos_only
+            else:
+                matcher.fill_next_token_bitmask(bitmask, g)
         return bitmask

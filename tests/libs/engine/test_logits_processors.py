@@ -186,6 +186,15 @@ def test_regex_choice_and_json_object(engine):
             assert out.finish_reason == "stop" and check(out.text), (spec, out.text)
 
 
+def test_finished_grammar_under_ignore_eos_allows_only_eos(engine):
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=2, ignore_eos=True, guided=GuidedSpec("regex", "ab"))
+    (out,) = engine.generate([[5, 6]], p)
+    eos = engine.eos_ids[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+    n = out.token_ids.index(eos)
+    assert engine.tokenizer.decode(out.token_ids[:n]) == "ab" and set(out.token_ids[n:]) == {eos}
+
+
 def test_bad_grammar_is_a_value_error_and_leaks_nothing(engine):
     with pytest.raises(ValueError, match="structured output"):
         engine.add_request("bad", [1, 2], SamplingParams(guided=GuidedSpec("regex", "([a-")))
