@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import httpx
@@ -82,7 +83,9 @@ async def test_bad_requests_are_400_naming_the_param(
 
 async def test_context_length_and_unknown_model(url: str) -> None:
     r = await post(
-        url, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "word " * (2 * MAX_CONTEXT)}]}
+        url,
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "word " * (2 * MAX_CONTEXT)}]},
     )
     assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded"
     r = await post(url, "/v1/chat/completions", {**CHAT, "model": "gpt-4"})
@@ -248,3 +251,25 @@ async def test_table_is_empty_after_every_kind_of_ending(
     fake_mesh.mode = "refuse"
     assert (await post(url, "/v1/chat/completions", CHAT)).status_code == 429  # refused
     assert gw.mesh is not None and gw.mesh.in_flight == 0
+
+
+UNUSED = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto", "reasoning_effort": "low"}
+
+
+async def test_unused_fields_are_ignored_with_one_log_line(
+    url: str, fake_mesh: FakeMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="moemesh.gateway"):
+        r = await post(url, "/v1/chat/completions", {**CHAT, **UNUSED})
+    assert r.status_code == 200
+    lines = [m for m in caplog.messages if "ignored request fields" in m]
+    assert lines == [
+        "ignored request fields this server does not use: metadata, reasoning_effort, service_tier, store"
+    ]
+
+
+async def test_strict_fields_refuses_them(start_gateway: StartGateway, fake_mesh: FakeMesh) -> None:
+    url = base_url(await start_gateway(strict_fields=True))
+    r = await post(url, "/v1/chat/completions", {**CHAT, "store": True})
+    assert r.status_code == 400 and error_of(r)["param"] == "store"
+    assert "unrecognized request argument" in error_of(r)["message"] and not fake_mesh.submits
