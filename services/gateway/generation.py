@@ -49,7 +49,10 @@ class Generation:
         self.created = int(time.time())
         self.queue: asyncio.Queue[tuple[int, StreamItem]] = asyncio.Queue()
         self.outputs = [
-            ChoiceOutput.create(c.index, tok, tokens, plan.prompts[c.prompt_index], plan.stop, plan.logprobs)
+            ChoiceOutput.create(
+                c.index, tok, tokens, plan.prompts[c.prompt_index], plan.stop, plan.logprobs,
+                c.sampling.min_tokens,
+            )  # fmt: skip
             for c in plan.choices
         ]
         self.runs = [

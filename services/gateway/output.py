@@ -83,6 +83,7 @@ class ChoiceOutput:
     detok: IncrementalDetokenizer
     stop: StopMatcher
     want_logprobs: bool
+    min_tokens: int = 0  # stop strings count only from this many output tokens on (vLLM)
     text: list[str] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None
@@ -99,8 +100,10 @@ class ChoiceOutput:
         prompt_ids: list[int],
         stop: list[str],
         want_logprobs: bool,
+        min_tokens: int = 0,
     ) -> ChoiceOutput:
-        return cls(index, tokens, IncrementalDetokenizer(tok, prompt_ids), StopMatcher(stop), want_logprobs)
+        detok = IncrementalDetokenizer(tok, prompt_ids)
+        return cls(index, tokens, detok, StopMatcher(stop), want_logprobs, min_tokens)
 
     @property
     def done(self) -> bool:
@@ -120,7 +123,10 @@ class ChoiceOutput:
             if step.logprobs is not None:
                 lp = delta.logprobs[k] if k < len(delta.logprobs) else TokenLogprob(token_id, 0.0)
                 step.logprobs.append(self._entry(lp, offset))
-            emitted, hit = self.stop.feed(piece)
+            if self.completion_tokens < self.min_tokens:  # too early for a stop string to count
+                emitted, hit = piece, False
+            else:
+                emitted, hit = self.stop.feed(piece)
             step.text += emitted
             if hit:
                 step.finish_reason = "stop"

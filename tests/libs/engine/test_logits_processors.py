@@ -47,8 +47,14 @@ def test_batched_processing_matches_reference_over_many_steps():
         SamplingParams(max_tokens=50, frequency_penalty=0.7, presence_penalty=-0.4),
         SamplingParams(max_tokens=50),  # untouched: no state at all
         SamplingParams(max_tokens=50, min_tokens=4, stop_token_ids=(7,), logit_bias={3: 5.0, 9: -250.0}),
-        SamplingParams(max_tokens=50, repetition_penalty=0.8, frequency_penalty=-1.0, presence_penalty=2.0,
-                       logit_bias={0: 1.5}, min_tokens=2),  # fmt: skip
+        SamplingParams(
+            max_tokens=50,
+            repetition_penalty=0.8,
+            frequency_penalty=-1.0,
+            presence_penalty=2.0,
+            logit_bias={0: 1.5},
+            min_tokens=2,
+        ),  # fmt: skip
     ]
     seqs = [Seq(f"r{i}") for i in range(len(params))]
     prompts = [[rng.randrange(V) for _ in range(rng.randrange(1, 12))] for _ in params]
@@ -112,7 +118,9 @@ def engine(tmp_path_factory):
 
 
 def test_large_logit_bias_forces_a_token_and_logprobs_stay_raw(engine):
-    p = SamplingParams(max_tokens=6, temperature=1.0, seed=3, logit_bias={42: 100.0}, logprobs=True, ignore_eos=True)
+    p = SamplingParams(
+        max_tokens=6, temperature=1.0, seed=3, logit_bias={42: 100.0}, logprobs=True, ignore_eos=True
+    )
     (out,) = engine.generate([[5, 6, 7]], p)
     assert out.token_ids == [42] * 6
     assert out.logprobs is not None and all(lp.logprob < -0.5 for lp in out.logprobs)  # the model's own
@@ -121,16 +129,30 @@ def test_large_logit_bias_forces_a_token_and_logprobs_stay_raw(engine):
 def test_min_tokens_delays_eos(engine):
     eos = engine.eos_ids[0]
     force_eos = {eos: 100.0}
-    (early,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=20, temperature=0, logit_bias=force_eos))
+    (early,) = engine.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=20, temperature=0, logit_bias=force_eos)
+    )
     assert early.token_ids == [eos] and early.finish_reason == "stop"
     p = SamplingParams(max_tokens=20, temperature=0, logit_bias=force_eos, min_tokens=5)
     (late,) = engine.generate([[5, 6, 7]], p)
     assert len(late.token_ids) == 6 and late.token_ids[-1] == eos and eos not in late.token_ids[:5]
 
 
+def test_stop_strings_count_only_from_min_tokens(engine):
+    a = engine.tokenizer.encode("a", add_special_tokens=False)[0]
+    p = SamplingParams(max_tokens=10, temperature=0, logit_bias={a: 100.0}, stop=["a"], min_tokens=3)
+    (out,) = engine.generate([[5, 6, 7]], p)
+    assert out.token_ids == [a, a, a] and out.text == "aa" and out.stop_reason == "a"
+    p = SamplingParams(max_tokens=10, temperature=0, logit_bias={a: 100.0}, stop=["aa"], min_tokens=3)
+    (out,) = engine.generate([[5, 6, 7]], p)  # the "aa" of tokens 1-2 is too early; tokens 3-4 stop it
+    assert out.token_ids == [a] * 4 and out.text == "aa" and out.stop_reason == "aa"
+
+
 def test_repetition_penalty_changes_greedy_output_as_the_reference_says(engine):
     prompt = [5, 6, 7, 8, 9]
-    p = SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.8, frequency_penalty=0.5, ignore_eos=True)
+    p = SamplingParams(
+        max_tokens=8, temperature=0, repetition_penalty=1.8, frequency_penalty=0.5, ignore_eos=True
+    )
     (out,) = engine.generate([prompt], p)
     tokens: list[int] = []
     for _ in range(8):  # greedy over the reference-processed logits of the full sequence
@@ -187,7 +209,9 @@ def test_regex_choice_and_json_object(engine):
 
 
 def test_finished_grammar_under_ignore_eos_allows_only_eos(engine):
-    p = SamplingParams(max_tokens=12, temperature=1.0, seed=2, ignore_eos=True, guided=GuidedSpec("regex", "ab"))
+    p = SamplingParams(
+        max_tokens=12, temperature=1.0, seed=2, ignore_eos=True, guided=GuidedSpec("regex", "ab")
+    )
     (out,) = engine.generate([[5, 6]], p)
     eos = engine.eos_ids[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 12
@@ -209,8 +233,14 @@ def test_pd_prefill_and_decode_honour_grammar_and_penalties(tmp_path_factory, en
     spec = GuidedSpec("json", json.dumps(SCHEMA))
     cases = {
         "g": SamplingParams(max_tokens=80, temperature=1.0, seed=11, guided=spec),
-        "p": SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.5, presence_penalty=1.0,
-                            min_tokens=12, logit_bias={30: 2.0}),  # fmt: skip
+        "p": SamplingParams(
+            max_tokens=12,
+            temperature=0,
+            repetition_penalty=1.5,
+            presence_penalty=1.0,
+            min_tokens=12,
+            logit_bias={30: 2.0},
+        ),  # fmt: skip
     }
     prompt = [5, 6, 7, 8]
     refs = {rid: engine.generate([prompt], p)[0].token_ids for rid, p in cases.items()}
