@@ -80,9 +80,9 @@ def run(batch: int, device: str, steps: int, tok: Tokenizer) -> dict:
                 for s, t in zip(seqs, toks, strict=True):
                     s.output_ids.append(t)
 
-        def step(procs=procs, seqs=seqs, params=params) -> None:
+        def step(procs=procs, seqs=seqs, params=params, counts=name != "json_schema") -> None:
             res = sample(procs.apply(logits, seqs), [params] * batch, gens, logits)
-            if name != "json_schema":  # a grammar's state would advance; its mask cost is the same each step
+            if counts:  # a grammar's state would advance; its mask cost is the same each step
                 procs.accept(seqs, res.token_ids)
 
         out[f"{name}_ms"] = _ms(step, device, steps)
