@@ -44,6 +44,20 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    min_tokens: int = 0
+    guided: Guided | None = None
+
+
+class Guided(msgspec.Struct, frozen=True):
+    """Structured output: `kind` json | json_object | regex | choice | grammar; `value` the JSON schema,
+    regex, JSON list of choices or EBNF grammar as text ("" for json_object)."""
+
+    kind: str
+    value: str = ""
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):

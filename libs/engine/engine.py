@@ -27,6 +27,7 @@ from libs.engine.config import ModelConfig
 from libs.engine.cuda_graph import capture_sizes, decode_graphs_supported
 from libs.engine.kv_pool import KVPool
 from libs.engine.loader import load_model
+from libs.engine.logits_processors import LogitsProcessors
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
 from libs.engine.overlap import OverlapDecoder
@@ -97,6 +98,7 @@ class Engine:
         self.eos_ids: tuple[int, ...] = cfg.eos_token_ids
         if not self.eos_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids = (tokenizer.eos_token_id,)
+        self.procs = LogitsProcessors(cfg.vocab_size, device, self.eos_ids, tokenizer)  # penalties, grammars
         self.requests: dict[str, Request] = {}  # every live request, whatever its state
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
@@ -223,6 +225,7 @@ class Engine:
         if req in self.running:
             self.running.remove(req)
         self._release(req)
+        self.procs.remove(rid)
         req.status = Status.FINISHED
         return True
 
@@ -267,7 +270,8 @@ class Engine:
                 n = min(len(req.prompt_ids) - req.num_computed, self.batcher.max_prefill_tokens)
                 logits = self.runner.forward_last([self._chunk(req, n)])
                 req.num_computed += n
-            out = sample(logits, [params], [req.generator], [(req.seed, req.num_tokens)])
+            out = sample(self.procs.apply(logits, [req]), [params], [req.generator], [(req.seed, req.num_tokens)], logits)
+            self.procs.accept([req], out.token_ids)
         except BaseException:
             self.abort(rid)
             raise
@@ -334,6 +338,11 @@ class Engine:
                 f"add_prefilled: {len(pages)} reserved pages cannot hold {len(prompt_ids)} tokens"
             )
         req = self._new_request(rid, prompt_ids, params)
+        try:
+            self.procs.accept([req], [first_token])
+        except ValueError:
+            self.procs.remove(rid)
+            raise
         req.pages, req.num_computed, req.admitted = self.reservations.pop(rid), len(prompt_ids), True
         req.cache_node, req.num_cached_pages = self._reserved_prefix.pop(rid, (None, 0))
         req.status = Status.RUNNING
@@ -354,6 +363,7 @@ class Engine:
         req = Request(rid, prompt, params, make_generator(params.seed, self.kv_pool.buffer.device))
         req.seed = params.seed if params.seed is not None else secrets.randbits(47)
         req.stopper = StopChecker(params, self.eos_ids, self.tokenizer, prompt)
+        self.procs.add(rid, prompt, params)
         return req
 
     def _admit(self, req: Request, join_running: bool = True) -> None:
@@ -400,6 +410,7 @@ class Engine:
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.running.remove(req)
         del self.requests[req.rid]
+        self.procs.remove(req.rid)
         self._cache_and_release(req)
         req.status = Status.FINISHED
         return self._step_output(req, new_tokens, new_logprobs)
@@ -458,10 +469,12 @@ class Engine:
         if not sampled:
             return []
         logits = logits_parts[0] if len(logits_parts) == 1 else torch.cat([p.float() for p in logits_parts])
+        processed = self.procs.apply(logits, sampled)
         out = sample(
-            logits, [r.params for r in sampled], [r.generator for r in sampled],
-            [(r.seed, r.num_tokens) for r in sampled],
+            processed, [r.params for r in sampled], [r.generator for r in sampled],
+            [(r.seed, r.num_tokens) for r in sampled], logits,
         )  # fmt: skip
+        self.procs.accept(sampled, out.token_ids)
         return [
             self._accept(req, tok, lp)
             for req, tok, lp in zip(sampled, out.token_ids, out.logprobs, strict=True)

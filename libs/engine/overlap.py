@@ -9,7 +9,8 @@ reads step N's tokens and runs the per-request accounting. `Engine.step()` there
 one call later than it was computed; the first overlapped call reports nothing.
 
 It runs only in the steady state it is for: every running request decoding on a captured graph, no
-waiting request, sampling the one-pass kernel does exactly (greedy or temperature alone, no logprobs),
+waiting request, sampling the one-pass kernel does exactly (greedy or temperature alone, no logprobs, no
+penalties, bias, min_tokens or grammar: logits processors need each step's tokens on the host),
 and no request that certainly ends with its in-flight token (max_tokens) is fed again. Anything else
 (a join, a finish, a prefill chunk, a preemption) first drains the in-flight step and lets the plain
 step run. A request that ends on a stop token while its next step is in flight had one extra KV row
@@ -57,7 +58,7 @@ class OverlapDecoder:
             return None
         ahead = 1 if prev is not None else 0  # tokens sampled but not read yet
         for r in reqs:
-            if not one_pass_ok(r.params) or len(r.output_ids) + ahead >= r.params.max_tokens:
+            if not one_pass_ok(r.params) or r.params.needs_processing or len(r.output_ids) + ahead >= r.params.max_tokens:
                 return None
             if r.num_computed != r.num_tokens - 1 + ahead:
                 return None  # not a plain decode row (a prefill chunk is due)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from libs.engine.logits_processors import GuidedSpec, needs_processing, validate_processing
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -38,6 +40,8 @@ class SamplingParams:
     report the chosen token's logprob; `top_logprobs` alternatives) or an int n (OpenAI completions /
     vLLM: report the chosen token plus the top n alternatives). `stop` strings are matched on the
     detokenized output, which is cut before the match; `stop_token_ids` end the request on that token.
+    Penalties, logit_bias, min_tokens and `guided` (structured output) are applied by
+    logits_processors.py with vLLM's semantics; logit_bias is (token id, bias) pairs.
     """
 
     max_tokens: int = 16
@@ -51,6 +55,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool | int = False
     top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    guided: GuidedSpec | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples so the object stays hashable.
@@ -58,6 +68,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop) if stop is not None else ())
         ids = self.stop_token_ids if self.stop_token_ids is not None else ()
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(tuple(b) for b in bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -80,6 +92,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         self._validate_logprobs()
+        validate_processing(self)
 
     def _validate_logprobs(self) -> None:
         if not isinstance(self.logprobs, bool | int):
@@ -99,6 +112,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def needs_processing(self) -> bool:
+        """Penalties, bias, min_tokens or a grammar: the engine's LogitsProcessors must see this request."""
+        return needs_processing(self)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -186,18 +204,21 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
     keys: Sequence[tuple[int, int]] | None = None,
+    raw_logits: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Sample one token per row. Greedy rows (temperature 0 or top_k 1) take the argmax and use no noise.
 
     keys: (seed, position) per row. On CUDA, rows that `one_pass_ok` are sampled by the one-pass Gumbel-max
     kernel keyed by them (libs.kernels.gumbel: noise from the request's seed and the token's position,
     so a request draws the same whatever shares its batch, and a prefill and a decode side agree); every
-    other row, and every row elsewhere, takes the exact sampler with its generator."""
+    other row, and every row elsewhere, takes the exact sampler with its generator.
+    raw_logits: the logits before logits processing, which logprobs report (default: `logits`)."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(
             f"sample() needs logits [S, V] with S == len(params) == len(generators); got "
             f"{tuple(logits.shape)}, {len(params)} params, {len(generators)} generators"
         )
+    raw = logits if raw_logits is None else raw_logits
     if keys is not None and logits.is_cuda:
         fast = [i for i, p in enumerate(params) if one_pass_ok(p)]
         if len(fast) == len(params):
@@ -208,10 +229,10 @@ def sample(
             picked = one_pass_sample(logits[idx], [params[i] for i in fast], [keys[i] for i in fast])
             tokens[idx] = picked
             token_list = tokens.tolist()
-            return SampleOutput(token_list, _logprobs(logits, token_list, params))
+            return SampleOutput(token_list, _logprobs(raw, token_list, params))
     tokens = _exact(logits, params, generators)
     token_list = tokens.tolist()
-    return SampleOutput(token_list, _logprobs(logits, token_list, params))
+    return SampleOutput(token_list, _logprobs(raw, token_list, params))
 
 
 def one_pass_sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[tuple[int, int]]):

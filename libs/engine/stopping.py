@@ -1,5 +1,8 @@
 """When a request ends: stop token ids, EOS (unless ignore_eos), stop strings, max_tokens.
 
+None of the first three count before min_tokens output tokens exist (vLLM's check_stop); text produced
+before then is never searched for stop strings.
+
 Checked after every sampled token, in that order (a token that is both EOS and the last allowed one
 ends with "stop"). Stop strings are matched on detokenized text with libs.tokenizer's incremental
 detokenizer and StopMatcher, so a stop string split across tokens is still found; the output text is
@@ -38,10 +41,12 @@ class StopChecker:
 
     def check(self, token: int, num_output: int) -> tuple[str | None, int | str | None]:
         """(finish_reason, stop_reason) after `token`, the num_output-th output token; (None, None) to go on."""
-        if token in self.stop_ids:
+        early = num_output < self.params.min_tokens
+        if token in self.stop_ids and not early:
             return "stop", token
         if self.detok is not None and self.matcher is not None and self.tokenizer is not None:
-            emitted, hit = self.matcher.feed(self.detok.add(_in_vocab([token], self.tokenizer)))
+            piece = self.detok.add(_in_vocab([token], self.tokenizer))
+            emitted, hit = (piece, False) if early else self.matcher.feed(piece)
             self.text_parts.append(emitted)
             if hit:
                 return "stop", self.matcher.stop_str

@@ -26,10 +26,12 @@ ROLE_TOKENS = (USER_TOKEN, ASSISTANT_TOKEN)
 VOCAB_SIZE = 1024
 MODEL_MAX_LENGTH = 4096
 
-# DeepSeek-V3's template without the tool-call branches: system prompts joined at the top after BOS,
-# user turns after <｜User｜>, assistant turns closed with EOS (reasoning before </think> dropped).
+# DeepSeek-V3's template: system prompts joined at the top after BOS, user turns after <｜User｜>, assistant
+# turns closed with EOS (reasoning before </think> dropped). With `tools`, the function signatures follow
+# the system prompt with the model's tool-call format; assistant tool calls and tool results use
+# DeepSeek-V3's tool tokens (<｜tool▁calls▁begin｜> ... <｜tool▁outputs▁end｜>).
 CHAT_TEMPLATE = r"""{%- if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}
-{%- set ns = namespace(system_prompt='', is_first_sp=true) %}
+{%- set ns = namespace(system_prompt='', is_first_sp=true, in_outputs=false) %}
 {%- for message in messages %}
     {%- if message['role'] == 'system' %}
         {%- if ns.is_first_sp %}
@@ -41,17 +43,37 @@ CHAT_TEMPLATE = r"""{%- if not add_generation_prompt is defined %}{% set add_gen
     {%- endif %}
 {%- endfor %}
 {{- bos_token }}{{ ns.system_prompt }}
+{%- if tools %}
+    {{- '\n\n## Tools\nYou can call these functions (JSON signatures):\n' }}
+    {%- for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}
+    {{- 'Call them as <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGUMENTS\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>\n' }}
+{%- endif %}
 {%- for message in messages %}
+    {%- if message['role'] != 'tool' and ns.in_outputs %}{{ '<｜tool▁outputs▁end｜>' }}{% set ns.in_outputs = false %}{% endif %}
     {%- if message['role'] == 'user' %}
         {{- '<｜User｜>' + message['content'] }}
     {%- elif message['role'] == 'assistant' %}
         {%- set content = message['content'] or '' %}
         {%- if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}
-        {{- '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}
+        {{- '<｜Assistant｜>' + content }}
+        {%- if message['tool_calls'] %}
+            {{- '<｜tool▁calls▁begin｜>' }}
+            {%- for call in message['tool_calls'] %}
+                {%- set args = call['function']['arguments'] %}
+                {%- if args is not string %}{% set args = args | tojson %}{% endif %}
+                {{- '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + call['function']['name'] + '\n```json\n' + args + '\n```<｜tool▁call▁end｜>' }}
+            {%- endfor %}
+            {{- '<｜tool▁calls▁end｜>' }}
+        {%- endif %}
+        {{- '<｜end▁of▁sentence｜>' }}
+    {%- elif message['role'] == 'tool' %}
+        {%- if not ns.in_outputs %}{{ '<｜tool▁outputs▁begin｜>' }}{% set ns.in_outputs = true %}{% endif %}
+        {{- '<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' }}
     {%- elif message['role'] != 'system' %}
         {{- raise_exception('Unsupported message role: ' + message['role']) }}
     {%- endif %}
 {%- endfor %}
+{%- if ns.in_outputs %}{{ '<｜tool▁outputs▁end｜>' }}{% endif %}
 {%- if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"""
 
 

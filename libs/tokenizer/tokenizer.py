@@ -119,6 +119,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token (added tokens included) as its raw vocabulary string, mapped to its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def backend_json(self) -> str:
+        """The tokenizer.json document (grammar engines read its decoder type)."""
+        return self._tok.to_str()
+
     # -- encode / decode ------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

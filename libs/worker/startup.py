@@ -20,6 +20,10 @@ from proto import subjects
 def load_engine(s: WorkerSettings) -> EngineLike:
     """The engine in this process, or with ep_size > 1 the front of a group of EP rank processes
     (libs.ep.engine.EPEngine, the same worker-facing API)."""
+    # The grammar engine's import holds the GIL for seconds: done here, before heartbeats start, rather
+    # than on the first structured-output request (which would stall the event loop past liveness).
+    import libs.engine.grammar  # noqa: F401
+
     if s.ep_size > 1:
         return EPEngine(
             s.model_dir, s.ep_size, device=s.device, dtype=s.dtype, page_size=s.page_size,

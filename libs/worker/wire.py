@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from libs.engine.logits_processors import GuidedSpec
 from libs.engine.sampling import SamplingParams, TokenLogprob
 from proto import messages as m
 
@@ -11,7 +12,10 @@ def to_params(s: m.Sampling) -> SamplingParams:
     return SamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
         seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop), ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+        logprobs=s.logprobs, top_logprobs=s.top_logprobs, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+        logit_bias=tuple(s.logit_bias.items()), min_tokens=s.min_tokens,
+        guided=GuidedSpec(s.guided.kind, s.guided.value) if s.guided is not None else None,
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ while its result is collected.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -31,6 +32,7 @@ from starlette.types import Receive, Scope, Send
 from libs.telemetry.context import TRACEPARENT, context_from_headers, new_traceparent, request_context
 from libs.tokenizer import Tokenizer
 from services.gateway import formatting as fmt
+from services.gateway import tools
 from services.gateway.convert import ModelInfo, Plan, plan_chat, plan_completion
 from services.gateway.errors import ApiError, error_body
 from services.gateway.generation import Generation
@@ -39,7 +41,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import install_openapi
 from services.gateway.output import TokenText
 from services.gateway.readiness import Readiness
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, split_unknown
 from services.gateway.settings import GatewaySettings
 
 log = logging.getLogger("moemesh.gateway")
@@ -112,7 +114,12 @@ def validation_error(e: pydantic.ValidationError | RequestValidationError) -> Ap
     return ApiError(400, "; ".join(parts) + more, param=param, code="invalid_value")
 
 
-def _parse(model: type[pydantic.BaseModel], data: dict[str, Any]) -> Any:
+def _parse(model: type[pydantic.BaseModel], data: dict[str, Any], strict: bool = True) -> Any:
+    """The request body as `model`; unless strict, unknown top-level fields are dropped with one log line."""
+    if not strict:
+        data, ignored = split_unknown(model, data)
+        if ignored:
+            log.info("ignored request fields this server does not use: %s", ", ".join(ignored))
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
@@ -180,8 +187,17 @@ async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) 
                         with_usage_field=gen.plan.include_usage,
                     )
                     yield fmt.sse(first)
+            plan = gen.plan.tools if chat else None
+            parsers = {o.index: tools.ToolStream(plan) for o in gen.outputs} if plan is not None else {}
             async for out, step in gen.steps():
-                if step.text or step.logprobs or step.done:
+                if out.index in parsers:
+                    delta, finish = tools.stream_step(parsers[out.index], step.text, step.finish_reason)
+                    if delta or step.logprobs or step.done:
+                        yield fmt.sse(fmt.chat_chunk(
+                            gen.id, gen.created, gen.model, out.index, delta or {}, logprobs=step.logprobs,
+                            finish_reason=finish, with_usage_field=gen.plan.include_usage,
+                        ))  # fmt: skip
+                elif step.text or step.logprobs or step.done:
                     yield fmt.sse(_chunk(gen, chat, out.index, step.text, step.logprobs, step.finish_reason))
             if gen.plan.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
@@ -226,7 +242,14 @@ async def _collect(gen: Generation, request: Request) -> None:
 
 def _response(gen: Generation, chat: bool) -> dict[str, Any]:
     build = fmt.chat_response if chat else fmt.completion_response
-    return build(gen.id, gen.created, gen.model, gen.choices(), gen.usage())
+    choices, plan = gen.choices(), gen.plan.tools
+    if chat and plan is not None:
+        for k, c in enumerate(choices):
+            content, calls, finish = tools.choice_with_calls(plan, c.text, c.finish_reason)
+            choices[k] = dataclasses.replace(
+                c, content=content, tool_calls=calls or None, finish_reason=finish
+            )
+    return build(gen.id, gen.created, gen.model, choices, gen.usage())
 
 
 # --- the generation endpoints ----------------------------------------------------------------
@@ -252,7 +275,7 @@ async def _generate(ctx: GatewayContext, request: Request, chat: bool) -> Respon
         if ctx.mesh.in_flight >= ctx.settings.max_in_flight:  # bounded memory under overload
             raise ApiError(429, "too many requests in flight at this gateway", code="overloaded")
         data = await _read_json(request, ctx.settings.max_body_bytes)
-        req = _parse(ChatCompletionRequest if chat else CompletionRequest, data)
+        req = _parse(ChatCompletionRequest if chat else CompletionRequest, data, ctx.settings.strict_fields)
         _check_model(ctx, req.model)
         plan: Plan = (plan_chat if chat else plan_completion)(req, ctx.tokenizer, ctx.info)  # type: ignore[arg-type]
         gen = Generation(

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from libs.tokenizer import Tokenizer
-from proto.messages import Sampling
+from proto.messages import Guided, Sampling
 from services.gateway.errors import ApiError, bad_param
+from services.gateway.guided import guided_of, logit_bias_of
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.tools import ToolPlan, tool_plan
 
 # OpenAI's default for the legacy completions API; chat defaults to "the rest of the context".
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -62,6 +64,7 @@ class Plan:
     stream: bool
     include_usage: bool
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)
+    tools: ToolPlan | None = None  # chat with tools: how to render them and read calls out of the output
 
 
 def _max_tokens(
@@ -93,8 +96,24 @@ def _check_ids(ids: Sequence[int], info: ModelInfo, param: str) -> None:
         raise bad_param(param, f"token id {bad} is out of range for a vocabulary of {info.vocab_size}")
 
 
-def _sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, i: int, lp: tuple[bool, int]):
+@dataclass(frozen=True)
+class Constraints:
+    """What shapes the output beyond temperature and friends, computed once per request."""
+
+    logit_bias: dict[int, float]
+    guided: Guided | None
+
+
+def _sampling(
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    i: int,
+    lp: tuple[bool, int],
+    c: Constraints,
+):
     seed = None if req.seed is None else (req.seed + i) % 2**63
+    if req.min_tokens > max_tokens:
+        raise bad_param("min_tokens", f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})")
     return Sampling(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -107,6 +126,12 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, i
         ignore_eos=req.ignore_eos,
         logprobs=lp[0],
         top_logprobs=lp[1],
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=c.logit_bias,
+        min_tokens=req.min_tokens,
+        guided=c.guided,
     )
 
 
@@ -118,13 +143,15 @@ def _plan(
     lp: tuple[bool, int],
     info: ModelInfo,
     param: str,
+    tools: ToolPlan | None = None,
 ) -> Plan:
+    c = Constraints(logit_bias_of(req, info.vocab_size), guided_of(req, tools.guided() if tools else None))
     choices = []
     for p, ids in enumerate(prompts):
         _check_ids(ids, info, param)
         max_tokens = _max_tokens(requested, default, len(ids), info, param)
         for i in range(req.n):
-            choices.append(ChoicePlan(p * req.n + i, p, _sampling(req, max_tokens, i, lp)))
+            choices.append(ChoicePlan(p * req.n + i, p, _sampling(req, max_tokens, i, lp, c)))
     return Plan(
         prompts=prompts,
         choices=choices,
@@ -134,19 +161,21 @@ def _plan(
         stream=req.stream,
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
         tokens_as_ids=req.return_tokens_as_token_ids,
+        tools=tools,
     )
 
 
 def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, info: ModelInfo) -> Plan:
     """Render the conversation with the checkpoint's chat template and tokenize it."""
     req.check_unsupported()
+    tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
     messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
     try:
-        ids = tok.encode_chat(messages, add_generation_prompt=True)
+        ids = tok.encode_chat(messages, add_generation_prompt=True, tools=tools.render if tools else None)
     except ValueError as e:
         raise bad_param("messages", f"cannot apply the chat template: {e}") from e
     lp = (req.logprobs, req.top_logprobs or 0)
-    return _plan(req, [ids], req.requested_max_tokens(), None, lp, info, "messages")
+    return _plan(req, [ids], req.requested_max_tokens(), None, lp, info, "messages", tools)
 
 
 def _tokenize(tok: Tokenizer, prompt: str | list[int]) -> list[int]:

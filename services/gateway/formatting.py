@@ -68,6 +68,8 @@ class Choice:
     text: str
     finish_reason: str | None
     logprobs: list[LogprobEntry] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # chat: OpenAI tool_calls parsed from the text
+    content: str | None = None  # chat with tool calls: the text before them (None: only calls)
 
 
 # --- logprobs ----------------------------------------------------------------------------------
@@ -149,7 +151,12 @@ def chat_response(
     out["choices"] = [
         {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []},
+            "message": {
+                "role": "assistant",
+                "content": c.content if c.tool_calls else c.text,
+                "refusal": None,
+                "tool_calls": c.tool_calls or [],
+            },
             "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
             "finish_reason": c.finish_reason,
         }

@@ -50,14 +50,9 @@ class Generation:
         self.queue: asyncio.Queue[tuple[int, StreamItem]] = asyncio.Queue()
         self.outputs = [
             ChoiceOutput.create(
-                c.index,
-                tok,
-                tokens,
-                plan.prompts[c.prompt_index],
-                plan.stop,
-                plan.logprobs,
-                plan.tokens_as_ids,
-            )
+                c.index, tok, tokens, plan.prompts[c.prompt_index], plan.stop, plan.logprobs,
+                plan.tokens_as_ids, c.sampling.min_tokens,
+            )  # fmt: skip
             for c in plan.choices
         ]
         self.runs = [

@@ -84,6 +84,7 @@ class ChoiceOutput:
     stop: StopMatcher
     want_logprobs: bool
     tokens_as_ids: bool = False  # logprob entries name tokens "token_id:<id>" instead of their text
+    min_tokens: int = 0  # stop strings count only from this many output tokens on (vLLM)
     text: list[str] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None
@@ -101,9 +102,10 @@ class ChoiceOutput:
         stop: list[str],
         want_logprobs: bool,
         tokens_as_ids: bool = False,
+        min_tokens: int = 0,
     ) -> ChoiceOutput:
         detok = IncrementalDetokenizer(tok, prompt_ids)
-        return cls(index, tokens, detok, StopMatcher(stop), want_logprobs, tokens_as_ids)
+        return cls(index, tokens, detok, StopMatcher(stop), want_logprobs, tokens_as_ids, min_tokens)
 
     @property
     def done(self) -> bool:
@@ -123,7 +125,10 @@ class ChoiceOutput:
             if step.logprobs is not None:
                 lp = delta.logprobs[k] if k < len(delta.logprobs) else TokenLogprob(token_id, 0.0)
                 step.logprobs.append(self._entry(lp, offset))
-            emitted, hit = self.stop.feed(piece)
+            if self.completion_tokens < self.min_tokens:  # too early for a stop string to count
+                emitted, hit = piece, False
+            else:
+                emitted, hit = self.stop.feed(piece)
             step.text += emitted
             if hit:
                 step.finish_reason = "stop"

@@ -1,10 +1,11 @@
 """OpenAI request bodies as pydantic models (the HTTP edge only; converted to proto at once).
 
 Range checks live on the fields, so a bad value is a validation error whose location names the
-parameter. Unknown fields are refused (as OpenAI does) rather than silently ignored: a client that sends
-a parameter this server does not implement learns so instead of getting different behaviour. Parameters
-that exist in OpenAI's API but that the mesh cannot honour (penalties, tools, structured output, ...)
-are accepted at their neutral value and refused otherwise, by `check_unsupported`.
+parameter. Unknown top-level fields are accepted and ignored, with one log line, as vLLM does (clients
+built on the OpenAI SDK send `store`, `metadata`, `service_tier`, ... by default); the gateway's
+`strict_fields` setting refuses them instead (as OpenAI does). Fields that would change the output and
+that this server does not implement (`OUTPUT_CHANGING`) are refused either way, as are unsupported values
+of known fields (`check_unsupported`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from services.gateway.errors import ApiError, unsupported
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP = 16
+# Not implemented, and ignoring them would silently change what the client gets: 400 even when lenient.
+OUTPUT_CHANGING = frozenset(
+    {"functions", "function_call", "prediction", "audio", "modalities", "web_search_options", "logits_processors"}
+)
 
 
 class _Strict(BaseModel):
@@ -51,9 +56,27 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(_Strict):
@@ -73,11 +96,20 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extension: logprobs name each token "token_id:<id>" (exact, where its text may not be)
     return_tokens_as_token_ids: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    response_format: ResponseFormat | None = None
+    # vLLM's structured-output extras (either spelling)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -95,11 +127,6 @@ class _Sampling(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def check_common(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise unsupported(name, "a non-zero penalty")
-        if self.logit_bias:
-            raise unsupported("logit_bias", "logit bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
 
@@ -112,16 +139,9 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
 
     def check_unsupported(self) -> None:
         self.check_common()
-        if self.tools:
-            raise unsupported("tools", "tool calling")
-        if self.tool_choice not in (None, "none"):
-            raise unsupported("tool_choice", "tool calling")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise unsupported("response_format", f"response_format type {self.response_format.type!r}")
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
 
@@ -158,3 +178,14 @@ class CompletionRequest(_Sampling):
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
+
+
+def split_unknown(model: type[BaseModel], data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(data without the top-level keys `model` does not know, those keys sorted); ApiError 400 for a key
+    in OUTPUT_CHANGING."""
+    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    unknown = sorted(k for k in data if k not in known)
+    refused = next((k for k in unknown if k in OUTPUT_CHANGING), None)
+    if refused is not None:
+        raise unsupported(refused, f"`{refused}`")
+    return {k: v for k, v in data.items() if k in known}, unknown

@@ -32,6 +32,8 @@ class GatewaySettings(ServiceSettings, frozen=True, kw_only=True):
     # Retry-After (s) sent with every 429 / 503
     max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 4096
     retry_after_s: Annotated[int, msgspec.Meta(ge=0)] = 1
+    # refuse unknown request fields with a 400 (OpenAI's behaviour) instead of ignoring them (vLLM's)
+    strict_fields: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_dir:

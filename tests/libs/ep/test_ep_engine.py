@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from libs.engine import Engine, SamplingParams
+from libs.engine.logits_processors import GuidedSpec
 from libs.engine.tiny import write_tiny_model
 from libs.ep.engine import EPEngine
 from tests.libs.cache_recorder import Recorder
@@ -53,6 +54,18 @@ def test_ragged_prefill_logits_equal_the_single_rank_engine(group: EPEngine, ref
 def test_greedy_tokens_equal_the_single_rank_engine(group: EPEngine, ref: Engine) -> None:
     want = [o.token_ids for o in ref.generate(RAGGED, GREEDY)]
     assert [o.token_ids for o in group.generate(RAGGED, GREEDY)] == want
+
+
+def test_penalties_bias_and_grammar_equal_the_single_rank_engine(group: EPEngine, ref: Engine) -> None:
+    """Logits processing runs inside each rank's engine: the same tokens as one engine."""
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5,
+                       logit_bias={7: 3.0}, min_tokens=8),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=4, guided=GuidedSpec("regex", "[a-c]{2}-[0-9]{2}")),
+    ]  # fmt: skip
+    prompts = RAGGED[1:3]
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    assert [o.token_ids for o in group.generate(prompts, params)] == want
 
 
 def test_rebalance_in_the_middle_of_generation_keeps_every_request_exact(

@@ -40,9 +40,41 @@ def test_matches_transformers(tok_dir: Path, tok: Tokenizer, gen: bool) -> None:
     assert tok.encode_chat(CONVERSATION).count(tok.bos_token_id) == 1
 
 
+TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
+TOOL_TURNS = [
+    {"role": "user", "content": "weather?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get", "arguments": '{"city": "x"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "get", "arguments": {"city": "y"}}},
+    ]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "c2", "content": "rain"},
+]  # fmt: skip
+
+
+def test_tools_render_in_deepseek_v3_format_as_transformers_does(tok_dir: Path, tok: Tokenizer) -> None:
+    from transformers import AutoTokenizer
+
+    text = tok.apply_chat_template(TOOL_TURNS, tools=TOOLS)
+    assert json.dumps(TOOLS[0]) in text
+    calls = (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get\n```json\n{\"city\": \"x\"}\n```"
+        "<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get\n```json\n{\"city\": \"y\"}\n```"
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
+    )
+    outputs = (
+        "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜>"
+        "<｜tool▁output▁begin｜>rain<｜tool▁output▁end｜><｜tool▁outputs▁end｜><｜Assistant｜>"
+    )
+    assert text.endswith("<｜User｜>weather?<｜Assistant｜>" + calls + outputs)
+    hf = AutoTokenizer.from_pretrained(tok_dir)
+    want = hf.apply_chat_template(TOOL_TURNS, tools=TOOLS, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert tok.encode_chat(TOOL_TURNS, tools=TOOLS) == want
+
+
 def test_bad_messages(tok: Tokenizer) -> None:
-    with pytest.raises(ValueError, match="Unsupported message role: tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "42"}])
+    with pytest.raises(ValueError, match="Unsupported message role: developer"):
+        tok.apply_chat_template([{"role": "developer", "content": "42"}])
     with pytest.raises(ValueError, match="list of"):
         tok.apply_chat_template("hello")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="string 'role'"):

@@ -18,7 +18,7 @@ from services.gateway.service import Gateway
 from services.gateway.settings import GatewaySettings
 from tests.services.gateway.fake_mesh import FakeMesh
 
-MAX_CONTEXT = 128
+MAX_CONTEXT = 1024
 MODEL = "tiny-test"
 
 

@@ -48,6 +48,7 @@ class FakeMesh:
     per_step: int = 2  # tokens per TokenBatch (coalescing)
     cached_tokens: int = 3
     admit_first: int | None = None  # "tokens"/"forever": admit this many submits, refuse the rest
+    text: str = TEXT  # what "tokens" mode streams
     submits: list[Submit] = field(default_factory=list)
     cancels: dict[str, Cancel] = field(default_factory=dict)
     _cancel_seen: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -60,7 +61,7 @@ class FakeMesh:
         await self.bus.flush()
 
     def script(self) -> list[int]:
-        return self.tokenizer.encode(TEXT, add_special_tokens=False)
+        return self.tokenizer.encode(self.text, add_special_tokens=False)
 
     async def _on_submit(self, s: Submit) -> SubmitReply | None:
         async with self._submit_seen:

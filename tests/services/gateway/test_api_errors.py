@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import httpx
@@ -57,7 +58,12 @@ async def test_malformed_json_is_400(url: str) -> None:
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": "hi"}, "messages"),
         ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
-        ("/v1/chat/completions", {"frequency_penalty": 1}, "frequency_penalty"),
+        ("/v1/chat/completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
+        ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/chat/completions", {"logit_bias": {"999999": 5}}, "logit_bias"),
+        ("/v1/chat/completions", {"max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
         ("/v1/completions", {"prompt": ""}, "prompt"),
         ("/v1/completions", {"prompt": [1, 2], "max_tokens": MAX_CONTEXT}, "prompt"),
@@ -77,7 +83,9 @@ async def test_bad_requests_are_400_naming_the_param(
 
 async def test_context_length_and_unknown_model(url: str) -> None:
     r = await post(
-        url, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "word " * 300}]}
+        url,
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "word " * (2 * MAX_CONTEXT)}]},
     )
     assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded"
     r = await post(url, "/v1/chat/completions", {**CHAT, "model": "gpt-4"})
@@ -243,3 +251,25 @@ async def test_table_is_empty_after_every_kind_of_ending(
     fake_mesh.mode = "refuse"
     assert (await post(url, "/v1/chat/completions", CHAT)).status_code == 429  # refused
     assert gw.mesh is not None and gw.mesh.in_flight == 0
+
+
+UNUSED = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto", "reasoning_effort": "low"}
+
+
+async def test_unused_fields_are_ignored_with_one_log_line(
+    url: str, fake_mesh: FakeMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="moemesh.gateway"):
+        r = await post(url, "/v1/chat/completions", {**CHAT, **UNUSED})
+    assert r.status_code == 200
+    lines = [m for m in caplog.messages if "ignored request fields" in m]
+    assert lines == [
+        "ignored request fields this server does not use: metadata, reasoning_effort, service_tier, store"
+    ]
+
+
+async def test_strict_fields_refuses_them(start_gateway: StartGateway, fake_mesh: FakeMesh) -> None:
+    url = base_url(await start_gateway(strict_fields=True))
+    r = await post(url, "/v1/chat/completions", {**CHAT, "store": True})
+    assert r.status_code == 400 and error_of(r)["param"] == "store"
+    assert "unrecognized request argument" in error_of(r)["message"] and not fake_mesh.submits

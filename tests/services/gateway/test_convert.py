@@ -10,11 +10,11 @@ import pydantic
 import pytest
 
 from libs.tokenizer import Tokenizer
-from proto.messages import Sampling
+from proto.messages import Guided, Sampling
 from services.gateway.app import validation_error
 from services.gateway.convert import ModelInfo, plan_chat, plan_completion
 from services.gateway.errors import ApiError
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, split_unknown
 from tests.services.gateway.conftest import MAX_CONTEXT
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
@@ -110,16 +110,16 @@ def test_context_limit(tokenizer: Tokenizer, info: ModelInfo) -> None:
     ids = list(range(2, 102))  # 100 tokens
     assert (
         completion(tokenizer, info, prompt=ids, max_tokens=MAX_CONTEXT - 100).choices[0].sampling.max_tokens
-        == 28
+        == MAX_CONTEXT - 100
     )
     with pytest.raises(ApiError) as e:
         completion(tokenizer, info, prompt=ids, max_tokens=MAX_CONTEXT - 99)
     assert (e.value.status, e.value.code, e.value.param) == (400, "context_length_exceeded", "prompt")
     assert f"maximum context length is {MAX_CONTEXT}" in e.value.message
     with pytest.raises(ApiError, match="context length"):  # a prompt that fills the context alone
-        completion(tokenizer, info, prompt=list(range(2, 2 + MAX_CONTEXT)))
+        completion(tokenizer, info, prompt=[(i % 1000) + 2 for i in range(MAX_CONTEXT)])
     with pytest.raises(ApiError) as e:
-        chat(tokenizer, info, messages=[{"role": "user", "content": "word " * 200}])
+        chat(tokenizer, info, messages=[{"role": "user", "content": "word " * (2 * MAX_CONTEXT)}])
     assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
 
 
@@ -136,6 +136,39 @@ def test_bad_values_name_the_param(field: str, value: Any) -> None:
     assert err.status == 400 and err.param == field and err.message.startswith(field)
 
 
+def test_unknown_fields_are_dropped_unless_they_change_the_output() -> None:
+    body = {**CHAT, "store": True, "metadata": {"a": "b"}, "service_tier": "auto", "reasoning_effort": "low"}
+    data, ignored = split_unknown(ChatCompletionRequest, body)
+    assert ignored == ["metadata", "reasoning_effort", "service_tier", "store"] and data == CHAT
+    assert split_unknown(ChatCompletionRequest, {**CHAT, "user": "u"})[1] == []  # known, unused
+    with pytest.raises(ApiError, match="not supported") as e:
+        split_unknown(ChatCompletionRequest, {**CHAT, "functions": []})
+    assert e.value.param == "functions"
+
+
+def test_constraints_reach_the_wire(tokenizer: Tokenizer, info: ModelInfo) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    plan = chat(
+        tokenizer, info, presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_tokens=3,
+        logit_bias={"5": 1, "6": -300}, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )  # fmt: skip
+    (c,) = plan.choices
+    s = c.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (0.5, -1, 1.2, 3)
+    assert s.logit_bias == {5: 1.0, 6: -100.0} and s.guided == Guided("json", json.dumps(schema))
+    cases = {
+        "guided_regex": ("a+", Guided("regex", "a+")),
+        "guided_choice": (["x", "y"], Guided("choice", '["x", "y"]')),
+        "guided_grammar": ("root ::= \"a\"", Guided("grammar", 'root ::= "a"')),
+        "structured_outputs": ({"json_object": True}, Guided("json_object")),
+    }
+    for field, (value, want) in cases.items():
+        assert completion(tokenizer, info, prompt="x", **{field: value}).choices[0].sampling.guided == want
+    assert chat(tokenizer, info, response_format={"type": "json_object"}).choices[0].sampling.guided == Guided(
+        "json_object"
+    )
+
+
 def test_unknown_and_missing_fields() -> None:
     err = invalid(ChatCompletionRequest, {**CHAT, "best_guess": 1})
     assert err.param == "best_guess" and "unrecognized request argument" in err.message
@@ -148,10 +181,11 @@ def test_unknown_and_missing_fields() -> None:
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"), ({"logit_bias": {"5": 1}}, "logit_bias"),
-        ({"top_logprobs": 2}, "top_logprobs"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"top_logprobs": 2}, "top_logprobs"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+        ({"guided_json": "{not json"}, "guided_json"), ({"guided_choice": []}, "guided_choice"),
+        ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"), ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )  # fmt: skip
 def test_unsupported_chat_params_are_refused(
@@ -175,7 +209,7 @@ def test_unsupported_completion_params_are_refused(
 
 def test_template_error_is_a_400(tokenizer: Tokenizer, info: ModelInfo) -> None:
     with pytest.raises(ApiError, match="chat template") as e:
-        chat(tokenizer, info, messages=[{"role": "tool", "content": "x"}])  # the tiny template refuses it
+        chat(tokenizer, info, messages=[{"role": "developer", "content": "x"}])  # the tiny template refuses it
     assert e.value.status == 400 and e.value.param == "messages"
 
 

@@ -68,6 +68,18 @@ def test_stop_string_across_deltas_truncates_and_asks_for_cancel(tokenizer: Toke
     assert out.feed(TokenDelta("r", ids[consumed:])).text == ""  # later deltas change nothing
 
 
+def test_stop_strings_count_only_from_min_tokens(tokenizer: Tokenizer) -> None:
+    (a,) = tokenizer.encode(" a", add_special_tokens=False)
+    (b,) = tokenizer.encode(" b", add_special_tokens=False)
+    out = ChoiceOutput.create(0, tokenizer, TokenText(tokenizer), [1], ["a"], False, min_tokens=3)
+    for d in deltas([a, b, a, b, a, b], 2):
+        out.feed(d)
+        if out.done:
+            break
+    # token 1's "a" is before min_tokens; token 3's stops the choice
+    assert out.full_text() == " a b " and out.finish_reason == "stop" and out.completion_tokens == 3
+
+
 def test_stop_string_in_the_final_delta_needs_no_cancel(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     out = make(tokenizer, stop=["ok."])
