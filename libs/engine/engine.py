@@ -30,7 +30,7 @@ from libs.engine.loader import load_model
 from libs.engine.logits_processors import LogitsProcessors
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
-from libs.engine.overlap import OverlapDecoder
+from libs.engine.decode_pipeline import OverlapDecoder
 from libs.engine.pages import OutOfPagesError, PageAllocator
 from libs.engine.radix_cache import CacheListener, PrefixMatch, RadixCache, RadixNode
 from libs.engine.request import Request, Status
@@ -71,7 +71,7 @@ class Engine:
         """attention_backend: "auto" | "torch" | "triton" | "flashinfer" (ModelRunner). cuda_graphs: run
         decode steps as CUDA graphs where the device, backend and model allow it (cuda_graph.py).
         fast_path: the fused decoder path (layers/fast_path.py) where the model allows it; None: on CUDA.
-        overlap: launch each decode-graph step before reading the previous one's tokens (overlap.py)."""
+        overlap: launch each decode-graph step before reading the previous one's tokens (decode_pipeline.py)."""
         self.model = model
         if fast_path or (fast_path is None and model.device.type == "cuda"):
             model.enable_fast_path()

@@ -1,4 +1,4 @@
-"""Overlapped decode (libs/engine/overlap.py) on a GPU: the same tokens as the plain step, greedy and seeded
+"""Overlapped decode (libs/engine/decode_pipeline.py) on a GPU: the same tokens as the plain step, greedy and seeded
 sampling, with requests of different lengths finishing, joining and being aborted mid-stream, and no page
 left behind."""
 
