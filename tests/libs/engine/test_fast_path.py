@@ -50,24 +50,40 @@ def _damp(model, factor: float = 0.05) -> None:
     """Scale every layer's output projections down: a random model amplifies rounding noise layer by
     layer (each FP8 path is ~30% off a float32 reference at the last layer here), so two equally valid
     rounding orders may pick different greedy tokens; damped, the layers still run every kernel but the
-    logits keep their margins."""
+    logits keep their margins. FP8 weights are scaled through their block scales, dense ones directly."""
+
+    def scale(linear) -> None:
+        target = linear.weight_scale_inv if linear.weight_scale_inv is not None else linear.weight
+        target.data *= factor
+
     for layer in model.model.layers:
-        layer.self_attn.o_proj.weight_scale_inv.data *= factor
+        scale(layer.self_attn.o_proj)
         mlp = layer.mlp
-        for down in (getattr(mlp, "down_proj", None), getattr(mlp.shared_experts, "down_proj", None)
-                     if hasattr(mlp, "shared_experts") else None):  # fmt: skip
-            if down is not None:
-                down.weight_scale_inv.data *= factor
+        if hasattr(mlp, "down_proj"):
+            scale(mlp.down_proj)
+        if getattr(mlp, "shared_experts", None) is not None:
+            scale(mlp.shared_experts.down_proj)
         if hasattr(mlp, "experts"):
-            mlp.experts.down_proj_scale_inv.data *= factor
+            ex = mlp.experts
+            (ex.down_proj_scale_inv if ex.down_proj_scale_inv is not None else ex.down_proj).data *= factor
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-def test_fast_path_is_taken_and_stacks_weights_as_views(ckpt):
-    engine = _engine(ckpt, fast=True)
+@pytest.fixture(scope="module")
+def fast(ckpt) -> Engine:
+    return _engine(ckpt, fast=True)
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt) -> Engine:
+    return _engine(ckpt, fast=False)
+
+
+def test_fast_path_is_taken_and_stacks_weights_as_views(fast):
+    engine = fast
     model = engine.model
     assert model.fast is not None and engine.runner.model.uses_fast_path(engine.runner.backend)
     attn = model.model.layers[1].self_attn
@@ -81,14 +97,14 @@ def test_fast_path_is_taken_and_stacks_weights_as_views(ckpt):
     assert moe.experts.gate_up_proj.data_ptr() == w13.data_ptr()
 
 
-def test_fast_attention_layer_matches_the_plain_layer(ckpt):
+def test_fast_attention_layer_matches_the_plain_layer(fast):
     """One attention layer on the same input: the output and the KV rows it writes agree to FP8 rounding
     (the fused kernels norm and rotate in float32, the plain path rounds in between)."""
     from libs.engine.layers import fast_path
     from libs.engine.runner import Chunk, build_batch
     from libs.kernels import fused
 
-    engine = _engine(ckpt, fast=True)
+    engine = fast
     model, backend, kv = engine.model, engine.runner.backend, engine.kv_pool
     layer = model.model.layers[0]
     batch = build_batch([Chunk(PROMPTS[2], 0, [0, 1])], 16)
@@ -107,10 +123,12 @@ def test_fast_attention_layer_matches_the_plain_layer(ckpt):
 
 
 def test_fast_path_logits_are_as_close_to_float32_as_the_plain_path(ckpt):
-    """Against the float32 model on the dequantized weights, the fused path is no further off than the
-    plain FP8 path (both round differently; neither is the other's reference)."""
-    ref = Engine(load_model(ckpt, device=DEVICE, progress=False, quantization="none"), page_size=16, num_pages=64)
-    plain, fast = _engine(ckpt, fast=False), _engine(ckpt, fast=True)
+    """Against the float32 model on the dequantized weights (all damped alike), the fused path is no further
+    off than the plain FP8 path (both round differently; neither is the other's reference)."""
+    ref_model = load_model(ckpt, device=DEVICE, progress=False, quantization="none")
+    _damp(ref_model)
+    ref = Engine(ref_model, page_size=16, num_pages=64)
+    plain, fast = _engine(ckpt, fast=False, damp=True), _engine(ckpt, fast=True, damp=True)
     for prompt in PROMPTS:
         r = ref.prefill_logits(prompt)
         assert _rel(fast.prefill_logits(prompt), r) < 1.5 * _rel(plain.prefill_logits(prompt), r) + 0.02
