@@ -31,7 +31,7 @@ from libs.engine.pages import OutOfPagesError, PageAllocator
 from libs.engine.radix_cache import CacheListener, PrefixMatch, RadixCache, RadixNode
 from libs.engine.request import Request, Status
 from libs.engine.runner import Chunk, ModelRunner
-from libs.engine.sampling import SamplingParams, make_generator, sample
+from libs.engine.sampling import SampleOutput, SamplingParams, make_generator, sample
 from libs.engine.scheduler import Plan, Scheduler, SeqView, pages_for
 from libs.engine.stopping import StopChecker
 from libs.engine.validation import Limits, check_prompt, check_token
@@ -251,7 +251,7 @@ class Engine:
                 n = min(len(req.prompt_ids) - req.num_computed, self.scheduler.max_prefill_tokens)
                 logits = self.runner.forward_last([self._chunk(req, n)])
                 req.num_computed += n
-            out = sample(logits, [params], [req.generator])
+            out = self._sample(logits, [params], [req.generator])
         except BaseException:
             self.abort(rid)
             raise
@@ -440,11 +440,17 @@ class Engine:
             sampled += [req for (req, _), w in zip(group, want, strict=True) if w]
         if not sampled:
             return []
-        out = sample(torch.cat(logits_parts), [r.params for r in sampled], [r.generator for r in sampled])
+        out = self._sample(
+            torch.cat(logits_parts), [r.params for r in sampled], [r.generator for r in sampled]
+        )
         return [
             self._accept(req, tok, lp)
             for req, tok, lp in zip(sampled, out.token_ids, out.logprobs, strict=True)
         ]
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> SampleOutput:
+        """The one place tokens are drawn from the runner's output (the timing-model engine overrides it)."""
+        return sample(logits, params, generators)
 
     def _accept(self, req: Request, token: int, logprob) -> StepOutput:
         req.output_ids.append(token)

@@ -23,7 +23,11 @@ log = logging.getLogger("moemesh.worker")
 
 def load_engine(s: WorkerSettings) -> Engine:
     """The engine in this process, or with ep_size > 1 the front of a group of EP rank processes
-    (libs.ep.engine.EPEngine, the same worker-facing API)."""
+    (libs.ep.engine.EPEngine, the same worker-facing API), or with engine=sim the timing-model engine."""
+    if s.engine == "sim":
+        from libs.sim import sim_engine
+
+        return sim_engine(s)  # type: ignore[return-value]
     if s.ep_size > 1:
         from libs.ep.engine import EPEngine
 
