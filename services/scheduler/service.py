@@ -37,6 +37,7 @@ from libs.bus import (
     current_traceparent,
     request_context,
 )
+from libs.prefix.replica import PrefixReplica
 from libs.telemetry import attributes as span_attrs
 from libs.telemetry import mark_error
 from proto import messages as m
@@ -78,6 +79,13 @@ class SchedulerSettings(ServiceSettings, frozen=True, kw_only=True):
     prefix_query_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.05
     prefix_pending_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0  # own placements count as hits
     decode_prefix_reuse: bool = True
+    # where prefix hits come from: "local" (this scheduler's replica of the index, fed by KV events) or
+    # "broker" (a PrefixQuery round trip to the kv-broker per placement)
+    prefix_index: str = "local"
+
+    def __post_init__(self) -> None:
+        if self.prefix_index not in ("local", "broker"):
+            raise ValueError(f"prefix_index must be local or broker, got {self.prefix_index!r}")
 
 
 class _Metrics:
@@ -149,6 +157,7 @@ class SchedulerService(Service):
             prefix_weight=settings.prefix_weight,
         )
         self.prefix: PrefixClient | None = None  # set once the bus is up
+        self.replica: PrefixReplica | None = None  # the local prefix index (prefix_index=local)
         self.workers = WorkerTable(settings.dead_after_intervals)
         self.queue = AdmissionQueue(settings.max_queue, settings.max_retries)
         self.metrics = _Metrics(self.registry)
@@ -163,11 +172,19 @@ class SchedulerService(Service):
         await bus.subscribe(subjects.SCHED_SUBMIT, m.Submit, self._on_submit, queue=subjects.QUEUE_SCHEDULER)
         await bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, self._on_heartbeat)
         await bus.subscribe(subjects.CANCEL, m.Cancel, self._on_cancel)
+        s = self.settings
+        if s.prefix_weight > 0 and s.prefix_index == "local":
+            self.replica = PrefixReplica(
+                bus,
+                self.registry,
+                "moemesh_scheduler_prefix_index",
+                dead_after_intervals=s.dead_after_intervals,
+            )
+            await self.replica.start()
         await bus.flush()
         self.prefix = PrefixClient(
-            bus, self.registry, self.settings.prefix_query_timeout_s, self.settings.prefix_pending_ttl_s,
-            self.clock,
-        )  # fmt: skip
+            bus, self.registry, s.prefix_query_timeout_s, s.prefix_pending_ttl_s, self.clock, self.replica
+        )
         self._loop_task = asyncio.create_task(self._placement_loop(), name="scheduler-placement")
         self.beacon = SchedulerBeacon(
             bus, self.instance_id, self.settings.heartbeat_interval_ms, lambda: len(self.queue)
@@ -187,6 +204,8 @@ class SchedulerService(Service):
             await self._fail(e, m.ErrorCode.UNAVAILABLE, "scheduler is shutting down")
         self._update_gauges()
         await self.beacon.stop()
+        if self.replica is not None:
+            await self.replica.stop()
 
     def wake(self) -> None:
         """Something changed (submit, heartbeat, cancel, placement done): run a placement pass."""
