@@ -89,35 +89,45 @@ class Probe:
                 "placements": placed - self.placed, "placements_per_s": (placed - self.placed) / dt}  # fmt: skip
 
 
-def per_unit(d: dict, requests: int, tokens: int) -> dict:
-    b = d["bus"]
+def per_unit(d: dict, requests: int, tokens: int, idle: dict) -> dict:
+    """Bus traffic per request and per token, net of the idle rate (heartbeats, beacons) over the window."""
+    net = {k: d["bus"][k] - idle["bus_per_s"][k] * d["seconds"] for k in d["bus"]}
+    r, t = max(requests, 1), max(tokens, 1)
     return {
-        "msgs_per_request": b["in_msgs"] / max(requests, 1), "bytes_per_request": b["in_bytes"] / max(requests, 1),
-        "msgs_per_token": b["in_msgs"] / max(tokens, 1), "bytes_per_token": b["in_bytes"] / max(tokens, 1),
-        "delivered_msgs_per_request": b["out_msgs"] / max(requests, 1),
+        "msgs_per_request": net["in_msgs"] / r, "bytes_per_request": net["in_bytes"] / r,
+        "msgs_per_token": net["in_msgs"] / t, "bytes_per_token": net["in_bytes"] / t,
+        "delivered_msgs_per_request": net["out_msgs"] / r, "delivered_bytes_per_request": net["out_bytes"] / r,
     }  # fmt: skip
 
 
-def load_steps(mesh: ScaleMesh, args: argparse.Namespace, prefill_ms: float) -> list[dict]:
+def idle_window(mesh: ScaleMesh, seconds: float = 3.0) -> dict:
+    """The mesh with no requests: the bus and CPU that liveness alone costs."""
+    probe = Probe(mesh)
+    time.sleep(seconds)  # the measured window itself
+    d = probe.delta()
+    return {**d, "bus_per_s": {k: v / d["seconds"] for k, v in d["bus"].items()}}
+
+
+def load_steps(mesh: ScaleMesh, args: argparse.Namespace, prefill_ms: float, idle: dict) -> list[dict]:
     rows: list[dict] = []
     for k, rate in enumerate(float(r) for r in args.rates.split(",")):
         probe = Probe(mesh)
         res, wall = asyncio.run(poisson(mesh.url, mesh.model_name, rate, args.step_s, args.prompt_len,
                                         args.max_tokens, args.shared, seed=k + 1))  # fmt: skip
         d = probe.delta()
-        offered = rate * args.step_s
         row = {
-            "offered_rps": rate, "completed": res.ok, "failed": res.failed, "wall_s": wall,
+            "offered_rps": rate, "sent": res.sent, "completed": res.ok, "failed": res.failed, "wall_s": wall,
             "tokens": res.tokens, "tokens_per_s": res.tokens / wall, "requests_per_s": res.ok / wall,
             "ttft_p50_ms": pct(res.ttft_ms, 50), "ttft_p99_ms": pct(res.ttft_ms, 99),
             "added_ttft_p50_ms": pct(res.ttft_ms, 50) - prefill_ms, "added_ttft_p99_ms": pct(res.ttft_ms, 99) - prefill_ms,
-            **d, **per_unit(d, res.ok, res.tokens), "load_avg": os.getloadavg(),
+            **d, **per_unit(d, res.ok, res.tokens, idle), "load_avg": os.getloadavg(),
         }  # fmt: skip
         row["busiest"] = max(row["cpu_cores"], key=row["cpu_cores"].get)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("bus",)}), flush=True)
         first_p50 = rows[0]["ttft_p50_ms"]
-        if res.ok < 0.9 * offered or row["ttft_p50_ms"] > 10 * first_p50:
+        # saturated: requests failed, the backlog outlived the step by half, or TTFT grew tenfold
+        if res.ok < 0.9 * res.sent or wall > 1.5 * args.step_s or row["ttft_p50_ms"] > 10 * first_p50:
             row["saturated"] = True
             break
     return rows
@@ -197,18 +207,21 @@ def main() -> None:
     ap.add_argument("--stream-speed", type=float, default=10.0, help="sim speed during the streaming test")
     ap.add_argument("--flood", type=int, default=2000, help="submits in the placement test (0: skip)")
     ap.add_argument("--flood-in-flight", type=int, default=256)
+    ap.add_argument("--heartbeat-ms", type=int, default=1000, help="worker and scheduler heartbeat interval")
     ap.add_argument("--out", default="bench/results/mesh_scale.json")
     args = ap.parse_args()
     model = write_tiny_model(Path("/tmp/moemesh-bench-tiny"), overwrite=True)
     fields = {"engine": "sim", "transfer_protocol": "skip", "sim_speed": args.sim_speed, "num_pages": 16384,
-              "max_num_seqs": 256, "heartbeat_interval_ms": 250}  # fmt: skip
+              "max_num_seqs": 256, "heartbeat_interval_ms": args.heartbeat_ms}  # fmt: skip
     cfg = MeshConfig(model_dir=model, port=0, prefill_workers=args.prefill, decode_workers=args.decode,
-                     extra_env={"services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": "4096"}})  # fmt: skip
+                     log_dir=Path(f"/tmp/moemesh-scale-logs-{os.getpid()}"),
+                     extra_env={"services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": "4096",
+                                                       "MOEMESH_SCHEDULER_HEARTBEAT_INTERVAL_MS": str(args.heartbeat_ms)}})  # fmt: skip
     timing = StepTimeModel(speed=args.sim_speed)
     prefill_ms = timing.forward_ms([args.prompt_len - args.shared], [args.prompt_len])
     results: dict = {
         "benchmark": "mesh_scale", "command": "python -m bench.mesh_scale " + " ".join(sys.argv[1:]),
-        "cpus": os.cpu_count(), "load_avg_before": os.getloadavg(),
+        "cpus": os.cpu_count(), "load_avg_before": os.getloadavg(), "log_dir": str(cfg.log_dir),
         "note": "shared 2-core VM (other engineers' jobs running): every rate here is pessimistic",
         "workers": {"decode": args.decode, "prefill": args.prefill, "hosts": args.hosts, **fields},
         "workload": {"prompt_len": args.prompt_len, "shared_prefix": args.shared, "max_tokens": args.max_tokens,
@@ -217,7 +230,9 @@ def main() -> None:
     t0 = time.perf_counter()
     with ScaleMesh(cfg, args.hosts, fields) as mesh:
         results["startup_s"] = time.perf_counter() - t0
-        results["steps"] = load_steps(mesh, args, prefill_ms)
+        results["idle"] = idle = idle_window(mesh)
+        print(json.dumps({"idle_bus_per_s": idle["bus_per_s"], "idle_cpu": idle["cpu_cores"]}), flush=True)
+        results["steps"] = load_steps(mesh, args, prefill_ms, idle)
     if args.stream_clients:
         fields_fast = {**fields, "sim_speed": args.stream_speed}
         with ScaleMesh(cfg, args.hosts, fields_fast) as mesh:

@@ -68,6 +68,7 @@ class StreamResult:
     tokens: int = 0
     ok: int = 0
     failed: int = 0
+    sent: int = 0
     last_done: float = 0.0
 
 
@@ -123,6 +124,7 @@ async def poisson(url: str, model: str, rate: float, duration_s: float, prompt_l
                 )
             )
             i += 1
+            res.sent = i
             next_at += rng.expovariate(rate)
         await asyncio.gather(*tasks)
     return res, max(res.last_done, time.perf_counter()) - t0

@@ -180,7 +180,7 @@ class SchedulerService(Service):
                 "moemesh_scheduler_prefix_index",
                 dead_after_intervals=s.dead_after_intervals,
             )
-            await self.replica.start()
+            await self.replica.start(heartbeats=False)  # _on_heartbeat hands them over
         await bus.flush()
         self.prefix = PrefixClient(
             bus, self.registry, s.prefix_query_timeout_s, s.prefix_pending_ttl_s, self.clock, self.replica
@@ -272,6 +272,8 @@ class SchedulerService(Service):
         return m.SubmitReply(request_id=request_id, ok=False, code=int(code), message=message)
 
     async def _on_heartbeat(self, hb: m.WorkerHeartbeat | m.WorkerGone) -> None:
+        if self.replica is not None:
+            await self.replica.on_heartbeat(hb)
         match hb:
             case m.WorkerHeartbeat():
                 try:
