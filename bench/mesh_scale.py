@@ -1,16 +1,19 @@
 """The mesh at deployment scale by simulation: N decode + M prefill timing-model workers (libs/sim, hosted
 by bench/sim_host.py), the real kv-broker, scheduler, gateway and nats-server as their own processes.
 
-    python -m bench.mesh_scale [--decode 48 --prefill 8 --hosts 4] [--rates 5,10,20,40,80,160]
+    python -m bench.mesh_scale [--decode 48 --prefill 8 --hosts 8] [--rates 5,10,20,40,80,160,320]
                                [--step-s 8] [--prompt-len 256 --shared 128 --max-tokens 32]
-                               [--stream-clients 256] [--flood 2000]
+                               [--flood 2000] [--stream-clients 256 --stream-decode 8 --stream-prefill 2]
 
-1. Open-loop Poisson load, stepped up until something saturates (completed < 90% of offered, or TTFT p50
-   over 10x the first step's): per step, streamed tokens/s, TTFT p50/p99 minus the modeled prefill (the
+1. Open-loop Poisson load, stepped up until something saturates (under 90% of the requests sent
+   complete, the backlog outlives the step by half, or TTFT p50 grows tenfold): after an idle window
+   (what liveness alone costs), per step, streamed tokens/s, TTFT p50/p99 minus the modeled prefill (the
    mesh's share, with queueing), scheduler placements/s, bus messages and bytes per request and per
-   token (nats-server /varz), and each process's CPU (cores) from /proc: the busiest one saturates first.
-2. The gateway streaming test: `--stream-clients` concurrent clients streaming closed-loop.
-3. Scheduler placements: `--flood` submits straight to the scheduler (max_tokens=1), prefix scoring on.
+   token net of the idle rate (nats-server /varz), and each process's CPU (cores) from /proc.
+2. Scheduler placements: `--flood` submits straight to the scheduler (max_tokens=1, prefix scoring on)
+   with every worker and modeled GPUs `--flood-speed` times faster.
+3. The gateway streaming test: `--stream-clients` concurrent clients streaming closed-loop against a
+   smaller mesh (`--stream-decode` fuller decode workers), so the gateway is what is measured.
 Then a projection of gateways and schedulers for 364k tokens/s from the per-core rates. The machine's
 load average goes in the JSON (bench/results/mesh_scale.json) with a plot (mesh_scale.png).
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -195,7 +199,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decode", type=int, default=48)
     ap.add_argument("--prefill", type=int, default=8)
-    ap.add_argument("--hosts", type=int, default=4, help="processes hosting the simulated workers")
+    ap.add_argument("--hosts", type=int, default=8, help="processes hosting the simulated workers")
     ap.add_argument("--rates", default="5,10,20,40,80,160,320")
     ap.add_argument("--step-s", type=float, default=8.0)
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -204,7 +208,9 @@ def main() -> None:
     ap.add_argument("--sim-speed", type=float, default=1.0, help="modeled GPU speed-up (1: H200 as fitted)")
     ap.add_argument("--stream-clients", type=int, default=256)
     ap.add_argument("--stream-tokens", type=int, default=256)
-    ap.add_argument("--stream-speed", type=float, default=10.0, help="sim speed during the streaming test")
+    ap.add_argument("--stream-decode", type=int, default=8, help="decode workers in the streaming test")
+    ap.add_argument("--stream-prefill", type=int, default=2, help="prefill workers in the streaming test")
+    ap.add_argument("--flood-speed", type=float, default=10.0, help="sim speed during the placement flood")
     ap.add_argument("--flood", type=int, default=2000, help="submits in the placement test (0: skip)")
     ap.add_argument("--flood-in-flight", type=int, default=256)
     ap.add_argument("--heartbeat-ms", type=int, default=1000, help="worker and scheduler heartbeat interval")
@@ -233,14 +239,17 @@ def main() -> None:
         results["idle"] = idle = idle_window(mesh)
         print(json.dumps({"idle_bus_per_s": idle["bus_per_s"], "idle_cpu": idle["cpu_cores"]}), flush=True)
         results["steps"] = load_steps(mesh, args, prefill_ms, idle)
-    if args.stream_clients:
-        fields_fast = {**fields, "sim_speed": args.stream_speed}
-        with ScaleMesh(cfg, args.hosts, fields_fast) as mesh:
+    if args.flood:  # every worker, fast modeled GPUs: the scheduler is what is measured
+        with ScaleMesh(cfg, args.hosts, {**fields, "sim_speed": args.flood_speed}) as mesh:
+            results["placements"] = flood_test(mesh, args)
+    if args.stream_clients:  # fewer, fuller decode workers: the gateway is what is measured
+        small = dataclasses.replace(
+            cfg, decode_workers=args.stream_decode, prefill_workers=args.stream_prefill
+        )
+        with ScaleMesh(small, max(1, args.hosts // 4), fields) as mesh:
             results["streaming"] = streaming_test(mesh, args)
-            if args.flood:
-                results["placements"] = flood_test(mesh, args)
-        if args.flood:
-            results["projection"] = projection(results["streaming"], results["placements"], args.max_tokens)
+    if args.flood and args.stream_clients:
+        results["projection"] = projection(results["streaming"], results["placements"], args.max_tokens)
     results["load_avg_after"] = os.getloadavg()
     out = write_json(args.out, results)
     plot(results["steps"], Path(out).with_suffix(".png"))

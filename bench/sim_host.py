@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import sys
 
 from services.decode_worker.service import DecodeWorker, DecodeWorkerSettings
 from services.prefill_worker.service import PrefillWorker, PrefillWorkerSettings
@@ -53,6 +54,9 @@ def main() -> None:
     ap.add_argument("--settings", default="{}", help="JSON object of WorkerSettings fields")
     args = ap.parse_args()
     logging.basicConfig(level=os.environ.get("MOEMESH_LOG_LEVEL", "WARNING"))
+    # many engine threads share this process's GIL with the event loop: hand it over more often than
+    # every 5 ms, or heartbeats fall behind and the workers look dead
+    sys.setswitchinterval(0.0005)
     ids = [[w for w in s.split(",") if w] for s in (args.decode, args.prefill)]
     asyncio.run(run(make_workers(ids[0], ids[1], json.loads(args.settings))))
 
