@@ -19,8 +19,8 @@ class PrefixDirectory(PrefixReplica):
             "moemesh_kv_broker_prefix_queries", "Prefix overlap queries", registry=registry
         )
 
-    async def start(self) -> None:
-        await super().start()
+    async def start(self, heartbeats: bool = True) -> None:
+        await super().start(heartbeats)
         await self.bus.subscribe(
             subjects.BROKER_PREFIX, m.PrefixQuery, self.on_query, queue=subjects.QUEUE_BROKER
         )
