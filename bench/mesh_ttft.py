@@ -1,7 +1,7 @@
 """TTFT through the mesh vs the in-process engine on the same prompts, and streamed tokens/s under load.
 
     python -m bench.mesh_ttft [--requests 100] [--prompt-lens 5,40,200] [--clients 64]
-                              [--prefix-index broker,local]
+                              [--prefix-index broker,local] [--overlap-prefill off,on]
 
 Starts the embedded mesh (nats-server, kv-broker, scheduler, prefill + decode worker, gateway; real
 Mooncake TCP between the workers) on the tiny model, then:
@@ -111,14 +111,17 @@ def summarize(xs: list[float]) -> dict:
     }
 
 
-def measure(model: Path, engine: Engine, lens: list[int], prefix_index: str, args: argparse.Namespace):
+def measure(
+    model: Path, engine: Engine, lens: list[int], prefix_index: str, overlap: bool, args: argparse.Namespace
+):
     """Per prompt length, TTFT through a fresh mesh whose scheduler reads prefix hits from `prefix_index`
     (local replica or kv-broker query) vs the in-process engine; then the concurrent load."""
     cfg = MeshConfig(
         model_dir=model, port=0,
         extra_env={
             "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(args.direct_threshold),
-                                   "MOEMESH_SCHEDULER_PREFIX_INDEX": prefix_index},
+                                   "MOEMESH_SCHEDULER_PREFIX_INDEX": prefix_index,
+                                   "MOEMESH_SCHEDULER_OVERLAP_PREFILL": str(overlap).lower()},
             "services.prefill_worker": {"MOEMESH_PREFILL_WORKER_ENABLE_PREFIX_CACHE": "false"},
             "services.decode_worker": {"MOEMESH_DECODE_WORKER_ENABLE_PREFIX_CACHE": "false"},
         },
@@ -136,7 +139,8 @@ def measure(model: Path, engine: Engine, lens: list[int], prefix_index: str, arg
                 if n <= args.direct_threshold
                 else "disaggregated (Mooncake TCP)"
             )
-            row = {"prompt_len": n, "path": path, "prefix_index": prefix_index, "engine": e, "mesh": mm,
+            row = {"prompt_len": n, "path": path, "prefix_index": prefix_index, "overlap_prefill": overlap,
+                   "engine": e, "mesh": mm,
                    "added_p50_ms": mm["p50_ms"] - e["p50_ms"], "added_p99_ms": mm["p99_ms"] - e["p99_ms"]}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -158,6 +162,9 @@ def main() -> None:
         "--prefix-index", default="local",
         help="scheduler prefix index per run, comma-separated (broker,local: an A/B on one machine state)",
     )  # fmt: skip
+    ap.add_argument(
+        "--overlap-prefill", default="off", help="scheduler's overlap_prefill per run: off, on or off,on"
+    )
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads of the in-process engine (workers use 1)"
     )
@@ -182,9 +189,11 @@ def main() -> None:
     }
     # the last run's rows are `ttft` (the README's table); every run's are in prefix_index_ab
     for kind in args.prefix_index.split(","):
-        rows, load_row = measure(model, engine, lens, kind, args)
-        results.setdefault("prefix_index_ab", {})[kind] = {"ttft": rows, "load_avg": os.getloadavg()}
-        results["ttft"], results["load"] = rows, load_row
+        for overlap in (o == "on" for o in args.overlap_prefill.split(",")):
+            rows, load_row = measure(model, engine, lens, kind, overlap, args)
+            key = kind + ("+overlap" if overlap else "")
+            results.setdefault("prefix_index_ab", {})[key] = {"ttft": rows, "load_avg": os.getloadavg()}
+            results["ttft"], results["load"] = rows, load_row
     results["load_avg_after"] = os.getloadavg()
     print(f"wrote {write_json(args.out, results)}")
 

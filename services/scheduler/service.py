@@ -82,6 +82,10 @@ class SchedulerSettings(ServiceSettings, frozen=True, kw_only=True):
     # where prefix hits come from: "local" (this scheduler's replica of the index, fed by KV events) or
     # "broker" (a PrefixQuery round trip to the kv-broker per placement)
     prefix_index: str = "local"
+    # send PrefillStart with the ReserveKv, so the prefill runs while the decode worker reserves pages
+    # (its PrefillTask follows with the handle; PrefillAbandon if the reservation fails). Needs prefill
+    # workers that know PrefillStart.
+    overlap_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.prefix_index not in ("local", "broker"):
@@ -364,7 +368,7 @@ class SchedulerService(Service):
                     )  # fmt: skip
                     await self.bus.publish(subjects.decode_inbox(plan.decode), msg)
                 else:
-                    handle = await self._reserve(e, plan)
+                    handle = await self._reserve_overlapped(e, plan)
                     if self.queue.is_cancelled(s.request_id):
                         await self.bus.publish(
                             subjects.CANCEL,
@@ -405,6 +409,25 @@ class SchedulerService(Service):
         self.metrics.placements.labels(plan.kind.value).inc()
         self.metrics.placement_seconds.observe(self.clock() - e.admitted_at)
         self.wake()
+
+    async def _reserve_overlapped(self, e: Entry, plan: Plan) -> m.KvHandle:
+        """_reserve, with the prefill started alongside when overlap_prefill is on."""
+        if not self.settings.overlap_prefill or plan.prefill is None:
+            return await self._reserve(e, plan)
+        s, inbox = e.submit, subjects.prefill_inbox(plan.prefill)
+        start = m.PrefillStart(
+            request_id=s.request_id,
+            prompt_ids=s.prompt_ids,
+            sampling=s.sampling,
+            stream_subject=s.stream_subject,
+        )
+        await self.bus.publish(inbox, start)
+        try:
+            return await self._reserve(e, plan)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.bus.publish(inbox, m.PrefillAbandon(request_id=s.request_id))
+            raise
 
     async def _reserve(self, e: Entry, plan: Plan) -> m.KvHandle:
         s = e.submit

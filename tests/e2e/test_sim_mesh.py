@@ -1,6 +1,6 @@
 """The real mesh with timing-model workers (engine=sim, skip transport): 2 prefill + 2 decode worker
-processes, the real gateway, scheduler, kv-broker and nats-server. Both PD paths give the in-process
-SimEngine's deterministic text, the prefix index routes a repeated prompt to its cached blocks, and no
+processes, the real gateway, scheduler (overlap_prefill on: the prompt starts while the decode worker
+reserves), kv-broker and nats-server. Both PD paths give the in-process SimEngine's deterministic text, the prefix index routes a repeated prompt to its cached blocks, and no
 page is left behind."""
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ def sim_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         model_dir=tiny_model, port=0, prefill_workers=2, decode_workers=2, transfer_protocol="skip",
         log_dir=tmp_path_factory.mktemp("sim-mesh-logs"),
         extra_env={
-            "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(DIRECT_THRESHOLD)},
+            "services.scheduler": {
+                "MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(DIRECT_THRESHOLD),
+                "MOEMESH_SCHEDULER_OVERLAP_PREFILL": "true",  # PrefillStart alongside ReserveKv
+            },
             "services.prefill_worker": {f"MOEMESH_PREFILL_WORKER_{k}": v for k, v in worker.items()},
             "services.decode_worker": {f"MOEMESH_DECODE_WORKER_{k}": v for k, v in worker.items()},
         },
