@@ -297,9 +297,7 @@ def capture(rank: Rank, bt: Batch, parts: set) -> torch.cuda.CUDAGraph:
     return g
 
 
-def build_rank(
-    max_b: int, max_ctx: int, local_experts: int, mla_cfg: MLAConfig, fuse_shared: bool = True
-) -> Rank:
+def build_rank(max_b: int, max_ctx: int, local_experts: int, mla_cfg: MLAConfig, fuse_shared: bool = True) -> Rank:
     layers = [build_layer(i, local_experts, fuse_shared) for i in range(LAYERS)]
     slots = max_b * math.ceil(max_ctx / PAGE) * PAGE
     kv = torch.empty(LAYERS, slots, KVR + ROPE, device=DEV, dtype=torch.bfloat16)
@@ -413,9 +411,7 @@ def worker(local_rank: int, world: int, a) -> None:
     torch.manual_seed(local_rank)
     batches = [int(x) for x in a.batch.split(",")]
     env = environment()
-    rank = build_rank(
-        max(batches), a.ctx + a.gen, a.physical // a.ep, load_mla_config(), not a.separate_shared
-    )
+    rank = build_rank(max(batches), a.ctx + a.gen, a.physical // a.ep, load_mla_config(), not a.separate_shared)
     if a.attn == "flashinfer":
         from libs.kernels.flashinfer_mla import FlashInferMLA
 
