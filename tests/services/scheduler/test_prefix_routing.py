@@ -1,7 +1,7 @@
 """The scheduler's prefix-aware placement against a real nats-server: with prefix_index=broker it asks the
-kv-broker's index (here a
-double) with the prompt's block hashes, places on the worker holding the prefix, sends the prompt with
-ReserveKv so the decode worker can reuse its cache, and places on load alone when the index is silent."""
+kv-broker's index (here a double) with the prompt's block hashes, places on the worker holding the prefix,
+sends the prompt with ReserveKv so the decode worker can reuse its cache, and places on load alone when
+the index is silent."""
 
 from __future__ import annotations
 
