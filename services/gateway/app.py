@@ -164,6 +164,7 @@ def _chunk(gen: Generation, chat: bool, index: int, text: str, step_lp: Any, fin
 
 async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) -> AsyncIterator[bytes]:
     status = CLIENT_GONE
+    pending: list[bytes] = []  # events of steps already queued go out in one write: same events, fewer sends
     try:
         try:
             if chat:
@@ -180,16 +181,20 @@ async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) 
                     yield fmt.sse(first)
             async for out, step in gen.steps():
                 if step.text or step.logprobs or step.done:
-                    yield fmt.sse(_chunk(gen, chat, out.index, step.text, step.logprobs, step.finish_reason))
+                    chunk = _chunk(gen, chat, out.index, step.text, step.logprobs, step.finish_reason)
+                    pending.append(fmt.sse(chunk))
+                if pending and gen.queue.empty():
+                    yield b"".join(pending)
+                    pending.clear()
             if gen.plan.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
-                yield fmt.sse(fmt.usage_chunk(gen.id, obj, gen.created, gen.model, gen.usage()))
+                pending.append(fmt.sse(fmt.usage_chunk(gen.id, obj, gen.created, gen.model, gen.usage())))
             status = 200
         except ApiError as e:
             status = e.status
             log.info("request %s ended with %d mid-stream: %s", gen.id, e.status, e.message)
-            yield fmt.sse(e.body())
-        yield fmt.SSE_DONE
+            pending.append(fmt.sse(e.body()))
+        yield b"".join(pending) + fmt.SSE_DONE
     finally:
         gen.close("client disconnected")
         done(status)
