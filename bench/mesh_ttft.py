@@ -1,6 +1,7 @@
 """TTFT through the mesh vs the in-process engine on the same prompts, and streamed tokens/s under load.
 
     python -m bench.mesh_ttft [--requests 100] [--prompt-lens 5,40,200] [--clients 64]
+                              [--prefix-index broker,local] [--overlap-prefill off,on]
 
 Starts the embedded mesh (nats-server, kv-broker, scheduler, prefill + decode worker, gateway; real
 Mooncake TCP between the workers) on the tiny model, then:
@@ -110,6 +111,44 @@ def summarize(xs: list[float]) -> dict:
     }
 
 
+def measure(
+    model: Path, engine: Engine, lens: list[int], prefix_index: str, overlap: bool, args: argparse.Namespace
+):
+    """Per prompt length, TTFT through a fresh mesh whose scheduler reads prefix hits from `prefix_index`
+    (local replica or kv-broker query) vs the in-process engine; then the concurrent load."""
+    cfg = MeshConfig(
+        model_dir=model, port=0,
+        extra_env={
+            "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(args.direct_threshold),
+                                   "MOEMESH_SCHEDULER_PREFIX_INDEX": prefix_index,
+                                   "MOEMESH_SCHEDULER_OVERLAP_PREFILL": str(overlap).lower()},
+            "services.prefill_worker": {"MOEMESH_PREFILL_WORKER_ENABLE_PREFIX_CACHE": "false"},
+            "services.decode_worker": {"MOEMESH_DECODE_WORKER_ENABLE_PREFIX_CACHE": "false"},
+        },
+    )  # fmt: skip
+    rows = []
+    with Mesh(cfg) as mesh:
+        for n in lens:
+            prompts = [prompt_of(n, i) for i in range(args.requests)]
+            asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts[:5]))  # warm-up
+            engine_ttft(engine, prompts[:5])
+            e = summarize(engine_ttft(engine, prompts))
+            mm = summarize(asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts)))
+            path = (
+                "direct (decode-local prefill)"
+                if n <= args.direct_threshold
+                else "disaggregated (Mooncake TCP)"
+            )
+            row = {"prompt_len": n, "path": path, "prefix_index": prefix_index, "overlap_prefill": overlap,
+                   "engine": e, "mesh": mm,
+                   "added_p50_ms": mm["p50_ms"] - e["p50_ms"], "added_p99_ms": mm["p99_ms"] - e["p99_ms"]}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        load_row = asyncio.run(load(mesh.url, mesh.model_name, args.clients, args.gen_tokens, 40))
+        print(json.dumps(load_row), flush=True)
+    return rows, load_row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=100)
@@ -119,6 +158,13 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint folder (default: a fresh tiny model)")
     ap.add_argument("--direct-threshold", type=int, default=16, help="scheduler's direct-prefill threshold")
     ap.add_argument("--out", default="bench/results/mesh_ttft.json")
+    ap.add_argument(
+        "--prefix-index", default="local",
+        help="scheduler prefix index per run, comma-separated (broker,local: an A/B on one machine state)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--overlap-prefill", default="off", help="scheduler's overlap_prefill per run: off, on or off,on"
+    )
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads of the in-process engine (workers use 1)"
     )
@@ -132,14 +178,6 @@ def main() -> None:
     )
     lens = [int(x) for x in args.prompt_lens.split(",")]
     engine = Engine.from_pretrained(model, enable_prefix_cache=False)
-    cfg = MeshConfig(
-        model_dir=model, port=0,
-        extra_env={
-            "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(args.direct_threshold)},
-            "services.prefill_worker": {"MOEMESH_PREFILL_WORKER_ENABLE_PREFIX_CACHE": "false"},
-            "services.decode_worker": {"MOEMESH_DECODE_WORKER_ENABLE_PREFIX_CACHE": "false"},
-        },
-    )  # fmt: skip
     results: dict = {
         "benchmark": "mesh_ttft",
         "machine": platform.node(),
@@ -149,29 +187,15 @@ def main() -> None:
         "load_avg_before": os.getloadavg(),
         "ttft": [],
     }
-    with Mesh(cfg) as mesh:
-        for n in lens:
-            prompts = [prompt_of(n, i) for i in range(args.requests)]
-            asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts[:5]))  # warm-up
-            engine_ttft(engine, prompts[:5])
-            e = summarize(engine_ttft(engine, prompts))
-            mm = summarize(asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts)))
-            path = (
-                "direct (decode-local prefill)"
-                if n <= args.direct_threshold
-                else "disaggregated (Mooncake TCP)"
-            )
-            row = {
-                "prompt_len": n,
-                "path": path,
-                "engine": e,
-                "mesh": mm,
-                "added_p50_ms": mm["p50_ms"] - e["p50_ms"],
-            }
-            results["ttft"].append(row)
-            print(json.dumps(row), flush=True)
-        results["load"] = asyncio.run(load(mesh.url, mesh.model_name, args.clients, args.gen_tokens, 40))
-        print(json.dumps(results["load"]), flush=True)
+    # every run's rows are in prefix_index_ab; `ttft` holds the defaults' (local, no overlap) if run
+    for kind in args.prefix_index.split(","):
+        for overlap in (o == "on" for o in args.overlap_prefill.split(",")):
+            rows, load_row = measure(model, engine, lens, kind, overlap, args)
+            key = kind + ("+overlap" if overlap else "")
+            results.setdefault("prefix_index_ab", {})[key] = {"ttft": rows, "load_avg": os.getloadavg()}
+            results["ttft"], results["load"] = rows, load_row
+    if "local" in results["prefix_index_ab"]:  # the record's `ttft` is the default configuration's
+        results["ttft"] = results["prefix_index_ab"]["local"]["ttft"]
     results["load_avg_after"] = os.getloadavg()
     print(f"wrote {write_json(args.out, results)}")
 

@@ -304,7 +304,25 @@ class PrefillTask(Kind, frozen=True):
     handle: KvHandle
 
 
-PrefillInbox = PrefillTask
+class PrefillStart(Kind, frozen=True):
+    """Start the prompt now; its PrefillTask (with the KV handle) follows once the decode worker has
+    reserved pages (the scheduler's overlap_prefill), so the reservation round trip overlaps the prefill.
+    A PrefillAbandon, a Cancel, or no PrefillTask within the worker's early_prefill_ttl_s drops it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    stream_subject: str
+
+
+class PrefillAbandon(Kind, frozen=True):
+    """The reservation behind a PrefillStart failed: drop the started prompt (the request may be placed
+    again, here or elsewhere)."""
+
+    request_id: str
+
+
+PrefillInbox = PrefillTask | PrefillStart | PrefillAbandon
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,17 +25,17 @@ import torch
 from libs.engine.batcher import Batcher, Plan, SeqView, pages_for
 from libs.engine.config import ModelConfig
 from libs.engine.cuda_graph import capture_sizes, decode_graphs_supported
+from libs.engine.decode_pipeline import OverlapDecoder
 from libs.engine.kv_pool import KVPool
 from libs.engine.loader import load_model
 from libs.engine.logits_processors import LogitsProcessors
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
-from libs.engine.decode_pipeline import OverlapDecoder
 from libs.engine.pages import OutOfPagesError, PageAllocator
 from libs.engine.radix_cache import CacheListener, PrefixMatch, RadixCache, RadixNode
 from libs.engine.request import Request, Status
 from libs.engine.runner import Chunk, ModelRunner
-from libs.engine.sampling import SamplingParams, make_generator, sample
+from libs.engine.sampling import SampleOutput, SamplingParams, make_generator, sample
 from libs.engine.stopping import StopChecker
 from libs.engine.validation import Limits, check_prompt, check_token
 from libs.tokenizer import Tokenizer
@@ -270,8 +270,7 @@ class Engine:
                 n = min(len(req.prompt_ids) - req.num_computed, self.batcher.max_prefill_tokens)
                 logits = self.runner.forward_last([self._chunk(req, n)])
                 req.num_computed += n
-            out = sample(self.procs.apply(logits, [req]), [params], [req.generator], [(req.seed, req.num_tokens)], logits)
-            self.procs.accept([req], out.token_ids)
+            out = self._sample(logits, [req])
         except BaseException:
             self.abort(rid)
             raise
@@ -469,16 +468,22 @@ class Engine:
         if not sampled:
             return []
         logits = logits_parts[0] if len(logits_parts) == 1 else torch.cat([p.float() for p in logits_parts])
-        processed = self.procs.apply(logits, sampled)
-        out = sample(
-            processed, [r.params for r in sampled], [r.generator for r in sampled],
-            [(r.seed, r.num_tokens) for r in sampled], logits,
-        )  # fmt: skip
-        self.procs.accept(sampled, out.token_ids)
+        out = self._sample(logits, sampled)
         return [
             self._accept(req, tok, lp)
             for req, tok, lp in zip(sampled, out.token_ids, out.logprobs, strict=True)
         ]
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleOutput:
+        """The one place tokens are drawn from the runner's output, one row per request (the timing-model
+        engine overrides it): logits processors, then the sampler keyed by (seed, position)."""
+        processed = self.procs.apply(logits, reqs)
+        out = sample(
+            processed, [r.params for r in reqs], [r.generator for r in reqs],
+            [(r.seed, r.num_tokens) for r in reqs], logits,
+        )  # fmt: skip
+        self.procs.accept(reqs, out.token_ids)
+        return out
 
     def _accept(self, req: Request, token: int, logprob) -> StepOutput:
         req.output_ids.append(token)

@@ -21,7 +21,7 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 64
     max_prefill_tokens: Annotated[int, msgspec.Meta(ge=1)] = 2048
     enable_prefix_cache: bool = True
-    transfer_protocol: str = "tcp"  # tcp | rdma | nvlink_intra | inprocess (tests)
+    transfer_protocol: str = "tcp"  # tcp | rdma | nvlink_intra | inprocess (tests) | skip (engine=sim)
     transfer_hostname: str = "127.0.0.1"
     transfer_device: str = ""  # RDMA device names, e.g. "mlx5_0"
     # torch intra-op threads on CPU; several worker processes share a host's cores (0: torch's default)
@@ -36,14 +36,25 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     ep_redundant_experts: Annotated[int, msgspec.Meta(ge=0)] = 0  # extra physical expert slots for EPLB
     ep_fp8_dispatch: bool = False
     eplb_interval_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # rebalance experts every N steps (0: never)
+    # engine: "model" runs the checkpoint; "sim" the timing-model engine (libs/sim: config and tokenizer
+    # only, forward passes replaced by waits fitted to the H200 decode records, deterministic tokens)
+    engine: str = "model"
+    sim_speed: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # > 1: the modeled GPU runs that much faster
+    sim_prefill_ms_per_token: Annotated[float, msgspec.Meta(ge=0)] = 0.04
+    sim_prefill_fixed_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
 
     def __post_init__(self) -> None:
         if not self.model_dir:
             raise ValueError("model_dir is required (a Hugging Face checkpoint folder)")
-        if self.transfer_protocol not in ("tcp", "rdma", "nvlink_intra", "inprocess"):
+        if self.transfer_protocol not in ("tcp", "rdma", "nvlink_intra", "inprocess", "skip"):
             raise ValueError(
-                f"transfer_protocol must be tcp, rdma, nvlink_intra or inprocess, got {self.transfer_protocol!r}"
+                "transfer_protocol must be tcp, rdma, nvlink_intra, inprocess or skip, "
+                f"got {self.transfer_protocol!r}"
             )
+        if self.engine not in ("model", "sim"):
+            raise ValueError(f"engine must be model or sim, got {self.engine!r}")
+        if self.engine == "sim" and self.ep_size > 1:
+            raise ValueError("engine=sim models one rank: ep_size must be 1")
         if self.dp_size not in (0, self.ep_size):
             raise ValueError(
                 f"dp_size must equal ep_size ({self.ep_size}): every EP rank runs attention on its own requests"

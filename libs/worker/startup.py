@@ -19,7 +19,11 @@ from proto import subjects
 
 def load_engine(s: WorkerSettings) -> EngineLike:
     """The engine in this process, or with ep_size > 1 the front of a group of EP rank processes
-    (libs.ep.engine.EPEngine, the same worker-facing API)."""
+    (libs.ep.engine.EPEngine, the same worker-facing API), or with engine=sim the timing-model engine."""
+    if s.engine == "sim":
+        from libs.sim import sim_engine
+
+        return sim_engine(s)
     # The grammar engine's import holds the GIL for seconds: done here, before heartbeats start, rather
     # than on the first structured-output request (which would stall the event loop past liveness).
     import libs.engine.grammar  # noqa: F401

@@ -24,6 +24,7 @@ class Live:
 
 
 def delta_of(out: StepOutput, live: Live) -> m.TokenDelta:
+    """cached_tokens: the prefill side's (PD, in Live) or the engine's own prefix hit (direct, in out)."""
     offset = live.completion_tokens  # tokens this request streamed before: the gateway's gap check
     live.completion_tokens += len(out.token_ids)
     lps = [to_wire_logprob(lp) for lp in out.logprobs] if out.logprobs else []
@@ -31,7 +32,7 @@ def delta_of(out: StepOutput, live: Live) -> m.TokenDelta:
         return m.TokenDelta(out.rid, list(out.token_ids), lps, offset=offset)
     return m.TokenDelta(
         out.rid, list(out.token_ids), lps, FINISH.get(out.finish_reason or "stop", m.FinishReason.STOP),
-        live.prompt_tokens, live.completion_tokens, live.cached_tokens, offset=offset,
+        live.prompt_tokens, live.completion_tokens, max(live.cached_tokens, out.cached_tokens), offset=offset,
     )  # fmt: skip
 
 

@@ -173,6 +173,7 @@ def _chunk(gen: Generation, chat: bool, index: int, text: str, step_lp: Any, fin
 
 async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) -> AsyncIterator[bytes]:
     status = CLIENT_GONE
+    pending: list[bytes] = []  # events of steps already queued go out in one write: same events, fewer sends
     try:
         try:
             if chat:
@@ -193,21 +194,24 @@ async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) 
                 if out.index in parsers:
                     delta, finish = tools.stream_step(parsers[out.index], step.text, step.finish_reason)
                     if delta or step.logprobs or step.done:
-                        yield fmt.sse(fmt.chat_chunk(
+                        pending.append(fmt.sse(fmt.chat_chunk(
                             gen.id, gen.created, gen.model, out.index, delta or {}, logprobs=step.logprobs,
                             finish_reason=finish, with_usage_field=gen.plan.include_usage,
-                        ))  # fmt: skip
+                        )))  # fmt: skip
                 elif step.text or step.logprobs or step.done:
-                    yield fmt.sse(_chunk(gen, chat, out.index, step.text, step.logprobs, step.finish_reason))
+                    pending.append(fmt.sse(_chunk(gen, chat, out.index, step.text, step.logprobs, step.finish_reason)))
+                if pending and gen.queue.empty():
+                    yield b"".join(pending)
+                    pending.clear()
             if gen.plan.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
-                yield fmt.sse(fmt.usage_chunk(gen.id, obj, gen.created, gen.model, gen.usage()))
+                pending.append(fmt.sse(fmt.usage_chunk(gen.id, obj, gen.created, gen.model, gen.usage())))
             status = 200
         except ApiError as e:
             status = e.status
             log.info("request %s ended with %d mid-stream: %s", gen.id, e.status, e.message)
-            yield fmt.sse(e.body())
-        yield fmt.SSE_DONE
+            pending.append(fmt.sse(e.body()))
+        yield b"".join(pending) + fmt.SSE_DONE
     finally:
         gen.close("client disconnected")
         done(status)

@@ -1,114 +1,30 @@
-"""The kv-broker's prefix directory: the bus side of the prefix index (prefix_index.py holds the rules).
-
-Subscriptions, all on the broker's connection:
-- proto.subjects.KV_EVENTS_ALL (no queue group: every broker replica builds the whole index, so any
-  replica can answer a query): BlocksStored / BlocksRemoved, applied in arrival order.
-- proto.subjects.HEARTBEAT: liveness (a worker silent for dead_after_intervals heartbeats, or one that
-  sent WorkerGone, leaves the index), and discovery: a worker heard but not indexed (a broker that just
-  started, a worker with an empty cache that never sent an event) is asked for a snapshot.
-- proto.subjects.BROKER_PREFIX (queue group QUEUE_BROKER): PrefixQuery -> PrefixReply.
-Snapshots: KvSnapshotRequest to proto.subjects.kv_snapshot(worker), at most one in flight per worker and
-at most one attempt per `resync_backoff_s` for a worker that does not answer. The index is soft state:
-it is rebuilt from the workers, never stored in JetStream.
-"""
+"""The kv-broker's prefix directory: a PrefixReplica (libs/prefix/replica.py: KV events, heartbeats,
+snapshot resyncs) that also answers PrefixQuery on proto.subjects.BROKER_PREFIX (queue group
+QUEUE_BROKER), for schedulers that ask instead of keeping their own replica (prefix_index=broker)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import time
-from collections.abc import Callable
-
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter
 
 from libs.bus import Bus
-from libs.bus.periodic import Periodic
+from libs.prefix.replica import PrefixReplica
 from proto import messages as m
 from proto import subjects
-from services.kv_broker.prefix_index import PrefixIndex
-
-log = logging.getLogger("moemesh.kv_broker.prefix")
 
 
-class PrefixDirectory:
-    def __init__(
-        self,
-        bus: Bus,
-        registry: CollectorRegistry,
-        *,
-        snapshot_timeout_s: float = 2.0,
-        dead_after_intervals: float = 3.0,
-        resync_backoff_s: float = 1.0,
-        sweep_interval_s: float = 0.25,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.bus, self.clock = bus, clock
-        self.snapshot_timeout_s, self.resync_backoff_s = snapshot_timeout_s, resync_backoff_s
-        self.index = PrefixIndex(dead_after_intervals)
-        self._in_flight: dict[str, asyncio.Task] = {}
-        self._last_try: dict[str, float] = {}
-        self._sweeper = Periodic(sweep_interval_s, self._sweep, "prefix-index-sweep")
-        r = registry
-        Gauge("moemesh_kv_broker_prefix_blocks", "Distinct KV blocks in the prefix index", registry=r
-              ).set_function(lambda: self.index.num_blocks)  # fmt: skip
-        Gauge("moemesh_kv_broker_prefix_entries", "(block, worker) pairs in the prefix index", registry=r
-              ).set_function(lambda: self.index.num_entries)  # fmt: skip
-        Gauge("moemesh_kv_broker_prefix_workers", "Workers in the prefix index", registry=r
-              ).set_function(lambda: len(self.index.workers()))  # fmt: skip
-        self.m_events = Counter("moemesh_kv_broker_prefix_events", "KV events received", registry=r)
-        self.m_resyncs = Counter(
-            "moemesh_kv_broker_prefix_resyncs",
-            "Snapshots asked of workers, by reason",
-            ["reason"],
-            registry=r,
+class PrefixDirectory(PrefixReplica):
+    def __init__(self, bus: Bus, registry: CollectorRegistry, **kw) -> None:
+        super().__init__(bus, registry, "moemesh_kv_broker_prefix", **kw)
+        self.m_queries = Counter(
+            "moemesh_kv_broker_prefix_queries", "Prefix overlap queries", registry=registry
         )
-        self.m_resync_failures = Counter(
-            "moemesh_kv_broker_prefix_resync_failures", "Snapshot requests unanswered", registry=r
-        )
-        self.m_queries = Counter("moemesh_kv_broker_prefix_queries", "Prefix overlap queries", registry=r)
-        self.m_dropped = Counter(
-            "moemesh_kv_broker_prefix_workers_dropped", "Workers dropped from the index, by reason", ["reason"],
-            registry=r,
-        )  # fmt: skip
 
-    async def start(self) -> None:
-        await self.bus.subscribe(subjects.KV_EVENTS_ALL, m.KvEvent, self.on_event)
-        await self.bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, self.on_heartbeat)
+    async def start(self, heartbeats: bool = True) -> None:
+        await super().start(heartbeats)
         await self.bus.subscribe(
             subjects.BROKER_PREFIX, m.PrefixQuery, self.on_query, queue=subjects.QUEUE_BROKER
         )
         await self.bus.flush()  # subscribed at the server before the broker says it is started
-        self._sweeper.start()
-
-    async def stop(self) -> None:
-        await self._sweeper.stop()
-        tasks = list(self._in_flight.values())
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-
-    # --- handlers ---
-    async def on_event(self, ev: m.KvEvent) -> None:
-        self.m_events.inc()
-        if self.index.apply(ev, self.clock()):
-            self.resync(ev.worker_id, "gap")
-
-    async def on_heartbeat(self, hb: m.Heartbeat) -> None:
-        match hb:
-            case m.WorkerHeartbeat(worker_id=wid):
-                self.index.heard(wid, self.clock(), hb.interval_ms / 1000)
-                if self.index.needs_snapshot(wid):
-                    self.resync(wid, "unknown" if self.index.seq_of(wid) is None else "gap")
-            case m.WorkerGone(worker_id=wid):
-                indexed = self.index.seq_of(wid) is not None
-                self.index.drop_worker(wid)  # also forgets the interval of a worker heard but never indexed
-                self._last_try.pop(wid, None)
-                if indexed:
-                    self.m_dropped.labels("gone").inc()
-                    log.info("worker %s left: dropped from the prefix index", wid)
 
     async def on_query(self, q: m.PrefixQuery) -> m.PrefixReply:
         if q.page_size < 1:
@@ -117,45 +33,3 @@ class PrefixDirectory:
         return m.PrefixReply(
             cached_tokens={w: n * q.page_size for w, n in self.index.overlap(q.hashes).items()}
         )
-
-    # --- resync ---
-    def resync(self, worker_id: str, reason: str) -> None:
-        """Ask `worker_id` for a snapshot unless one is in flight or it failed to answer just now."""
-        now = self.clock()
-        if worker_id in self._in_flight or now - self._last_try.get(worker_id, -1e9) < self.resync_backoff_s:
-            return
-        self._last_try[worker_id] = now
-        self.m_resyncs.labels(reason).inc()
-        task = asyncio.create_task(self._snapshot(worker_id))
-        self._in_flight[worker_id] = task
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task) -> None:
-        for wid, t in list(self._in_flight.items()):
-            if t is task:
-                del self._in_flight[wid]
-
-    async def _snapshot(self, worker_id: str) -> None:
-        try:
-            snap: m.KvSnapshot = await self.bus.request(
-                subjects.kv_snapshot(subjects.check_token(worker_id)),
-                m.KvSnapshotRequest(worker_id=worker_id),
-                m.KvSnapshot,
-                timeout=self.snapshot_timeout_s,
-            )
-        except Exception as e:  # retried on its next event or heartbeat, after the backoff
-            self.m_resync_failures.inc()
-            log.info("no KV snapshot from %s: %s", worker_id, e)
-            return
-        again = self.index.load_snapshot(snap, self.clock())
-        self._last_try.pop(worker_id, None)
-        log.info("prefix index: %s resynced at seq %d (%d blocks)", worker_id, snap.seq, len(snap.hashes))
-        if again:
-            self._in_flight.pop(worker_id, None)
-            self.resync(worker_id, "gap")
-
-    async def _sweep(self) -> None:
-        for wid in self.index.expire(self.clock()):
-            self._last_try.pop(wid, None)
-            self.m_dropped.labels("silent").inc()
-            log.warning("worker %s missed its heartbeats: dropped from the prefix index", wid)

@@ -1,6 +1,8 @@
 """The prefill worker's bus shell around the engine.
 
-Inbox (`proto.subjects.prefill_inbox(id)`): PrefillTask. For each: look up the decode worker's pool
+Inbox (`proto.subjects.prefill_inbox(id)`): PrefillTask, and with the scheduler's overlap_prefill a
+PrefillStart before it (the prompt runs while the decode worker reserves; early.py) or PrefillAbandon
+(the reservation failed). For each PrefillTask: look up the decode worker's pool
 geometry at the kv-broker (cached), run the prompt on the engine thread (prefix cache reused; its pages
 stay pinned), write the pages into the handle's pages with the transfer engine (a plan of merged
 contiguous runs, off the engine thread so the next prompt can start), mark the handle written, send
@@ -19,6 +21,7 @@ import time
 from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
+from libs.bus.periodic import Periodic
 from libs.kvtransfer import PageGeometry, plan_page_runs
 from libs.telemetry import RequestTracker
 from libs.telemetry import attributes as span_attrs
@@ -32,6 +35,7 @@ from libs.worker.startup import register_engine_metrics
 from libs.worker.wire import to_params, to_wire_logprob
 from proto import messages as m
 from proto import subjects
+from services.prefill_worker.early import EarlyPrefills
 
 log = logging.getLogger("moemesh.prefill")
 
@@ -43,6 +47,7 @@ class Cancelled(Exception):
 
 class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     lease_margin_ms: int = 1000  # no KV write starts into a handle whose lease ends sooner than this
+    early_prefill_ttl_s: float = 30.0  # a PrefillStart whose PrefillTask does not come by then is dropped
 
 
 class PrefillWorker(WorkerService):
@@ -76,8 +81,13 @@ class PrefillWorker(WorkerService):
         for name, key in (("moemesh_kv_pages_free", "free_pages"), ("moemesh_kv_pages_used", "used_pages")):
             Gauge(name, f"KV pages ({key})", registry=r).set_function(functools.partial(self._stat, key))
         self.kv_events = await start_kv_events(self.bus, self.instance_id, self.et, r)
+        self.early = EarlyPrefills(
+            functools.partial(self.et.call, self.engine.release), s.early_prefill_ttl_s
+        )
+        self._early_sweep = Periodic(1.0, self._expire_early, "early-prefill-sweep")
+        self._early_sweep.start()
         await self.bus.subscribe(
-            subjects.prefill_inbox(self.instance_id), m.PrefillInbox, self.on_task, concurrent=True
+            subjects.prefill_inbox(self.instance_id), m.PrefillInbox, self.on_inbox, concurrent=True
         )
         await self.bus.subscribe(subjects.CANCEL, m.Cancel, self.on_cancel)
         await self.bus.subscribe(subjects.admin(self.name, self.instance_id), m.AdminRequest, self.on_admin)
@@ -93,7 +103,7 @@ class PrefillWorker(WorkerService):
         st = self.engine.stats()
         return {
             **st,
-            "running": len(self.active),
+            "running": len(self.active) + len(self.early),
             "waiting": 0,
             "free_pages": st["free_pages"] + st["evictable_pages"],
             "page_size": self.engine.page_size,
@@ -103,6 +113,25 @@ class PrefillWorker(WorkerService):
     async def on_cancel(self, msg: m.Cancel) -> None:
         if msg.request_id in self.active:
             self.cancelled.add(msg.request_id)
+        self.early.drop(msg.request_id)
+
+    async def on_inbox(self, msg: m.PrefillInbox) -> None:
+        match msg:
+            case m.PrefillTask():
+                await self.on_task(msg)
+            case m.PrefillStart(request_id=rid):
+                try:
+                    params = to_params(msg.sampling)
+                except ValueError as e:  # the PrefillTask will fail it with this error
+                    log.info("not starting %s early: %s", rid, e)
+                    return
+                prefill = functools.partial(self.et.call, self.engine.prefill, rid, msg.prompt_ids, params)
+                self.early.start(rid, prefill)
+            case m.PrefillAbandon(request_id=rid):
+                self.early.drop(rid)
+
+    async def _expire_early(self) -> None:
+        self.early.expire()
 
     async def on_admin(self, msg: m.AdminRequest) -> m.AdminReply:
         st = self.engine.stats()
@@ -159,7 +188,11 @@ class PrefillWorker(WorkerService):
             )
         self._check_cancelled(rid)
         t0 = time.perf_counter()
-        res = await self.et.call(self.engine.prefill, rid, task.prompt_ids, to_params(task.sampling))
+        early = self.early.take(rid)  # started by PrefillStart while the decode worker reserved
+        if early is not None:
+            res = await early
+        else:
+            res = await self.et.call(self.engine.prefill, rid, task.prompt_ids, to_params(task.sampling))
         self.m_seconds.observe(time.perf_counter() - t0)
         self.m_tokens.labels("yes").inc(res.cached_tokens)
         self.m_tokens.labels("no").inc(len(task.prompt_ids) - res.cached_tokens)
@@ -232,6 +265,8 @@ class PrefillWorker(WorkerService):
         self.heartbeat.draining = True
         if self._background:
             await asyncio.wait(set(self._background), timeout=self.settings.broker_timeout_s)
+        await self._early_sweep.stop()
+        await self.early.close()
         await self.heartbeat.stop()
         await self.kv_events.stop()
         self.et.shutdown()

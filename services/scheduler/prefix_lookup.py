@@ -1,11 +1,13 @@
-"""The scheduler's side of prefix-aware routing: how much of a prompt each worker already caches, asked
-of the kv-broker's prefix index (PrefixQuery on proto.subjects.BROKER_PREFIX), plus the prefixes this
-scheduler itself just sent to prefill workers.
+"""The scheduler's side of prefix-aware routing: how much of a prompt each worker already caches, from
+the scheduler's own replica of the prefix index (libs/prefix/replica.py, fed by the workers' KV events
+and resynced from their snapshots on a gap: no bus round trip per placement), or, with
+prefix_index=broker, asked of the kv-broker's index (PrefixQuery on proto.subjects.BROKER_PREFIX); plus
+the prefixes this scheduler itself just sent to prefill workers.
 
-The prompt is hashed here (libs.prefix, once per page size the live workers use) and only the hashes
-travel. The last prompt token is left out: an engine always computes it, so it is never a hit. Placement
-must not stall on the index: a query has a short timeout, and an unanswered one means no hits (the
-request is placed on load alone), counted in `moemesh_scheduler_prefix_queries_total{outcome}`.
+The prompt is hashed here (libs.prefix, once per page size the live workers use). The last prompt token
+is left out: an engine always computes it, so it is never a hit. Placement must not stall on the
+broker: a query has a short timeout, and an unanswered one means no hits (the request is placed on load
+alone). Lookups are counted in `moemesh_scheduler_prefix_queries_total{outcome}` (local, ok, failed).
 
 Why `RecentPlacements`: a worker reports a prompt's blocks once its prefill has finished, so a burst of
 requests sharing a new prefix would find nothing in the index and spread over every prefill worker, each
@@ -25,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from libs.bus import Bus
 from libs.prefix import block_hashes, leading
+from libs.prefix.replica import PrefixReplica
 from proto import messages as m
 from proto import subjects
 
@@ -77,10 +80,12 @@ class PrefixClient:
         timeout_s: float,
         pending_ttl_s: float = 5.0,
         clock=time.monotonic,
+        replica: PrefixReplica | None = None,
     ) -> None:
+        """replica: the local prefix index to read; None asks the kv-broker on every lookup."""
         if not timeout_s > 0:
             raise ValueError(f"prefix query timeout must be > 0, got {timeout_s}")
-        self.bus, self.timeout_s, self.clock = bus, timeout_s, clock
+        self.bus, self.timeout_s, self.clock, self.replica = bus, timeout_s, clock, replica
         self.recent = RecentPlacements(pending_ttl_s)
         self._last: tuple[Sequence[int], dict[int, list[int]]] | None = None  # the last prompt's hashes
         self.m_queries = Counter(
@@ -108,25 +113,31 @@ class PrefixClient:
             if not hashes:
                 continue
             found = {w: n * page_size for w, n in self.recent.overlap(hashes, self.clock()).items()}
-            t0 = time.perf_counter()
-            try:
-                reply: m.PrefixReply = await self.bus.request(
-                    subjects.BROKER_PREFIX,
-                    m.PrefixQuery(page_size=page_size, hashes=hashes),
-                    m.PrefixReply,
-                    timeout=self.timeout_s,
-                )
-            except Exception as e:  # timeout, no broker, refusal: place on what is known locally
-                self.m_queries.labels("failed").inc()
-                log.debug("prefix query failed, placing without the index: %s", e)
+            if self.replica is not None:
+                self.m_queries.labels("local").inc()
+                indexed = {w: n * page_size for w, n in self.replica.index.overlap(hashes).items()}
             else:
-                self.m_seconds.observe(time.perf_counter() - t0)
-                self.m_queries.labels("ok").inc()
-                for wid, n in reply.cached_tokens.items():
-                    found[wid] = max(found.get(wid, 0), n)
-            for wid, n in found.items():
+                indexed = await self._ask_broker(page_size, hashes)
+            for wid, n in (*found.items(), *indexed.items()):
                 out[wid] = max(out.get(wid, 0), n)
         return out
+
+    async def _ask_broker(self, page_size: int, hashes: list[int]) -> dict[str, int]:
+        t0 = time.perf_counter()
+        try:
+            reply: m.PrefixReply = await self.bus.request(
+                subjects.BROKER_PREFIX,
+                m.PrefixQuery(page_size=page_size, hashes=hashes),
+                m.PrefixReply,
+                timeout=self.timeout_s,
+            )
+        except Exception as e:  # timeout, no broker, refusal: place on what is known locally
+            self.m_queries.labels("failed").inc()
+            log.debug("prefix query failed, placing without the index: %s", e)
+            return {}
+        self.m_seconds.observe(time.perf_counter() - t0)
+        self.m_queries.labels("ok").inc()
+        return dict(reply.cached_tokens)
 
     def placed(self, prompt_ids: Sequence[int], prefill_worker: str, page_size: int) -> None:
         """The prompt was just sent to `prefill_worker`: its blocks will be there."""

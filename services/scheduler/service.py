@@ -37,6 +37,7 @@ from libs.bus import (
     current_traceparent,
     request_context,
 )
+from libs.prefix.replica import PrefixReplica
 from libs.telemetry import attributes as span_attrs
 from libs.telemetry import mark_error
 from proto import messages as m
@@ -78,6 +79,17 @@ class SchedulerSettings(ServiceSettings, frozen=True, kw_only=True):
     prefix_query_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.05
     prefix_pending_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0  # own placements count as hits
     decode_prefix_reuse: bool = True
+    # where prefix hits come from: "local" (this scheduler's replica of the index, fed by KV events) or
+    # "broker" (a PrefixQuery round trip to the kv-broker per placement)
+    prefix_index: str = "local"
+    # send PrefillStart with the ReserveKv, so the prefill runs while the decode worker reserves pages
+    # (its PrefillTask follows with the handle; PrefillAbandon if the reservation fails). Needs prefill
+    # workers that know PrefillStart.
+    overlap_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefix_index not in ("local", "broker"):
+            raise ValueError(f"prefix_index must be local or broker, got {self.prefix_index!r}")
 
 
 class _Metrics:
@@ -149,6 +161,7 @@ class SchedulerService(Service):
             prefix_weight=settings.prefix_weight,
         )
         self.prefix: PrefixClient | None = None  # set once the bus is up
+        self.replica: PrefixReplica | None = None  # the local prefix index (prefix_index=local)
         self.workers = WorkerTable(settings.dead_after_intervals)
         self.queue = AdmissionQueue(settings.max_queue, settings.max_retries)
         self.metrics = _Metrics(self.registry)
@@ -163,11 +176,19 @@ class SchedulerService(Service):
         await bus.subscribe(subjects.SCHED_SUBMIT, m.Submit, self._on_submit, queue=subjects.QUEUE_SCHEDULER)
         await bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, self._on_heartbeat)
         await bus.subscribe(subjects.CANCEL, m.Cancel, self._on_cancel)
+        s = self.settings
+        if s.prefix_weight > 0 and s.prefix_index == "local":
+            self.replica = PrefixReplica(
+                bus,
+                self.registry,
+                "moemesh_scheduler_prefix_index",
+                dead_after_intervals=s.dead_after_intervals,
+            )
+            await self.replica.start(heartbeats=False)  # _on_heartbeat hands them over
         await bus.flush()
         self.prefix = PrefixClient(
-            bus, self.registry, self.settings.prefix_query_timeout_s, self.settings.prefix_pending_ttl_s,
-            self.clock,
-        )  # fmt: skip
+            bus, self.registry, s.prefix_query_timeout_s, s.prefix_pending_ttl_s, self.clock, self.replica
+        )
         self._loop_task = asyncio.create_task(self._placement_loop(), name="scheduler-placement")
         self.beacon = SchedulerBeacon(
             bus, self.instance_id, self.settings.heartbeat_interval_ms, lambda: len(self.queue)
@@ -187,6 +208,8 @@ class SchedulerService(Service):
             await self._fail(e, m.ErrorCode.UNAVAILABLE, "scheduler is shutting down")
         self._update_gauges()
         await self.beacon.stop()
+        if self.replica is not None:
+            await self.replica.stop()
 
     def wake(self) -> None:
         """Something changed (submit, heartbeat, cancel, placement done): run a placement pass."""
@@ -253,6 +276,8 @@ class SchedulerService(Service):
         return m.SubmitReply(request_id=request_id, ok=False, code=int(code), message=message)
 
     async def _on_heartbeat(self, hb: m.WorkerHeartbeat | m.WorkerGone) -> None:
+        if self.replica is not None:
+            await self.replica.on_heartbeat(hb)
         match hb:
             case m.WorkerHeartbeat():
                 try:
@@ -343,7 +368,7 @@ class SchedulerService(Service):
                     )  # fmt: skip
                     await self.bus.publish(subjects.decode_inbox(plan.decode), msg)
                 else:
-                    handle = await self._reserve(e, plan)
+                    handle = await self._reserve_overlapped(e, plan)
                     if self.queue.is_cancelled(s.request_id):
                         await self.bus.publish(
                             subjects.CANCEL,
@@ -384,6 +409,25 @@ class SchedulerService(Service):
         self.metrics.placements.labels(plan.kind.value).inc()
         self.metrics.placement_seconds.observe(self.clock() - e.admitted_at)
         self.wake()
+
+    async def _reserve_overlapped(self, e: Entry, plan: Plan) -> m.KvHandle:
+        """_reserve, with the prefill started alongside when overlap_prefill is on."""
+        if not self.settings.overlap_prefill or plan.prefill is None:
+            return await self._reserve(e, plan)
+        s, inbox = e.submit, subjects.prefill_inbox(plan.prefill)
+        start = m.PrefillStart(
+            request_id=s.request_id,
+            prompt_ids=s.prompt_ids,
+            sampling=s.sampling,
+            stream_subject=s.stream_subject,
+        )
+        await self.bus.publish(inbox, start)
+        try:
+            return await self._reserve(e, plan)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.bus.publish(inbox, m.PrefillAbandon(request_id=s.request_id))
+            raise
 
     async def _reserve(self, e: Entry, plan: Plan) -> m.KvHandle:
         s = e.submit

@@ -136,6 +136,8 @@ EXAMPLES: list[msgspec.Struct] = [
         stream_subject="s",
         handle=msgspec.structs.replace(HANDLE, cached_tokens=16),
     ),  # fmt: skip
+    m.PrefillStart(request_id="r3", prompt_ids=[5, 6], sampling=SAMPLING, stream_subject="s"),
+    m.PrefillAbandon(request_id="r3"),
 ]
 
 

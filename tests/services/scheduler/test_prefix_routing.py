@@ -1,6 +1,7 @@
-"""The scheduler's prefix-aware placement against a real nats-server: it asks the kv-broker's index (here a
-double) with the prompt's block hashes, places on the worker holding the prefix, sends the prompt with
-ReserveKv so the decode worker can reuse its cache, and places on load alone when the index is silent."""
+"""The scheduler's prefix-aware placement against a real nats-server: with prefix_index=broker it asks the
+kv-broker's index (here a double) with the prompt's block hashes, places on the worker holding the prefix,
+sends the prompt with ReserveKv so the decode worker can reuse its cache, and places on load alone when
+the index is silent."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ async def index():
 
 
 async def test_request_goes_to_the_prefill_worker_holding_its_prefix(start, index) -> None:  # noqa: F811
-    h = await start(direct_prefill_threshold=0)
+    h = await start(direct_prefill_threshold=0, prefix_index="broker")
     d, p0, p1 = await h.decode("d0"), await h.prefill("p0"), await h.prefill("p1")
     idx = await index(h.bus, {p1.worker_id: 64})
     assert (await h.submit("r1", prompt_len=100)).ok
@@ -66,7 +67,7 @@ async def test_request_goes_to_the_prefill_worker_holding_its_prefix(start, inde
 
 
 async def test_a_silent_index_means_placement_on_load_alone(start, index) -> None:  # noqa: F811
-    h = await start(direct_prefill_threshold=0, prefix_query_timeout_s=0.05)
+    h = await start(direct_prefill_threshold=0, prefix_query_timeout_s=0.05, prefix_index="broker")
     await h.decode("d0")
     p0, p1 = await h.prefill("p0"), await h.prefill("p1")
     await index(h.bus, {p1.worker_id: 64}, silent=True)
@@ -88,7 +89,7 @@ async def test_prefix_weight_zero_is_a_prefix_unaware_scheduler(start, index) ->
 
 
 async def test_cached_prefix_on_the_decode_worker_makes_a_long_prompt_direct(start, index) -> None:  # noqa: F811
-    h = await start(direct_prefill_threshold=32)
+    h = await start(direct_prefill_threshold=32, prefix_index="broker")
     d0, d1 = await h.decode("d0"), await h.decode("d1")
     p = await h.prefill("p0")
     await index(h.bus, {d1.worker_id: 80})

@@ -1,5 +1,5 @@
-"""The kv-broker's prefix index: which worker holds which KV block, built from the workers' KV events.
-Pure: no I/O; times (monotonic seconds) are passed in.
+"""The prefix index (the kv-broker's, and each scheduler's replica of it): which worker holds which KV
+block, built from the workers' KV events. Pure: no I/O; times (monotonic seconds) are passed in.
 
 Per worker it keeps the epoch and last seq applied, the set of block hashes held, and whether it is
 resyncing. Rules:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from libs.prefix.index import PrefixIndex
 from proto import messages as m
-from services.kv_broker.prefix_index import PrefixIndex
 
 
 def stored(seq: int, *hashes: int, wid: str = "p0", epoch: str = "e1") -> m.BlocksStored:

@@ -1,0 +1,190 @@
+"""Load generators and probes for bench/mesh_scale.py: open-loop Poisson streaming completions, closed-loop
+streaming clients, submits straight to the scheduler, per-process CPU from /proc, nats-server /varz,
+Prometheus counters."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import re
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import httpx
+
+from libs.bus import Bus
+from proto import messages as m
+from proto import subjects
+
+_TICK = os.sysconf("SC_CLK_TCK")
+_USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (its threads included), 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(parts[11]) + int(parts[12])) / _TICK
+
+
+def varz(monitor_url: str) -> dict[str, int]:
+    with urllib.request.urlopen(f"{monitor_url}/varz", timeout=5) as r:
+        v = json.load(r)
+    return {k: int(v[k]) for k in ("in_msgs", "out_msgs", "in_bytes", "out_bytes")}
+
+
+def counter_total(url: str, name: str) -> float:
+    """Sum of one counter's samples (every label set) on a Prometheus endpoint."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
+               or line.startswith(name + " "))  # fmt: skip
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def prompt(n: int, salt: int, shared: int = 0) -> list[int]:
+    """`shared` leading tokens common to every prompt (a system prompt), then distinct ones."""
+    return [7 * i % 900 + 3 for i in range(shared)] + [
+        (salt * 131 + 7 * i) % 900 + 3 for i in range(n - shared)
+    ]
+
+
+@dataclass
+class StreamResult:
+    ttft_ms: list[float] = field(default_factory=list)
+    tokens: int = 0
+    ok: int = 0
+    failed: int = 0
+    sent: int = 0
+    last_done: float = 0.0
+
+
+async def stream_one(h: httpx.AsyncClient, url: str, body: dict, res: StreamResult) -> None:
+    t0 = time.perf_counter()
+    first, tail = None, b""
+    try:
+        async with h.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.failed += 1
+                await r.aread()
+                return
+            async for chunk in r.aiter_raw():
+                if first is None and b'"text"' in chunk:
+                    first = time.perf_counter() - t0
+                tail = (tail + chunk)[-512:]
+    except httpx.HTTPError:
+        res.failed += 1
+        return
+    hit = _USAGE.search(tail)
+    if first is None or hit is None:
+        res.failed += 1
+        return
+    res.ok += 1
+    res.tokens += int(hit.group(1))
+    res.ttft_ms.append(first * 1e3)
+    res.last_done = time.perf_counter()
+
+
+def _body(model: str, p: list[int], max_tokens: int) -> dict:
+    return {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+async def poisson(url: str, model: str, rate: float, duration_s: float, prompt_len: int, max_tokens: int,
+                  shared: int, seed: int) -> tuple[StreamResult, float]:  # fmt: skip
+    """Open loop: arrivals at `rate`/s for duration_s, each a streaming completion; waits for all. Returns
+    the result and the wall time from the first arrival to the last completion."""
+    rng, res, tasks = random.Random(seed), StreamResult(), []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=2048)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as h:
+        t0 = time.perf_counter()
+        next_at, i = 0.0, 0
+        while next_at < duration_s:
+            delay = t0 + next_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)  # the arrival schedule itself
+            tasks.append(
+                asyncio.create_task(
+                    stream_one(
+                        h, url, _body(model, prompt(prompt_len, seed * 100_000 + i, shared), max_tokens), res
+                    )
+                )
+            )
+            i += 1
+            res.sent = i
+            next_at += rng.expovariate(rate)
+        await asyncio.gather(*tasks)
+    return res, max(res.last_done, time.perf_counter()) - t0
+
+
+async def closed_loop(
+    url: str, model: str, clients: int, max_tokens: int, prompt_len: int, rounds: int
+) -> tuple[StreamResult, float]:
+    """`clients` concurrent streaming clients, each sending `rounds` requests back to back."""
+    res = StreamResult()
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as h:
+
+        async def client(c: int) -> None:
+            for r in range(rounds):
+                await stream_one(h, url, _body(model, prompt(prompt_len, c * 1000 + r), max_tokens), res)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(clients)))
+        return res, time.perf_counter() - t0
+
+
+async def submit_flood(nats_url: str, model: str, in_flight: int, total: int, prompt_len: int) -> dict:
+    """Submits straight to the scheduler (no gateway), `in_flight` outstanding, max_tokens=1: each ends
+    when its finished delta arrives on the bench's stream subject."""
+    bus = await Bus.connect(nats_url, "mesh-scale-flood")
+    stream = subjects.stream("scale-flood")
+    done: dict[str, asyncio.Future] = {}
+
+    async def on_stream(msg: m.StreamMessage) -> None:
+        match msg:
+            case m.TokenBatch(deltas=deltas):
+                for d in deltas:
+                    if (
+                        d.finish != m.FinishReason.NONE
+                        and (f := done.pop(d.request_id, None)) is not None
+                        and not f.done()
+                    ):
+                        f.set_result(True)
+            case m.RequestError(request_id=rid):
+                if (f := done.pop(rid, None)) is not None and not f.done():
+                    f.set_result(False)
+
+    await bus.subscribe(stream, m.StreamMessage, on_stream)
+    await bus.flush()
+    ids, sem, outcome = itertools.count(), asyncio.Semaphore(in_flight), {"ok": 0, "failed": 0}
+    loop = asyncio.get_running_loop()
+
+    async def one() -> None:
+        async with sem:
+            rid = f"flood-{next(ids)}"
+            fut = done[rid] = loop.create_future()
+            s = m.Submit(request_id=rid, model=model, prompt_ids=prompt(prompt_len, hash(rid) % 10_000, prompt_len // 2),
+                         sampling=m.Sampling(max_tokens=1, temperature=0, ignore_eos=True), stream_subject=stream)  # fmt: skip
+            reply = await bus.request(subjects.SCHED_SUBMIT, s, m.SubmitReply, timeout=30)
+            ok = reply.ok and await asyncio.wait_for(fut, 60)
+            outcome["ok" if ok else "failed"] += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(total)), return_exceptions=True)
+    wall = time.perf_counter() - t0
+    await bus.close()
+    return {**outcome, "wall_s": wall, "in_flight": in_flight, "prompt_len": prompt_len}

@@ -1,0 +1,84 @@
+"""The real mesh with timing-model workers (engine=sim, skip transport): 2 prefill + 2 decode worker
+processes, the real gateway, scheduler (overlap_prefill on: the prompt starts while the decode worker
+reserves), kv-broker and nats-server. Both PD paths give the in-process SimEngine's deterministic text, the prefix index routes a repeated prompt to its cached blocks, and no
+page is left behind."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from libs.chaos import metric_total
+from libs.engine import SamplingParams
+from libs.launch.mesh import Mesh, MeshConfig
+from libs.sim import SimEngine
+from tests.e2e.conftest import assert_no_leaks
+
+pytestmark = pytest.mark.e2e
+DIRECT_THRESHOLD = 8
+
+
+@pytest.fixture(scope="module")
+def sim_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    worker = {"ENGINE": "sim", "SIM_SPEED": "10"}
+    cfg = MeshConfig(
+        model_dir=tiny_model, port=0, prefill_workers=2, decode_workers=2, transfer_protocol="skip",
+        log_dir=tmp_path_factory.mktemp("sim-mesh-logs"),
+        extra_env={
+            "services.scheduler": {
+                "MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(DIRECT_THRESHOLD),
+                "MOEMESH_SCHEDULER_OVERLAP_PREFILL": "true",  # PrefillStart alongside ReserveKv
+            },
+            "services.prefill_worker": {f"MOEMESH_PREFILL_WORKER_{k}": v for k, v in worker.items()},
+            "services.decode_worker": {f"MOEMESH_DECODE_WORKER_{k}": v for k, v in worker.items()},
+        },
+    )  # fmt: skip
+    with Mesh(cfg) as m:
+        yield m
+        assert_no_leaks(m)
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [(salt * 37 + 11 * i) % 500 + 3 for i in range(n)]
+
+
+def test_both_paths_stream_the_sim_engines_text(sim_mesh: Mesh, tiny_model: Path) -> None:
+    engine = SimEngine.from_checkpoint(tiny_model)
+    client = openai.OpenAI(base_url=f"{sim_mesh.url}/v1", api_key="none", max_retries=0)
+    prompts = [_prompt(5, 1), _prompt(40, 2), _prompt(100, 3), _prompt(5, 4) * 3]  # direct, PD, PD, PD
+    expect = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+
+    def one(p: list[int]) -> openai.types.Completion:
+        return client.completions.create(
+            model=sim_mesh.model_name,
+            prompt=p,
+            max_tokens=12,
+            temperature=0.7,
+            extra_body={"ignore_eos": True},
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(one, prompts * 2))
+    for i, out in enumerate(got):
+        want = expect[i % len(prompts)]
+        assert out.choices[0].text == want.text and out.choices[0].finish_reason == "length"
+        assert out.usage is not None and out.usage.completion_tokens == 12
+
+
+def test_a_repeated_prompt_reports_its_cached_prefix(sim_mesh: Mesh) -> None:
+    client = openai.OpenAI(base_url=f"{sim_mesh.url}/v1", api_key="none", max_retries=0)
+    p = _prompt(64, 9)
+    first = client.completions.create(model=sim_mesh.model_name, prompt=p, max_tokens=2)
+    deadline = time.monotonic() + 30  # the KV events reach the scheduler's index after the last token
+    while metric_total(sim_mesh.metrics_url("scheduler"), "moemesh_scheduler_prefix_index_entries") < 8:
+        assert time.monotonic() < deadline, "the scheduler's prefix index never saw the prompt's blocks"
+        time.sleep(0.05)  # polls the scheduler's metrics: the condition lives in another process
+    again = client.completions.create(model=sim_mesh.model_name, prompt=p + [7, 8], max_tokens=2)
+    assert first.choices[0].text and again.choices[0].text
+    details = again.usage.prompt_tokens_details if again.usage else None
+    assert details is not None and details.cached_tokens == 64  # all four full pages of the first prompt
