@@ -122,9 +122,13 @@ def test_fast_attention_layer_matches_the_plain_layer(fast):
         assert _rel(kv.layer(0)[rows, 512:], ref_kv[:, 512:]) < 0.02  # roped k
 
 
-def test_fast_path_logits_are_as_close_to_float32_as_the_plain_path(ckpt):
+def test_fast_path_logits_are_as_close_to_float32_as_the_plain_path(tmp_path):
     """Against the float32 model on the dequantized weights (all damped alike), the fused path is no further
-    off than the plain FP8 path (both round differently; neither is the other's reference)."""
+    off than the plain FP8 path (both round differently; neither is the other's reference). Every token
+    takes every expert here: with top-2 of 8, a near-tie flips one token's expert between two equally valid
+    roundings (measured: layer 2 of 3 parted by 3.5% where layers 0-1 agreed to 0.1-0.2%)."""
+    config = FAST | dict(n_routed_experts=4, num_experts_per_tok=4, n_group=1, topk_group=1)
+    ckpt = write_tiny_model(tmp_path / "m", seed=11, fp8=True, **config)
     ref_model = load_model(ckpt, device=DEVICE, progress=False, quantization="none")
     _damp(ref_model)
     ref = Engine(ref_model, page_size=16, num_pages=64)
