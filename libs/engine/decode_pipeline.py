@@ -21,7 +21,7 @@ after it on the same stream.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -29,9 +29,6 @@ from libs.engine.batcher import pages_for
 from libs.engine.outputs import StepOutput
 from libs.engine.request import Request
 from libs.engine.sampling import one_pass_ok, one_pass_sample
-
-if TYPE_CHECKING:
-    from libs.engine.engine import Engine
 
 
 @dataclass
@@ -43,7 +40,7 @@ class InFlight:
 
 
 class OverlapDecoder:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Any) -> None:  # libs.engine.engine.Engine (which imports this module)
         self.engine = engine
         self.inflight: InFlight | None = None
 

@@ -467,7 +467,8 @@ class Engine:
             sampled += [req for (req, _), w in zip(group, want, strict=True) if w]
         if not sampled:
             return []
-        logits = logits_parts[0] if len(logits_parts) == 1 else torch.cat([p.float() for p in logits_parts])
+        same = len({p.dtype for p in logits_parts}) == 1  # the fused path's raw 16-bit decode logits + fp32 prefill
+        logits = torch.cat(logits_parts if same else [p.float() for p in logits_parts])
         out = self._sample(logits, sampled)
         return [
             self._accept(req, tok, lp)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from libs.engine.logits_processors import GuidedSpec, choice_grammar
+from libs.engine.processing_params import GuidedSpec, choice_grammar
 from libs.tokenizer import Tokenizer
 
 _VOCAB_TYPES = {"ByteLevel": xgr.VocabType.BYTE_LEVEL, "ByteFallback": xgr.VocabType.BYTE_FALLBACK}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from libs.engine.logits_processors import GuidedSpec, needs_processing, validate_processing
+from libs.engine.processing_params import GuidedSpec, needs_processing, validate_processing
 
 MAX_TOP_LOGPROBS = 20
 

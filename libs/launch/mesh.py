@@ -32,8 +32,8 @@ import nats
 from libs.bus.ports import read_ports
 from libs.launch.natsauth import NatsAuth
 from libs.launch.restart_policy import RestartPolicy, State
+from libs.launch.supervision import SupervisionLoop, log
 from libs.launch.supervisor import ServiceSpec, Supervisor
-from libs.launch.watch import SupervisionLoop, log
 from libs.natsd import NatsServer, find_nats_server_binary, start_nats_server
 from proto import decoder, subjects
 from proto import messages as m

@@ -23,15 +23,18 @@ DEADLINE_S = 120.0  # the decode worker's start (torch import, model load) on a 
 
 
 async def poll_ready(
-    http: httpx.AsyncClient, mesh: Mesh, status: int, seen: list[tuple[float, int]], all_alive: bool = True
+    http: httpx.AsyncClient, mesh: Mesh, status: int, seen: list[tuple[float, int]], all_alive: bool = True,
+    schedulers: int | None = None,
 ) -> dict:
-    """GET /ready until it answers `status`; every answer goes to `seen` as (wall ms received, status).
-    `all_alive`: a service process that exits meanwhile fails the test with its log."""
+    """GET /ready until it answers `status` (and, if given, counts that many schedulers: the gateway hears
+    the scheduler's heartbeat on its own, a moment after the launcher did); every answer goes to `seen` as
+    (wall ms received, status). `all_alive`: a service process that exits meanwhile fails the test with
+    its log."""
     deadline = time.monotonic() + DEADLINE_S
     while True:
         r = await http.get("/ready")
         seen.append((time.time() * 1000, r.status_code))
-        if r.status_code == status:
+        if r.status_code == status and (schedulers is None or r.json().get("schedulers") == schedulers):
             return r.json()
         if all_alive:
             mesh.sup.check_alive()
@@ -57,7 +60,7 @@ async def test_ready_follows_the_decode_workers_heartbeats(tiny_model: Path, tmp
         await nc.flush()
         async with httpx.AsyncClient(base_url=mesh.url, timeout=10) as http:
             seen: list[tuple[float, int]] = []
-            before = await poll_ready(http, mesh, 503, seen)
+            before = await poll_ready(http, mesh, 503, seen, schedulers=1)
             assert (
                 before["error"]["code"] == "not_ready"
                 and before["error"]["type"] == "service_unavailable_error"

@@ -8,8 +8,8 @@ from pathlib import Path
 import nats
 
 from libs.launch.restart_policy import RestartPolicy
+from libs.launch.supervision import SupervisionLoop
 from libs.launch.supervisor import ServiceSpec, Supervisor
-from libs.launch.watch import SupervisionLoop
 from proto import decoder, subjects
 from proto import messages as m
 
