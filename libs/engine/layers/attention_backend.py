@@ -195,8 +195,8 @@ class FlashInferAttention(TritonAttention):
         self.mla = flashinfer_mla.FlashInferMLA(device) if fits else None
         self.prefill = flashinfer_mla.FlashInferRaggedPrefill(device) if half else None
         self._kv_index: torch.Tensor | None = None  # [sum K] pool slots of the extend batch's keys
-        self._graph_mla: dict[int, object] = {}  # captured batch size -> its FlashInferMLA
-        self._active = None  # the wrapper a graph step was last planned on (None: eager, self.mla)
+        self._graph_mla: dict[int, flashinfer_mla.FlashInferMLA] = {}  # captured batch size -> its wrapper
+        self._active: flashinfer_mla.FlashInferMLA | None = None  # last planned for a graph step (None: eager)
 
     def prepare(self, batch: ForwardBatch, page_size: int, absorbed: bool) -> StepInputs:
         step = super().prepare(batch, page_size, absorbed)

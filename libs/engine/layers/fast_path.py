@@ -200,9 +200,10 @@ def attention(attn, x8: tuple[torch.Tensor, torch.Tensor], step, kv, fast: Model
 
     t = x8[0].shape[0]
     h, n, r, q_lora, lat = attn.num_heads, attn.nope_dim, attn.rope_dim, attn.q_a_proj.weight.shape[0], attn.kv_lora_rank
-    qkv = fp8_gemm.fp8_gemm(*x8, *attn.fast.qkv_a, out_dtype=attn.o_proj.dtype)  # [T, Q + R + r]
-    q_c8 = fused.add_rmsnorm_quant(qkv[:, :q_lora], attn.q_a_layernorm.weight, NORM_EPS)
-    q = fp8_gemm.fp8_gemm(*q_c8, attn.q_b_proj.weight, attn.q_b_proj.weight_scale_inv, out_dtype=qkv.dtype)
+    (xq, xs), (w_a, s_a) = x8, attn.fast.qkv_a
+    qkv = fp8_gemm.fp8_gemm(xq, xs, w_a, s_a, out_dtype=attn.o_proj.dtype)  # [T, Q + R + r]
+    q_q, q_s = fused.add_rmsnorm_quant(qkv[:, :q_lora], attn.q_a_layernorm.weight, NORM_EPS)
+    q = fp8_gemm.fp8_gemm(q_q, q_s, attn.q_b_proj.weight, attn.q_b_proj.weight_scale_inv, out_dtype=qkv.dtype)
     q = q.view(t, h, n + r)
     q_pe = torch.empty(t, h, r, dtype=q.dtype, device=q.device)
     rows = kv.layer(attn.layer_id)
@@ -219,7 +220,7 @@ def attention(attn, x8: tuple[torch.Tensor, torch.Tensor], step, kv, fast: Model
     else:
         o = step.backend.attend(q[..., :n], q_pe, rows, weights, step)  # [T, H, V]
         o8 = quant.quant_fp8_heads(o)
-    return fp8_gemm.fp8_gemm(*o8, attn.o_proj.weight, attn.o_proj.weight_scale_inv, out_dtype=qkv.dtype)
+    return fp8_gemm.fp8_gemm(o8[0], o8[1], attn.o_proj.weight, attn.o_proj.weight_scale_inv, out_dtype=qkv.dtype)
 
 
 def moe(block, x: torch.Tensor) -> torch.Tensor:
