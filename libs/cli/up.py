@@ -20,9 +20,14 @@ def add_parser(subparsers: Any) -> None:
         "up",
         help="run the whole mesh (nats-server, kv-broker, scheduler, workers, gateway) on this machine",
         description="Starts the embedded default: every service as its own process on 127.0.0.1. Without "
-        "--model it serves a tiny random DeepSeek-V3-architecture model (written on first use).",
+        "--model it serves the trained demo model when `moemesh demo-model` has cached it, else a tiny "
+        "random DeepSeek-V3-architecture model (written in seconds on first use).",
     )
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the tiny model)")
+    p.add_argument(
+        "--model", default=None,
+        help="checkpoint folder, or 'tiny' (random), or 'demo' (trained on first use, minutes); "
+        "default: demo if cached, else tiny",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="gateway port (0: any free port)")
     p.add_argument("--nats-port", type=int, default=0, help="nats-server port (0: any free port)")
@@ -53,7 +58,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from libs.launch.mesh import Mesh, MeshConfig
 
-    model = Path(args.model) if args.model else _tiny_model()
+    model = _choose_model(args.model)
     if not (model / "config.json").is_file():
         raise ValueError(f"{model} is not a checkpoint folder (no config.json)")
     if args.ep_size < 1 or args.dp_size not in (0, args.ep_size):
@@ -99,6 +104,24 @@ def _nats_auth(args: argparse.Namespace) -> NatsAuth | None:
         tls_key=args.nats_tls_key, tls_ca=args.nats_tls_ca,
     )  # fmt: skip
     return auth if auth != NatsAuth() else None
+
+
+def _choose_model(arg: str | None) -> Path:
+    """A fresh machine must be serving within two minutes, and training the demo model takes longer: so
+    the default is the demo model only once it is cached, else the tiny random one (with a hint)."""
+    from libs.demo.cache import cached_demo_model, ensure_demo_model
+
+    if arg == "demo":
+        return ensure_demo_model()
+    if arg == "tiny":
+        return _tiny_model()
+    if arg:
+        return Path(arg)
+    demo = cached_demo_model()
+    if demo is not None:
+        return demo
+    print("serving the tiny random model; `moemesh demo-model` trains one that speaks (minutes, cached)")
+    return _tiny_model()
 
 
 def _tiny_model() -> Path:
