@@ -188,7 +188,19 @@ class DemoDeepseekV3(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
-        """Every tensor under DeepSeek-V3's checkpoint name, float32, contiguous."""
+        """Every tensor under DeepSeek-V3's checkpoint name, float32, contiguous (copies)."""
+        return {k: v.detach().float().contiguous().clone() for k, v in self._hf_views().items()}
+
+    @torch.no_grad()
+    def load_state_dict_hf(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The inverse of state_dict_hf (every name must be there; shared copies must agree)."""
+        views = self._hf_views()
+        if set(views) != set(tensors):
+            raise ValueError(f"names differ: {sorted(set(views) ^ set(tensors))[:8]}")
+        for name, view in views.items():
+            view.copy_(tensors[name])
+
+    def _hf_views(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {
             "model.embed_tokens.weight": self.embed_tokens.weight,
             "model.norm.weight": self.norm.weight,
@@ -207,7 +219,7 @@ class DemoDeepseekV3(nn.Module):
                 f"{p}.shared_head.norm.weight": self.mtp.shared_head_norm.weight,
                 f"{p}.shared_head.head.weight": self.lm_head.weight,
             }
-        return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
+        return {k: v.detach() for k, v in out.items()}
 
 
 def _layer_tensors(prefix: str, layer: DecoderLayer) -> dict[str, torch.Tensor]:
