@@ -18,6 +18,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ def decode_run(engine: Engine, prompts: list[list[int]], params: SamplingParams)
 
 
 def measure(path: Path, k: int, batch: int, args: argparse.Namespace) -> dict:
-    kw = dict(max_num_seqs=max(batch, 1), enable_prefix_cache=False)
+    kw: dict[str, Any] = dict(max_num_seqs=max(batch, 1), enable_prefix_cache=False)
     engine = (
         Engine.from_pretrained(path, **kw) if k == 0 else MTPEngine.load(path, num_speculative_tokens=k, **kw)
     )

@@ -85,6 +85,8 @@ class MoE(nn.Module):
     """Sigmoid noaux_tc gate (the engine's `select_experts`), stacked routed experts, shared experts.
     The correction bias is a buffer moved by `balance()` (DeepSeek's auxiliary-loss-free balancing)."""
 
+    e_score_correction_bias: torch.Tensor
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
@@ -149,7 +151,7 @@ class MTPModule(nn.Module):
         d = cfg.hidden_size
         self.enorm, self.hnorm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         self.eh_proj = _linear(2 * d, d)
-        self.block = DecoderLayer(cfg, rope, cfg.num_hidden_layers)
+        self.block: DecoderLayer = DecoderLayer(cfg, rope, cfg.num_hidden_layers)
         self.shared_head_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, emb_next: torch.Tensor, hidden: torch.Tensor, cos, sin) -> torch.Tensor:
@@ -222,7 +224,7 @@ class DemoDeepseekV3(nn.Module):
         return {k: v.detach() for k, v in out.items()}
 
 
-def _layer_tensors(prefix: str, layer: DecoderLayer) -> dict[str, torch.Tensor]:
+def _layer_tensors(prefix: str, layer: nn.Module) -> dict[str, torch.Tensor]:
     out = {f"{prefix}.{k}": v for k, v in layer.state_dict().items() if not k.startswith("mlp.")}
     mlp = layer.mlp
     if not isinstance(mlp, MoE):
