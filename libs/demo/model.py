@@ -226,7 +226,7 @@ class DemoDeepseekV3(nn.Module):
 
 def _layer_tensors(prefix: str, layer: nn.Module) -> dict[str, torch.Tensor]:
     out = {f"{prefix}.{k}": v for k, v in layer.state_dict().items() if not k.startswith("mlp.")}
-    mlp = layer.mlp
+    mlp = layer.get_submodule("mlp")
     if not isinstance(mlp, MoE):
         return out | {f"{prefix}.mlp.{k}": v for k, v in mlp.state_dict().items()}
     p = f"{prefix}.mlp"
