@@ -139,6 +139,24 @@ class MTPEngine(Engine):
     def stats(self) -> dict[str, int]:
         return super().stats() | {"mtp_drafted": self.num_drafted, "mtp_accepted": self.num_accepted}
 
+    def register_metrics(self, registry) -> None:
+        """Prometheus counters of drafted and accepted tokens (the worker calls this when it exists)."""
+        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.registry import Collector
+
+        engine = self
+
+        class _Collector(Collector):
+            def collect(self):
+                yield CounterMetricFamily(
+                    "moemesh_mtp_drafted_tokens", "MTP draft tokens verified", value=engine.num_drafted
+                )
+                yield CounterMetricFamily(
+                    "moemesh_mtp_accepted_tokens", "MTP draft tokens accepted", value=engine.num_accepted
+                )
+
+        registry.register(_Collector())
+
     # --- one step ---
     def _run(self, plan: Plan) -> list[StepOutput]:
         prefill = [(self.requests[rid], n) for rid, n in plan.prefill]
