@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir=model, host=args.host, port=args.port, nats_port=args.nats_port,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, schedulers=args.schedulers,
         nats_auth=_nats_auth(args),
-        served_model_name=args.served_model_name, transfer_protocol=args.transfer_protocol,
+        served_model_name=args.served_model_name or _default_name(model), transfer_protocol=args.transfer_protocol,
         device=args.device, dtype=args.dtype, log_dir=Path(args.log_dir) if args.log_dir else None,
         ep_size=args.ep_size,
     )  # fmt: skip
@@ -122,6 +122,11 @@ def _choose_model(arg: str | None) -> Path:
         return demo
     print("serving the tiny random model; `moemesh demo-model` trains one that speaks (minutes, cached)")
     return _tiny_model()
+
+
+def _default_name(model: Path) -> str:
+    """The cached demo folder's name carries its cache key; clients see plain "demo-v3"."""
+    return "demo-v3" if model.name.startswith("demo-v3-") else ""
 
 
 def _tiny_model() -> Path:
