@@ -179,3 +179,32 @@ def test_clear_errors(tmp_path):
         MTPEngine(Engine.from_pretrained(path).model, None, num_speculative_tokens=0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="mtp_k"):
         WorkerSettings(model_dir=str(path), mtp_k=2, ep_size=2)
+
+
+def test_engine_sampled_tokens_keep_the_target_distribution(demo, demo_prompts):
+    """Through the engine: token 2 of each request is either an accepted MTP draft or a residual draw;
+    the joint distribution of (token 1, token 2) over 600 seeded requests must match the target's exact
+    one (from prefill logits) within sampling error, while the drafts' own distribution does not."""
+    from libs.engine.sampling import sampling_probs
+
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
+    prompt = demo_prompts[0]
+    spec = MTPEngine.load(demo, num_speculative_tokens=1, max_num_seqs=64)
+    outs = spec.generate(
+        [prompt] * 600, [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(600)]
+    )
+    assert spec.num_drafted >= 600 and 0 < spec.num_accepted < spec.num_drafted
+    base = Engine.from_pretrained(demo)
+    p1 = sampling_probs(base.prefill_logits(prompt)[-1:], [params])[0]
+    exact: dict[tuple[int, int], float] = {}
+    for t1 in p1.nonzero().flatten().tolist():
+        p2 = sampling_probs(base.prefill_logits(prompt + [t1])[-1:], [params])[0]
+        for t2 in p2.nonzero().flatten().tolist():
+            exact[(t1, t2)] = float(p1[t1] * p2[t2])
+    counts: dict[tuple[int, int], int] = {}
+    for o in outs:
+        key = (o.token_ids[0], o.token_ids[1])
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(exact)
+    tv = sum(abs(counts.get(k, 0) / 600 - v) for k, v in exact.items()) / 2
+    assert tv < 0.12, tv  # 16 cells, 600 draws: ~0.06 expected from noise alone
