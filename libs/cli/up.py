@@ -117,7 +117,10 @@ def _choose_model(arg: str | None) -> Path:
         return _tiny_model()
     if arg:
         return Path(arg)
-    demo = cached_demo_model()
+    try:
+        demo = cached_demo_model()
+    except ValueError:  # no pydoc corpus on this Python: no demo model either
+        demo = None
     if demo is not None:
         return demo
     print("serving the tiny random model; `moemesh demo-model` trains one that speaks (minutes, cached)")

@@ -29,7 +29,10 @@ class Corpus:
 
 
 def load_corpus() -> Corpus:
-    from pydoc_data.topics import topics
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as e:  # some distributions split the stdlib; pydoc_data is in CPython's own
+        raise ValueError(f"the demo model's corpus needs Python's pydoc_data module: {e}") from e
 
     paragraphs = []
     for name in sorted(topics):

@@ -5,6 +5,8 @@ leaked page; rejection sampling keeps the target distribution; MTP weights load 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -58,6 +60,27 @@ def test_greedy_identical_on_tiny_configs(tmp_path, overrides):
     ref, got, spec = generate_both(path, PROMPTS, GREEDY, k=2, max_prefill_tokens=16)
     assert got == ref
     assert spec.num_drafted > 0
+    assert_no_leak(spec)
+
+
+def test_greedy_identical_on_the_transformers_written_config(tmp_path):
+    """The suite's hidden-style config (hf_utils.TINY_V3, saved by transformers), plus a random MTP
+    layer in a shard of its own, as a checkpoint with the nextn module would have it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from libs.engine.tiny import random_weights
+    from tests.libs.engine.hf_utils import make_hf_checkpoint
+
+    path = make_hf_checkpoint(tmp_path, seed=2)
+    config = json.loads((path / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    (path / "config.json").write_text(json.dumps(config))
+    prefix = f"model.layers.{config['num_hidden_layers']}."
+    weights = random_weights(config | {"topk_method": "noaux_tc"}, seed=5)
+    save_file({k: v for k, v in weights.items() if k.startswith(prefix)}, str(path / "mtp.safetensors"))
+    ref, got, spec = generate_both(path, PROMPTS, GREEDY, k=2, max_prefill_tokens=16)
+    assert got == ref and spec.num_drafted > 0
     assert_no_leak(spec)
 
 
@@ -183,17 +206,16 @@ def test_clear_errors(tmp_path):
 
 def test_engine_sampled_tokens_keep_the_target_distribution(demo, demo_prompts):
     """Through the engine: token 2 of each request is either an accepted MTP draft or a residual draw;
-    the joint distribution of (token 1, token 2) over 600 seeded requests must match the target's exact
-    one (from prefill logits) within sampling error, while the drafts' own distribution does not."""
+    the joint distribution of (token 1, token 2) over 400 seeded requests must match the target's exact
+    one (from prefill logits) within sampling error."""
     from libs.engine.sampling import sampling_probs
 
-    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
     prompt = demo_prompts[0]
     spec = MTPEngine.load(demo, num_speculative_tokens=1, max_num_seqs=64)
-    outs = spec.generate(
-        [prompt] * 600, [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(600)]
-    )
-    assert spec.num_drafted >= 600 and 0 < spec.num_accepted < spec.num_drafted
+    n = 400
+    outs = spec.generate([prompt] * n, [dataclasses.replace(params, seed=i) for i in range(n)])
+    assert spec.num_drafted >= n and 0 < spec.num_accepted < spec.num_drafted
     base = Engine.from_pretrained(demo)
     p1 = sampling_probs(base.prefill_logits(prompt)[-1:], [params])[0]
     exact: dict[tuple[int, int], float] = {}
@@ -206,5 +228,5 @@ def test_engine_sampled_tokens_keep_the_target_distribution(demo, demo_prompts):
         key = (o.token_ids[0], o.token_ids[1])
         counts[key] = counts.get(key, 0) + 1
     assert set(counts) <= set(exact)
-    tv = sum(abs(counts.get(k, 0) / 600 - v) for k, v in exact.items()) / 2
-    assert tv < 0.12, tv  # 16 cells, 600 draws: ~0.06 expected from noise alone
+    tv = sum(abs(counts.get(k, 0) / n - v) for k, v in exact.items()) / 2
+    assert tv < 0.12, tv  # 9 cells, 400 draws: ~0.05 expected from noise alone
