@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from libs.engine.engine import Engine
+from libs.engine.layers.attention_backend import TorchAttention
 from libs.engine.loader import load_model
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.engine.models.mtp import MTPLayer, load_mtp
@@ -58,21 +59,25 @@ class Verified:
     hidden: torch.Tensor
 
 
+def accept_greedy(target: list[int], drafted: list[int]) -> list[int]:
+    """The target's argmax at t_c and each draft -> drafts while they match, then the target's token."""
+    out: list[int] = []
+    for d in drafted:
+        if target[len(out)] != d:
+            break
+        out.append(d)
+    return out + [target[len(out)]]
+
+
 def accept_drafts(
     logits: torch.Tensor, draft: Draft | None, params: SamplingParams, gen: torch.Generator
 ) -> list[int]:
     """logits [n, V] of the target at t_c and each draft -> the tokens to emit (accepted drafts + one)."""
     drafted = draft.tokens if draft else []
     if params.greedy:
-        target = logits.argmax(dim=-1).tolist()
-        out: list[int] = []
-        for d in drafted:
-            if target[len(out)] != d:
-                break
-            out.append(d)
-        return out + [target[len(out)]]
+        return accept_greedy(logits.argmax(dim=-1).tolist(), drafted)
     p = sampling_probs(logits, [params] * logits.shape[0])  # [n, V]
-    out = []
+    out: list[int] = []
     for i, d in enumerate(drafted):
         assert draft is not None and draft.probs is not None
         q = draft.probs[i]
@@ -117,6 +122,7 @@ class MTPEngine(Engine):
         self.mtp, self.k = mtp, num_speculative_tokens
         self.mtp_pool = mtp.new_kv_pool(self.kv_pool)
         self._drafts: dict[str, Draft] = {}
+        self._torch_attention = TorchAttention(model.config, model.device)
         self.num_drafted = self.num_accepted = self.num_verified = 0
 
     @classmethod
@@ -202,10 +208,14 @@ class MTPEngine(Engine):
         ]
         hidden = self._target(chunks, absorbed=True)
         logits = self.model.compute_logits(hidden)  # [T, V]
+        argmax = logits.argmax(dim=-1).tolist()
         outputs, off = [], 0
         for req, draft, chunk in zip(decode, drafts, chunks, strict=True):
             n = len(chunk.tokens)
-            tokens = accept_drafts(logits[off : off + n], draft, req.params, req.generator)
+            if req.params.greedy:  # one argmax for the whole batch, read per request
+                tokens = accept_greedy(argmax[off : off + n], draft.tokens if draft else [])
+            else:
+                tokens = accept_drafts(logits[off : off + n], draft, req.params, req.generator)
             self.num_verified += 1
             self.num_drafted += n - 1
             self.num_accepted += len(tokens) - 1
@@ -267,8 +277,9 @@ class MTPEngine(Engine):
                 steps = [Chunk([tokens[i][-1]], reqs[i].num_tokens - 2 + j, reqs[i].pages) for i in active]
                 g = self._mtp_forward(steps, g)
             logits = self.mtp.compute_logits(g)
+            argmax = logits.argmax(dim=-1).tolist()
             for row, i in enumerate(active):
-                tok, q = self._propose(logits[row], reqs[i])
+                tok, q = (argmax[row], None) if reqs[i].params.greedy else self._propose(logits[row], reqs[i])
                 tokens[i].append(tok)
                 if q is not None:
                     probs[i].append(q)
@@ -276,13 +287,18 @@ class MTPEngine(Engine):
             self._drafts[r.rid] = Draft(toks, torch.stack(qs) if qs else None)
 
     def _mtp_forward(self, chunks: Sequence[Chunk], hidden: torch.Tensor) -> torch.Tensor:
+        """Short chunks (what follows a verify) attend in latent space, as the verify does: the expanded
+        form would re-expand every cached row of the sequence for a token or two."""
         batch = build_batch(chunks, self.page_size)
-        step = self.runner.backend.prepare(batch, self.page_size, batch.is_decode)
+        absorbed = max(batch.extend_lens) <= self.k + 1
+        backend = self.runner.backend
+        if absorbed and not batch.is_decode and not isinstance(backend, TorchAttention):
+            backend = self._torch_attention  # absorbed multi-token chunks exist in the reference only
+        step = backend.prepare(batch, self.page_size, absorbed)
         return self.mtp.draft_step(step, hidden, self.mtp_pool)
 
-    def _propose(self, logits: torch.Tensor, req: Request) -> tuple[int, torch.Tensor | None]:
-        if req.params.greedy:
-            return int(logits.argmax()), None
+    def _propose(self, logits: torch.Tensor, req: Request) -> tuple[int, torch.Tensor]:
+        """A sampled request's draft token from the MTP distribution q (filtered as the target's)."""
         q = sampling_probs(logits[None], [req.params])[0]
         return int(torch.multinomial(q, 1, generator=req.generator)), q
 
