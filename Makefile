@@ -3,13 +3,16 @@
 VENV := .venv/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup up test lint bench clean
+.PHONY: setup up demo test lint bench clean
 
 setup:
 	@scripts/bootstrap.sh
 
 up: setup
 	$(VENV)/moemesh up $(ARGS)
+
+demo: setup  # train the demo model once (minutes on a CPU); `make up` serves it from then on
+	$(VENV)/moemesh demo-model
 
 test: setup
 	$(VENV)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
