@@ -43,7 +43,7 @@ DEMO_CONFIG: dict[str, Any] = dict(
 
 @dataclass(frozen=True)
 class TrainSettings:
-    steps: int = 600
+    steps: int = 1500
     batch_size: int = 8
     seq_len: int = 128
     lr: float = 3e-3
