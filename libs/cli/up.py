@@ -49,6 +49,11 @@ def add_parser(subparsers: Any) -> None:
         "--ep-size", type=int, default=1,
         help="expert parallelism: rank processes per prefill and decode worker (DP attention + EP MoE)",
     )  # fmt: skip
+    p.add_argument(
+        "--mtp-k", type=int, default=0,
+        help="MTP speculative decoding on the decode workers: draft tokens per step (needs a checkpoint with "
+        "an MTP layer, e.g. the demo model; 0: off)",
+    )  # fmt: skip
     p.add_argument("--dp-size", type=int, default=0, help="attention DP ranks per worker: 0 or --ep-size")
     p.add_argument("--served-model-name", default="")
     p.add_argument("--log-dir", default=None, help="where each service writes its log (default: a temp dir)")
@@ -65,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--ep-size must be >= 1 and --dp-size 0 or --ep-size, got {args.ep_size}, {args.dp_size}"
         )
+    if not 0 <= args.mtp_k <= 8:
+        raise ValueError(f"--mtp-k must be in 0..8, got {args.mtp_k}")
     cfg = MeshConfig(
         model_dir=model, host=args.host, port=args.port, nats_port=args.nats_port,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, schedulers=args.schedulers,
@@ -72,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or _default_name(model), transfer_protocol=args.transfer_protocol,
         device=args.device, dtype=args.dtype, log_dir=Path(args.log_dir) if args.log_dir else None,
         ep_size=args.ep_size,
+        extra_env={"services.decode_worker": {"MOEMESH_DECODE_WORKER_MTP_K": str(args.mtp_k)}} if args.mtp_k else {},
     )  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
