@@ -33,18 +33,18 @@ def demo_key(settings: TrainSettings) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:12]
 
 
-def demo_model_dir(settings: TrainSettings | None = None, root: Path = CACHE_ROOT) -> Path:
-    return root / f"demo-v3-{demo_key(settings or TrainSettings())}"
+def demo_model_dir(settings: TrainSettings | None = None, root: Path | None = None) -> Path:
+    return (root or CACHE_ROOT) / f"demo-v3-{demo_key(settings or TrainSettings())}"
 
 
-def cached_demo_model(settings: TrainSettings | None = None, root: Path = CACHE_ROOT) -> Path | None:
+def cached_demo_model(settings: TrainSettings | None = None, root: Path | None = None) -> Path | None:
     """The cached demo checkpoint folder, or None when it has not been built for this key."""
     out = demo_model_dir(settings, root)
     return out if (out / "training.json").is_file() else None
 
 
 def ensure_demo_model(
-    settings: TrainSettings | None = None, root: Path = CACHE_ROOT, log: Callable[[str], None] = print
+    settings: TrainSettings | None = None, root: Path | None = None, log: Callable[[str], None] = print
 ) -> Path:
     """The demo checkpoint folder, trained now (minutes) when it is not cached yet."""
     settings = settings or TrainSettings()

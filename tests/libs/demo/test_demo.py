@@ -72,3 +72,22 @@ def test_cache_builds_once(tmp_path):
     again: list[str] = []
     assert ensure_demo_model(settings, root=tmp_path, log=again.append) == first and not again
     assert cached_demo_model(quick_settings(steps=3), root=tmp_path) is None  # another recipe, another key
+
+
+def test_up_serves_the_demo_model_only_once_it_is_cached(tmp_path, monkeypatch):
+    """`moemesh up` without --model: the tiny model on a fresh machine (ready in seconds), the demo
+    model once `moemesh demo-model` has cached it; --model tiny/demo/DIR choose explicitly."""
+    from libs.cli import up
+    from libs.demo import cache
+
+    monkeypatch.setattr(cache, "CACHE_ROOT", tmp_path)
+    monkeypatch.setattr(up, "DEFAULT_TINY", tmp_path / "tiny-v3")
+    assert up._choose_model(None) == tmp_path / "tiny-v3"
+    assert (tmp_path / "tiny-v3" / "config.json").is_file()
+    demo = cache.demo_model_dir()
+    demo.mkdir()
+    (demo / "training.json").write_text("{}")  # what a finished build leaves last
+    assert up._choose_model(None) == demo and up._default_name(demo) == "demo-v3"
+    assert up._choose_model("tiny") == tmp_path / "tiny-v3"
+    assert up._choose_model("demo") == demo
+    assert up._choose_model(str(tmp_path / "x")) == tmp_path / "x"
