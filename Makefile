@@ -3,13 +3,16 @@
 VENV := .venv/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup up test lint bench clean
+.PHONY: setup up demo test lint bench clean
 
 setup:
 	@scripts/bootstrap.sh
 
 up: setup
 	$(VENV)/moemesh up $(ARGS)
+
+demo: setup  # train the demo model once (minutes on a CPU); `make up` serves it from then on
+	$(VENV)/moemesh demo-model
 
 # A Triton cache of the run's own, cold each time: a warm ~/.triton/cache must never hide a failure.
 test: setup

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 COMMANDS: list[str] = [
     "libs.cli.bench",
+    "libs.cli.demo_model",
     "libs.cli.generate",
     "libs.cli.serve",
     "libs.cli.tiny_model",

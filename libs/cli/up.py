@@ -22,9 +22,14 @@ def add_parser(subparsers: Any) -> None:
         "up",
         help="run the whole mesh (nats-server, kv-broker, scheduler, workers, gateway) on this machine",
         description="Starts the embedded default: every service as its own process on 127.0.0.1. Without "
-        "--model it serves a tiny random DeepSeek-V3-architecture model (written on first use).",
+        "--model it serves the trained demo model when `moemesh demo-model` has cached it, else a tiny "
+        "random DeepSeek-V3-architecture model (written in seconds on first use).",
     )
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the tiny model)")
+    p.add_argument(
+        "--model", default=None,
+        help="checkpoint folder, or 'tiny' (random), or 'demo' (trained on first use, minutes); "
+        "default: demo if cached, else tiny",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="gateway port (0: any free port)")
     p.add_argument("--nats-port", type=int, default=0, help="nats-server port (0: any free port)")
@@ -46,6 +51,11 @@ def add_parser(subparsers: Any) -> None:
         "--ep-size", type=int, default=1,
         help="expert parallelism: rank processes per prefill and decode worker (DP attention + EP MoE)",
     )  # fmt: skip
+    p.add_argument(
+        "--mtp-k", type=int, default=0,
+        help="MTP speculative decoding on the decode workers: draft tokens per step (needs a checkpoint with "
+        "an MTP layer, e.g. the demo model; 0: off)",
+    )  # fmt: skip
     p.add_argument("--dp-size", type=int, default=0, help="attention DP ranks per worker: 0 or --ep-size")
     p.add_argument("--served-model-name", default="")
     p.add_argument("--log-dir", default=None, help="where each service writes its log (default: a temp dir)")
@@ -63,24 +73,27 @@ def run(args: argparse.Namespace) -> int:
     from libs.launch.mesh import Mesh, MeshConfig
     from libs.launch.restart_policy import RestartPolicy
 
-    model = Path(args.model) if args.model else _tiny_model()
+    model = _choose_model(args.model)
     if not (model / "config.json").is_file():
         raise ValueError(f"{model} is not a checkpoint folder (no config.json)")
     if args.ep_size < 1 or args.dp_size not in (0, args.ep_size):
         raise ValueError(
             f"--ep-size must be >= 1 and --dp-size 0 or --ep-size, got {args.ep_size}, {args.dp_size}"
         )
+    if not 0 <= args.mtp_k <= 8:
+        raise ValueError(f"--mtp-k must be in 0..8, got {args.mtp_k}")
     cfg = MeshConfig(
         model_dir=model, host=args.host, port=args.port, nats_port=args.nats_port,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, schedulers=args.schedulers,
         nats_auth=_nats_auth(args),
-        served_model_name=args.served_model_name, transfer_protocol=args.transfer_protocol,
+        served_model_name=args.served_model_name or _default_name(model), transfer_protocol=args.transfer_protocol,
         device=args.device, dtype=args.dtype, log_dir=Path(args.log_dir) if args.log_dir else None,
         ep_size=args.ep_size,
         restart=RestartPolicy(
             backoff_s=args.restart_backoff, max_backoff_s=args.restart_max_backoff,
             max_restarts=args.restart_limit, window_s=args.restart_window,
         ),
+        extra_env={"services.decode_worker": {"MOEMESH_DECODE_WORKER_MTP_K": str(args.mtp_k)}} if args.mtp_k else {},
     )  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -114,6 +127,32 @@ def _nats_auth(args: argparse.Namespace) -> NatsAuth | None:
         tls_key=args.nats_tls_key, tls_ca=args.nats_tls_ca,
     )  # fmt: skip
     return auth if auth != NatsAuth() else None
+
+
+def _choose_model(arg: str | None) -> Path:
+    """A fresh machine must be serving within two minutes, and training the demo model takes longer: so
+    the default is the demo model only once it is cached, else the tiny random one (with a hint)."""
+    from libs.demo.cache import cached_demo_model, ensure_demo_model
+
+    if arg == "demo":
+        return ensure_demo_model()
+    if arg == "tiny":
+        return _tiny_model()
+    if arg:
+        return Path(arg)
+    try:
+        demo = cached_demo_model()
+    except ValueError:  # no pydoc corpus on this Python: no demo model either
+        demo = None
+    if demo is not None:
+        return demo
+    print("serving the tiny random model; `moemesh demo-model` trains one that speaks (minutes, cached)")
+    return _tiny_model()
+
+
+def _default_name(model: Path) -> str:
+    """The cached demo folder's name carries its cache key; clients see plain "demo-v3"."""
+    return "demo-v3" if model.name.startswith("demo-v3-") else ""
 
 
 def _tiny_model() -> Path:

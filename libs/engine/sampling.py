@@ -277,3 +277,9 @@ def _logprobs(
             top = tuple(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True))
         out[i] = TokenLogprob(tokens[i], float(logp[j, tokens[i]]), top)
     return out
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[S, V] the distribution `sample` draws row i from (temperature, top-k/p, min-p applied), for
+    non-greedy params; speculative decoding's rejection sampling compares these."""
+    return _filter_tempered(logits.float(), params).softmax(dim=1)

@@ -140,29 +140,51 @@ def _attention_shapes(c: dict[str, Any], p: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _layer_shapes(c: dict[str, Any], i: int) -> dict[str, tuple[int, ...]]:
+    d, p = c["hidden_size"], f"model.layers.{i}"
+    shapes: dict[str, tuple[int, ...]] = {f"{p}.input_layernorm.weight": (d,)}
+    shapes.update(_attention_shapes(c, f"{p}.self_attn"))
+    shapes[f"{p}.post_attention_layernorm.weight"] = (d,)
+    if not is_moe_layer(c, i):
+        return shapes | _mlp_shapes(f"{p}.mlp", d, c["intermediate_size"])
+    shapes[f"{p}.mlp.gate.weight"] = (c["n_routed_experts"], d)
+    if c["topk_method"] == "noaux_tc":
+        shapes[f"{p}.mlp.gate.e_score_correction_bias"] = (c["n_routed_experts"],)
+    for e in range(c["n_routed_experts"]):
+        shapes.update(_mlp_shapes(f"{p}.mlp.experts.{e}", d, c["moe_intermediate_size"]))
+    if c["n_shared_experts"]:
+        inter = c["moe_intermediate_size"] * c["n_shared_experts"]
+        shapes.update(_mlp_shapes(f"{p}.mlp.shared_experts", d, inter))
+    return shapes
+
+
+def _mtp_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3's MTP module as layer num_hidden_layers: a decoder block plus its own norms,
+    eh_proj, embedding copy and shared head."""
+    d, i, v = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    p = f"model.layers.{i}"
+    return _layer_shapes(c, i) | {
+        f"{p}.enorm.weight": (d,),
+        f"{p}.hnorm.weight": (d,),
+        f"{p}.eh_proj.weight": (d, 2 * d),
+        f"{p}.embed_tokens.weight": (v, d),
+        f"{p}.shared_head.norm.weight": (d,),
+        f"{p}.shared_head.head.weight": (v, d),
+    }
+
+
 def weight_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the checkpoint with its shape, in transformers' DeepseekV3 names and file order."""
+    """Every tensor of the checkpoint with its shape, in transformers' DeepseekV3 names and file order
+    (the MTP module last, when num_nextn_predict_layers is 1)."""
     d = c["hidden_size"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab_size"], d)}
     for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        shapes[f"{p}.input_layernorm.weight"] = (d,)
-        shapes.update(_attention_shapes(c, f"{p}.self_attn"))
-        shapes[f"{p}.post_attention_layernorm.weight"] = (d,)
-        if not is_moe_layer(c, i):
-            shapes.update(_mlp_shapes(f"{p}.mlp", d, c["intermediate_size"]))
-            continue
-        shapes[f"{p}.mlp.gate.weight"] = (c["n_routed_experts"], d)
-        if c["topk_method"] == "noaux_tc":
-            shapes[f"{p}.mlp.gate.e_score_correction_bias"] = (c["n_routed_experts"],)
-        for e in range(c["n_routed_experts"]):
-            shapes.update(_mlp_shapes(f"{p}.mlp.experts.{e}", d, c["moe_intermediate_size"]))
-        if c["n_shared_experts"]:
-            inter = c["moe_intermediate_size"] * c["n_shared_experts"]
-            shapes.update(_mlp_shapes(f"{p}.mlp.shared_experts", d, inter))
+        shapes.update(_layer_shapes(c, i))
     shapes["model.norm.weight"] = (d,)
     if not c["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (c["vocab_size"], d)
+    if c.get("num_nextn_predict_layers"):
+        shapes.update(_mtp_shapes(c))
     return shapes
 
 

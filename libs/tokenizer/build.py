@@ -10,6 +10,7 @@ non-special tokens (so `decode(skip_special_tokens=True)` keeps them, as DeepSee
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -77,8 +78,9 @@ CHAT_TEMPLATE = r"""{%- if not add_generation_prompt is defined %}{% set add_gen
 {%- if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"""
 
 
-def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
-    """Train the byte-level BPE on CORPUS; the vocab holds every byte, so any text round-trips."""
+def train_tokenizer(vocab_size: int = VOCAB_SIZE, texts: Iterable[str] | None = None) -> Tokenizer:
+    """Train the byte-level BPE on `texts` (default: CORPUS's paragraphs); the vocab holds every byte, so
+    any text round-trips."""
     tok = Tokenizer(models.BPE())
     # DeepSeek-V3 splits digits in runs of up to three before the byte-level split.
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -95,7 +97,9 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([p for p in CORPUS.split("\n\n") if p.strip()], trainer)
+    if texts is None:
+        texts = [p for p in CORPUS.split("\n\n") if p.strip()]
+    tok.train_from_iterator(texts, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ROLE_TOKENS])
     bos_id = tok.token_to_id(BOS_TOKEN)
     tok.post_processor = processors.TemplateProcessing(
@@ -134,11 +138,18 @@ def tokenizer_config(model_max_length: int = MODEL_MAX_LENGTH) -> dict:
     }
 
 
-def build_tokenizer(out_dir: str | Path, model_max_length: int = MODEL_MAX_LENGTH) -> Path:
-    """Write tokenizer.json and tokenizer_config.json into out_dir (created if missing); return out_dir."""
+def build_tokenizer(
+    out_dir: str | Path,
+    model_max_length: int = MODEL_MAX_LENGTH,
+    *,
+    vocab_size: int = VOCAB_SIZE,
+    texts: Iterable[str] | None = None,
+) -> Path:
+    """Write tokenizer.json and tokenizer_config.json into out_dir (created if missing); return out_dir.
+    `texts` and `vocab_size` as train_tokenizer takes them (the demo model trains on its own corpus)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer()
+    tok = train_tokenizer(vocab_size, texts)
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
     config = json.dumps(tokenizer_config(model_max_length), indent=2, ensure_ascii=False)
     (out / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")

@@ -42,6 +42,9 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     sim_speed: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # > 1: the modeled GPU runs that much faster
     sim_prefill_ms_per_token: Annotated[float, msgspec.Meta(ge=0)] = 0.04
     sim_prefill_fixed_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    # MTP speculative decoding (libs/engine/speculative.py): draft tokens per step from the checkpoint's
+    # MTP module, verified by the target in one forward; 0: off. Needs num_nextn_predict_layers >= 1.
+    mtp_k: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -65,6 +68,8 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             raise ValueError(
                 "quantization=fp8 runs on one rank only: EP ranks load dequantized experts (use auto)"
             )
+        if self.mtp_k and self.ep_size > 1:
+            raise ValueError("mtp_k runs on one rank only: use ep_size=1 with MTP speculative decoding")
         if self.ep_backend not in ("torch", "deepep", "mooncake"):
             raise ValueError(f"ep_backend must be torch, deepep or mooncake, got {self.ep_backend!r}")
 

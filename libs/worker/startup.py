@@ -38,6 +38,15 @@ def load_engine(s: WorkerSettings) -> EngineLike:
         )  # fmt: skip
     if s.torch_threads and s.device == "cpu":
         torch.set_num_threads(s.torch_threads)
+    if s.mtp_k:
+        from libs.engine.speculative import MTPEngine
+
+        return MTPEngine.load(
+            s.model_dir, device=s.device, dtype=s.dtype, num_speculative_tokens=s.mtp_k, page_size=s.page_size,
+            num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
+            max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
+            quantization=s.quantization,
+        )  # fmt: skip
     return Engine.from_pretrained(
         s.model_dir, device=s.device, dtype=s.dtype, page_size=s.page_size,
         num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,

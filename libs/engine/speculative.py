@@ -1,0 +1,319 @@
+"""Speculative decoding with DeepSeek's MTP module as the draft model: `MTPEngine`.
+
+One engine step, per decoding request with num_computed = c (its newest token t_c not yet fed):
+
+1. verify: one target forward over [t_c, d_1..d_k] at positions c..c+k (the drafts made last step) in
+   the paged latent cache, absorbed MLA as plain decode runs it; logits at every position.
+2. accept: greedy keeps drafts while they equal the target's argmax, then adds the target's own token
+   (the correction, or after k hits a bonus token), so the output is exactly greedy decoding's. Sampled
+   requests use rejection sampling (accept d_i with probability min(1, p(d_i)/q(d_i)), else draw from
+   max(p - q, 0) renormalized), which keeps the target's distribution p (Leviathan et al. 2023).
+   The KV rows of the rejected drafts are rolled back by moving num_computed back (they are
+   overwritten by the next forward) and giving back pages beyond the request's tokens.
+3. draft: the MTP module extends its own cache over the positions the target just verified (their
+   target hidden states and next tokens), which yields d_1 at the last position, then runs k-1
+   single-token steps feeding its own hidden state back for d_2..d_k.
+
+Prefill chunks run the target and then the same MTP extend, so the MTP cache covers the prompt. Drafts
+only ever change speed, never output: a request with no drafts (just joined from a PD prefill worker,
+or no free page for the draft rows) verifies only t_c, which is plain decoding. Known limits: the MTP
+rows of a PD-joined prompt are not transferred (its first drafts attend to stale rows, so fewer are
+accepted); no CUDA graphs on this path; one rank (no EP).
+
+Legend: T tokens in a forward, V vocabulary, D hidden, k draft tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from libs.engine.engine import Engine
+from libs.engine.layers.attention_backend import TorchAttention
+from libs.engine.loader import load_model
+from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from libs.engine.models.mtp import MTPLayer, load_mtp
+from libs.engine.outputs import StepOutput
+from libs.engine.request import Request, Status
+from libs.engine.runner import Chunk, build_batch
+from libs.engine.sampling import SamplingParams, TokenLogprob, sample, sampling_probs
+from libs.engine.batcher import Plan, pages_for
+from libs.tokenizer import Tokenizer
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None  # [k, V] the draft distributions the tokens came from (sampled requests)
+
+
+@dataclass
+class Verified:
+    """Target hidden states [m, D] at positions start..start+m-1 whose MTP rows are still to be made."""
+
+    req: Request
+    start: int
+    hidden: torch.Tensor
+
+
+def accept_greedy(target: list[int], drafted: list[int]) -> list[int]:
+    """The target's argmax at t_c and each draft -> drafts while they match, then the target's token."""
+    out: list[int] = []
+    for d in drafted:
+        if target[len(out)] != d:
+            break
+        out.append(d)
+    return out + [target[len(out)]]
+
+
+def accept_drafts(
+    logits: torch.Tensor, draft: Draft | None, params: SamplingParams, gen: torch.Generator
+) -> list[int]:
+    """logits [n, V] of the target at t_c and each draft -> the tokens to emit (accepted drafts + one)."""
+    drafted = draft.tokens if draft else []
+    if params.greedy:
+        return accept_greedy(logits.argmax(dim=-1).tolist(), drafted)
+    p = sampling_probs(logits, [params] * logits.shape[0])  # [n, V]
+    out: list[int] = []
+    for i, d in enumerate(drafted):
+        assert draft is not None and draft.probs is not None
+        q = draft.probs[i]
+        u = float(torch.rand((), generator=gen, device=gen.device))
+        if u * float(q[d]) < float(p[i, d]):  # u < p/q without dividing by a tiny q
+            out.append(d)
+            continue
+        residual = (p[i] - q).clamp(min=0)
+        total = float(residual.sum())
+        dist = residual / total if total > 0 else p[i]
+        return out + [int(torch.multinomial(dist, 1, generator=gen))]
+    return out + [int(torch.multinomial(p[len(out)], 1, generator=gen))]
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], params: SamplingParams
+) -> list[TokenLogprob] | None:
+    """The raw-distribution logprob (and top alternatives) of each emitted token, as `sample` reports."""
+    if not params.wants_logprobs:
+        return None
+    logp = logits[: len(tokens)].log_softmax(dim=-1)
+    n_top = params.num_top_logprobs
+    top_vals, top_ids = logp.topk(n_top, dim=-1) if n_top else (logp[:, :0], logp[:, :0].long())
+    return [
+        TokenLogprob(t, float(logp[i, t]), tuple(zip(top_ids[i].tolist(), top_vals[i].tolist(), strict=True)))
+        for i, t in enumerate(tokens)
+    ]
+
+
+class MTPEngine(Engine):
+    """The Engine with MTP speculative decoding of `num_speculative_tokens` (k) drafts per step."""
+
+    def __init__(
+        self, model: DeepseekV3ForCausalLM, mtp: MTPLayer, *, num_speculative_tokens: int = 1, **engine_kwargs
+    ) -> None:
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens!r}"
+            )
+        engine_kwargs["cuda_graphs"] = False  # verify and draft forwards are not captured
+        super().__init__(model, **engine_kwargs)
+        self.mtp, self.k = mtp, num_speculative_tokens
+        self.mtp_pool = mtp.new_kv_pool(self.kv_pool)
+        self._drafts: dict[str, Draft] = {}
+        self._torch_attention = TorchAttention(model.config, model.device)
+        self.num_drafted = self.num_accepted = self.num_verified = 0
+
+    @classmethod
+    def load(
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", *,
+        num_speculative_tokens: int = 1, quantization: str = "auto", **engine_kwargs,
+    ) -> MTPEngine:  # fmt: skip
+        """Engine.from_pretrained plus the checkpoint's MTP module (engine_kwargs as Engine takes them)."""
+        model = load_model(path, dtype=dtype, device=device, quantization=quantization)
+        mtp = load_mtp(path, model, quantization)
+        tokenizer = Tokenizer.from_pretrained(path) if (Path(path) / "tokenizer.json").exists() else None
+        return cls(
+            model, mtp, num_speculative_tokens=num_speculative_tokens, tokenizer=tokenizer, **engine_kwargs
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    def stats(self) -> dict[str, int]:
+        return super().stats() | {"mtp_drafted": self.num_drafted, "mtp_accepted": self.num_accepted}
+
+    def register_metrics(self, registry) -> None:
+        """Prometheus counters of drafted and accepted tokens (the worker calls this when it exists)."""
+        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.registry import Collector
+
+        engine = self
+
+        class _Collector(Collector):
+            def collect(self):
+                yield CounterMetricFamily(
+                    "moemesh_mtp_drafted_tokens", "MTP draft tokens verified", value=engine.num_drafted
+                )
+                yield CounterMetricFamily(
+                    "moemesh_mtp_accepted_tokens", "MTP draft tokens accepted", value=engine.num_accepted
+                )
+
+        registry.register(_Collector())
+
+    # --- one step ---
+    def _run(self, plan: Plan) -> list[StepOutput]:
+        prefill = [(self.requests[rid], n) for rid, n in plan.prefill]
+        decode = [self.requests[rid] for rid in plan.decode]
+        for req, n in prefill + [(r, 1) for r in decode]:
+            if req.num_computed + n > req.num_tokens:
+                raise RuntimeError(f"plan feeds {req.rid!r} past its last token: {req.num_computed} + {n}")
+            req.pages += self._alloc(plan.new_pages[req.rid])
+        verified: list[Verified] = []
+        outputs = self._prefill(prefill, verified) if prefill else []
+        if decode:
+            outputs += self._verify(decode, verified)
+        self._draft(verified)
+        return outputs
+
+    def _target(self, chunks: Sequence[Chunk], absorbed: bool = False) -> torch.Tensor:
+        batch = build_batch(chunks, self.page_size)
+        mode = "absorbed" if absorbed else "auto"
+        return self.model(batch, self.kv_pool, attn_mode=mode, backend=self.runner.backend)  # [T, D]
+
+    def _prefill(self, items: list[tuple[Request, int]], verified: list[Verified]) -> list[StepOutput]:
+        hidden = self._target([self._chunk(req, n) for req, n in items])
+        last, done, off = [], [], 0
+        for req, n in items:
+            verified.append(Verified(req, req.num_computed, hidden[off : off + n]))
+            req.num_computed += n
+            off += n
+            if req.num_computed == req.num_tokens:
+                last.append(off - 1)
+                done.append(req)
+        if not done:
+            return []
+        out = sample(
+            self.model.compute_logits(hidden[last]), [r.params for r in done], [r.generator for r in done]
+        )
+        return [self._accept(r, t, lp) for r, t, lp in zip(done, out.token_ids, out.logprobs, strict=True)]
+
+    def _verify(self, decode: list[Request], verified: list[Verified]) -> list[StepOutput]:
+        drafts = [self._drafts.pop(r.rid, None) for r in decode]
+        chunks = [
+            Chunk(r.tokens[r.num_computed :] + (d.tokens if d else []), r.num_computed, r.pages)
+            for r, d in zip(decode, drafts, strict=True)
+        ]
+        hidden = self._target(chunks, absorbed=True)
+        logits = self.model.compute_logits(hidden)  # [T, V]
+        argmax = logits.argmax(dim=-1).tolist()
+        outputs, off = [], 0
+        for req, draft, chunk in zip(decode, drafts, chunks, strict=True):
+            n = len(chunk.tokens)
+            if req.params.greedy:  # one argmax for the whole batch, read per request
+                tokens = accept_greedy(argmax[off : off + n], draft.tokens if draft else [])
+            else:
+                tokens = accept_drafts(logits[off : off + n], draft, req.params, req.generator)
+            self.num_verified += 1
+            self.num_drafted += n - 1
+            self.num_accepted += len(tokens) - 1
+            verified.append(Verified(req, req.num_computed, hidden[off : off + len(tokens)]))
+            req.num_computed += len(tokens)
+            lps = token_logprobs(logits[off : off + n], tokens, req.params)
+            outputs.append(self._emit(req, tokens, lps))
+            off += n
+        return outputs
+
+    def _emit(self, req: Request, tokens: list[int], lps: list[TokenLogprob] | None) -> StepOutput:
+        """Append tokens one by one through the stop checks; a stop drops the tokens after it."""
+        assert req.stopper is not None
+        for i, token in enumerate(tokens):
+            req.output_ids.append(token)
+            if lps is not None:
+                req.logprobs.append(lps[i])
+            reason, stop_reason = req.stopper.check(token, len(req.output_ids))
+            if reason is not None:
+                req.num_computed = min(req.num_computed, req.num_tokens)
+                return self._finish(req, reason, stop_reason, tokens[: i + 1], lps[: i + 1] if lps else None)
+        self._trim_pages(req, req.num_tokens)
+        return self._step_output(req, tokens, lps)
+
+    def _trim_pages(self, req: Request, num_tokens: int) -> None:
+        keep = max(pages_for(num_tokens, self.page_size), req.num_cached_pages)
+        if len(req.pages) > keep:
+            self.allocator.free(req.pages[keep:])
+            req.pages = req.pages[:keep]
+
+    def _release(self, req: Request) -> None:
+        self._drafts.pop(req.rid, None)
+        super()._release(req)
+
+    # --- drafting for the next step ---
+    def _draft(self, verified: list[Verified]) -> None:
+        live = [v for v in verified if v.req.status is Status.RUNNING and v.req.rid in self.requests]
+        if not live:
+            return
+        chunks = [
+            Chunk(v.req.tokens[v.start + 1 : v.start + 1 + len(v.hidden)], v.start, v.req.pages) for v in live
+        ]
+        g = self._mtp_forward(chunks, torch.cat([v.hidden for v in live]))
+        ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0) - 1
+        want = [(i, v.req, self._draft_len(v.req)) for i, v in enumerate(live) if v.req.in_decode]
+        want = [(i, r, k) for i, r, k in want if k > 0 and self._room_for_drafts(r, k)]
+        if not want:
+            return
+        reqs, ks = [r for _, r, _ in want], [k for _, _, k in want]
+        g = g[ends[[i for i, _, _ in want]]]  # [S, D]: the state after each request's newest token
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        active = list(range(len(reqs)))
+        for j in range(max(ks)):
+            if j:  # one more position: the last draft as input, the module's own state as "hidden"
+                still = [i for i in active if ks[i] > j]
+                g = g[[active.index(i) for i in still]]
+                active = still
+                steps = [Chunk([tokens[i][-1]], reqs[i].num_tokens - 2 + j, reqs[i].pages) for i in active]
+                g = self._mtp_forward(steps, g)
+            logits = self.mtp.compute_logits(g)
+            argmax = logits.argmax(dim=-1).tolist()
+            for row, i in enumerate(active):
+                tok, q = (argmax[row], None) if reqs[i].params.greedy else self._propose(logits[row], reqs[i])
+                tokens[i].append(tok)
+                if q is not None:
+                    probs[i].append(q)
+        for r, toks, qs in zip(reqs, tokens, probs, strict=True):
+            self._drafts[r.rid] = Draft(toks, torch.stack(qs) if qs else None)
+
+    def _mtp_forward(self, chunks: Sequence[Chunk], hidden: torch.Tensor) -> torch.Tensor:
+        """Short chunks (what follows a verify) attend in latent space, as the verify does: the expanded
+        form would re-expand every cached row of the sequence for a token or two."""
+        batch = build_batch(chunks, self.page_size)
+        absorbed = max(batch.extend_lens) <= self.k + 1
+        backend = self.runner.backend
+        if absorbed and not batch.is_decode and not isinstance(backend, TorchAttention):
+            backend = self._torch_attention  # absorbed multi-token chunks exist in the reference only
+        step = backend.prepare(batch, self.page_size, absorbed)
+        return self.mtp.draft_step(step, hidden, self.mtp_pool)
+
+    def _propose(self, logits: torch.Tensor, req: Request) -> tuple[int, torch.Tensor]:
+        """A sampled request's draft token from the MTP distribution q (filtered as the target's)."""
+        q = sampling_probs(logits[None], [req.params])[0]
+        return int(torch.multinomial(q, 1, generator=req.generator)), q
+
+    def _draft_len(self, req: Request) -> int:
+        """k, but no draft past max_tokens or the context length."""
+        left = req.params.max_tokens - len(req.output_ids) - 1
+        room = self.config.max_position_embeddings - req.num_tokens
+        return max(0, min(self.k, left, room))
+
+    def _room_for_drafts(self, req: Request, k: int) -> bool:
+        """Pages for the k draft rows, from free pages only (never evicting the prefix cache for them)."""
+        extra = pages_for(req.num_tokens + k, self.page_size) - len(req.pages)
+        if extra <= 0:
+            return True
+        if extra > self.allocator.num_free:
+            return False
+        req.pages += self.allocator.alloc(extra)
+        return True
