@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from libs.engine.batcher import Plan, pages_for
 from libs.engine.engine import Engine
 from libs.engine.layers.attention_backend import TorchAttention
 from libs.engine.loader import load_model
@@ -40,7 +41,6 @@ from libs.engine.outputs import StepOutput
 from libs.engine.request import Request, Status
 from libs.engine.runner import Chunk, build_batch
 from libs.engine.sampling import SamplingParams, TokenLogprob, sample, sampling_probs
-from libs.engine.batcher import Plan, pages_for
 from libs.tokenizer import Tokenizer
 
 

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from libs.engine.config import ModelConfig
-from libs.quant.fp8 import SCALE_SUFFIX
 from libs.engine.kv_pool import KVPool
 from libs.engine.layers.attention_backend import StepInputs
 from libs.engine.layers.fp8_linear import FP8_DTYPE, apply_fp8_weights
 from libs.engine.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, Embedding, Linear, RMSNorm
+from libs.quant.fp8 import SCALE_SUFFIX
 
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _SHARED_WITH_TARGET = ("embed_tokens.weight", "shared_head.head.weight")  # optional in a checkpoint
