@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from libs.demo.cache import ensure_demo_model
-from libs.demo.corpus import load_corpus
+from libs.demo.pydoc_corpus import load_corpus
 from libs.engine import Engine, SamplingParams
 from libs.engine.speculative import MTPEngine
 

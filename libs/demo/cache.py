@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from libs.demo.corpus import load_corpus
+from libs.demo.pydoc_corpus import load_corpus
 from libs.demo.train import TrainSettings, build_demo_model
 
 CACHE_ROOT = Path.home() / ".cache" / "moemesh"

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from libs.demo.corpus import Corpus, load_corpus
 from libs.demo.model import DemoDeepseekV3
+from libs.demo.pydoc_corpus import Corpus, load_corpus
 from libs.engine.config import ModelConfig
 from libs.engine.tiny import tiny_config
 from libs.tokenizer.build import EOS_TOKEN, build_tokenizer, train_tokenizer

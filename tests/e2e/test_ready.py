@@ -28,7 +28,7 @@ async def poll_ready(
 ) -> dict:
     """GET /ready until it answers `status` (and, if given, counts that many schedulers: the gateway hears
     the scheduler's heartbeat on its own, a moment after the launcher did); every answer goes to `seen` as
-    (wall ms received, status). `all_alive`: a service process that exits meanwhile fails the test with
+    (wall ms received, status). `all_alive`: a service the launcher gives up on meanwhile fails the test with
     its log."""
     deadline = time.monotonic() + DEADLINE_S
     while True:
@@ -37,7 +37,7 @@ async def poll_ready(
         if r.status_code == status and (schedulers is None or r.json().get("schedulers") == schedulers):
             return r.json()
         if all_alive:
-            mesh.sup.check_alive()
+            mesh.check_serviceable()
         assert time.monotonic() < deadline, f"/ready not {status} in {DEADLINE_S} s: {r.json()}"
         await asyncio.sleep(0.02)  # the poll interval; the condition is /ready's answer
 

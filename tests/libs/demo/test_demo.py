@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from libs.demo.cache import cached_demo_model, ensure_demo_model
-from libs.demo.corpus import load_corpus
 from libs.demo.model import DemoDeepseekV3
+from libs.demo.pydoc_corpus import load_corpus
 from libs.demo.train import build_demo_model, quick_settings
 from libs.engine.config import ModelConfig
 from libs.engine.runner import Chunk
