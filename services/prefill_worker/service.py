@@ -1,9 +1,10 @@
 """The prefill worker's bus shell around the engine.
 
 Inbox (`proto.subjects.prefill_inbox(id)`): PrefillTask. For each: look up the decode worker's pool
-geometry at the kv-broker (cached), run the prompt on the engine thread (prefix cache reused; its pages
-stay pinned), write the pages into the handle's pages with the transfer engine (a plan of merged
-contiguous runs, off the engine thread so the next prompt can start), mark the handle written, send
+geometry at the kv-broker (cached), run the prompt in the next batched forward of the `PrefillLoop`
+(prefill_loop.py: prompts that arrive together share forwards, prefix cache reused; its pages stay
+pinned), and as soon as its own result is back write the pages into the handle's pages with the
+transfer engine (a plan of merged contiguous runs, off the engine thread while the batch goes on), mark the handle written, send
 KvReady (first token) to the decode worker, unpin. Failures send PrefillFailed to the decode worker and
 RequestError to the gateway. `Cancel` drops a queued or running task before its KvReady.
 """
@@ -32,6 +33,7 @@ from libs.worker.startup import register_engine_metrics
 from libs.worker.wire import to_params, to_wire_logprob
 from proto import messages as m
 from proto import subjects
+from services.prefill_worker.prefill_loop import PrefillLoop
 
 log = logging.getLogger("moemesh.prefill")
 
@@ -63,7 +65,17 @@ class PrefillWorker(WorkerService):
         self.m_tokens = Counter(
             "moemesh_prefill_tokens_total", "prompt tokens prefilled", ["cached"], registry=r
         )
-        self.m_seconds = Histogram("moemesh_prefill_seconds", "prefill compute time", registry=r)
+        self.m_seconds = Histogram(
+            "moemesh_prefill_seconds", "prefill time per prompt (queued + batched forwards)", registry=r
+        )
+        self.m_forwards = Counter(
+            "moemesh_prefill_forwards_total", "engine forwards (batched prefill steps)", registry=r
+        )
+        self.m_batch = Histogram(
+            "moemesh_prefill_batch_prompts", "prompts in the engine per forward", registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+        )  # fmt: skip
+        self.prefills = PrefillLoop(self.engine, self.et, self._on_step)
         self.m_xfer_bytes = Counter(
             "moemesh_kv_transfer_bytes_total", "KV bytes written to decode workers", registry=r
         )
@@ -76,6 +88,7 @@ class PrefillWorker(WorkerService):
         for name, key in (("moemesh_kv_pages_free", "free_pages"), ("moemesh_kv_pages_used", "used_pages")):
             Gauge(name, f"KV pages ({key})", registry=r).set_function(functools.partial(self._stat, key))
         self.kv_events = await start_kv_events(self.bus, self.instance_id, self.et, r)
+        self.prefills.start()
         await self.bus.subscribe(
             subjects.prefill_inbox(self.instance_id), m.PrefillInbox, self.on_task, concurrent=True
         )
@@ -85,6 +98,10 @@ class PrefillWorker(WorkerService):
             self.bus, self.instance_id, m.Role.PREFILL, s.model_name, s.heartbeat_interval_ms, self.load
         )
         self.heartbeat.start()
+
+    def _on_step(self, prompts: int) -> None:
+        self.m_forwards.inc()
+        self.m_batch.observe(prompts)
 
     def _stat(self, key: str) -> int:
         return self.engine.stats()[key]
@@ -103,6 +120,7 @@ class PrefillWorker(WorkerService):
     async def on_cancel(self, msg: m.Cancel) -> None:
         if msg.request_id in self.active:
             self.cancelled.add(msg.request_id)
+            self.prefills.drop(msg.request_id, Cancelled(msg.request_id))
 
     async def on_admin(self, msg: m.AdminRequest) -> m.AdminReply:
         st = self.engine.stats()
@@ -145,8 +163,7 @@ class PrefillWorker(WorkerService):
         finally:
             self.active.discard(rid)
             self.cancelled.discard(rid)
-            with contextlib.suppress(Exception):
-                await self.et.call(self.engine.release, rid)
+            await self.prefills.release(rid)
 
     async def _run(self, task: m.PrefillTask) -> None:
         rid, handle = task.request_id, task.handle
@@ -159,7 +176,7 @@ class PrefillWorker(WorkerService):
             )
         self._check_cancelled(rid)
         t0 = time.perf_counter()
-        res = await self.et.call(self.engine.prefill, rid, task.prompt_ids, to_params(task.sampling))
+        res = await self.prefills.prefill(rid, task.prompt_ids, to_params(task.sampling))
         self.m_seconds.observe(time.perf_counter() - t0)
         self.m_tokens.labels("yes").inc(res.cached_tokens)
         self.m_tokens.labels("no").inc(len(task.prompt_ids) - res.cached_tokens)
@@ -180,8 +197,8 @@ class PrefillWorker(WorkerService):
             span.set_attributes(span_attrs.transfer(protocol, nbytes, dt, len(runs), handle.decode_worker))
         self.m_xfer_seconds.observe(dt)
         self.m_xfer_bytes.inc(nbytes)
-        # Unpinning waits in the engine thread's queue behind other prompts' prefills: on_task's `finally`
-        # does it after KvReady is out, so a queue of prompts does not hold back every first token.
+        # Unpinning waits in the engine thread's queue behind the next batched step: on_task's `finally`
+        # does it after KvReady is out, so the batch does not hold back this first token.
         self._check_cancelled(rid)
         first = (
             m.TokenLogprob(res.first_token, 0.0) if res.logprobs is None else to_wire_logprob(res.logprobs)
@@ -234,5 +251,6 @@ class PrefillWorker(WorkerService):
             await asyncio.wait(set(self._background), timeout=self.settings.broker_timeout_s)
         await self.heartbeat.stop()
         await self.kv_events.stop()
+        await self.prefills.stop()
         self.et.shutdown()
         self.transport.close()
