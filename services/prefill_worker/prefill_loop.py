@@ -47,6 +47,11 @@ class PrefillLoop:
         self._task: asyncio.Task | None = None
         self.forwards = 0  # engine steps run
 
+    @property
+    def waiting(self) -> int:
+        """Prompts submitted and not yet reported (queued or in the engine)."""
+        return len(self._futures)
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="prefill-loop")
 

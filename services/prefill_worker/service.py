@@ -162,8 +162,8 @@ class PrefillWorker(WorkerService):
             await self._fail(task, code, str(e))
         finally:
             self.active.discard(rid)
-            self.cancelled.discard(rid)
             await self.prefills.release(rid)
+            self.cancelled.discard(rid)
 
     async def _run(self, task: m.PrefillTask) -> None:
         rid, handle = task.request_id, task.handle
