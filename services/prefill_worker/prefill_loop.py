@@ -35,10 +35,16 @@ Round = tuple[dict[str, Exception], list[StepOutput], bool]
 
 class PrefillLoop:
     def __init__(
-        self, engine: EngineLike, et: EngineThread, on_step: Callable[[int], object] | None = None
+        self,
+        engine: EngineLike,
+        et: EngineThread,
+        on_step: Callable[[int], object] | None = None,
+        max_prompts: int = 0,
     ) -> None:
-        """on_step(prompts in the engine) runs on the event loop after every step (metrics)."""
-        self.engine, self.et, self.on_step = engine, et, on_step
+        """on_step(prompts in the engine) runs on the event loop after every step (metrics). max_prompts:
+        at most this many prompts in the engine at once, the rest wait in arrival order (0: no limit;
+        1: one prompt at a time, the unbatched baseline)."""
+        self.engine, self.et, self.on_step, self.max_prompts = engine, et, on_step, max_prompts
         self._queued: dict[str, tuple[list[int], SamplingParams]] = {}  # submitted, not yet in the engine
         self._in_engine: set[str] = set()  # added to the engine, result not yet reported
         self._futures: dict[str, asyncio.Future[PrefillResult]] = {}  # waiting tasks, queued or in the engine
@@ -103,7 +109,7 @@ class PrefillLoop:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            new, self._queued = self._queued, {}
+            new = self._take_queued()
             drop, self._drop = self._drop, set()
             self._in_engine |= new.keys()
             self._wake.clear()
@@ -120,8 +126,13 @@ class PrefillLoop:
             if self.on_step is not None and self._in_engine:
                 self.on_step(len(self._in_engine) - len(errors))
             self._report(errors, outs)
-            if stalled and not (self._queued or self._drop):
+            if stalled and not self._drop:
                 await self._wake.wait()  # every page is pinned: a release, a new task or a drop wakes us
+
+    def _take_queued(self) -> dict[str, tuple[list[int], SamplingParams]]:
+        room = self.max_prompts - len(self._in_engine) if self.max_prompts else len(self._queued)
+        rids = list(self._queued)[: max(room, 0)]
+        return {rid: self._queued.pop(rid) for rid in rids}
 
     def _round(self, new: dict[str, tuple[list[int], SamplingParams]], drop: set[str]) -> Round:
         """On the engine thread: abort, queue, one step."""

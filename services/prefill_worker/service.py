@@ -16,7 +16,9 @@ import contextlib
 import functools
 import logging
 import time
+from typing import Annotated
 
+import msgspec
 from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -45,6 +47,9 @@ class Cancelled(Exception):
 
 class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     lease_margin_ms: int = 1000  # no KV write starts into a handle whose lease ends sooner than this
+    # prompts batched into the engine at once (forwards still hold at most max_prefill_tokens); 0: no limit,
+    # 1: one prompt at a time (the unbatched baseline of bench/results/prefill_batching.json)
+    max_prefill_prompts: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class PrefillWorker(WorkerService):
@@ -75,7 +80,7 @@ class PrefillWorker(WorkerService):
             "moemesh_prefill_batch_prompts", "prompts in the engine per forward", registry=r,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
         )  # fmt: skip
-        self.prefills = PrefillLoop(self.engine, self.et, self._on_step)
+        self.prefills = PrefillLoop(self.engine, self.et, self._on_step, s.max_prefill_prompts)
         self.m_xfer_bytes = Counter(
             "moemesh_kv_transfer_bytes_total", "KV bytes written to decode workers", registry=r
         )

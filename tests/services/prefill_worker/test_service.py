@@ -150,10 +150,14 @@ async def test_a_cancel_while_the_task_runs_frees_the_reservation_without_writin
     await rig.settled()
 
 
-async def test_tasks_that_arrive_together_share_forwards_and_each_kv_lands(make_rig, reference) -> None:
+@pytest.mark.parametrize("max_prompts", [0, 1])
+async def test_tasks_that_arrive_together_share_forwards_and_each_kv_lands(
+    make_rig, reference, max_prompts: int
+) -> None:
     """Six tasks arrive while the engine thread is busy: they run in fewer forwards than tasks (chunked
-    under a 64-token budget), and each one's KV lands in its own reserved pages with its own first token."""
-    rig: Rig = await make_rig(max_prefill_tokens=64)
+    under a 64-token budget), and each one's KV lands in its own reserved pages with its own first token.
+    With max_prefill_prompts=1 (the unbatched baseline) every forward holds one prompt."""
+    rig: Rig = await make_rig(max_prefill_tokens=64, max_prefill_prompts=max_prompts)
     forwards: list[int] = []  # sequences per model forward
     real = rig.worker.engine.runner.forward_last
 
@@ -184,7 +188,10 @@ async def test_tasks_that_arrive_together_share_forwards_and_each_kv_lands(make_
         msg = await rig.next_inbox()
         assert isinstance(msg, m.KvReady), msg
         ready[msg.request_id] = msg
-    assert len(forwards) < len(tasks) and max(forwards) > 1, forwards
+    if max_prompts == 1:
+        assert len(forwards) == len(tasks) and max(forwards) == 1, forwards
+    else:
+        assert len(forwards) < len(tasks) and max(forwards) > 1, forwards
     for t in tasks:
         first, rows = reference_prefill(reference, list(t.prompt_ids))
         assert ready[t.request_id].first_token.token_id == first
