@@ -50,6 +50,9 @@ class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     # prompts batched into the engine at once (forwards still hold at most max_prefill_tokens); 0: no limit,
     # 1: one prompt at a time (the unbatched baseline of bench/results/prefill_batching.json)
     max_prefill_prompts: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # "triton": one SDPA per sequence for prefill, plain torch on CPU (what "auto" picks on CUDA anyway);
+    # the CPU reference ("torch") pads a batch to its longest chunk, which would make batching cost more
+    attention_backend: str = "triton"
 
 
 class PrefillWorker(WorkerService):
