@@ -1,13 +1,14 @@
 """Batched vs one-at-a-time prefill through the mesh: 64 concurrent prompts, max_tokens 1, `moemesh bench`
 against a fresh `moemesh up` (tiny model, CPU) per mode and round, modes alternated so load drifts hit both.
 
-    python -m bench.prefill_batching [--lengths 300,2000] [--rounds 2] [--max-prefill-tokens 8192]
+    python -m bench.prefill_batching [--lengths 64,300,2000] [--rounds 2] [--max-prefill-tokens 2048]
 
 "single" runs the prefill worker with `max_prefill_prompts=1` (one prompt per forward, the worker before
 batching); "batched" with no limit (every prompt that arrived joins the next forward, up to
-`max_prefill_tokens`). Both use the same token budget. The record has each run's duration, TTFT and the
-prefill worker's forwards (from its /metrics), and per length the speedup: median single duration over
-median batched duration.
+`max_prefill_tokens`). Both use the same token budget and the prefill worker's default attention backend,
+and every prompt goes through the prefill worker (the scheduler's direct-prefill threshold is 0). The
+record has each run's duration, TTFT and the prefill worker's forwards (from its /metrics, the 2 warm-up
+requests included), and per length the speedup: median single duration over median batched duration.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ MOEMESH = str(Path(sys.executable).with_name("moemesh"))
 
 def start_mesh(mode: str, budget: int, log_dir: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "MOEMESH_PREFILL_WORKER_MAX_PREFILL_TOKENS": str(budget)}
+    env["MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD"] = "0"  # every prompt through the prefill worker
+    # 64 x 2,000 tokens take longer than the default 30 s KV lease on a small CPU either way; an expired
+    # lease fails the request over (re-submit), which only adds work
+    env["MOEMESH_SCHEDULER_LEASE_MS"] = "300000"
     env["MOEMESH_PREFILL_WORKER_MAX_PREFILL_PROMPTS"] = "1" if mode == "single" else "0"
     out = log_dir / "up.log"
     proc = subprocess.Popen(
@@ -77,10 +82,10 @@ def bench(url: str, length: int, prompts: int, seed: int, out: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", default="300,2000")
+    ap.add_argument("--lengths", default="64,300,2000")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--max-prefill-tokens", type=int, default=8192)
+    ap.add_argument("--max-prefill-tokens", type=int, default=2048)
     ap.add_argument("--output", default="bench/results/prefill_batching.json")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
