@@ -113,6 +113,7 @@ class PrefillLoop:
             drop, self._drop = self._drop, set()
             self._in_engine |= new.keys()
             self._wake.clear()
+            forwards = self.forwards
             try:
                 errors, outs, stalled = await self.et.call(self._round, new, drop)
             except Exception as e:  # the step failed: so does every prompt it held
@@ -123,7 +124,7 @@ class PrefillLoop:
                 self._in_engine = set()
                 continue
             self._in_engine -= drop
-            if self.on_step is not None and self._in_engine:
+            if self.on_step is not None and self.forwards > forwards:
                 self.on_step(len(self._in_engine) - len(errors))
             self._report(errors, outs)
             if stalled and not self._drop:
