@@ -2,7 +2,7 @@
 
 Offline use: `Engine.from_pretrained(dir).generate(prompts, SamplingParams(...))`. Workers use the
 incremental API: `add_request` / `step` / `abort`, and for prefill/decode disaggregation the prefill
-side calls `prefill` + `release` while the decode side calls `reserve` + `add_prefilled` (the prompt's
+side calls `prefill` + `release` (or, batched, `add_prefill` + `step` + `release`) while the decode side calls `reserve` + `add_prefilled` (the prompt's
 KV rows are written into the reserved pages of `kv_pool` from outside, between the two calls).
 
 Page ownership (see pages.py): a request holds one reference on every page in its table, including the
@@ -274,9 +274,21 @@ class Engine:
         except BaseException:
             self.abort(rid)
             raise
-        if self.cache is not None:
-            self.cache.insert(req.prompt_ids, req.pages)
+        self._cache_pinned(req)
         return PrefillResult(out.token_ids[0], out.logprobs[0], list(req.pages), req.cached_tokens)
+
+    def add_prefill(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Queue a PD prefill: it runs through step() with whatever else is queued (chunked under
+        max_prefill_tokens, prefix cache reused, sampled exactly as prefill() samples), and the step that
+        runs its last chunk reports it as a StepOutput whose `prefill` is its PrefillResult; from then on
+        its pages stay pinned until release(rid), as prefill()'s do. ValueError on bad input."""
+        self.add_request(rid, prompt_ids, params)
+        self.requests[rid].pin_after_prefill = True
+
+    @property
+    def stalled(self) -> bool:
+        """The last step() had nothing to run and nothing to report (e.g. every page is pinned)."""
+        return self._stalled
 
     def release(self, rid: str) -> bool:
         """Unpin a prefilled prompt's pages (after its KV was copied out, or on cancel)."""
@@ -471,9 +483,32 @@ class Engine:
         logits = torch.cat(logits_parts if same else [p.float() for p in logits_parts])
         out = self._sample(logits, sampled)
         return [
-            self._accept(req, tok, lp)
+            (self._pin_prefilled if req.pin_after_prefill else self._accept)(req, tok, lp)
             for req, tok, lp in zip(sampled, out.token_ids, out.logprobs, strict=True)
         ]
+
+    def _cache_pinned(self, req: Request) -> None:
+        """Cache a pinned prompt's whole pages and lock them there: the prompt holds them until release(),
+        so the batcher must not count them as evictable (evicting them would free nothing)."""
+        if self.cache is None:
+            return
+        self.cache.insert(req.prompt_ids, req.pages)
+        node = self.cache.match_prefix(req.prompt_ids).node
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = node
+
+    def _pin_prefilled(self, req: Request, token: int, logprob) -> StepOutput:
+        """An add_prefill() prompt's last chunk ran: out of the batch (never decoded nor preempted), its
+        pages pinned and its prompt cached, exactly where prefill() leaves a prompt."""
+        self.running.remove(req)
+        del self.requests[req.rid]
+        self.pinned[req.rid] = req
+        self._cache_pinned(req)
+        out = self._step_output(req, [token], [logprob] if logprob is not None else None)
+        out.prefill = PrefillResult(token, logprob, list(req.pages), req.cached_tokens)
+        return out
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleOutput:
         """The one place tokens are drawn from the runner's output, one row per request (the timing-model

@@ -25,6 +25,7 @@ class StepOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     cached_tokens: int = 0
+    prefill: PrefillResult | None = None  # a PD prefill (Engine.add_prefill) whose prompt is done, pinned
 
 
 @dataclass

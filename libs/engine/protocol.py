@@ -2,7 +2,7 @@
 `libs.ep.engine.EPEngine` (a group of EP rank processes) alike, checked by mypy where the worker loads one.
 
 Called from one thread only (libs.worker.engine_thread), except `stats()`, which the heartbeat reads from
-the event loop. The PD hooks: the prefill side calls `prefill` then `release`; the decode side calls
+the event loop. The PD hooks: the prefill side calls `prefill` (or, batched, `add_prefill` and `step`) then `release`; the decode side calls
 `reserve` / `reserve_cached`, then `add_prefilled` or `cancel_reservation`.
 """
 
@@ -50,6 +50,11 @@ class EngineLike(Protocol):
 
     # --- PD hooks ---
     def prefill(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> PrefillResult: ...
+
+    def add_prefill(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> None: ...
+
+    @property
+    def stalled(self) -> bool: ...
 
     def release(self, rid: str) -> bool: ...
 

@@ -43,6 +43,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cache_node: RadixNode | None = None  # locked radix node backing pages[:num_cached_pages]
     stopper: StopChecker | None = None
+    pin_after_prefill: bool = False  # PD prefill (Engine.add_prefill): pinned, not decoded, after the prompt
     seed: int = 0  # Philox key of the one-pass sampler (libs.kernels.gumbel): params.seed or a random one
 
     @property

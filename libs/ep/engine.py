@@ -169,6 +169,8 @@ class EPEngine:
         for o in outputs:
             if o.finished:
                 self.owner.pop(o.rid, None)
+            if o.prefill is not None:  # page ids are global, as prefill() returns them
+                o.prefill.page_ids = [p + self.owner[o.rid] * self.pages_per_rank for p in o.prefill.page_ids]
         self.steps += 1
         if self.eplb_interval_steps and self.steps % self.eplb_interval_steps == 0 and self.window_load.any():
             self.rebalance()
@@ -202,6 +204,18 @@ class EPEngine:
         self.owner[rid] = r
         res.page_ids = [p + r * self.pages_per_rank for p in res.page_ids]
         return res
+
+    def add_prefill(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Engine.add_prefill on the least loaded rank (or the one caching the prompt's prefix)."""
+        self._check_new_rid(rid)
+        r = self._pick(prompt_ids)
+        self.group.call(r, "add_prefill", rid, list(prompt_ids), params)
+        self.owner[rid] = r
+
+    @property
+    def stalled(self) -> bool:
+        """Every rank's last step had nothing to run and nothing to report."""
+        return all(s.get("stalled") for s in self.group.status)
 
     def release(self, rid: str) -> bool:
         r = self.owner.get(rid)

@@ -45,7 +45,7 @@ from libs.tokenizer import Tokenizer
 log = logging.getLogger("moemesh.ep.rank")
 
 CALLS = frozenset(
-    {"add_request", "abort", "reserve", "reserve_cached", "cancel_reservation", "add_prefilled", "release",
+    {"add_request", "add_prefill", "abort", "reserve", "reserve_cached", "cancel_reservation", "add_prefilled", "release",
      "flush_prefix_cache", "stats"}
 )  # fmt: skip
 
@@ -224,7 +224,8 @@ class RankWorker:
         raise ValueError(f"unknown group operation {name!r}")
 
     def status(self) -> dict[str, int]:
-        return {**self.engine.stats(), "unfinished": int(self.engine.has_unfinished())}
+        e = self.engine
+        return {**e.stats(), "unfinished": int(e.has_unfinished()), "stalled": int(e.stalled)}
 
 
 _PORTABLE: tuple[type[Exception], ...] = (OutOfPagesError, ValueError, TypeError, TimeoutError, RuntimeError)

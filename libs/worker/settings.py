@@ -21,6 +21,9 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 64
     max_prefill_tokens: Annotated[int, msgspec.Meta(ge=1)] = 2048
     enable_prefix_cache: bool = True
+    # attention backend of a single-rank engine (libs/engine/layers/attention_backend.py): auto | torch |
+    # triton | flashinfer; EP ranks keep "auto"
+    attention_backend: str = "auto"
     transfer_protocol: str = "tcp"  # tcp | rdma | nvlink_intra | inprocess (tests) | skip (engine=sim)
     transfer_hostname: str = "127.0.0.1"
     transfer_device: str = ""  # RDMA device names, e.g. "mlx5_0"
@@ -61,6 +64,10 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
         if self.dp_size not in (0, self.ep_size):
             raise ValueError(
                 f"dp_size must equal ep_size ({self.ep_size}): every EP rank runs attention on its own requests"
+            )
+        if self.attention_backend not in ("auto", "torch", "triton", "flashinfer"):
+            raise ValueError(
+                f"attention_backend must be auto, torch, triton or flashinfer, got {self.attention_backend!r}"
             )
         if self.quantization not in ("auto", "fp8", "none"):
             raise ValueError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")

@@ -1,11 +1,12 @@
 """The prefill worker's bus shell around the engine.
 
 Inbox (`proto.subjects.prefill_inbox(id)`): PrefillTask, and with the scheduler's overlap_prefill a
-PrefillStart before it (the prompt runs while the decode worker reserves; early.py) or PrefillAbandon
-(the reservation failed). For each PrefillTask: look up the decode worker's pool
-geometry at the kv-broker (cached), run the prompt on the engine thread (prefix cache reused; its pages
-stay pinned), write the pages into the handle's pages with the transfer engine (a plan of merged
-contiguous runs, off the engine thread so the next prompt can start), mark the handle written, send
+PrefillStart before it (the prompt is queued into the batch while the decode worker reserves; early.py)
+or PrefillAbandon (the reservation failed). For each PrefillTask: look up the decode worker's pool
+geometry at the kv-broker (cached), run the prompt in the next batched forward of the `PrefillLoop`
+(prefill_loop.py: prompts that arrive together share forwards, prefix cache reused; its pages stay
+pinned), and as soon as its own result is back write the pages into the handle's pages with the
+transfer engine (a plan of merged contiguous runs, off the engine thread while the batch goes on), mark the handle written, send
 KvReady (first token) to the decode worker, unpin. Failures send PrefillFailed to the decode worker and
 RequestError to the gateway. `Cancel` drops a queued or running task before its KvReady.
 """
@@ -17,7 +18,9 @@ import contextlib
 import functools
 import logging
 import time
+from typing import Annotated
 
+import msgspec
 from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -36,6 +39,7 @@ from libs.worker.wire import to_params, to_wire_logprob
 from proto import messages as m
 from proto import subjects
 from services.prefill_worker.early import EarlyPrefills
+from services.prefill_worker.prefill_loop import PrefillLoop
 
 log = logging.getLogger("moemesh.prefill")
 
@@ -48,6 +52,12 @@ class Cancelled(Exception):
 class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     lease_margin_ms: int = 1000  # no KV write starts into a handle whose lease ends sooner than this
     early_prefill_ttl_s: float = 30.0  # a PrefillStart whose PrefillTask does not come by then is dropped
+    # prompts batched into the engine at once (forwards still hold at most max_prefill_tokens); 0: no limit,
+    # 1: one prompt at a time (the unbatched baseline of bench/results/prefill_batching.json)
+    max_prefill_prompts: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # "triton": one SDPA per sequence for prefill, plain torch on CPU (what "auto" picks on CUDA anyway);
+    # the CPU reference ("torch") pads a batch to its longest chunk, which would make batching cost more
+    attention_backend: str = "triton"
 
 
 class PrefillWorker(WorkerService):
@@ -68,7 +78,17 @@ class PrefillWorker(WorkerService):
         self.m_tokens = Counter(
             "moemesh_prefill_tokens_total", "prompt tokens prefilled", ["cached"], registry=r
         )
-        self.m_seconds = Histogram("moemesh_prefill_seconds", "prefill compute time", registry=r)
+        self.m_seconds = Histogram(
+            "moemesh_prefill_seconds", "prefill time per prompt (queued + batched forwards)", registry=r
+        )
+        self.m_forwards = Counter(
+            "moemesh_prefill_forwards_total", "engine forwards (batched prefill steps)", registry=r
+        )
+        self.m_batch = Histogram(
+            "moemesh_prefill_batch_prompts", "prompts in the engine per forward", registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+        )  # fmt: skip
+        self.prefills = PrefillLoop(self.engine, self.et, self._on_step, s.max_prefill_prompts)
         self.m_xfer_bytes = Counter(
             "moemesh_kv_transfer_bytes_total", "KV bytes written to decode workers", registry=r
         )
@@ -86,6 +106,7 @@ class PrefillWorker(WorkerService):
         )
         self._early_sweep = Periodic(1.0, self._expire_early, "early-prefill-sweep")
         self._early_sweep.start()
+        self.prefills.start()
         await self.bus.subscribe(
             subjects.prefill_inbox(self.instance_id), m.PrefillInbox, self.on_inbox, concurrent=True
         )
@@ -95,6 +116,10 @@ class PrefillWorker(WorkerService):
             self.bus, self.instance_id, m.Role.PREFILL, s.model_name, s.heartbeat_interval_ms, self.load
         )
         self.heartbeat.start()
+
+    def _on_step(self, prompts: int) -> None:
+        self.m_forwards.inc()
+        self.m_batch.observe(prompts)
 
     def _stat(self, key: str) -> int:
         return self.engine.stats()[key]
@@ -113,6 +138,7 @@ class PrefillWorker(WorkerService):
     async def on_cancel(self, msg: m.Cancel) -> None:
         if msg.request_id in self.active:
             self.cancelled.add(msg.request_id)
+            self.prefills.drop(msg.request_id, Cancelled(msg.request_id))
         self.early.drop(msg.request_id)
 
     async def on_inbox(self, msg: m.PrefillInbox) -> None:
@@ -125,7 +151,7 @@ class PrefillWorker(WorkerService):
                 except ValueError as e:  # the PrefillTask will fail it with this error
                     log.info("not starting %s early: %s", rid, e)
                     return
-                prefill = functools.partial(self.et.call, self.engine.prefill, rid, msg.prompt_ids, params)
+                prefill = functools.partial(self.prefills.prefill, rid, msg.prompt_ids, params)
                 self.early.start(rid, prefill)
             case m.PrefillAbandon(request_id=rid):
                 self.early.drop(rid)
@@ -173,9 +199,8 @@ class PrefillWorker(WorkerService):
             await self._fail(task, code, str(e))
         finally:
             self.active.discard(rid)
+            await self.prefills.release(rid)
             self.cancelled.discard(rid)
-            with contextlib.suppress(Exception):
-                await self.et.call(self.engine.release, rid)
 
     async def _run(self, task: m.PrefillTask) -> None:
         rid, handle = task.request_id, task.handle
@@ -192,7 +217,7 @@ class PrefillWorker(WorkerService):
         if early is not None:
             res = await early
         else:
-            res = await self.et.call(self.engine.prefill, rid, task.prompt_ids, to_params(task.sampling))
+            res = await self.prefills.prefill(rid, task.prompt_ids, to_params(task.sampling))
         self.m_seconds.observe(time.perf_counter() - t0)
         self.m_tokens.labels("yes").inc(res.cached_tokens)
         self.m_tokens.labels("no").inc(len(task.prompt_ids) - res.cached_tokens)
@@ -213,8 +238,8 @@ class PrefillWorker(WorkerService):
             span.set_attributes(span_attrs.transfer(protocol, nbytes, dt, len(runs), handle.decode_worker))
         self.m_xfer_seconds.observe(dt)
         self.m_xfer_bytes.inc(nbytes)
-        # Unpinning waits in the engine thread's queue behind other prompts' prefills: on_task's `finally`
-        # does it after KvReady is out, so a queue of prompts does not hold back every first token.
+        # Unpinning waits in the engine thread's queue behind the next batched step: on_task's `finally`
+        # does it after KvReady is out, so the batch does not hold back this first token.
         self._check_cancelled(rid)
         first = (
             m.TokenLogprob(res.first_token, 0.0) if res.logprobs is None else to_wire_logprob(res.logprobs)
@@ -269,5 +294,6 @@ class PrefillWorker(WorkerService):
         await self.early.close()
         await self.heartbeat.stop()
         await self.kv_events.stop()
+        await self.prefills.stop()
         self.et.shutdown()
         self.transport.close()

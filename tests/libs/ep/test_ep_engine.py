@@ -109,6 +109,33 @@ def test_pd_hooks_move_kv_through_the_shared_pool(group: EPEngine, ref: Engine) 
     assert tokens == want
 
 
+def test_batched_prefill_over_ranks_gives_single_prefill_tokens_and_kv(group: EPEngine, ref: Engine) -> None:
+    """add_prefill + step across the ranks: global page ids whose rows equal the single engine's prefill."""
+    prompts = {f"bp{i}": prompt(n, 50 + n) for i, n in enumerate((40, 7, 23, 33))}
+    for rid, p in prompts.items():
+        group.add_prefill(rid, p, GREEDY)
+    got = {}
+    while group.has_unfinished():
+        got |= {o.rid: o.prefill for o in group.step() if o.prefill is not None}
+    assert got.keys() == prompts.keys()
+    ps, layers = group.page_size, group.config.num_hidden_layers
+
+    def rows(buffer: torch.Tensor, pages: list[int], n: int) -> torch.Tensor:
+        idx = torch.cat([torch.arange(q * ps, (q + 1) * ps) for q in pages])[:n]
+        return buffer.view(layers, -1, buffer.shape[-1])[:, idx].clone()
+
+    for rid, p in prompts.items():
+        want = ref.prefill(rid, p, GREEDY)
+        assert got[rid].first_token == want.first_token, rid
+        torch.testing.assert_close(
+            rows(group.kv_pool.buffer, got[rid].page_ids, len(p)),
+            rows(ref.kv_pool.buffer, want.page_ids, len(p)), rtol=0, atol=1e-4,
+        )  # fmt: skip
+        ref.release(rid)
+        assert group.release(rid)
+    assert group.stats()["pinned"] == 0
+
+
 def test_bad_requests_are_value_errors_and_the_group_keeps_serving(group: EPEngine, ref: Engine) -> None:
     with pytest.raises(ValueError, match="vocabulary"):
         group.add_request("bad", [10**6], GREEDY)

@@ -138,12 +138,12 @@ class Rig:
 async def make_rig(nats_url: str, model_dir: Path) -> AsyncIterator[Callable[..., object]]:
     started: list[tuple[PrefillWorker, asyncio.Task, Bus, DecodeSide]] = []
 
-    async def make(lease_margin_ms: int = 1000) -> Rig:
+    async def make(lease_margin_ms: int = 1000, **more: object) -> Rig:
         bus = await Bus.connect(nats_url, "prefill-test")
         settings = PrefillWorkerSettings(
             nats_url=nats_url, instance_id=f"prefill-{uuid.uuid4().hex[:8]}", model_dir=str(model_dir),
             transfer_protocol="inprocess", lease_margin_ms=lease_margin_ms, heartbeat_interval_ms=60_000,
-            broker_timeout_s=5.0,
+            broker_timeout_s=5.0, **more,
         )  # fmt: skip
         worker = PrefillWorker(settings)
         rig_box: list[Rig] = []

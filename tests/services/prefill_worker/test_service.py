@@ -148,3 +148,53 @@ async def test_a_cancel_while_the_task_runs_frees_the_reservation_without_writin
     assert isinstance(ready, m.KvReady) and ready.request_id == nxt.request_id
     assert rig.stream.empty()  # the gateway ended the request itself: no RequestError for a cancel
     await rig.settled()
+
+
+@pytest.mark.parametrize("max_prompts", [0, 1])
+async def test_tasks_that_arrive_together_share_forwards_and_each_kv_lands(
+    make_rig, reference, max_prompts: int
+) -> None:
+    """Six tasks arrive while the engine thread is busy: they run in fewer forwards than tasks (chunked
+    under a 64-token budget), and each one's KV lands in its own reserved pages with its own first token.
+    With max_prefill_prompts=1 (the unbatched baseline) every forward holds one prompt."""
+    rig: Rig = await make_rig(max_prefill_tokens=64, max_prefill_prompts=max_prompts)
+    forwards: list[int] = []  # sequences per model forward
+    real = rig.worker.engine.runner.forward_last
+
+    def counted(chunks, *a, **kw):
+        forwards.append(len(chunks))
+        return real(chunks, *a, **kw)
+
+    rig.worker.engine.runner.forward_last = counted  # type: ignore[method-assign]
+    lengths = [40, 20, 33, 50, 17, 25]
+    prompts = [[(11 * i + 5 * k) % 900 + 3 for i in range(n)] for k, n in enumerate(lengths)]
+    first_page = 0
+    tasks = []
+    for p in prompts:
+        n = -(-len(p) // rig.decode.page_size)
+        tasks.append(rig.task(p, list(range(first_page, first_page + n))))
+        first_page += n
+    hold = threading.Event()
+    busy = asyncio.ensure_future(rig.worker.et.call(hold.wait, 30))
+    try:
+        for t in tasks:
+            await rig.send(t)
+        await rig.until(lambda: rig.worker.prefills.waiting == len(tasks), "every task at the prefill loop")
+    finally:
+        hold.set()
+        await busy
+    ready = {}
+    for _ in tasks:
+        msg = await rig.next_inbox()
+        assert isinstance(msg, m.KvReady), msg
+        ready[msg.request_id] = msg
+    if max_prompts == 1:
+        assert len(forwards) == len(tasks) and max(forwards) == 1, forwards
+    else:
+        assert len(forwards) < len(tasks) and max(forwards) > 1, forwards
+    for t in tasks:
+        first, rows = reference_prefill(reference, list(t.prompt_ids))
+        assert ready[t.request_id].first_token.token_id == first
+        same_kv(rig.decode.rows(list(t.handle.page_ids), len(t.prompt_ids)), rows)
+    await rig.settled()
+    assert rig.stream.empty()

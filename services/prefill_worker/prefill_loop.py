@@ -1,0 +1,166 @@
+"""`PrefillLoop`: the prefill worker's batched prefill over the engine thread.
+
+Tasks call `prefill(rid, prompt, params)` and await their own `PrefillResult`. One loop task drives the
+engine: each round, on the engine thread, it aborts what was dropped, queues every prompt that arrived
+since the last round (`Engine.add_prefill`) and runs one `Engine.step()`, so prompts that arrive while a
+forward runs share the next one: the engine's Batcher packs their chunks under `max_prefill_tokens`
+(long prompts chunked, prefix cache reused). A prompt's result is handed back from the round whose step
+ran its last chunk; its pages stay pinned until `release(rid)`.
+
+Transfers start per prompt, not per chunk or per layer: a task gets its result as soon as the step that
+finished its prompt returns and starts its KV write off the engine thread at once, while the loop's next
+round computes the other prompts. A prompt's transfer therefore overlaps the rest of the batch, but not
+its own later chunks. Per-chunk starts would need the engine to expose half-prefilled pages and the
+decode side to accept KV in pieces, and would only help prompts longer than `max_prefill_tokens`; the
+lease check, the cancel checks and the single KvReady stay per prompt as they were.
+
+Failures: a prompt the engine refuses (ValueError) fails alone; a step that raises fails every prompt in
+the engine with that error (they are aborted in the next round, so no page stays held). `drop` (a
+cancel) fails a queued prompt at once and aborts one already in the engine before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+
+from libs.engine.outputs import PrefillResult, StepOutput
+from libs.engine.protocol import EngineLike
+from libs.engine.sampling import SamplingParams
+from libs.worker.engine_thread import EngineThread
+
+Round = tuple[dict[str, Exception], list[StepOutput], bool]
+
+
+class PrefillLoop:
+    def __init__(
+        self,
+        engine: EngineLike,
+        et: EngineThread,
+        on_step: Callable[[int], object] | None = None,
+        max_prompts: int = 0,
+    ) -> None:
+        """on_step(prompts in the engine) runs on the event loop after every step (metrics). max_prompts:
+        at most this many prompts in the engine at once, the rest wait in arrival order (0: no limit;
+        1: one prompt at a time, the unbatched baseline)."""
+        self.engine, self.et, self.on_step, self.max_prompts = engine, et, on_step, max_prompts
+        self._queued: dict[str, tuple[list[int], SamplingParams]] = {}  # submitted, not yet in the engine
+        self._in_engine: set[str] = set()  # added to the engine, result not yet reported
+        self._futures: dict[str, asyncio.Future[PrefillResult]] = {}  # waiting tasks, queued or in the engine
+        self._drop: set[str] = set()  # to abort in the engine before the next step
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.forwards = 0  # engine steps run
+
+    @property
+    def waiting(self) -> int:
+        """Prompts submitted and not yet reported (queued or in the engine)."""
+        return len(self._futures)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="prefill-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for rid in list(self._futures):
+            self._fail(rid, RuntimeError("prefill worker is stopping"))
+
+    async def prefill(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> PrefillResult:
+        """The prompt's first token and pinned pages, once the step that ran its last chunk returns."""
+        if rid in self._futures:
+            raise ValueError(f"request id {rid!r} is already in use")
+        fut: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
+        self._futures[rid] = fut
+        self._queued[rid] = (list(prompt_ids), params)
+        self._wake.set()
+        try:
+            return await fut
+        finally:
+            if self._futures.get(rid) is fut:  # the awaiting task itself was cancelled
+                self.drop(rid, asyncio.CancelledError())
+
+    def drop(self, rid: str, exc: BaseException) -> None:
+        """Fail a prompt not yet reported with `exc` and take it out of the batch (cancel)."""
+        if rid in self._queued:
+            del self._queued[rid]
+        elif rid in self._in_engine:
+            self._drop.add(rid)
+            self._wake.set()
+        self._fail(rid, exc)
+
+    async def release(self, rid: str) -> None:
+        """Unpin a reported prompt's pages (after its transfer, or on failure); wakes a stalled loop."""
+        with contextlib.suppress(Exception):
+            await self.et.call(self.engine.release, rid)
+        self._wake.set()
+
+    def _fail(self, rid: str, exc: BaseException) -> None:
+        fut = self._futures.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
+
+    async def _loop(self) -> None:
+        while True:
+            if not (self._queued or self._drop or self._in_engine):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            new = self._take_queued()
+            drop, self._drop = self._drop, set()
+            self._in_engine |= new.keys()
+            self._wake.clear()
+            forwards = self.forwards
+            try:
+                errors, outs, stalled = await self.et.call(self._round, new, drop)
+            except Exception as e:  # the step failed: so does every prompt it held
+                self._in_engine -= drop
+                for rid in self._in_engine:
+                    self._fail(rid, e)
+                self._drop |= self._in_engine
+                self._in_engine = set()
+                continue
+            self._in_engine -= drop
+            if self.on_step is not None and self.forwards > forwards:
+                self.on_step(len(self._in_engine) - len(errors))
+            self._report(errors, outs)
+            if stalled and not self._drop:
+                await self._wake.wait()  # every page is pinned: a release, a new task or a drop wakes us
+
+    def _take_queued(self) -> dict[str, tuple[list[int], SamplingParams]]:
+        room = self.max_prompts - len(self._in_engine) if self.max_prompts else len(self._queued)
+        rids = list(self._queued)[: max(room, 0)]
+        return {rid: self._queued.pop(rid) for rid in rids}
+
+    def _round(self, new: dict[str, tuple[list[int], SamplingParams]], drop: set[str]) -> Round:
+        """On the engine thread: abort, queue, one step."""
+        for rid in drop:
+            self.engine.abort(rid)
+        errors: dict[str, Exception] = {}
+        for rid, (prompt, params) in new.items():
+            try:
+                self.engine.add_prefill(rid, prompt, params)
+            except ValueError as e:
+                errors[rid] = e
+        if not self.engine.has_unfinished():
+            return errors, [], False
+        outs = self.engine.step()
+        self.forwards += 1
+        return errors, outs, self.engine.stalled
+
+    def _report(self, errors: dict[str, Exception], outs: list[StepOutput]) -> None:
+        for rid, e in errors.items():
+            self._in_engine.discard(rid)
+            self._fail(rid, e)
+        for o in outs:
+            if o.prefill is None:
+                continue
+            self._in_engine.discard(o.rid)
+            fut = self._futures.pop(o.rid, None)
+            if fut is None or fut.done():  # dropped while its last chunk ran: unpin it next round
+                self._drop.add(o.rid)
+            else:
+                fut.set_result(o.prefill)
