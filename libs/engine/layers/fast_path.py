@@ -184,7 +184,7 @@ def decoder_layer(layer, h: torch.Tensor, residual: torch.Tensor, step, kv, fast
     h = attention(layer.self_attn, x8, step, kv, fast)
     x = fused.add_rmsnorm(h, layer.post_attention_layernorm.weight, fast.eps, residual=residual)
     mlp = layer.mlp
-    if getattr(mlp, "fast", None) is not None:
+    if getattr(mlp, "fast", None) is not None and mlp.ep is None:  # an EP hook set later takes the plain MoE
         return moe(mlp, x)
     return mlp(x)
 
