@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from bench.harness import cpu_environment
 from libs.engine import Engine, SamplingParams
 from libs.engine.tiny import write_tiny_model
 
@@ -89,14 +89,7 @@ def run(args: argparse.Namespace) -> dict:
             "dtype": "float32",
         },
         "settings": vars(args) | {"page_size": engine.page_size},
-        "environment": {
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            # this is a shared machine: the 1-minute load average before and after says how quiet it was
-            "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        },
+        "environment": cpu_environment(load_before),
         "results": rows,
     }
 

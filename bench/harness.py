@@ -22,6 +22,20 @@ def environment() -> dict:
     }
 
 
+def cpu_environment(load_before: float) -> dict:
+    """The CPU benchmarks' machine record; on a shared machine the 1-minute load average before and after
+    the run says how quiet it was."""
+    import platform
+
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+
+
 def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median milliseconds of fn (events, L2 flushed between runs) via triton's do_bench."""
     import triton.testing

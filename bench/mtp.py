@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from bench.harness import cpu_environment
 from libs.demo.cache import ensure_demo_model
 from libs.demo.pydoc_corpus import load_corpus
 from libs.engine import Engine, SamplingParams
@@ -97,14 +97,7 @@ def run(args: argparse.Namespace) -> dict:
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "model": {"checkpoint": str(path.name), "training": json.loads((path / "training.json").read_text())},
         "settings": vars(args),
-        "environment": {
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            # a shared machine: the 1-minute load average before and after says how quiet it was
-            "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        },
+        "environment": cpu_environment(load_before),
         "results": rows,
     }
 
