@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -133,7 +134,7 @@ def run(a) -> list[dict]:
     build_s = time.perf_counter() - t0
     env = environment()
     backend = engine.runner.backend.name
-    out_dir = Path(__import__("os").environ.get("OUT") or "bench/results")
+    out_dir = Path(os.environ.get("OUT") or "bench/results")
     records = []
     for b in batches:
         rids = fill(engine, b, a.ctx, a.gen, seed=b)

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from libs.quant.fp8 import FP8_DTYPE
+from libs.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX
 
 
 @torch.no_grad()
@@ -16,7 +16,7 @@ def fill_random_(model: torch.nn.Module, seed: int = 0) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     params = dict(model.named_parameters())
     for name, p in params.items():
-        if p.dtype == FP8_DTYPE or name.endswith("_scale_inv"):
+        if p.dtype == FP8_DTYPE or name.endswith(SCALE_SUFFIX):
             continue  # FP8 weights with their scales, below
         noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
         if name.endswith("norm.weight"):
@@ -33,11 +33,7 @@ def fill_random_(model: torch.nn.Module, seed: int = 0) -> None:
         if p.dtype != FP8_DTYPE:
             continue
         p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.bfloat16).to(FP8_DTYPE))
-        scale = params[name + "_scale_inv"] if name + "_scale_inv" in params else params[_scale_name(name)]
+        scale = params[name + SCALE_SUFFIX]  # `...weight` and the stacked experts' `...gate_up_proj` alike
         k = p.shape[-1]
         scale.copy_((1 + 0.1 * torch.rand(scale.shape, generator=gen, device=p.device)) / math.sqrt(k))
 
-
-def _scale_name(name: str) -> str:
-    """`...weight` -> `...weight_scale_inv`; stacked experts: `...gate_up_proj` -> `...gate_up_proj_scale_inv`."""
-    return name + "_scale_inv"

@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from libs.bus import Bus
 from libs.engine.tiny import write_tiny_model
-from libs.natsd import start_nats_server
 from proto import messages as m
 from proto import subjects
 from services.decode_worker.service import DecodeWorker, DecodeWorkerSettings
@@ -31,13 +30,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    """A server of this module's own: the broker double answers on the mesh's one broker subject."""
-    server = start_nats_server(jetstream=False)
-    try:
-        yield server.url
-    finally:
-        server.stop()
+def nats_url(private_nats_url: str) -> str:
+    return private_nats_url
 
 
 class LossyBroker:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import msgspec
@@ -19,7 +19,6 @@ from libs.bus import Bus
 from libs.engine import Engine
 from libs.engine.tiny import write_tiny_model
 from libs.kvtransfer.inprocess import InProcessTransport
-from libs.natsd import start_nats_server
 from libs.worker.startup import geometry
 from proto import messages as m
 from proto import subjects
@@ -42,13 +41,8 @@ def reference(model_dir: Path) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    """A server of these tests' own: the broker double answers on the mesh's one broker subject."""
-    server = start_nats_server(jetstream=False)
-    try:
-        yield server.url
-    finally:
-        server.stop()
+def nats_url(private_nats_url: str) -> str:
+    return private_nats_url
 
 
 class DecodeSide:
