@@ -14,7 +14,7 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     model_dir: str = ""  # a Hugging Face checkpoint folder (required)
     served_model_name: str = ""  # empty: the folder's name
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU | float32 | bfloat16 | float16
     quantization: str = "auto"  # FP8 checkpoints: auto (FP8 on CUDA) | fp8 | none (dequantize to dtype)
     page_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
     num_pages: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: the engine's default
@@ -69,6 +69,8 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             raise ValueError(
                 f"attention_backend must be auto, torch, triton or flashinfer, got {self.attention_backend!r}"
             )
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "fp8", "none"):
             raise ValueError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
         if self.quantization == "fp8" and self.ep_size > 1:
@@ -83,3 +85,15 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_dir).resolve().name
+
+    @property
+    def activation_dtype(self) -> str:
+        """dtype with auto resolved: 16-bit activations on a GPU (as SGLang and vLLM serve DeepSeek-V3)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def engine_attention_backend(self) -> str:
+        """The engine's attention_backend setting (the prefill worker resolves auto per device)."""
+        return self.attention_backend

@@ -30,7 +30,7 @@ def load_engine(s: WorkerSettings) -> EngineLike:
 
     if s.ep_size > 1:
         return EPEngine(
-            s.model_dir, s.ep_size, device=s.device, dtype=s.dtype, page_size=s.page_size,
+            s.model_dir, s.ep_size, device=s.device, dtype=s.activation_dtype, page_size=s.page_size,
             num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
             max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
             backend=s.ep_backend, num_redundant_experts=s.ep_redundant_experts, fp8_dispatch=s.ep_fp8_dispatch,
@@ -42,16 +42,16 @@ def load_engine(s: WorkerSettings) -> EngineLike:
         from libs.engine.speculative import MTPEngine
 
         return MTPEngine.load(
-            s.model_dir, device=s.device, dtype=s.dtype, num_speculative_tokens=s.mtp_k, page_size=s.page_size,
+            s.model_dir, device=s.device, dtype=s.activation_dtype, num_speculative_tokens=s.mtp_k, page_size=s.page_size,
             num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
             max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
             quantization=s.quantization,
         )  # fmt: skip
     return Engine.from_pretrained(
-        s.model_dir, device=s.device, dtype=s.dtype, page_size=s.page_size,
+        s.model_dir, device=s.device, dtype=s.activation_dtype, page_size=s.page_size,
         num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
         max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
-        quantization=s.quantization, attention_backend=s.attention_backend,
+        quantization=s.quantization, attention_backend=s.engine_attention_backend,
     )  # fmt: skip
 
 

@@ -55,9 +55,16 @@ class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     # prompts batched into the engine at once (forwards still hold at most max_prefill_tokens); 0: no limit,
     # 1: one prompt at a time (the unbatched baseline of bench/results/prefill_batching.json)
     max_prefill_prompts: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # "triton": one SDPA per sequence for prefill, plain torch on CPU (what "auto" picks on CUDA anyway);
-    # the CPU reference ("torch") pads a batch to its longest chunk, which would make batching cost more
-    attention_backend: str = "triton"
+    # auto: on CUDA the engine's choice (FlashInfer's ragged prefill where it imports, else Triton/SDPA); on
+    # the CPU "triton" (one SDPA per sequence): the CPU reference ("torch") pads a batch to its longest chunk,
+    # which would make batching cost more
+    attention_backend: str = "auto"
+
+    @property
+    def engine_attention_backend(self) -> str:
+        if self.attention_backend == "auto" and not self.device.startswith("cuda"):
+            return "triton"
+        return self.attention_backend
 
 
 class PrefillWorker(WorkerService):

@@ -13,3 +13,19 @@ def test_worker_settings_validate_quantization() -> None:
         WorkerSettings(model_dir="m", quantization="int4")
     with pytest.raises(ValueError, match="EP ranks load dequantized experts"):
         WorkerSettings(model_dir="m", quantization="fp8", ep_size=2, dp_size=2)
+
+
+def test_dtype_auto_is_16_bit_on_cuda_and_float32_on_the_cpu() -> None:
+    assert WorkerSettings(model_dir="m").activation_dtype == "float32"
+    assert WorkerSettings(model_dir="m", device="cuda").activation_dtype == "bfloat16"
+    assert WorkerSettings(model_dir="m", device="cuda:1", dtype="float32").activation_dtype == "float32"
+    with pytest.raises(ValueError, match="dtype must be auto"):
+        WorkerSettings(model_dir="m", dtype="bf16")
+
+
+def test_prefill_worker_attention_auto_resolves_per_device() -> None:
+    from services.prefill_worker.service import PrefillWorkerSettings
+
+    assert PrefillWorkerSettings(model_dir="m").engine_attention_backend == "triton"  # CPU: SDPA per sequence
+    assert PrefillWorkerSettings(model_dir="m", device="cuda").engine_attention_backend == "auto"
+    assert WorkerSettings(model_dir="m").engine_attention_backend == "auto"
