@@ -8,6 +8,8 @@ import json
 
 import openai
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from libs.tokenizer import Tokenizer
 from proto.messages import Guided
@@ -261,3 +263,97 @@ def test_forced_output_that_is_not_a_call_is_content() -> None:
     named = tool_plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
     assert named is not None
     assert choice_with_calls(named, "  ", "length") == ("  ", [], "length")
+
+
+PIECES = [
+    "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "\n```json\n", "\n```<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>", "<｜tool", "\n```", "function", "f", " ", "\n", '{"a": 1}', '"', "\\", "{", "}", "[", "]",
+    ",", ":", '"name"', '"parameters"', '"get_time"', "x",
+]  # fmt: skip
+NOISE = st.lists(st.sampled_from(PIECES), max_size=6).map("".join)
+JSON = st.recursive(
+    st.none() | st.integers() | st.text(alphabet='ab "\\{}[]:,\n`', max_size=6),
+    lambda inner: st.dictionaries(st.text(alphabet='ab"{}', max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
+SPACE = st.sampled_from(["", " ", "\n", " \t"])
+CUT = st.none() | st.integers(min_value=0)
+
+
+def _cut(text: str, at: int | None) -> str:
+    return text if at is None else text[: at % (len(text) + 1)]
+
+
+@st.composite
+def deepseek_output(draw: st.DrawFn) -> str:
+    """Noise, then well-formed DeepSeek-V3 calls (any JSON as arguments, whitespace around it, noise between
+    calls), the whole perhaps cut short."""
+    calls = [
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>" + draw(st.sampled_from(["get_time", " f "])) + "\n```json\n"
+        + draw(SPACE) + json.dumps(draw(JSON)) + draw(SPACE) + "\n```<｜tool▁call▁end｜>" + draw(NOISE)
+        for _ in range(draw(st.integers(0, 3)))
+    ]  # fmt: skip
+    return _cut(draw(NOISE) + "<｜tool▁calls▁begin｜>" + "".join(calls) + "<｜tool▁calls▁end｜>", draw(CUT))
+
+
+@st.composite
+def required_output(draw: st.DrawFn) -> str:
+    """The JSON array tool_choice required constrains the output to, with free whitespace, perhaps cut short."""
+    sep = draw(SPACE)
+    items = [
+        "{" + sep + '"name":' + sep + json.dumps(draw(st.sampled_from(["get_time", 'a}\\"b']))) + "," + sep
+        + '"parameters":' + draw(SPACE) + json.dumps(draw(JSON)) + draw(SPACE) + "}"
+        for _ in range(draw(st.integers(0, 3)))
+    ]  # fmt: skip
+    return _cut("[" + sep + ("," + sep).join(items) + "]", draw(CUT))
+
+
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+OUTPUTS = st.one_of(
+    st.tuples(st.just("auto"), deepseek_output() | NOISE),
+    st.tuples(st.just("required"), required_output() | NOISE),
+    st.tuples(st.just(NAMED), st.builds(lambda a, v, b: a + json.dumps(v) + b, SPACE, JSON, SPACE) | NOISE),
+    st.tuples(st.just("none"), deepseek_output()),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(output=OUTPUTS, cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=8))
+def test_any_chunking_streams_what_the_whole_parse_gives(output: tuple, cuts: list[int]) -> None:
+    choice, text = output
+    plan = tool_plan([WEATHER, TIME], choice)
+    assert plan is not None
+    want_content, want_calls, want_finish = choice_with_calls(plan, text, "stop")
+    event(f"{plan.mode}: {min(len(want_calls), 2)} calls")
+    bounds = sorted({0, len(text), *(c for c in cuts if c < len(text))})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)] or [""]
+    ts, out, names, args = ToolStream(plan), "", {}, {}
+    for k, piece in enumerate(pieces):
+        delta, finish = stream_step(ts, piece, "stop" if k == len(pieces) - 1 else None)
+        out += (delta or {}).get("content", "")
+        for d in (delta or {}).get("tool_calls", []):
+            names.setdefault(d["index"], d["function"].get("name"))
+            args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
+    assert (out or None) == (want_content or None) and finish == want_finish
+    assert [(names[i], args[i]) for i in sorted(names)] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in want_calls
+    ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls=st.lists(st.tuples(st.sampled_from(["get_time", 'a}\\"b']), JSON), max_size=3), sep=SPACE)
+def test_whole_parse_recovers_what_was_written(calls: list[tuple[str, object]], sep: str) -> None:
+    """Against the writer: complete outputs in both formats give back each call's name and arguments."""
+    auto = "hi" + "<｜tool▁calls▁begin｜>" + "".join(
+        f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{sep}{json.dumps(v)}{sep}\n```<｜tool▁call▁end｜>\n"
+        for n, v in calls
+    ) + "<｜tool▁calls▁end｜>"  # fmt: skip
+    items = [{"name": n, "parameters": v} for n, v in calls]
+    required = json.dumps(items, separators=("," + sep, ":" + sep))
+    for choice, text in (("auto", auto), ("required", required)):
+        plan = tool_plan([WEATHER, TIME], choice)
+        assert plan is not None
+        content, got, _ = choice_with_calls(plan, text, "stop")
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+        if choice == "auto":
+            assert content == ("hi" if calls else auto)
