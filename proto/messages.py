@@ -16,7 +16,9 @@ import enum
 
 import msgspec
 
-SCHEMA_VERSION = 1
+# 2: Sampling gained penalties, logit_bias, min_tokens and guided (structured output). A reader of 1 would
+# drop them without a word (map-encoded fields it does not know are skipped), so it must refuse instead.
+SCHEMA_VERSION = 2
 
 
 class Kind(msgspec.Struct, frozen=True, tag=True, kw_only=True):
