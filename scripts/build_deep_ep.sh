@@ -11,8 +11,8 @@
 # sources include (deep_ep.hpp, config.hpp, kernels/api.cuh, ...): the build stops at the first include.
 # `deepinfer-ep` 2.5.0 is a complete sdist of DeepEP V2.5 (import name deep_ep too, NCCL instead of
 # NVSHMEM, kernels JIT-compiled at run time, V1's Buffer API removed). `build` tries deep-ep first and,
-# if it fails, deepinfer-ep, so one device call says what builds; the dispatcher (libs/ep/dispatch/deepep.py)
-# speaks the V1 API only.
+# if it fails, deepinfer-ep, so one device call says what builds; libs/ep/dispatch/deepep.py speaks V1,
+# deepep_v2.py V2 (make_dispatcher picks by what the installed deep_ep has).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dir=.gpu-pkgs/deep_ep

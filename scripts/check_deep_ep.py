@@ -1,6 +1,7 @@
 """One-GPU check of a built deep_ep (scripts/build_deep_ep.sh): import, then a one-rank Buffer round trip in
 normal mode (get_dispatch_layout -> dispatch -> combine, BF16 and FP8) and in low-latency mode
-(low_latency_dispatch -> low_latency_combine), each result checked against what one rank must get back.
+(low_latency_dispatch -> low_latency_combine), each result checked against what one rank must get back;
+for a DeepEP V2 build (EPBuffer, no Buffer), its dispatch -> combine in BF16 and FP8 instead.
 Writes $OUT/deep_ep_check.json; every step records its own error, so one failure leaves the others' results.
 
     PYTHONPATH=/tmp/site python3 scripts/check_deep_ep.py
@@ -122,6 +123,31 @@ def low_latency_round_trip(deep_ep: Any, group: Any) -> dict[str, Any]:
             "use_fp8_argument": has_fp8_flag}  # fmt: skip
 
 
+def v2_round_trip(deep_ep: Any, group: Any, fp8: bool) -> dict[str, Any]:
+    """DeepEP V2's EPBuffer (non-expanded layout, exact counts): one rank gets every token back, in order."""
+    buf = deep_ep.EPBuffer(
+        group, num_max_tokens_per_rank=TOKENS, hidden=HIDDEN, num_topk=TOPK, use_fp8_dispatch=fp8
+    )
+    x, topk, weights = _inputs(3)
+    topk = topk.to(getattr(deep_ep, "topk_idx_t", torch.int64))
+    payload = _quantize(x) if fp8 else x
+    recv, recv_topk, recv_w, handle, _ = buf.dispatch(
+        payload, topk_idx=topk, topk_weights=weights, num_experts=EXPERTS, num_max_tokens_per_rank=TOKENS,
+        do_cpu_sync=True,
+    )  # fmt: skip
+    rx = _dequantize(*recv) if fp8 else recv.float()
+    want = _dequantize(*payload) if fp8 else x.float()
+    assert rx.shape == (TOKENS, HIDDEN), rx.shape
+    assert torch.equal(recv_topk.long(), topk.long()), "received top-k ids differ"
+    assert torch.allclose(recv_w, weights), "received weights differ"
+    dispatch_err = _max_err(rx, want)
+    assert dispatch_err == 0.0, f"dispatch changed the bytes: {dispatch_err}"
+    out, _, _ = buf.combine(rx.to(torch.bfloat16), handle)
+    combine_err = _max_err(out, rx.to(torch.bfloat16))
+    assert combine_err == 0.0, f"combine changed the rows: {combine_err}"
+    return {"tokens": TOKENS, "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "num_bytes": buf.num_bytes}
+
+
 def main() -> None:
     out_dir = Path(os.environ.get("OUT", "/tmp/deep_ep_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -154,8 +180,9 @@ def main() -> None:
         _step(results, "normal_bf16", lambda: normal_round_trip(deep_ep, group, fp8=False))
         _step(results, "normal_fp8", lambda: normal_round_trip(deep_ep, group, fp8=True))
         _step(results, "low_latency", lambda: low_latency_round_trip(deep_ep, group))
-    else:
-        results["round_trips"] = "skipped: this deep_ep has no V1 Buffer API (the dispatcher speaks V1 only)"
+    elif hasattr(deep_ep, "EPBuffer"):
+        _step(results, "v2_bf16", lambda: v2_round_trip(deep_ep, group, fp8=False))
+        _step(results, "v2_fp8", lambda: v2_round_trip(deep_ep, group, fp8=True))
     dist.destroy_process_group()
     (out_dir / "deep_ep_check.json").write_text(json.dumps(results, indent=1))
     print(

@@ -14,7 +14,7 @@ Two separate buffers (normal, low-latency) so switching modes needs no buffer cl
 Which deep_ep: DeepEP's V1 Python API (`deep_ep.Buffer`), as PyPI's `deep-ep` 1.0.0 and DeepEP up to its
 V2 rewrite have it; scripts/build_deep_ep.sh builds it on the GPU machine. 1.0.0's low_latency_dispatch
 always casts to FP8 (no `use_fp8` argument); later V1 releases take the flag, which is passed when present.
-DeepEP V2 (`EPBuffer`, no `Buffer`) is refused with a clear error.
+DeepEP V2 (`EPBuffer`, no `Buffer`) goes through deepep_v2.py instead (factory.py picks).
 """
 
 from __future__ import annotations
@@ -112,6 +112,16 @@ class DeepEPDispatcher(Dispatcher):
         return out.to(dtype)
 
 
+def deepep_api() -> str:
+    """ "v1" (deep_ep.Buffer), "v2" (deep_ep.EPBuffer only) or "none" (deep_ep does not import: the V1
+    dispatcher then says why)."""
+    try:
+        import deep_ep
+    except ImportError:
+        return "none"
+    return "v2" if not hasattr(deep_ep, "Buffer") and hasattr(deep_ep, "EPBuffer") else "v1"
+
+
 def load_buffer_class() -> Any:
     """deep_ep.Buffer (DeepEP's V1 API), or a RuntimeError saying what is missing."""
     try:
@@ -124,8 +134,8 @@ def load_buffer_class() -> Any:
     buffer = getattr(deep_ep, "Buffer", None)
     if buffer is None:
         raise RuntimeError(
-            f"EP backend 'deepep' speaks DeepEP's V1 API (deep_ep.Buffer); the deep_ep at {deep_ep.__file__} "
-            f"(version {getattr(deep_ep, '__version__', '?')}) has none (DeepEP V2's EPBuffer is not supported)"
+            f"DeepEPDispatcher speaks DeepEP's V1 API (deep_ep.Buffer); the deep_ep at {deep_ep.__file__} "
+            f"(version {getattr(deep_ep, '__version__', '?')}) has none (make_dispatcher picks deepep_v2.py for V2)"
         )
     return buffer
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from libs.ep.comm import InProcessHub, TorchComm
-from libs.ep.dispatch.deepep import DeepEPDispatcher, ll_dispatch_options, pick_mode
+from libs.ep.dispatch.deepep import DeepEPDispatcher, deepep_api, ll_dispatch_options, pick_mode
 from libs.ep.dispatch.factory import make_dispatcher
 
 HAS_DEEP_EP = importlib.util.find_spec("deep_ep") is not None
@@ -78,14 +78,19 @@ def world1():  # noqa: ANN201
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 @pytest.mark.parametrize("fp8", [True, False])
 def test_one_rank_round_trip(world1, mode: str, fp8: bool) -> None:  # noqa: ANN001
-    """Identity experts: what comes back is each token times the sum of its top-k weights."""
+    """Identity experts: what comes back is each token times the sum of its top-k weights (V1 Buffer or
+    V2 EPBuffer, whichever deep_ep is installed)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
     slots = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices
     w = torch.rand(T, K, device="cuda", generator=g)
-    disp = DeepEPDispatcher(world1, TorchComm(world1, "cuda"), E, D, torch.bfloat16, fp8=fp8, mode=mode)
+    disp = make_dispatcher(
+        "deepep", TorchComm(world1, "cuda"), slots_per_rank=E, num_physical=E, hidden=D, dtype=torch.bfloat16,
+        fp8=fp8, group=world1, mode=mode,
+    )  # fmt: skip
     d = disp.dispatch(x, slots, w)
-    assert d is not None and d.layout == ("tokens" if mode == "normal" else "experts")
+    v1_ll = mode == "low_latency" and deepep_api() == "v1"  # DeepEP V2 has one (token-layout) dispatch
+    assert d is not None and d.layout == ("experts" if v1_ll else "tokens")
     if d.layout == "tokens":  # [M, D] rows with local ids and weights: experts return the weighted sum
         assert d.local_ids is not None and d.weights is not None
         y = d.x * torch.where(d.local_ids >= 0, d.weights, 0.0).sum(1, keepdim=True).to(d.x.dtype)
