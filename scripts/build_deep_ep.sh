@@ -87,21 +87,24 @@ build() {
     python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
     echo "NVSHMEM_DIR=$NVSHMEM_DIR"; ls "$NVSHMEM_DIR/lib" 2>&1 | tr '\n' ' '; echo
   } >> "$LOG" 2>&1
-  local results=() sdist label status built=""
+  local results=() sdist label status start err built=""
   for sdist in "$dir"/deep_ep-*.tar.gz "$dir"/deepinfer_ep-*.tar.gz; do
     [ -f "$sdist" ] || { results+=("\"$(basename "$sdist")\": \"not fetched\""); continue; }
     label=$(basename "$sdist" .tar.gz)
+    start=$(wc -l < "$LOG")
     status=$(build_one "$sdist" "$label")
-    results+=("\"$label\": \"$status\"")
+    err=""
+    if [ "$status" != ok ]; then  # the attempt's first error line, quoted for the note
+      err=$(tail -n +"$((start + 1))" "$LOG" | grep -m1 -E "error:|fatal error|Error" | cut -c1-300 \
+        | sed 's/\\/\\\\/g; s/"/\\"/g; s/\t/ /g')
+    fi
+    results+=("\"$label\": {\"status\": \"$status\", \"first_error\": \"$err\"}")
     if [ "$status" = ok ]; then built=$label; break; fi
   done
   if [ -n "$built" ]; then
     python3 -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl >> "$LOG" 2>&1 || built=""
   fi
-  local first_error
-  first_error=$(grep -m1 -E "error:|fatal error|Error" "$LOG" | cut -c1-300 | sed 's/\\/\\\\/g; s/"/\\"/g')
-  (IFS=,; echo "{${results[*]}, \"installed\": \"${built:-none}\", \"site\": \"$SITE\", \"first_error\": \"$first_error\"}") \
-    | tee "$OUT/deep_ep_build.json"
+  (IFS=,; echo "{${results[*]}, \"installed\": \"${built:-none}\", \"site\": \"$SITE\"}") | tee "$OUT/deep_ep_build.json"
 }
 
 case "${1:-}" in
