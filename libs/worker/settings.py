@@ -38,6 +38,9 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     ep_backend: str = "torch"  # dispatch/combine: torch (all_to_all over gloo/NCCL) | deepep | mooncake
     ep_redundant_experts: Annotated[int, msgspec.Meta(ge=0)] = 0  # extra physical expert slots for EPLB
     ep_fp8_dispatch: bool = False
+    # each EP rank registers its own KV pool on its own transport and handles name the rank (what device
+    # cuda always does: the pools live on the ranks' GPUs); off on CPU: one shared pool, one region
+    ep_kv_per_rank: bool = False
     eplb_interval_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # rebalance experts every N steps (0: never)
     # engine: "model" runs the checkpoint; "sim" the timing-model engine (libs/sim: config and tokenizer
     # only, forward passes replaced by waits fitted to the H200 decode records, deterministic tokens)
@@ -48,6 +51,11 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     # MTP speculative decoding (libs/engine/speculative.py): draft tokens per step from the checkpoint's
     # MTP module, verified by the target in one forward; 0: off. Needs num_nextn_predict_layers >= 1.
     mtp_k: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0
+
+    @property
+    def kv_per_rank(self) -> bool:
+        """EP ranks keep their own KV pools (rank_kv.py): asked for, or forced by pools on GPUs."""
+        return self.ep_size > 1 and (self.ep_kv_per_rank or self.device != "cpu")
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -79,6 +87,8 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             )
         if self.mtp_k and self.ep_size > 1:
             raise ValueError("mtp_k runs on one rank only: use ep_size=1 with MTP speculative decoding")
+        if self.ep_size > 1 and self.kv_per_rank and self.transfer_protocol == "inprocess":
+            raise ValueError("per-rank KV pools live in the rank processes: use a Mooncake transfer_protocol")
         if self.ep_backend not in ("torch", "deepep", "mooncake"):
             raise ValueError(f"ep_backend must be torch, deepep or mooncake, got {self.ep_backend!r}")
 

@@ -11,7 +11,8 @@ from libs.bus import Bus
 from libs.engine import Engine
 from libs.engine.protocol import EngineLike
 from libs.ep.engine import EPEngine
-from libs.kvtransfer import KvTransport, make_transport
+from libs.kvtransfer import KvTransport, SkipTransport, make_transport
+from libs.worker.rank_pools import has_rank_pools, rank_pools
 from libs.worker.settings import WorkerSettings
 from proto import messages as m
 from proto import subjects
@@ -35,6 +36,7 @@ def load_engine(s: WorkerSettings) -> EngineLike:
             max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
             backend=s.ep_backend, num_redundant_experts=s.ep_redundant_experts, fp8_dispatch=s.ep_fp8_dispatch,
             torch_threads=s.torch_threads, eplb_interval_steps=s.eplb_interval_steps,
+            kv_transfer=(s.transfer_protocol, s.transfer_hostname, s.transfer_device) if s.kv_per_rank else None,
         )  # fmt: skip
     if s.torch_threads and s.device == "cpu":
         torch.set_num_threads(s.torch_threads)
@@ -63,6 +65,9 @@ def register_engine_metrics(engine: EngineLike, registry: Any) -> None:
 
 
 def geometry(engine: EngineLike) -> m.KvGeometry:
+    pools = rank_pools(engine)
+    if pools:  # per-rank pools: the worker's own fields carry rank 0's
+        return pools[0].geometry
     pool = engine.kv_pool
     return m.KvGeometry(
         num_layers=pool.num_layers, num_pages=pool.num_pages, page_size=pool.page_size,
@@ -72,6 +77,8 @@ def geometry(engine: EngineLike) -> m.KvGeometry:
 
 
 def open_transport(s: WorkerSettings, engine: EngineLike) -> KvTransport:
+    if has_rank_pools(engine):  # each rank registered its own pool; this process moves no KV itself
+        return SkipTransport()
     t = make_transport(s.transfer_protocol, s.transfer_hostname, s.transfer_device)
     t.register(engine.kv_pool.data_ptr(), engine.kv_pool.nbytes)
     return t
@@ -80,9 +87,11 @@ def open_transport(s: WorkerSettings, engine: EngineLike) -> KvTransport:
 async def register_at_broker(
     bus: Bus, worker_id: str, role: m.Role, transport: KvTransport, engine: EngineLike, timeout: float
 ) -> None:
+    pools = rank_pools(engine)
     msg = m.RegisterWorker(
-        worker_id=worker_id, role=role, session_id=transport.session_id, geometry=geometry(engine)
-    )
+        worker_id=worker_id, role=role, session_id=pools[0].session_id if pools else transport.session_id,
+        geometry=geometry(engine), ranks=pools,
+    )  # fmt: skip
     reply: m.BrokerReply = await bus.request(subjects.BROKER, msg, m.BrokerReply, timeout=timeout)
     if not reply.ok:
         raise RuntimeError(f"kv-broker refused registration of {worker_id}: {reply.message}")

@@ -29,3 +29,12 @@ def test_prefill_worker_attention_auto_resolves_per_device() -> None:
     assert PrefillWorkerSettings(model_dir="m").engine_attention_backend == "triton"  # CPU: SDPA per sequence
     assert PrefillWorkerSettings(model_dir="m", device="cuda").engine_attention_backend == "auto"
     assert WorkerSettings(model_dir="m").engine_attention_backend == "auto"
+
+
+def test_per_rank_kv_pools_when_asked_or_on_gpus_and_never_in_process() -> None:
+    assert not WorkerSettings(model_dir="m", ep_size=2).kv_per_rank  # CPU: one shared pool
+    assert WorkerSettings(model_dir="m", ep_size=2, ep_kv_per_rank=True).kv_per_rank
+    assert WorkerSettings(model_dir="m", ep_size=2, device="cuda").kv_per_rank  # pools on the ranks' GPUs
+    assert not WorkerSettings(model_dir="m", ep_kv_per_rank=True).kv_per_rank  # one rank: one pool
+    with pytest.raises(ValueError, match="per-rank KV pools live in the rank processes"):
+        WorkerSettings(model_dir="m", ep_size=2, ep_kv_per_rank=True, transfer_protocol="inprocess")
