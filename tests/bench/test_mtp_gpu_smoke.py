@@ -27,8 +27,8 @@ def test_mtp_gpu_bench_builds_and_steps_at_toy_width():
     model, mtp = mtp_gpu.build_models(config, device="cpu", dtype=torch.float32)
     assert mtp.mlp.experts.gate_up_proj.dtype == FP8_DTYPE and mtp.eh_proj.is_fp8
     assert mtp.embed_tokens is model.model.embed_tokens  # shared, as DeepSeek's checkpoints do
-    kw = dict(ctx=40, attn="triton", warmup=2, iters=3, page_size=16)
-    plain = mtp_gpu.measure(model, mtp, 3, 0, **kw)
-    spec = mtp_gpu.measure(model, mtp, 3, 2, **kw)
+    kw = dict(ctx=40, attn="triton", warmup=1, iters=1, page_size=16)  # slow: FP8 references on CPU
+    plain = mtp_gpu.measure(model, mtp, 2, 0, **kw)
+    spec = mtp_gpu.measure(model, mtp, 2, 2, **kw)
     assert plain["step_ms"] > 0 and not plain["cuda_graphs"]
     assert spec["step_ms"] > 0 and spec["verify_graph_ms"] is None and 0 <= spec["acceptance_rate"] <= 1
