@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from typing import Any, cast
 
 import torch
 
@@ -56,7 +57,7 @@ def build_models(
         model = DeepseekV3ForCausalLM(cfg, dtype, device)
         mtp = MTPLayer(cfg, model.rope, dtype, device)
     for m in (model, mtp):
-        apply_fp8_weights(m, _FP8Names(), (128, 128))
+        apply_fp8_weights(m, cast(Any, _FP8Names()), (128, 128))
     fill_random_(model, seed)
     fill_random_(mtp, seed + 1)
     mtp.embed_tokens = model.model.embed_tokens  # shared, as in DeepSeek's checkpoints
@@ -103,7 +104,7 @@ def measure(
     model, mtp, b: int, k: int, *, ctx: int, attn: str, warmup: int, iters: int, page_size: int = PAGE
 ) -> dict:
     """One (batch, k) record; k 0 is the plain Engine."""
-    kw = dict(
+    kw: dict[str, Any] = dict(
         page_size=page_size, num_pages=b * math.ceil((ctx + 256) / page_size), max_num_seqs=b,
         enable_prefix_cache=False, attention_backend=attn,
     )  # fmt: skip
@@ -114,7 +115,7 @@ def measure(
     engine.kv_pool.buffer.normal_()  # as if prompts had been prefilled: attention reads real-looking rows
     _fill(engine, b, ctx, seed=b)
     step = _step_ms(engine, b, warmup, iters)
-    row = {"batch": b, "k": k, "step_ms": round(step, 3)}
+    row: dict[str, Any] = {"batch": b, "k": k, "step_ms": round(step, 3)}
     if isinstance(engine, MTPEngine):
         row["verify_graph_ms"] = _replay_ms(engine.verify_graphs, b * (k + 1), iters)
         row["draft_graph_ms"] = _replay_ms(engine.draft_graphs, b, iters)

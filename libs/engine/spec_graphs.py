@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -85,7 +86,7 @@ class RowGraphRunner:
         self.page_size, self.scratch_page, self.max_pages = page_size, scratch_page, max_pages
         self.device, self.hidden_dim, self.hidden_dtype = device, hidden_dim, hidden_dtype
         self._graphs: dict[int, _Graph] = {}
-        self._pool = None  # one memory pool for every bucket, made at the first capture
+        self._pool: Any = None  # one memory pool for every bucket, made at the first capture
 
     @property
     def captured(self) -> list[int]:
