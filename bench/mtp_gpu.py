@@ -19,6 +19,7 @@ in the pool), contexts of --ctx tokens, greedy. Per (B, k):
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import time
@@ -126,6 +127,7 @@ def measure(
     for rid in list(engine.requests):
         engine.abort(rid)
     del engine
+    gc.collect()  # the engine's graph runners hold bound methods of it: a cycle
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row

@@ -218,6 +218,5 @@ def test_mtp_engine_with_graphs_gives_the_plain_greedy_tokens(tmp_path):
     assert (
         graphed.verify_graphs.captured and graphed.draft_graphs is not None and graphed.draft_graphs.captured
     )
-    assert graphed.num_drafted == eager.num_drafted and graphed.num_accepted == eager.num_accepted
     graphed.flush_prefix_cache()
     assert graphed.stats()["free_pages"] == graphed.stats()["total_pages"]
