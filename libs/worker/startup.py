@@ -45,7 +45,7 @@ def load_engine(s: WorkerSettings) -> EngineLike:
             s.model_dir, device=s.device, dtype=s.dtype, num_speculative_tokens=s.mtp_k, page_size=s.page_size,
             num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
             max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
-            quantization=s.quantization,
+            quantization=s.quantization, attention_backend=s.attention_backend,
         )  # fmt: skip
     return Engine.from_pretrained(
         s.model_dir, device=s.device, dtype=s.dtype, page_size=s.page_size,
