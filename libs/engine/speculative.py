@@ -30,7 +30,7 @@ Legend: T tokens in a forward, V vocabulary, D hidden, k draft tokens.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,6 +117,25 @@ def token_logprobs(
     ]
 
 
+def mtp_collector(read: Callable[[], tuple[int, int]]):
+    """A Prometheus collector of MTP draft tokens verified and accepted, from `read() -> (drafted,
+    accepted)` (one MTPEngine, or the sum over an EP group's ranks)."""
+    from prometheus_client.core import CounterMetricFamily
+    from prometheus_client.registry import Collector
+
+    class _Collector(Collector):
+        def collect(self):
+            drafted, accepted = read()
+            yield CounterMetricFamily(
+                "moemesh_mtp_drafted_tokens", "MTP draft tokens verified", value=drafted
+            )
+            yield CounterMetricFamily(
+                "moemesh_mtp_accepted_tokens", "MTP draft tokens accepted", value=accepted
+            )
+
+    return _Collector()
+
+
 class MTPEngine(Engine):
     """The Engine with MTP speculative decoding of `num_speculative_tokens` (k) drafts per step."""
 
@@ -160,21 +179,7 @@ class MTPEngine(Engine):
 
     def register_metrics(self, registry) -> None:
         """Prometheus counters of drafted and accepted tokens (the worker calls this when it exists)."""
-        from prometheus_client.core import CounterMetricFamily
-        from prometheus_client.registry import Collector
-
-        engine = self
-
-        class _Collector(Collector):
-            def collect(self):
-                yield CounterMetricFamily(
-                    "moemesh_mtp_drafted_tokens", "MTP draft tokens verified", value=engine.num_drafted
-                )
-                yield CounterMetricFamily(
-                    "moemesh_mtp_accepted_tokens", "MTP draft tokens accepted", value=engine.num_accepted
-                )
-
-        registry.register(_Collector())
+        registry.register(mtp_collector(lambda: (self.num_drafted, self.num_accepted)))
 
     # --- one step ---
     def _run(self, plan: Plan) -> list[StepOutput]:

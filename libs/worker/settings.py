@@ -75,8 +75,6 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             raise ValueError(
                 "quantization=fp8 runs on one rank only: EP ranks load dequantized experts (use auto)"
             )
-        if self.mtp_k and self.ep_size > 1:
-            raise ValueError("mtp_k runs on one rank only: use ep_size=1 with MTP speculative decoding")
         if self.ep_backend not in ("torch", "deepep", "mooncake"):
             raise ValueError(f"ep_backend must be torch, deepep or mooncake, got {self.ep_backend!r}")
 
