@@ -2,8 +2,9 @@
 serving a briefly trained demo-recipe checkpoint: greedy text through the OpenAI API equals the plain
 in-process engine's (MTP off), on both paths (short prompts prefilled by the decode worker, long ones by
 the prefill worker and moved over Mooncake TCP: the decode side drafts after the PD handoff), drafts are
-accepted, and no page leaks. Twice: the decode worker's attention on the torch reference (verify as
-absorbed chunks) and on the paged backend (verify and draft as decode rows, libs/engine/spec_graphs.py)."""
+accepted, and no page leaks. Three meshes: the decode worker's attention on the torch reference (verify
+as absorbed chunks), on the paged backend (verify and draft as decode rows, libs/engine/spec_graphs.py),
+and with 2 EP ranks per worker (every decode rank drafts with its own MTP module)."""
 
 from __future__ import annotations
 
@@ -29,18 +30,27 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_demo_model(out, quick_settings(steps=60, batch_size=4, seq_len=64), log=lambda _: None)
 
 
-@pytest.fixture(scope="module", params=["torch", "triton"])
+@pytest.fixture(
+    scope="module", params=[("torch", 1), ("triton", 1), ("torch", 2)], ids=["torch", "paged-rows", "ep2"]
+)
 def mtp_mesh(demo: Path, tmp_path_factory: pytest.TempPathFactory, request) -> Iterator[Mesh]:
-    decode_env = {
-        "MOEMESH_DECODE_WORKER_MTP_K": "2",
-        "MOEMESH_DECODE_WORKER_ATTENTION_BACKEND": request.param,
-    }
+    """The decode worker's attention backend and EP size (ep2: both workers run 2 EP rank processes, each
+    decode rank an MTPEngine)."""
+    attention, ep = request.param
+    decode_env = {"MOEMESH_DECODE_WORKER_MTP_K": "2", "MOEMESH_DECODE_WORKER_ATTENTION_BACKEND": attention}
+    prefill_env = {}
+    if ep > 1:  # per rank: the default sizes each rank's pool for 64 long sequences
+        decode_env["MOEMESH_DECODE_WORKER_NUM_PAGES"] = prefill_env["MOEMESH_PREFILL_WORKER_NUM_PAGES"] = (
+            "128"
+        )
     cfg = MeshConfig(
         model_dir=demo,
         port=0,
+        ep_size=ep,
         log_dir=tmp_path_factory.mktemp("mtp-mesh-logs"),
         extra_env={
             "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(DIRECT_THRESHOLD)},
+            "services.prefill_worker": prefill_env,
             "services.decode_worker": decode_env,
         },
     )
