@@ -21,8 +21,9 @@ or no free page for the draft rows) verifies only t_c, which is plain decoding.
 On the paged attention backends the verify forward and the MTP steps after it run as decode rows (one
 row per token, libs/engine/spec_graphs.py), from CUDA graphs wherever the engine captures decode graphs;
 the torch reference runs them as absorbed multi-token chunks. Known limits: the MTP rows of a PD-joined
-prompt are not transferred (its first drafts attend to stale rows, so fewer are accepted); one rank
-(no EP).
+prompt are not transferred (its first drafts attend to stale rows, so fewer are accepted). Under EP
+(libs/ep/rank.py) each rank runs one of these, its MTP module whole and local: only the target's MoE
+layers join the group's rounds.
 
 Legend: T tokens in a forward, V vocabulary, D hidden, k draft tokens.
 """
