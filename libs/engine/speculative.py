@@ -151,6 +151,8 @@ class MTPEngine(Engine):
         super().__init__(model, **engine_kwargs)
         self.mtp, self.k = mtp, num_speculative_tokens
         self.mtp_pool = mtp.new_kv_pool(self.kv_pool)
+        if model.fast is not None:  # the target took the fused path (on CUDA by default): the block too
+            mtp.enable_fast_path(model)
         self._drafts: dict[str, Draft] = {}
         # paged backends run verify and short MTP chunks as decode rows (spec_graphs.py), the reference
         # backend as absorbed multi-token chunks

@@ -165,6 +165,8 @@ TINY_FP8 = dict(
 KERNEL_DIMS = dict(
     kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16, qk_nope_head_dim=32, v_head_dim=32
 )
+# the fused decoder path's MLA dims (R 512, r 64, V 128): the target and the MTP block run fused
+FUSED_DIMS = KERNEL_DIMS | dict(v_head_dim=128)
 
 
 def _fp8_path(tmp_path, dims):
@@ -174,7 +176,9 @@ def _fp8_path(tmp_path, dims):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize(
-    ("dims", "dtype"), [({}, "float32"), (KERNEL_DIMS, "bfloat16")], ids=["tiny-f32", "kernel-bf16"]
+    ("dims", "dtype"),
+    [({}, "float32"), (KERNEL_DIMS, "bfloat16"), (FUSED_DIMS, "bfloat16")],
+    ids=["tiny-f32", "kernel-bf16", "fused-bf16"],
 )
 def test_verify_and_draft_graphs_equal_the_eager_rows(tmp_path, dims, dtype):
     path = _fp8_path(tmp_path, dims)
@@ -183,6 +187,7 @@ def test_verify_and_draft_graphs_equal_the_eager_rows(tmp_path, dims, dtype):
     )
     graphed = MTPEngine.load(path, **kw)
     assert graphed.verify_graphs is not None and graphed.draft_graphs is not None
+    assert (graphed.mtp.fast is not None) == (dims is FUSED_DIMS)
     pages = graphed.allocator.alloc(2)
     graphed._target([Chunk(list(range(5, 22)), 0, pages)])
     chunks = [Chunk([30, 31, 32], 17, pages)]
