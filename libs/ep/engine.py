@@ -52,6 +52,7 @@ from libs.prefix import block_hashes
 
 STAT_KEYS = ("total_pages", "free_pages", "used_pages", "cached_pages", "evictable_pages", "running",
              "waiting", "pinned", "reserved", "preemptions")  # fmt: skip
+MTP_STAT_KEYS = ("mtp_drafted", "mtp_accepted")  # ranks running MTPEngine
 
 
 class EPEngine:
@@ -75,11 +76,17 @@ class EPEngine:
         timeout_s: float = 300.0,
         backend_options: dict[str, Any] | None = None,
         kv_transfer: tuple[str, str, str] | None = None,  # (protocol, hostname, device): per-rank pools
+        mtp_k: int = 0,
     ) -> None:
+        """mtp_k: MTP speculative decoding on every rank (libs/engine/speculative.py), k drafts per step."""
         _check_args(
             ep_size, backend, eplb_interval_steps, max(max_prefill_tokens, max_num_seqs), backend_options
         )
         self.config = cfg = ModelConfig.from_pretrained(model_dir)
+        if not isinstance(mtp_k, int) or mtp_k < 0 or (mtp_k and cfg.num_nextn_predict_layers < 1):
+            raise ValueError(
+                f"mtp_k {mtp_k!r} needs an integer >= 0 and, above 0, a checkpoint with an MTP layer"
+            )
         self.layer_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         if not self.layer_ids:
             raise ValueError(f"{model_dir} has no MoE layers: expert parallelism has nothing to shard")
@@ -113,8 +120,9 @@ class EPEngine:
             model_dir=str(model_dir), ep_size=ep_size, init_method=f"file://{self._rendezvous}/store",
             placement=self.placement.to_wire(), device=device, dtype=dtype, backend=backend,
             fp8_dispatch=fp8_dispatch, torch_threads=torch_threads, timeout_s=timeout_s, engine=engine_kwargs,
-            backend_options=dict(backend_options or {}), kv_transfer=kv_transfer,
+            backend_options=dict(backend_options or {}), kv_transfer=kv_transfer, mtp_k=mtp_k,
         )  # fmt: skip
+        self.mtp_k = mtp_k
         try:
             self.group = RankGroup(spec, self._kv_slices(), timeout_s, self._add_load, self.blocks.apply)
             # (Mooncake session, KvGeometry fields) of each rank's own pool
@@ -196,7 +204,8 @@ class EPEngine:
 
     def stats(self) -> dict[str, int]:
         """Summed over ranks, as of each rank's last reply."""
-        return {k: sum(s.get(k, 0) for s in self.group.status) for k in STAT_KEYS}
+        keys = STAT_KEYS + MTP_STAT_KEYS if self.mtp_k else STAT_KEYS
+        return {k: sum(s.get(k, 0) for s in self.group.status) for k in keys}
 
     def set_cache_listener(self, listener: Any) -> None:
         """Prefix-cache block events of the whole group (radix_cache.CacheListener), on the engine thread:
@@ -320,6 +329,12 @@ class EPEngine:
         from libs.ep.metrics import ExpertLoadCollector
 
         registry.register(ExpertLoadCollector(self))
+        if self.mtp_k:
+            from libs.engine.speculative import mtp_collector
+
+            registry.register(
+                mtp_collector(lambda: (self.stats()["mtp_drafted"], self.stats()["mtp_accepted"]))
+            )
 
     # --- internals ---
     def _kv_slices(self) -> list[torch.Tensor] | None:

@@ -71,6 +71,7 @@ class RankSpec:
     backend_options: dict[str, Any] = field(default_factory=dict)
     # (protocol, hostname, device name): the rank registers its own KV pool on its own transport
     kv_transfer: tuple[str, str, str] | None = None
+    mtp_k: int = 0  # MTP speculative decoding: each rank an MTPEngine, its MTP module whole (no EP hook)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -154,7 +155,7 @@ class RankWorker:
         runtime = enable_expert_parallel(model, placement, rank, dispatcher, comm)
         tok_file = Path(spec.model_dir) / "tokenizer.json"
         tokenizer = Tokenizer.from_pretrained(spec.model_dir) if tok_file.exists() else None
-        engine = Engine(model, tokenizer=tokenizer, **spec.engine)
+        engine = _rank_engine(spec, model, tokenizer)
         if kv_buffer is not None:  # this rank's pages of the worker's shared pool
             if kv_buffer.shape != engine.kv_pool.buffer.shape or kv_buffer.dtype != engine.kv_pool.dtype:
                 raise ValueError(f"shared KV slice {tuple(kv_buffer.shape)} does not match the rank's pool")
@@ -238,6 +239,18 @@ class RankWorker:
     def status(self) -> dict[str, int]:
         e = self.engine
         return {**e.stats(), "unfinished": int(e.has_unfinished()), "stalled": int(e.stalled)}
+
+
+def _rank_engine(spec: RankSpec, model: Any, tokenizer: Tokenizer | None) -> Engine:
+    """The rank's Engine; with mtp_k an MTPEngine whose MTP module holds all its experts and runs them
+    locally (no collective: only the target's MoE layers take part in the group's lockstep rounds)."""
+    if not spec.mtp_k:
+        return Engine(model, tokenizer=tokenizer, **spec.engine)
+    from libs.engine.models.mtp import load_mtp
+    from libs.engine.speculative import MTPEngine
+
+    mtp = load_mtp(spec.model_dir, model, quantization="none")  # dense, as the rank's target is
+    return MTPEngine(model, mtp, num_speculative_tokens=spec.mtp_k, tokenizer=tokenizer, **spec.engine)
 
 
 _PORTABLE: tuple[type[Exception], ...] = (OutOfPagesError, ValueError, TypeError, TimeoutError, RuntimeError)

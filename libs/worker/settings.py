@@ -85,8 +85,6 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             raise ValueError(
                 "quantization=fp8 runs on one rank only: EP ranks load dequantized experts (use auto)"
             )
-        if self.mtp_k and self.ep_size > 1:
-            raise ValueError("mtp_k runs on one rank only: use ep_size=1 with MTP speculative decoding")
         if self.ep_size > 1 and self.kv_per_rank and self.transfer_protocol == "inprocess":
             raise ValueError("per-rank KV pools live in the rank processes: use a Mooncake transfer_protocol")
         if self.ep_backend not in ("torch", "deepep", "mooncake"):

@@ -35,7 +35,7 @@ def load_engine(s: WorkerSettings) -> EngineLike:
             num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
             max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
             backend=s.ep_backend, num_redundant_experts=s.ep_redundant_experts, fp8_dispatch=s.ep_fp8_dispatch,
-            torch_threads=s.torch_threads, eplb_interval_steps=s.eplb_interval_steps,
+            torch_threads=s.torch_threads, eplb_interval_steps=s.eplb_interval_steps, mtp_k=s.mtp_k,
             kv_transfer=(s.transfer_protocol, s.transfer_hostname, s.transfer_device) if s.kv_per_rank else None,
         )  # fmt: skip
     if s.torch_threads and s.device == "cpu":
@@ -47,7 +47,7 @@ def load_engine(s: WorkerSettings) -> EngineLike:
             s.model_dir, device=s.device, dtype=s.activation_dtype, num_speculative_tokens=s.mtp_k, page_size=s.page_size,
             num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
             max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
-            quantization=s.quantization,
+            quantization=s.quantization, attention_backend=s.engine_attention_backend,
         )  # fmt: skip
     return Engine.from_pretrained(
         s.model_dir, device=s.device, dtype=s.activation_dtype, page_size=s.page_size,
