@@ -29,7 +29,8 @@ def test_v3_width_config_and_size() -> None:
     c = preset_config("v3-width", layers=4, experts=16, top_k=8)
     ModelConfig.from_dict(c).validate()  # the engine accepts it
     assert (c["hidden_size"], c["num_attention_heads"], c["vocab_size"]) == (7168, 128, 129280)
-    assert (c["kv_lora_rank"], c["qk_rope_head_dim"], c["q_lora_rank"], c["qk_nope_head_dim"]) == (512, 64, 1536, 128)
+    mla = (c["kv_lora_rank"], c["qk_rope_head_dim"], c["q_lora_rank"], c["qk_nope_head_dim"])
+    assert mla == (512, 64, 1536, 128)
     assert (c["num_hidden_layers"], c["n_routed_experts"], c["num_experts_per_tok"]) == (4, 16, 8)
     assert c["first_k_dense_replace"] == 1 and c["num_nextn_predict_layers"] == 0
     assert c["quantization_config"]["weight_block_size"] == [128, 128]
@@ -55,7 +56,9 @@ def test_bad_presets_are_clear_errors() -> None:
 
 
 def test_written_folder_loads_and_serves(tmp_path) -> None:
-    out = write_preset_model(tmp_path / "m", layers=3, experts=16, top_k=8, dense_layers=1, device="cpu", **SMALL)
+    out = write_preset_model(
+        tmp_path / "m", layers=3, experts=16, top_k=8, dense_layers=1, device="cpu", **SMALL
+    )
     config = json.loads((out / "config.json").read_text())
     assert config == preset_config(layers=3, experts=16, top_k=8, dense_layers=1, **SMALL)
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -81,8 +84,12 @@ def test_written_folder_loads_and_serves(tmp_path) -> None:
 
 
 def test_same_seed_same_tensors(tmp_path) -> None:
-    a = write_preset_model(tmp_path / "a", layers=1, experts=2, top_k=1, n_group=1, topk_group=1, device="cpu", **SMALL)
-    b = write_preset_model(tmp_path / "b", layers=1, experts=2, top_k=1, n_group=1, topk_group=1, device="cpu", **SMALL)
+    a = write_preset_model(
+        tmp_path / "a", layers=1, experts=2, top_k=1, n_group=1, topk_group=1, device="cpu", **SMALL
+    )
+    b = write_preset_model(
+        tmp_path / "b", layers=1, experts=2, top_k=1, n_group=1, topk_group=1, device="cpu", **SMALL
+    )
     for file in sorted(p.name for p in a.glob("*.safetensors")):
         assert (a / file).read_bytes() == (b / file).read_bytes()
     with pytest.raises(ValueError, match="not empty"):
