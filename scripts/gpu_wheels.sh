@@ -13,20 +13,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-flashinfer}
+pyver=${PYVER:-3.12}  # PYVER=3.11 DEST=/tmp/x: the same set for this machine's Python, to try it here
 py=python3
 [ -x .venv/bin/python ] && py=.venv/bin/python
 dl() {
-  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$dir" "$@"
 }
 # repack wheel $1 after deleting, inside it, the paths find(1) matches with the expression in $2..
 prune() {
-  local whl=$1 tmp
+  local whl pyabs tmp
+  whl=$(realpath "$1")
+  pyabs=$(realpath "$(command -v "$py")")
   shift
   tmp=$(mktemp -d)
-  (cd "$tmp" && "$OLDPWD/$py" -m zipfile -e "$OLDPWD/$whl" . && find . \( "$@" \) -prune -exec rm -rf {} + \
-    && rm -f "$OLDPWD/$whl" && "$OLDPWD/$py" -m zipfile -c "$OLDPWD/$whl" ./*)
+  (cd "$tmp" && "$pyabs" -m zipfile -e "$whl" . && find . \( "$@" \) -prune -exec rm -rf {} + \
+    && rm -f "$whl" && "$pyabs" -m zipfile -c "$whl" ./*)
   rm -rf "$tmp"
 }
 case "$what" in
@@ -40,7 +43,7 @@ case "$what" in
       -o -name 'gdn*' -o -name 'fused_moe*' -o -name 'blackwell_*' -o -name 'alphamoe*' \)
     ;;
   mesh)
-    dir=.whl-mesh
+    dir=${DEST:-.whl-mesh}
     rm -rf "$dir"
     mkdir -p "$dir/syslib"
     # bus, HTTP edge, telemetry, tokenizer, checkpoints; xgrammar (the workers' structured output) imports
