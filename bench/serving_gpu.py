@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=0, help="default 256 (smoke: 4)")
     ap.add_argument("--input-len", type=int, default=0, help="default 2000 (smoke: 300)")
     ap.add_argument("--output-len", type=int, default=0, help="default 100 (smoke: 12)")
-    ap.add_argument("--slowdown-ms", type=float, default=0.0, help="default 300 (smoke: 150)")
+    ap.add_argument("--slowdown-ms", type=float, default=0.0, help="default 500 (smoke: 150)")
     ap.add_argument("--transport", default="auto", choices=["auto", "tcp", "nvlink_intra"])
     ap.add_argument(
         "--budget-s", type=float, default=0.0, help="whole run's time limit; default 520 (smoke: 240)"
@@ -64,7 +64,7 @@ def settings(a: argparse.Namespace) -> Settings:
     return Settings(
         device=a.device, dtype="float32" if a.device == "cpu" else "bfloat16",
         concurrency=a.concurrency or (4 if smoke else 256), input_len=a.input_len or (300 if smoke else 2000),
-        output_len=a.output_len or (12 if smoke else 100), slowdown_ms=a.slowdown_ms or (150 if smoke else 300),
+        output_len=a.output_len or (12 if smoke else 100), slowdown_ms=a.slowdown_ms or (150 if smoke else 500),
         max_prefill_tokens=2048 if smoke else 16384, greedy_lens=(40, 300) if smoke else (100, 600, 2000),
         greedy_tokens=6 if smoke else 16, deadline=time.monotonic() + (a.budget_s or (240 if smoke else 520)),
     )  # fmt: skip

@@ -143,9 +143,11 @@ class MeshProcess:
         """Which processes hold GPU memory (the workers' models and KV pools: --device honoured)."""
         if self.s.device != "cuda":
             return ""
-        import torch
-
-        return torch.cuda.list_gpu_processes()
+        query = ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv"]
+        try:
+            return subprocess.run(query, capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"nvidia-smi: {e}"
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
