@@ -34,7 +34,8 @@ def full_batch_decode(engine: Engine, prompts: Sequence[list[int]], output_len: 
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{i}", list(p), params)
     keep = math.ceil(FULL_BATCH_SHARE * n)
-    started, finished, total = set(), 0, 0
+    started: set[str] = set()
+    finished, total = 0, 0
     t0 = time.perf_counter()
     full_from: float | None = None
     window_tokens, window_end, steps = 0, 0.0, []
