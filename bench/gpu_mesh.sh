@@ -13,10 +13,10 @@ mkdir -p "$OUT"
 log="$OUT/gpu_mesh.log"
 : > "$log"
 say() { echo "$@" | tee -a "$log"; }
-site=/tmp/site
-bundle=.whl-mesh
+site=${SITE:-/tmp/site}
+bundle=${BUNDLE:-.whl-mesh}  # BUNDLE=DIR: another folder of the same set (tries on other machines)
 if ls "$bundle"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target "$site" "$bundle"/*.whl >>"$log" 2>&1 \
+  python3 -m pip install -q --upgrade --no-compile --no-index --no-deps --target "$site" "$bundle"/*.whl >>"$log" 2>&1 \
     || say "pip install of $bundle failed (see gpu_mesh.log)"
   export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH}
   export PATH=$site/bin:$PATH
@@ -30,7 +30,7 @@ import glob, os, torch
 base = os.path.dirname(os.path.dirname(torch.__file__))
 hits = sorted(glob.glob(os.path.join(base, 'nvidia', '**', 'libcudart.so.1*'), recursive=True))
 print(os.path.dirname(hits[0]) if hits else '')" 2>/dev/null)
-syslib=/tmp/mooncake-syslib
+syslib=$site-syslib
 mkdir -p "$syslib"
 export LD_LIBRARY_PATH=${cudart:+$cudart:}$syslib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 engine_so=$(python3 -c "import importlib.util as u; s = u.find_spec('mooncake'); print(s.submodule_search_locations[0] + '/engine.so')" 2>/dev/null)

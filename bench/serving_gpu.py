@@ -67,6 +67,7 @@ def settings(a: argparse.Namespace) -> Settings:
         output_len=a.output_len or (12 if smoke else 100), slowdown_ms=a.slowdown_ms or (150 if smoke else 500),
         max_prefill_tokens=2048 if smoke else 16384, greedy_lens=(40, 300) if smoke else (100, 600, 2000),
         greedy_tokens=6 if smoke else 16, deadline=time.monotonic() + (a.budget_s or (240 if smoke else 520)),
+        engine_reserve_s=40 if smoke else 150,
     )  # fmt: skip
 
 

@@ -122,7 +122,7 @@ class MeshProcess:
                 raise RuntimeError(f"moemesh up ({self.transport}) did not come up:\n{self.log_tails()}")
             time.sleep(0.5)  # a child process writes the line: nothing to wait on but its log
         self.url = m.group(1)
-        gone = re.search(r"given up: (.*)$", up_log.read_text(), re.M)  # printed with "moemesh is up"
+        gone = re.search(r"given up: ([^(\n]*)", up_log.read_text())  # printed with "moemesh is up"
         if gone is None or gone.group(1).strip() != "none":  # e.g. a prefill worker that failed to start
             raise RuntimeError(f"moemesh up ({self.transport}) lost services:\n{self.log_tails()}")
         with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as r:
