@@ -111,6 +111,7 @@ class MeshProcess:
             *MOEMESH, "up", "--model", str(self.model_dir), "--port", "0", "--device", self.s.device,
             "--dtype", self.s.dtype, "--transfer-protocol", self.transport, "--log-dir", str(self.log_dir),
             "--restart-limit", "0",  # a worker that cannot start ends the attempt at once
+            "--ready-timeout", f"{self.s.left(self.s.engine_reserve_s):.0f}",  # loading + JIT on a GPU
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             argv, env={**os.environ, **self.s.env(self.transport)}, stdout=up_log.open("w"),
