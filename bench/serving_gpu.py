@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -161,8 +162,15 @@ def summarize(rec: dict[str, Any]) -> None:
         rec["greedy_equal"] = f"{sum(same)}/{len(same)}"
 
 
+def save(rec: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=1, default=str) + "\n")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
+    # SIGTERM (an outer `timeout`) unwinds like an exception: the mesh is stopped and the record written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     s = settings(a)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS
     path = (
@@ -185,16 +193,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 - the record says which phase failed and why
                 rec["errors"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
                 print(rec["errors"][-1], file=sys.stderr, flush=True)
-        summarize(rec)
+            save(rec, path)  # what has run so far survives a kill
+    except SystemExit:
+        rec["errors"].append("stopped by SIGTERM (out of time?)")
+        raise
     finally:
+        summarize(rec)
         if rec["errors"] and os.environ.get("OUT"):
             for log in (tmp / "logs").rglob("*.log"):
                 dest = Path(os.environ["OUT"]) / "logs" / log.relative_to(tmp / "logs")
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 dest.write_text(log.read_text(errors="replace")[-20000:])
         shutil.rmtree(tmp, ignore_errors=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rec, indent=1, default=str) + "\n")
+        save(rec, path)
         print(f"wrote {path}", flush=True)
     for k in ("transport", "output_tok_s", "engine_output_tok_s", "served_over_engine", "kv_transfer_GBps",
               "greedy_equal"):  # fmt: skip

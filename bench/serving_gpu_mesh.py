@@ -175,7 +175,7 @@ def complete(mesh: MeshProcess, prompt: list[int], max_tokens: int, timeout: flo
 
 def greedy_through_mesh(mesh: MeshProcess, s: Settings) -> list[list[int]]:
     return [
-        complete(mesh, p, s.greedy_tokens, min(120.0, s.left(s.engine_reserve_s))) for p in s.greedy_prompts()
+        complete(mesh, p, s.greedy_tokens, min(60.0, s.left(s.engine_reserve_s))) for p in s.greedy_prompts()
     ]
 
 
