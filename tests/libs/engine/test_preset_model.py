@@ -94,3 +94,17 @@ def test_same_seed_same_tensors(tmp_path) -> None:
         assert (a / file).read_bytes() == (b / file).read_bytes()
     with pytest.raises(ValueError, match="not empty"):
         write_preset_model(a, layers=1, device="cpu", **SMALL)
+
+
+def test_cli_preset_errors_are_clear(tmp_path, capsys) -> None:
+    from libs.cli.main import main
+
+    out = str(tmp_path / "cli")
+    assert main(["tiny-model", "--out", out, "--preset", "v3-width", "--experts", "4", "--top-k", "8"]) == 2
+    assert "top_k" in capsys.readouterr().err
+    assert (
+        main(["tiny-model", "--out", out, "--preset", "v3-width", "--layers", "2", "--dense-layers", "3"])
+        == 2
+    )
+    assert "dense_layers" in capsys.readouterr().err
+    assert not (tmp_path / "cli").exists()  # nothing written before the config is known to be good
