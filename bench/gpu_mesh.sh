@@ -16,7 +16,9 @@ say() { echo "$@" | tee -a "$log"; }
 site=${SITE:-/tmp/site}
 bundle=${BUNDLE:-.whl-mesh}  # BUNDLE=DIR: another folder of the same set (tries on other machines)
 if ls "$bundle"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --upgrade --no-compile --no-index --no-deps --target "$site" "$bundle"/*.whl >>"$log" 2>&1 \
+  pip=(python3 -m pip)
+  python3 -m pip --version >/dev/null 2>&1 || pip=(pip)  # bench/gpu_check.sh calls plain pip there
+  "${pip[@]}" install -q --upgrade --no-compile --no-index --no-deps --target "$site" "$bundle"/*.whl >>"$log" 2>&1 \
     || say "pip install of $bundle failed (see gpu_mesh.log)"
   export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH}
   export PATH=$site/bin:$PATH
