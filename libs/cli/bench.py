@@ -171,13 +171,14 @@ def _one_run(ep: Any, requests: list, load: Any, label: str) -> Any:
 
 
 def _write(args: argparse.Namespace, runs: list, sweep: bool) -> None:
-    from libs.loadgen import plots
     from libs.loadgen.report import provenance, write_json
 
     if args.output_file:
         data = {"sweep": [r.to_json() for r in runs]} if sweep else runs[0].to_json()
         print(f"results: {write_json(args.output_file, provenance() | data)}")
     if args.plot_dir:
+        from libs.loadgen import plots  # matplotlib only when plotting (GPU bundles leave it out)
+
         d = Path(args.plot_dir)
         labels = [f"c={r.config['max_concurrency']}" for r in runs] if sweep else ["bench"]
         print(
@@ -190,7 +191,7 @@ def _write(args: argparse.Namespace, runs: list, sweep: bool) -> None:
 
 
 def _run_slowdown(args: argparse.Namespace, ep: Any, requests: list) -> int:
-    from libs.loadgen import plots, slowdown
+    from libs.loadgen import slowdown
     from libs.loadgen.report import provenance, write_json
 
     cfg = slowdown.SlowdownConfig(args.slowdown_ms, args.release_at_batch)
@@ -204,6 +205,8 @@ def _run_slowdown(args: argparse.Namespace, ep: Any, requests: list) -> int:
     if args.output_file:
         print(f"results: {write_json(args.output_file, provenance() | slowdown.to_json(result))}")
     if args.plot_dir:
+        from libs.loadgen import plots
+
         runs = [
             {**result["baseline"], "label": "without slow-down", "release_s": None},
             {**result["slowdown"], "label": f"slow-down {args.slowdown_ms:g} ms, released at batch "

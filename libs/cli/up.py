@@ -66,6 +66,10 @@ def add_parser(subparsers: Any) -> None:
         help="restarts of one service allowed within --restart-window; one more exit gives it up",
     )  # fmt: skip
     p.add_argument("--restart-window", type=float, default=60.0, help="seconds")
+    p.add_argument(
+        "--ready-timeout", type=float, default=120.0,
+        help="seconds to wait for every service to be ready (large checkpoints on GPUs load and JIT longer)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -100,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     mesh = Mesh(cfg, report=lambda line: print(line, flush=True))
     print(f"starting moemesh ({model}); logs in {mesh.log_dir}", flush=True)
-    mesh.start()
+    mesh.start(timeout=args.ready_timeout)
     try:
         print(
             f"moemesh is up: {mesh.url}/v1  (model {mesh.model_name!r}, nats {mesh.nats_url}); Ctrl-C stops\n"

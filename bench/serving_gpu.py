@@ -1,0 +1,217 @@
+"""The whole mesh on one GPU against the Engine alone on the same GPU and model.
+
+    python -m bench.serving_gpu                       # H200: v3-width checkpoint, concurrency 256
+    python -m bench.serving_gpu --device cpu --smoke  # the same code path with the tiny model (CI)
+
+1. writes the checkpoint (`moemesh tiny-model --preset v3-width`, or the tiny model with --smoke);
+2. `moemesh up --device D` with the prefill and the decode worker as separate processes, KV pushed by
+   Mooncake (`--transport auto`: nvlink_intra with MC_INTRANODE_NVLINK=1 on CUDA, tcp if that mesh fails
+   to start or to serve; tcp on CPU); the GPU processes and their memory are recorded;
+3. greedy token ids of a few prompts (below and above the scheduler's direct-prefill threshold, so both
+   PD paths) through the gateway; the Mooncake transfer of one `--input-len` prompt's KV (all layers),
+   from the prefill worker's transfer counters;
+4. `moemesh bench`'s slow-down experiment (the seed's decode method: hold decode, fill the batch, release,
+   measure) at concurrency `--concurrency`, input/output `--input-len`/`--output-len`;
+5. the mesh stopped, the slowed run's requests through the in-process Engine (bench.serving_gpu_engine),
+   and the greedy prompts compared.
+
+The record (`benchmark` "serving_gpu") goes to $OUT/serving_gpu.json when OUT is set, else to
+bench/results/serving_gpu_<device>.json; logs stay in a temp folder (tails copied to $OUT on failure).
+Every phase waits at most what is left of `--budget-s`; a phase that fails or runs out of time is
+recorded as such and the record is written anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from bench.serving_gpu_mesh import MeshProcess, Settings, greedy_through_mesh, kv_transfer, run_slowdown_bench
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--smoke", action="store_true", help="tiny model, small numbers (CI, CPU)")
+    ap.add_argument("--model", default="", help="an existing checkpoint folder instead of writing one")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=0, help="default 256 (smoke: 4)")
+    ap.add_argument("--input-len", type=int, default=0, help="default 2000 (smoke: 300)")
+    ap.add_argument("--output-len", type=int, default=0, help="default 100 (smoke: 12)")
+    ap.add_argument("--slowdown-ms", type=float, default=0.0, help="default 500 (smoke: 150)")
+    ap.add_argument("--transport", default="auto", choices=["auto", "tcp", "nvlink_intra"])
+    ap.add_argument(
+        "--budget-s", type=float, default=0.0, help="whole run's time limit; default 520 (smoke: 240)"
+    )
+    ap.add_argument("--output", default="", help="record path (default: $OUT or bench/results)")
+    return ap.parse_args(argv)
+
+
+def settings(a: argparse.Namespace) -> Settings:
+    smoke = a.smoke
+    return Settings(
+        device=a.device, dtype="float32" if a.device == "cpu" else "bfloat16",
+        concurrency=a.concurrency or (4 if smoke else 256), input_len=a.input_len or (300 if smoke else 2000),
+        output_len=a.output_len or (12 if smoke else 100), slowdown_ms=a.slowdown_ms or (150 if smoke else 500),
+        max_prefill_tokens=2048 if smoke else 16384, greedy_lens=(40, 300) if smoke else (100, 600, 2000),
+        greedy_tokens=6 if smoke else 16, deadline=time.monotonic() + (a.budget_s or (240 if smoke else 520)),
+        engine_reserve_s=40 if smoke else 150,
+    )  # fmt: skip
+
+
+def write_model(a: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    t0 = time.monotonic()
+    if a.model:
+        path = Path(a.model)
+        info: dict[str, Any] = {"preset": "given", "path": str(path)}
+    elif a.smoke:
+        from libs.engine.tiny import write_tiny_model
+
+        path = write_tiny_model(folder / "tiny", seed=0)
+        info = {"preset": "tiny"}
+    else:
+        from libs.engine.preset_model import write_preset_model
+
+        path = write_preset_model(folder / "v3-width", layers=a.layers, experts=a.experts, top_k=a.top_k)
+        info = {"preset": "v3-width", "layers": a.layers, "experts": a.experts, "top_k": a.top_k}
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    if a.device == "cuda":  # the tensors were drawn on the GPU: hand the memory back to the workers
+        import torch
+
+        torch.cuda.empty_cache()
+    return info | {"dir": str(path), "bytes": size, "write_s": time.monotonic() - t0}
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)"
+
+
+def transports(s: Settings, choice: str) -> list[str]:
+    if choice != "auto":
+        return [choice]
+    return ["nvlink_intra", "tcp"] if s.device == "cuda" else ["tcp"]
+
+
+def serve(model_dir: Path, s: Settings, choice: str, logs: Path, rec: dict[str, Any]) -> None:
+    """Phases 2-4 on the first transport whose mesh starts and serves the greedy prompts."""
+    for transport in transports(s, choice):
+        mesh = MeshProcess(model_dir, s, transport, logs / transport)
+        try:
+            t0 = time.monotonic()
+            mesh.start()
+            rec["timings"][f"mesh_up_{transport}_s"] = time.monotonic() - t0
+            rec["gpu_processes"] = mesh.gpu_processes()
+            rec["greedy_mesh"] = greedy_through_mesh(mesh, s)
+        except Exception as e:  # noqa: BLE001 - recorded, then the next transport
+            rec["transport_failures"][transport] = f"{type(e).__name__}: {e}"[-2000:]
+            mesh.stop()
+            continue
+        try:
+            rec["transport"] = transport
+            rec["kv_transfer"] = kv_transfer(mesh, s)
+            t0 = time.monotonic()
+            rec["bench"] = run_slowdown_bench(mesh, s, logs / "bench.json")
+            rec["timings"]["bench_s"] = time.monotonic() - t0
+        finally:
+            mesh.stop()
+        return
+    raise RuntimeError(f"no transport served: {rec['transport_failures']}")
+
+
+def reference(model_dir: Path, s: Settings, rec: dict[str, Any]) -> None:
+    from bench.serving_gpu_engine import engine_reference
+
+    t0 = time.monotonic()
+    ref = engine_reference(
+        str(model_dir), s.device, s.dtype, s.engine_kwargs(), s.bench_prompts(model_dir), s.output_len,
+        s.greedy_prompts(), s.greedy_tokens,
+    )  # fmt: skip
+    rec["timings"]["engine_s"] = time.monotonic() - t0
+    rec["engine"] = {k: v for k, v in ref.items() if k != "greedy"}
+    rec["greedy_engine"] = ref["greedy"]
+
+
+def summarize(rec: dict[str, Any]) -> None:
+    """The headline fields, from what the phases recorded."""
+    bench, engine = rec.get("bench") or {}, rec.get("engine") or {}
+    served, alone = bench.get("full_batch_tok_s"), engine.get("full_batch_tok_s")
+    rec["output_tok_s"] = served
+    rec["engine_output_tok_s"] = alone
+    rec["served_over_engine"] = served / alone if served and alone else None
+    # TTFT from the run without slow-down (the slowed run's includes the hold), ITL at full batch
+    rec["ttft_ms"], rec["itl_ms"] = bench.get("baseline_ttft_ms"), bench.get("full_batch_itl_ms")
+    rec["kv_transfer_GBps"] = (rec.get("kv_transfer") or {}).get("GBps")
+    mesh, ref = rec.get("greedy_mesh"), rec.get("greedy_engine")
+    if mesh and ref:
+        same = [a == b for a, b in zip(mesh, ref, strict=True)]
+        rec["greedy_equal"] = f"{sum(same)}/{len(same)}"
+
+
+def save(rec: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=1, default=str) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    # SIGTERM (an outer `timeout`) unwinds like an exception: the mesh is stopped and the record written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    s = settings(a)
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS
+    path = (
+        Path(a.output) if a.output else out_dir / f"serving_gpu_{'smoke_' if a.smoke else ''}{a.device}.json"
+    )
+    rec: dict[str, Any] = {
+        "benchmark": "serving_gpu", "command": "python -m bench.serving_gpu " + " ".join(argv or sys.argv[1:]),
+        "device": device_name(a.device), "concurrency": s.concurrency, "input_len": s.input_len,
+        "output_len": s.output_len, "slowdown_ms": s.slowdown_ms, "timings": {}, "transport_failures": {},
+        "errors": [],
+    }  # fmt: skip
+    tmp = Path(tempfile.mkdtemp(prefix="serving-gpu-"))
+    try:
+        rec["model"] = write_model(a, tmp)
+        print(f"model: {rec['model']}", flush=True)
+        for phase in (lambda: serve(Path(rec["model"]["dir"]), s, a.transport, tmp / "logs", rec),
+                      lambda: reference(Path(rec["model"]["dir"]), s, rec)):  # fmt: skip
+            try:
+                phase()
+            except Exception as e:  # noqa: BLE001 - the record says which phase failed and why
+                rec["errors"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+                print(rec["errors"][-1], file=sys.stderr, flush=True)
+            save(rec, path)  # what has run so far survives a kill
+    except SystemExit:
+        rec["errors"].append("stopped by SIGTERM (out of time?)")
+        raise
+    finally:
+        summarize(rec)
+        if rec["errors"] and os.environ.get("OUT"):
+            for log in (tmp / "logs").rglob("*.log"):
+                dest = Path(os.environ["OUT"]) / "logs" / log.relative_to(tmp / "logs")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_text(log.read_text(errors="replace")[-20000:])
+        shutil.rmtree(tmp, ignore_errors=True)
+        save(rec, path)
+        print(f"wrote {path}", flush=True)
+    for k in ("transport", "output_tok_s", "engine_output_tok_s", "served_over_engine", "kv_transfer_GBps",
+              "greedy_equal"):  # fmt: skip
+        print(f"{k}: {rec.get(k)}", flush=True)
+    return rec
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main()["errors"] else 0)

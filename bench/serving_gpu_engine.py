@@ -1,0 +1,87 @@
+"""serving_gpu's reference: the same requests through the in-process Engine on the same device and model,
+decode tokens/s measured as the mesh's slow-down experiment measures it (libs.loadgen.slowdown): from the
+moment every request is decoding, while FULL_BATCH_SHARE of them still run."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from libs.engine import Engine
+from libs.engine.sampling import SamplingParams
+from libs.loadgen.slowdown import FULL_BATCH_SHARE
+
+
+def greedy(engine: Engine, prompts: Sequence[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in engine.generate([list(p) for p in prompts], params)]
+
+
+def _sync(engine: Engine) -> None:
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize(engine.model.device)
+
+
+def full_batch_decode(engine: Engine, prompts: Sequence[list[int]], output_len: int) -> dict[str, Any]:
+    """Every prompt at once (greedy, ignore_eos); tokens/s over the steps after each request produced its
+    first token and before fewer than FULL_BATCH_SHARE of them still run, and the whole run's rate."""
+    n = len(prompts)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{i}", list(p), params)
+    keep = math.ceil(FULL_BATCH_SHARE * n)
+    started: set[str] = set()
+    finished, total = 0, 0
+    t0 = time.perf_counter()
+    full_from: float | None = None
+    window_tokens, window_end, steps = 0, 0.0, []
+    while engine.has_unfinished():
+        before = time.perf_counter()
+        outs = engine.step()
+        now = time.perf_counter()
+        produced = sum(len(o.token_ids) for o in outs)
+        total += produced
+        in_window = full_from is not None and n - finished >= keep
+        started.update(o.rid for o in outs if o.token_ids)
+        finished += sum(1 for o in outs if o.finished)
+        if in_window:
+            window_tokens, window_end = window_tokens + produced, now
+            steps.append(now - before)
+        if full_from is None and len(started) == n:
+            _sync(engine)
+            full_from = time.perf_counter()
+    _sync(engine)
+    duration = time.perf_counter() - t0
+    window = (window_end - full_from) if full_from is not None and window_end > full_from else 0.0
+    return {
+        "requests": n,
+        "output_len": output_len,
+        "duration_s": duration,
+        "output_tok_s_whole_run": total / duration,
+        "full_batch_tok_s": window_tokens / window if window else None,
+        "full_batch_window_s": window,
+        "full_batch_steps": len(steps),
+        "step_ms_median": 1000 * sorted(steps)[len(steps) // 2] if steps else None,
+    }
+
+
+def engine_reference(
+    model_dir: str, device: str, dtype: str, engine_kwargs: dict[str, Any], prompts: Sequence[list[int]],
+    output_len: int, greedy_prompts: Sequence[list[int]], greedy_tokens: int,
+) -> dict[str, Any]:  # fmt: skip
+    if device == "cpu":
+        torch.set_num_threads(1)  # as each worker process runs (WorkerSettings.torch_threads)
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(model_dir, device=device, dtype=dtype, **engine_kwargs)
+    load_s = time.perf_counter() - t0
+    texts = greedy(engine, greedy_prompts, greedy_tokens)  # also the warm-up (kernels compiled, graphs run)
+    out = full_batch_decode(engine, prompts, output_len)
+    out |= {"load_s": load_s, "greedy": texts, "stats_after": engine.stats()}
+    del engine
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return out

@@ -1,0 +1,235 @@
+"""serving_gpu's mesh side: its settings, `moemesh up` as a child process group, greedy token ids through
+the gateway, the prefill worker's Mooncake transfer counters and `moemesh bench`'s slow-down experiment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+MOEMESH = [sys.executable, "-m", "libs.cli.main"]
+BENCH_SEED = 1
+PAGE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: str
+    dtype: str
+    concurrency: int
+    input_len: int
+    output_len: int
+    slowdown_ms: float
+    max_prefill_tokens: int
+    greedy_lens: tuple[int, ...]
+    greedy_tokens: int
+    deadline: float  # time.monotonic() by which the whole run ends
+    engine_reserve_s: float = 150.0  # kept back from the mesh phases for the Engine reference
+
+    def left(self, reserve: float = 0.0) -> float:
+        return max(1.0, self.deadline - time.monotonic() - reserve)
+
+    def num_pages(self) -> int:
+        """Room for every request's prompt and output, 10% over (the decode worker's and the Engine's)."""
+        per_seq = math.ceil((self.input_len + self.output_len + 1) / PAGE_SIZE)
+        return math.ceil(1.1 * self.concurrency * per_seq) + 64
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The reference Engine as the decode worker runs it (its prefill chunked as the prefill worker's)."""
+        return {
+            "page_size": PAGE_SIZE, "max_num_seqs": self.concurrency, "num_pages": self.num_pages(),
+            "max_prefill_tokens": self.max_prefill_tokens,
+        }  # fmt: skip
+
+    def env(self, transport: str) -> dict[str, str]:
+        n = str(self.concurrency)
+        env = {
+            "MOEMESH_GATEWAY_ENABLE_ADMIN": "1",  # the slow-down experiment's /admin endpoints
+            "MOEMESH_SCHEDULER_LEASE_MS": "300000",  # a full batch of long prompts outlasts the 30 s default
+            "MOEMESH_SCHEDULER_QUEUE_TIMEOUT_S": "300",
+            "MOEMESH_SCHEDULER_MAX_DECODE_WAITING": n,  # every request placed at once: the batch fills
+            "MOEMESH_DECODE_WORKER_MAX_NUM_SEQS": n,
+            "MOEMESH_DECODE_WORKER_NUM_PAGES": str(self.num_pages()),
+            "MOEMESH_DECODE_WORKER_PAGE_SIZE": str(PAGE_SIZE),
+            "MOEMESH_PREFILL_WORKER_PAGE_SIZE": str(PAGE_SIZE),
+            "MOEMESH_PREFILL_WORKER_MAX_PREFILL_TOKENS": str(self.max_prefill_tokens),
+        }
+        if transport == "nvlink_intra":
+            env["MC_INTRANODE_NVLINK"] = "1"
+        return env
+
+    def bench_argv(self, url: str, model_dir: Path, out: Path) -> list[str]:
+        n = str(self.concurrency)
+        return [
+            "bench", "--base-url", url, "--tokenizer", str(model_dir), "--num-prompts", n,
+            "--random-input-len", str(self.input_len), "--random-output-len", str(self.output_len),
+            "--random-range-ratio", "1", "--max-concurrency", n, "--slowdown-ms", f"{self.slowdown_ms:g}",
+            "--release-at-batch", n, "--seed", str(BENCH_SEED), "--warmup-requests", "1", "--disable-progress",
+            "--output-file", str(out),
+        ]  # fmt: skip
+
+    def bench_prompts(self, model_dir: Path) -> list[list[int]]:
+        """The slow-down run's prompts exactly as `moemesh bench` builds them (its seed + 1)."""
+        from libs.cli import bench
+
+        parser = argparse.ArgumentParser()
+        bench.add_parser(parser.add_subparsers())
+        args = parser.parse_args(self.bench_argv("http://unused", model_dir, Path("unused")))
+        reqs = bench.build_requests(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
+        return [list(r.prompt) for r in reqs]
+
+    def greedy_prompts(self) -> list[list[int]]:
+        """Token ids below 1,000 (every tokenizer here has them), one prompt per length."""
+        return [[(length + 7 * i) % 1000 + 3 for i in range(length)] for length in self.greedy_lens]
+
+
+class MeshProcess:
+    """`moemesh up` in its own process group, started and stopped by this benchmark."""
+
+    def __init__(self, model_dir: Path, s: Settings, transport: str, log_dir: Path) -> None:
+        self.model_dir, self.s, self.transport, self.log_dir = model_dir, s, transport, log_dir
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.model = ""
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        up_log = self.log_dir / "up.log"
+        argv = [
+            *MOEMESH, "up", "--model", str(self.model_dir), "--port", "0", "--device", self.s.device,
+            "--dtype", self.s.dtype, "--transfer-protocol", self.transport, "--log-dir", str(self.log_dir),
+            "--restart-limit", "0",  # a worker that cannot start ends the attempt at once
+            "--ready-timeout", f"{self.s.left(self.s.engine_reserve_s):.0f}",  # loading + JIT on a GPU
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv, env={**os.environ, **self.s.env(self.transport)}, stdout=up_log.open("w"),
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + self.s.left(self.s.engine_reserve_s)
+        while (m := re.search(r"moemesh is up: (http://[\d.]+:\d+)", up_log.read_text())) is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"moemesh up ({self.transport}) did not come up:\n{self.log_tails()}")
+            time.sleep(0.5)  # a child process writes the line: nothing to wait on but its log
+        self.url = m.group(1)
+        gone = re.search(r"given up: ([^(\n]*)", up_log.read_text())  # printed with "moemesh is up"
+        if gone is None or gone.group(1).strip() != "none":  # e.g. a prefill worker that failed to start
+            raise RuntimeError(f"moemesh up ({self.transport}) lost services:\n{self.log_tails()}")
+        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as r:
+            self.model = json.load(r)["data"][0]["id"]
+
+    def log_tails(self, chars: int = 1500) -> str:
+        parts = []
+        for log in sorted(self.log_dir.glob("*.log")):
+            parts.append(f"--- {log.name}\n{log.read_text(errors='replace')[-chars:]}")
+        return "\n".join(parts)
+
+    def metrics(self, service: str) -> str:
+        port = json.loads((self.log_dir / "ports" / f"{service}.json").read_text())["http"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def gpu_processes(self) -> str:
+        """Which processes hold GPU memory (the workers' models and KV pools: --device honoured)."""
+        if self.s.device != "cuda":
+            return ""
+        query = ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv"]
+        try:
+            return subprocess.run(query, capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"nvidia-smi: {e}"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # `moemesh up` drains and stops every service
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def complete(mesh: MeshProcess, prompt: list[int], max_tokens: int, timeout: float) -> list[int]:
+    """A greedy completion's token ids (logprobs name them "token_id:<id>")."""
+    body = {
+        "model": mesh.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0,
+        "ignore_eos": True, "return_tokens_as_token_ids": True,
+    }  # fmt: skip
+    r = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=timeout)
+    if r.status_code != 200:
+        raise RuntimeError(f"completion failed: {r.status_code} {r.text[:500]}")
+    tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def greedy_through_mesh(mesh: MeshProcess, s: Settings) -> list[list[int]]:
+    return [
+        complete(mesh, p, s.greedy_tokens, min(60.0, s.left(s.engine_reserve_s))) for p in s.greedy_prompts()
+    ]
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def transfer_counters(mesh: MeshProcess) -> tuple[float, float, float]:
+    text = mesh.metrics("prefill-0")
+    return (
+        _metric(text, "moemesh_kv_transfer_bytes_total"),
+        _metric(text, "moemesh_kv_transfer_seconds_sum"),
+        _metric(text, "moemesh_kv_transfer_seconds_count"),
+    )
+
+
+def kv_transfer(mesh: MeshProcess, s: Settings) -> dict[str, Any]:
+    """One fresh `input_len` prompt alone (max_tokens 1): the bytes and seconds its KV push added to the
+    prefill worker's counters (every layer's latent rows of the prompt's pages, one batch write)."""
+    prompt = [(11 * i + 5) % 1000 + 3 for i in range(s.input_len)]  # shares no prefix with the others
+    before = transfer_counters(mesh)
+    complete(mesh, prompt, 1, min(120.0, s.left(s.engine_reserve_s)))
+    deadline = time.monotonic() + 10
+    while (after := transfer_counters(mesh))[2] <= before[2]:  # counted right after the write
+        if time.monotonic() > deadline:
+            raise RuntimeError("the prefill worker counted no KV transfer for the prompt")
+        time.sleep(0.05)
+    nbytes, seconds = after[0] - before[0], after[1] - before[1]
+    return {
+        "prompt_tokens": s.input_len, "bytes": int(nbytes), "ms": 1000 * seconds,
+        "GBps": nbytes / seconds / 1e9 if seconds > 0 else None, "transport": mesh.transport,
+    }  # fmt: skip
+
+
+def run_slowdown_bench(mesh: MeshProcess, s: Settings, out: Path) -> dict[str, Any]:
+    """`moemesh bench`'s slow-down experiment against the mesh; its headline numbers (the full file stays
+    in the log folder)."""
+    argv = [*MOEMESH, *s.bench_argv(mesh.url, mesh.model_dir, out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=s.left(s.engine_reserve_s))
+    if not out.is_file():
+        raise RuntimeError(f"moemesh bench wrote no results (rc {done.returncode}): {done.stderr[-2000:]}")
+    r = json.loads(out.read_text())
+    slowed, base = r["slowdown"], r["baseline"]
+    full = slowed["full_batch"]
+    return {
+        "full_batch_tok_s": r["full_batch_decode_tokens_per_s"],
+        "baseline_decode_tok_s": r["baseline_decode_tokens_per_s"],
+        "baseline_output_throughput": base["summary"]["output_throughput"],
+        "completed": slowed["summary"]["completed"], "failed": slowed["summary"]["failed"],
+        "release_reason": slowed["release_reason"], "batch_at_release": slowed["batch_at_release"],
+        "peak_batch": slowed["peak_batch"], "finished_before_release": slowed["finished_before_release"],
+        "full_batch_window_s": full.get("window_s"), "full_batch_itl_ms": full.get("itl_ms"),
+        "ttft_ms": slowed["summary"]["ttft_ms"], "itl_ms": slowed["summary"]["itl_ms"],
+        "baseline_ttft_ms": base["summary"]["ttft_ms"], "baseline_itl_ms": base["summary"]["itl_ms"],
+        "rc": done.returncode,
+    }  # fmt: skip

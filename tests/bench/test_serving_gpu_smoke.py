@@ -1,0 +1,50 @@
+"""bench/serving_gpu's whole path on CPU (`--device cpu --smoke`): the tiny model through `moemesh up` (real
+nats-server, worker processes, Mooncake TCP), `moemesh bench`'s slow-down experiment and the in-process
+Engine; keeps the GPU benchmark from rotting between device runs. Asserts what must hold on any machine
+(every request served, the mesh's greedy ids equal to the Engine's, the KV bytes one prompt needs), not
+speeds."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from libs.engine.tiny import TINY_CONFIG as c
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_run_writes_a_complete_record(tmp_path: Path) -> None:
+    out = tmp_path / "serving_gpu.json"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.serving_gpu", "--device", "cpu", "--smoke", "--output", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert out.is_file(), done.stdout[-3000:] + done.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["errors"] == [], rec["errors"]
+    assert done.returncode == 0
+    assert rec["benchmark"] == "serving_gpu" and rec["transport"] == "tcp"
+    assert rec["model"]["preset"] == "tiny" and rec["concurrency"] == 4
+    bench = rec["bench"]
+    assert (bench["completed"], bench["failed"]) == (4, 0)
+    assert bench["release_reason"] in ("target", "stalled") and bench["batch_at_release"] >= 1
+    assert rec["output_tok_s"] > 0 and rec["engine_output_tok_s"] > 0 and rec["served_over_engine"] > 0
+    assert rec["engine"]["stats_after"]["running"] == 0 and rec["engine"]["stats_after"]["reserved"] == 0
+    # the mesh's greedy ids (both PD paths) equal the Engine's on the same prompts
+    assert rec["greedy_equal"] == "2/2" and rec["greedy_mesh"] == rec["greedy_engine"]
+    assert all(len(ids) == 6 for ids in rec["greedy_mesh"])
+    # one 300-token prompt's KV: every layer's latent rows (kv_lora_rank + rope dims, float32) of its pages
+    row = (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 4 * c["num_hidden_layers"]
+    assert rec["kv_transfer"]["bytes"] == row * 16 * math.ceil(300 / 16)
+    assert rec["kv_transfer_GBps"] > 0
+    assert set(rec["ttft_ms"]) >= {"median", "p90", "p99"} and rec["itl_ms"]["count"] > 0
