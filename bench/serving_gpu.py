@@ -57,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--budget-s", type=float, default=0.0, help="whole run's time limit; default 520 (smoke: 240)"
     )
     ap.add_argument("--output", default="", help="record path (default: $OUT or bench/results)")
+    ap.add_argument(
+        "--engine-from", default="",
+        help="take the Engine-alone phase (numbers and greedy ids) from an earlier record of the same preset, "
+        "device and settings instead of running it (device time is scarce); the record names it",
+    )  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -68,7 +73,7 @@ def settings(a: argparse.Namespace) -> Settings:
         output_len=a.output_len or (12 if smoke else 100), slowdown_ms=a.slowdown_ms or (150 if smoke else 500),
         max_prefill_tokens=2048 if smoke else 16384, greedy_lens=(40, 300) if smoke else (100, 600, 2000),
         greedy_tokens=6 if smoke else 16, deadline=time.monotonic() + (a.budget_s or (240 if smoke else 520)),
-        engine_reserve_s=40 if smoke else 150,
+        engine_reserve_s=40 if smoke else (5 if a.engine_from else 150),
     )  # fmt: skip
 
 
@@ -133,7 +138,14 @@ def serve(model_dir: Path, s: Settings, choice: str, logs: Path, rec: dict[str, 
     raise RuntimeError(f"no transport served: {rec['transport_failures']}")
 
 
-def reference(model_dir: Path, s: Settings, rec: dict[str, Any]) -> None:
+def reference(model_dir: Path, s: Settings, rec: dict[str, Any], engine_from: str = "") -> None:
+    if engine_from:
+        earlier = json.loads(Path(engine_from).read_text())
+        if earlier.get("model", {}).get("preset") != rec["model"].get("preset") or not earlier.get("engine"):
+            raise ValueError(f"{engine_from} has no Engine phase of preset {rec['model'].get('preset')!r}")
+        rec["engine"], rec["greedy_engine"] = earlier["engine"], earlier["greedy_engine"]
+        rec["engine_from"] = engine_from
+        return
     from bench.serving_gpu_engine import engine_reference
 
     t0 = time.monotonic()
@@ -187,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rec["model"] = write_model(a, tmp)
         print(f"model: {rec['model']}", flush=True)
         for phase in (lambda: serve(Path(rec["model"]["dir"]), s, a.transport, tmp / "logs", rec),
-                      lambda: reference(Path(rec["model"]["dir"]), s, rec)):  # fmt: skip
+                      lambda: reference(Path(rec["model"]["dir"]), s, rec, a.engine_from)):  # fmt: skip
             try:
                 phase()
             except Exception as e:  # noqa: BLE001 - the record says which phase failed and why

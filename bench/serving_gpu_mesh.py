@@ -175,7 +175,8 @@ def complete(mesh: MeshProcess, prompt: list[int], max_tokens: int, timeout: flo
 
 def greedy_through_mesh(mesh: MeshProcess, s: Settings) -> list[list[int]]:
     return [
-        complete(mesh, p, s.greedy_tokens, min(60.0, s.left(s.engine_reserve_s))) for p in s.greedy_prompts()
+        # the first request waits for the workers' first-use kernel tuning and graph captures on a GPU
+        complete(mesh, p, s.greedy_tokens, min(180.0, s.left(s.engine_reserve_s))) for p in s.greedy_prompts()
     ]
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from libs.engine.kv_pool import KVPool
-from libs.kvtransfer import PageGeometry, make_transport, plan_page_runs
+from libs.kvtransfer import MooncakeTransport, PageGeometry, make_transport, plan_page_runs
 
 RANK_KV_CALLS = frozenset({"kv_endpoint", "write_kv", "read_kv"})
 
@@ -38,6 +38,8 @@ class RankKv:
     def __init__(self, pool: KVPool, protocol: str, hostname: str, device_name: str = "") -> None:
         self.pool = pool
         self.transport = make_transport(protocol, hostname, device_name)
+        if pool.buffer.device.type == "cuda" and isinstance(self.transport, MooncakeTransport):
+            self.transport.bind_cuda_device(pool.buffer.device.index or 0)
         self.transport.register(pool.data_ptr(), pool.nbytes)
 
     def handle(self, name: str, args: tuple) -> Any:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from libs.kvtransfer.base import KvTransport, Run, TransferError, check_runs
+from libs.kvtransfer.cuda_context import bind_primary_context
 
 PROTOCOLS = ("tcp", "rdma", "nvlink_intra")
 
@@ -44,6 +45,16 @@ class MooncakeTransport(KvTransport):
         self._session = f"{hostname}:{self._engine.get_rpc_port()}"
         self._regions: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._cuda_device: int | None = None
+
+    def bind_cuda_device(self, device: int) -> None:
+        """The registered memory lives on GPU `device`: every call into the engine first makes that GPU's
+        primary context current on the calling thread (nvlink_intra queries it with the driver API)."""
+        self._cuda_device = device
+
+    def _bind(self) -> None:
+        if self._cuda_device is not None:
+            bind_primary_context(self._cuda_device)
 
     @property
     def session_id(self) -> str:
@@ -57,6 +68,7 @@ class MooncakeTransport(KvTransport):
     def register(self, ptr: int, length: int) -> None:
         if ptr <= 0 or length <= 0:
             raise ValueError(f"register needs a positive address and length, got {ptr:#x}, {length}")
+        self._bind()
         with self._lock:
             rc = self._live_engine().register_memory(ptr, length)
             if rc != 0:
@@ -64,6 +76,7 @@ class MooncakeTransport(KvTransport):
             self._regions[ptr] = length
 
     def unregister(self, ptr: int) -> None:
+        self._bind()
         with self._lock:
             if self._regions.pop(ptr, None) is not None:
                 self._live_engine().unregister_memory(ptr)
@@ -73,6 +86,7 @@ class MooncakeTransport(KvTransport):
         if not runs:
             return 0
         engine = self._live_engine()
+        self._bind()
         rc = engine.batch_transfer_sync_write(
             remote_session, [r[0] for r in runs], [r[1] for r in runs], [r[2] for r in runs]
         )

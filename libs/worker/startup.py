@@ -11,7 +11,7 @@ from libs.bus import Bus
 from libs.engine import Engine
 from libs.engine.protocol import EngineLike
 from libs.ep.engine import EPEngine
-from libs.kvtransfer import KvTransport, SkipTransport, make_transport
+from libs.kvtransfer import KvTransport, MooncakeTransport, SkipTransport, make_transport
 from libs.worker.rank_pools import has_rank_pools, rank_pools
 from libs.worker.settings import WorkerSettings
 from proto import messages as m
@@ -80,6 +80,10 @@ def open_transport(s: WorkerSettings, engine: EngineLike) -> KvTransport:
     if has_rank_pools(engine):  # each rank registered its own pool; this process moves no KV itself
         return SkipTransport()
     t = make_transport(s.transfer_protocol, s.transfer_hostname, s.transfer_device)
+    buffer = getattr(engine.kv_pool, "buffer", None)  # the sim engine's pool holds no tensor
+    device = buffer.device if isinstance(buffer, torch.Tensor) else torch.device("cpu")
+    if device.type == "cuda" and isinstance(t, MooncakeTransport):
+        t.bind_cuda_device(device.index if device.index is not None else torch.cuda.current_device())
     t.register(engine.kv_pool.data_ptr(), engine.kv_pool.nbytes)
     return t
 

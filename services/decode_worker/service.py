@@ -321,6 +321,8 @@ class DecodeWorker(WorkerService):
 
     async def on_drain(self) -> None:
         """Finish the running batch (up to the drain timeout), then end what is left with 503."""
+        if getattr(self, "heartbeat", None) is None:  # setup failed before the engine served (logged)
+            return
         self.heartbeat.draining = True
         with contextlib.suppress(Exception):
             await self.heartbeat.beat()

@@ -292,6 +292,8 @@ class PrefillWorker(WorkerService):
                 )
 
     async def on_drain(self) -> None:
+        if getattr(self, "heartbeat", None) is None:  # setup failed before the engine served (logged)
+            return
         self.heartbeat.draining = True
         if self._background:
             await asyncio.wait(set(self._background), timeout=self.settings.broker_timeout_s)
