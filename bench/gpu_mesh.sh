@@ -52,3 +52,5 @@ say "setup took $(( $(date +%s) - start )) s; serving_gpu gets $left s"
 timeout -k 10 "$left" python3 -m bench.serving_gpu --budget-s $(( left - 20 )) "$@" 2>&1 \
   | grep -v -E "loading:|tensor/s" | tail -80 | tee -a "$log"
 ls -la "$OUT" | tee -a "$log"
+# one archive of the service logs (the device tool brings back a limited number of files)
+if [ -d "$OUT/logs" ]; then tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"; fi
