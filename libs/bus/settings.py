@@ -15,7 +15,7 @@ import json
 import os
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -46,6 +46,9 @@ class ServiceSettings(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     log_level: str = "INFO"
+    # the asyncio event loop: uvloop (libuv; cheaper socket writes and callbacks, what the gateway's SSE
+    # streams and every service's NATS traffic spend most CPU on) when installed, else the standard one
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     # NATS authentication and TLS (libs.bus.security): user + password or a token; CA to verify the
     # server, client certificate + key for mutual TLS. Secrets print as *** (see __repr__).
     nats_user: str = ""

@@ -74,7 +74,7 @@ class MeshClient:
         match msg:
             case TokenBatch(deltas=deltas, worker_id=wid):
                 for d in deltas:
-                    if wid and d.request_id in self._routes:
+                    if wid and d.request_id in self._routes and self.holders.holder(d.request_id) != wid:
                         self._hold(d.request_id, wid, replace=True)
                     self._route(d.request_id, d)
             case RequestError(request_id=rid):
