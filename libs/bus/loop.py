@@ -1,5 +1,5 @@
-"""Which asyncio event loop a service runs on: uvloop when installed (libuv: cheaper socket writes and
-callbacks), else the standard loop. `run` is the entry point's `asyncio.run`."""
+"""Which event loop a service runs on (ServiceSettings.event_loop): asyncio's own, or uvloop (libuv),
+with "auto" taking uvloop when it is installed. `run` is the entry point's `asyncio.run`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def loop_kind(requested: str) -> str:
     return "uvloop" if requested == "uvloop" or (requested == "auto" and have) else "asyncio"
 
 
-def run(main: Coroutine[Any, Any, T], requested: str = "auto") -> T:
+def run(main: Coroutine[Any, Any, T], requested: str = "asyncio") -> T:
     if loop_kind(requested) == "uvloop":
         import uvloop
 

@@ -15,7 +15,7 @@ async def _loop_module() -> str:
 
 def test_auto_takes_uvloop_when_installed_and_asyncio_on_request() -> None:
     pytest.importorskip("uvloop")
-    assert loop_kind("auto") == "uvloop"
+    assert loop_kind("auto") == "uvloop"  # the default setting is "asyncio"
     assert run(_loop_module(), "auto").startswith("uvloop")
     assert run(_loop_module(), "asyncio").startswith("asyncio")
 
