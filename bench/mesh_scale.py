@@ -198,7 +198,9 @@ def plot(rows: list[dict], path: Path) -> None:
     b.plot(x, [r["added_ttft_p99_ms"] for r in rows], "s--", label="p99")
     b.set_xlabel("offered requests/s (Poisson)"), b.set_ylabel("TTFT minus modeled prefill (ms)")
     b.set_yscale("log"), b.legend(), b.grid(alpha=0.3)
-    fig.suptitle("moemesh control plane, timing-model workers, shared 2-core VM")
+    loads = [x for r in rows for x in r["load_avg"][:1]]
+    fig.suptitle("moemesh control plane, timing-model workers, shared 2-core VM "
+                 f"(load average {min(loads):.0f}-{max(loads):.0f})")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
