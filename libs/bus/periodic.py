@@ -17,6 +17,12 @@ from collections.abc import Awaitable, Callable
 log = logging.getLogger("moemesh.bus")
 
 
+def next_due(due: float, now: float, interval_s: float) -> float:
+    """When the next run is due: one interval after the last was due, or now when that is past (a stall
+    longer than an interval is not made up with a burst)."""
+    return max(due + interval_s, now)
+
+
 class Periodic:
     def __init__(self, interval_s: float, fn: Callable[[], Awaitable[object]], name: str) -> None:
         self.interval_s, self.fn, self.name = interval_s, fn, name
@@ -33,7 +39,7 @@ class Periodic:
             except Exception as e:
                 log.warning("%s failed: %s", self.name, e)
             now = time.monotonic()
-            due = max(due + self.interval_s, now)
+            due = next_due(due, now, self.interval_s)
             await asyncio.sleep(due - now)
 
     async def stop(self) -> None:
