@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -175,6 +176,13 @@ def projection(stream: dict, flood: dict, max_tokens: int) -> dict:
                      "placements per scheduler core from the flood"}  # fmt: skip
 
 
+def deaths_in_logs(log_dir: Path) -> int:
+    """Workers declared dead (or gone) in the services' logs. Nothing is killed here, so every one counted
+    before the mesh stops is a false death (a live worker judged silent: its requests fail or move)."""
+    pat = re.compile(r"considered dead|missed its heartbeats")
+    return sum(len(pat.findall(f.read_text(errors="replace"))) for f in log_dir.glob("*.log"))
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -190,7 +198,9 @@ def plot(rows: list[dict], path: Path) -> None:
     b.plot(x, [r["added_ttft_p99_ms"] for r in rows], "s--", label="p99")
     b.set_xlabel("offered requests/s (Poisson)"), b.set_ylabel("TTFT minus modeled prefill (ms)")
     b.set_yscale("log"), b.legend(), b.grid(alpha=0.3)
-    fig.suptitle("moemesh control plane, timing-model workers, shared 2-core VM")
+    loads = [x for r in rows for x in r["load_avg"][:1]]
+    fig.suptitle("moemesh control plane, timing-model workers, shared 2-core VM "
+                 f"(load average {min(loads):.0f}-{max(loads):.0f})")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -213,7 +223,7 @@ def main() -> None:
     ap.add_argument("--flood-speed", type=float, default=10.0, help="sim speed during the placement flood")
     ap.add_argument("--flood", type=int, default=2000, help="submits in the placement test (0: skip)")
     ap.add_argument("--flood-in-flight", type=int, default=256)
-    ap.add_argument("--heartbeat-ms", type=int, default=1000, help="worker and scheduler heartbeat interval")
+    ap.add_argument("--heartbeat-ms", type=int, default=250, help="worker and scheduler heartbeat interval")
     ap.add_argument("--out", default="bench/results/mesh_scale.json")
     args = ap.parse_args()
     model = write_tiny_model(Path("/tmp/moemesh-bench-tiny"), overwrite=True)
@@ -239,15 +249,21 @@ def main() -> None:
         results["idle"] = idle = idle_window(mesh)
         print(json.dumps({"idle_bus_per_s": idle["bus_per_s"], "idle_cpu": idle["cpu_cores"]}), flush=True)
         results["steps"] = load_steps(mesh, args, prefill_ms, idle)
+        deaths = {"load_steps": deaths_in_logs(cfg.log_dir)}  # counted before the mesh stops
+    seen = deaths_in_logs(cfg.log_dir)  # the logs are appended to: count each phase from here
     if args.flood:  # every worker, fast modeled GPUs: the scheduler is what is measured
         with ScaleMesh(cfg, args.hosts, {**fields, "sim_speed": args.flood_speed}) as mesh:
             results["placements"] = flood_test(mesh, args)
+            deaths["flood"] = deaths_in_logs(cfg.log_dir) - seen
+        seen = deaths_in_logs(cfg.log_dir)
     if args.stream_clients:  # fewer, fuller decode workers: the gateway is what is measured
         small = dataclasses.replace(
             cfg, decode_workers=args.stream_decode, prefill_workers=args.stream_prefill
         )
         with ScaleMesh(small, max(1, args.hosts // 4), fields) as mesh:
             results["streaming"] = streaming_test(mesh, args)
+            deaths["streaming"] = deaths_in_logs(cfg.log_dir) - seen
+    results["false_deaths"] = deaths
     if args.flood and args.stream_clients:
         results["projection"] = projection(results["streaming"], results["placements"], args.max_tokens)
     results["load_avg_after"] = os.getloadavg()

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 
+from libs.bus.loop import run as run_loop
 from services.decode_worker.service import DecodeWorker, DecodeWorkerSettings
 from services.prefill_worker.service import PrefillWorker, PrefillWorkerSettings
 
@@ -58,7 +59,8 @@ def main() -> None:
     # every 5 ms, or heartbeats fall behind and the workers look dead
     sys.setswitchinterval(0.0005)
     ids = [[w for w in s.split(",") if w] for s in (args.decode, args.prefill)]
-    asyncio.run(run(make_workers(ids[0], ids[1], json.loads(args.settings))))
+    loop = json.loads(args.settings).get("event_loop", "asyncio")
+    run_loop(run(make_workers(ids[0], ids[1], json.loads(args.settings))), loop)
 
 
 if __name__ == "__main__":

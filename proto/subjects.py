@@ -6,6 +6,11 @@ the message bodies. Each subject carries exactly one union of message types (see
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proto.messages import WorkerGone, WorkerHeartbeat
+
 PREFIX = "mesh"
 
 # gateway -> scheduler (request/reply, queue group QUEUE_SCHEDULER): Submit -> SubmitReply
@@ -15,8 +20,22 @@ QUEUE_SCHEDULER = "scheduler"
 # anyone -> everyone holding a request (broadcast): Cancel
 CANCEL = f"{PREFIX}.cancel"
 
-# workers -> schedulers, broker (broadcast): WorkerHeartbeat / WorkerGone
-HEARTBEAT = f"{PREFIX}.heartbeat"
+# workers -> schedulers, broker, gateways, decode workers (broadcast): WorkerHeartbeat / WorkerGone, on
+# one subject per worker role, so each process subscribes to the roles it needs: a decode worker hears
+# only prefill workers (those that fill its reservations), never its decode peers. Without this every
+# decode worker received every heartbeat: deliveries grew with workers squared.
+HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
+
+
+def heartbeat(role: str) -> str:
+    """Heartbeats of one worker role ("decode" or "prefill": `proto.messages.Role` names, lower case)."""
+    return f"{PREFIX}.heartbeat.{check_token(role)}"
+
+
+def heartbeat_of(msg: WorkerHeartbeat | WorkerGone) -> str:
+    """The subject a worker's heartbeat (or goodbye) goes to."""
+    return heartbeat(msg.role.name.lower())
+
 
 # scheduler replicas -> gateways (broadcast): SchedulerHeartbeat
 SCHED_HEARTBEAT = f"{PREFIX}.sched.heartbeat"

@@ -97,6 +97,7 @@ class Bus:
         self._subs: list[Subscription] = []
         self._inflight: set[asyncio.Task] = set()
         self._msgs: Counter | None = None
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._seconds: Histogram | None = None
         if registry is not None:
             self._msgs = Counter(
@@ -309,9 +310,14 @@ class Bus:
             log.warning("could not send rejection to %s: %s", m.reply, e)
 
     def _count(self, label: str, outcome: str, t0: float) -> None:
-        if self._msgs is not None and self._seconds is not None:
-            self._msgs.labels(label, outcome).inc()
-            self._seconds.labels(label).observe(time.perf_counter() - t0)
+        if self._msgs is None or self._seconds is None:
+            return
+        key = (label, outcome)
+        children = self._children.get(key)  # labels() per message costs a lock and a tuple key each time
+        if children is None:
+            children = self._children[key] = (self._msgs.labels(label, outcome), self._seconds.labels(label))
+        children[0].inc()
+        children[1].observe(time.perf_counter() - t0)
 
     # --- shutdown ---
     @property

@@ -1,7 +1,9 @@
 """A background task that runs a coroutine every interval (heartbeats, beacons) until stopped.
 
 A failing run (e.g. a publish while the connection is reconnecting) is logged and the next one still
-happens: liveness signals must not die with one bad moment.
+happens: liveness signals must not die with one bad moment. Runs keep a fixed rate (the next is due one
+interval after the previous was due, not after it finished), so a slow run or a busy loop does not push
+every later heartbeat back; after a stall longer than an interval the schedule restarts from now (no burst).
 """
 
 from __future__ import annotations
@@ -9,9 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 log = logging.getLogger("moemesh.bus")
+
+
+def next_due(due: float, now: float, interval_s: float) -> float:
+    """When the next run is due: one interval after the last was due, or now when that is past (a stall
+    longer than an interval is not made up with a burst)."""
+    return max(due + interval_s, now)
 
 
 class Periodic:
@@ -23,12 +32,15 @@ class Periodic:
         self._task = asyncio.create_task(self._loop(), name=self.name)
 
     async def _loop(self) -> None:
+        due = time.monotonic()
         while True:
             try:
                 await self.fn()
             except Exception as e:
                 log.warning("%s failed: %s", self.name, e)
-            await asyncio.sleep(self.interval_s)
+            now = time.monotonic()
+            due = next_due(due, now, self.interval_s)
+            await asyncio.sleep(due - now)
 
     async def stop(self) -> None:
         if self._task is not None:

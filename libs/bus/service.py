@@ -33,6 +33,7 @@ from typing import ClassVar
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from libs.bus.bus import Bus, BusError
+from libs.bus.loop import run as run_loop
 from libs.bus.ports import write_ports
 from libs.bus.security import nats_connect_options, redact_url
 from libs.bus.settings import ServiceSettings, SettingsError, load_settings
@@ -252,7 +253,7 @@ class Service:
             force=True,
         )
         try:
-            asyncio.run(cls(settings).run())
+            run_loop(cls(settings).run(), settings.event_loop)
         except KeyboardInterrupt:
             pass
         except BusError as e:  # NATS unreachable within connect_timeout_s: say so, no traceback

@@ -269,7 +269,7 @@ class Mesh:
         async def on_sched(msg: object) -> None:
             seen.add(sched_dec.decode(msg.data).scheduler_id)  # type: ignore[attr-defined]
 
-        await nc.subscribe(subjects.HEARTBEAT, cb=on_hb)
+        await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_hb)
         await nc.subscribe(subjects.SCHED_HEARTBEAT, cb=on_sched)
         deadline = time.monotonic() + timeout
         try:

@@ -1,5 +1,11 @@
-"""A LivenessTable fed from the bus: worker heartbeats (HEARTBEAT: WorkerHeartbeat / WorkerGone) and
-scheduler heartbeats (SCHED_HEARTBEAT), with a timer that declares the silent dead.
+"""A LivenessTable fed from the bus: worker heartbeats of the roles the caller relies on
+(proto.subjects.heartbeat: WorkerHeartbeat / WorkerGone) and, when asked, scheduler heartbeats
+(SCHED_HEARTBEAT), with a timer that declares the silent dead.
+
+Silence is measured on a StallClock: time this process's own event loop spent stalled (heartbeats
+waiting unread) does not count against anyone, so a loaded process does not declare its peers dead.
+A process that already subscribes to heartbeats passes `subscribe=False` to `start` and hands each
+message to `on_worker` / `on_scheduler` (one delivery per heartbeat per process, not one per user).
 
 Caller side: `watch(node)` before relying on a node (an unknown one gets a grace period), and the
 callbacks `on_dead(node_ids)` (once per death) and `on_reconnect()` (this process's own bus
@@ -13,9 +19,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 from libs.bus import Bus
+from libs.liveness.stall_clock import StallClock
 from libs.liveness.table import LivenessTable
 from proto import messages as m
 from proto import subjects
@@ -33,20 +40,30 @@ class LivenessWatch:
         on_dead: OnDead,
         *,
         on_reconnect: OnReconnect | None = None,
+        roles: Collection[m.Role] = (m.Role.DECODE, m.Role.PREFILL),
+        schedulers: bool = True,
         dead_after_intervals: float = 3.0,
         default_interval_ms: float = 250.0,
         tick_s: float = 0.1,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.bus, self.on_dead, self.on_reconnect = bus, on_dead, on_reconnect
+        self.roles, self.schedulers = tuple(roles), schedulers
         self.table = LivenessTable(dead_after_intervals, default_interval_ms)
-        self.tick_s, self.clock = tick_s, clock
+        self.stall_clock = StallClock() if clock is None else None
+        self.tick_s = tick_s
+        self.clock: Callable[[], float] = clock or self.stall_clock or time.monotonic
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    async def start(self) -> None:
-        await self.bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, self._on_worker)
-        await self.bus.subscribe(subjects.SCHED_HEARTBEAT, m.SchedulerHeartbeat, self._on_scheduler)
+    async def start(self, subscribe: bool = True) -> None:
+        if subscribe:
+            for role in self.roles:
+                await self.bus.subscribe(subjects.heartbeat(role.name.lower()), m.Heartbeat, self.on_worker)
+            if self.schedulers:
+                await self.bus.subscribe(subjects.SCHED_HEARTBEAT, m.SchedulerHeartbeat, self.on_scheduler)
+        if self.stall_clock is not None:
+            self.stall_clock.start()
         self._task = asyncio.create_task(self._loop(), name="liveness-watch")
 
     async def stop(self) -> None:
@@ -54,6 +71,8 @@ class LivenessWatch:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.stall_clock is not None:
+            await self.stall_clock.stop()
 
     def watch(self, node_id: str) -> None:
         """Start relying on `node_id`: unknown, it is assumed alive for one grace period."""
@@ -61,7 +80,7 @@ class LivenessWatch:
             self.table.assume(node_id, self.clock())
             self._wake.set()
 
-    async def _on_worker(self, msg: m.WorkerHeartbeat | m.WorkerGone) -> None:
+    async def on_worker(self, msg: m.WorkerHeartbeat | m.WorkerGone) -> None:
         match msg:
             case m.WorkerHeartbeat(worker_id=wid, interval_ms=interval):
                 self._beat(wid, interval)
@@ -69,7 +88,7 @@ class LivenessWatch:
                 if self.table.gone(wid):
                     await self._report([wid])
 
-    async def _on_scheduler(self, msg: m.SchedulerHeartbeat) -> None:
+    async def on_scheduler(self, msg: m.SchedulerHeartbeat) -> None:
         self._beat(msg.scheduler_id, msg.interval_ms)
 
     def _beat(self, node_id: str, interval_ms: int) -> None:

@@ -4,7 +4,7 @@ each scheduler's local replica are one of these.
 Subscriptions, on the owner's connection:
 - proto.subjects.KV_EVENTS_ALL (no queue group: every replica builds the whole index): BlocksStored /
   BlocksRemoved, applied in arrival order.
-- proto.subjects.HEARTBEAT: liveness (a worker silent for dead_after_intervals heartbeats, or one that
+- proto.subjects.HEARTBEAT_ALL: liveness (a worker silent for dead_after_intervals heartbeats, or one that
   sent WorkerGone, leaves the index), and discovery: a worker heard but not indexed (a replica that just
   started, a worker with an empty cache that never sent an event) is asked for a snapshot.
 Snapshots (on a gap or discovery): KvSnapshotRequest to proto.subjects.kv_snapshot(worker), the worker
@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from libs.bus import Bus
 from libs.bus.periodic import Periodic
+from libs.liveness.stall_clock import StallClock
 from libs.prefix.index import PrefixIndex
 from proto import messages as m
 from proto import subjects
@@ -44,9 +45,12 @@ class PrefixReplica:
         dead_after_intervals: float = 3.0,
         resync_backoff_s: float = 1.0,
         sweep_interval_s: float = 0.25,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
-        self.bus, self.clock = bus, clock
+        self.bus = bus
+        # no clock given: silence is measured without this process's own stalls (libs.liveness)
+        self.stall_clock = StallClock() if clock is None else None
+        self.clock: Callable[[], float] = clock or self.stall_clock or time.monotonic
         self.snapshot_timeout_s, self.resync_backoff_s = snapshot_timeout_s, resync_backoff_s
         self.index = PrefixIndex(dead_after_intervals)
         self._in_flight: dict[str, asyncio.Task] = {}
@@ -69,15 +73,19 @@ class PrefixReplica:
         )
 
     async def start(self, heartbeats: bool = True) -> None:
-        """heartbeats False: the owner already subscribes to HEARTBEAT and passes each to on_heartbeat
+        """heartbeats False: the owner already subscribes to HEARTBEAT_ALL and passes each to on_heartbeat
         (one delivery per heartbeat instead of two: at 56 workers x 4/s they add up)."""
         await self.bus.subscribe(subjects.KV_EVENTS_ALL, m.KvEvent, self.on_event)
         if heartbeats:
-            await self.bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, self.on_heartbeat)
+            await self.bus.subscribe(subjects.HEARTBEAT_ALL, m.Heartbeat, self.on_heartbeat)
+        if self.stall_clock is not None:
+            self.stall_clock.start()
         self._sweeper.start()
 
     async def stop(self) -> None:
         await self._sweeper.stop()
+        if self.stall_clock is not None:
+            await self.stall_clock.stop()
         tasks = list(self._in_flight.values())
         for t in tasks:
             t.cancel()

@@ -81,7 +81,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
+        return self._tokenizer.decode_known(self._ids[start:end], skip_special_tokens=self._skip)
 
     def _known(self, ids: Iterable[int]) -> list[int]:
         return [i for i in ids if 0 <= i < self._vocab_size]

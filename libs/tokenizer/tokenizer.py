@@ -151,6 +151,11 @@ class Tokenizer:
                 raise ValueError(f"token id {i!r} is out of range for a vocabulary of {n}")
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_known(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """`decode` for ids the caller already checked are in range (the streaming detokenizer's hot path,
+        twice per token: no per-id check)."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
     # -- chat ------------------------------------------------------------------------------------
 
     def apply_chat_template(

@@ -1,4 +1,5 @@
-"""Worker liveness on the bus: a WorkerHeartbeat every interval, WorkerGone on a clean stop."""
+"""Worker liveness on the bus: a WorkerHeartbeat every interval, WorkerGone on a clean stop, on the
+subject of the worker's role (proto.subjects.heartbeat)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Heartbeater:
         self.bus, self.worker_id, self.role, self.model = bus, worker_id, role, model
         self.interval_ms, self.stats = interval_ms, stats
         self.draining = False
+        self.subject = subjects.heartbeat(role.name.lower())
         self._periodic = Periodic(interval_ms / 1000, self.beat, "heartbeat")
 
     def start(self) -> None:
@@ -29,7 +31,7 @@ class Heartbeater:
     async def beat(self) -> None:
         st = self.stats()
         await self.bus.publish(
-            subjects.HEARTBEAT,
+            self.subject,
             m.WorkerHeartbeat(
                 worker_id=self.worker_id, role=self.role, model=self.model, running=st["running"],
                 waiting=st["waiting"], free_pages=st["free_pages"], total_pages=st["total_pages"],
@@ -41,4 +43,4 @@ class Heartbeater:
     async def stop(self) -> None:
         await self._periodic.stop()
         with contextlib.suppress(Exception):
-            await self.bus.publish(subjects.HEARTBEAT, m.WorkerGone(worker_id=self.worker_id, role=self.role))
+            await self.bus.publish(self.subject, m.WorkerGone(worker_id=self.worker_id, role=self.role))

@@ -26,7 +26,9 @@ class ReservationGuard:
         self.bus, self.on_lost = bus, on_lost
         self.holders = Holders()  # request id -> its prefill worker
         self._streams: dict[str, str] = {}
-        self.watch = LivenessWatch(bus, self._on_dead, dead_after_intervals=dead_after_intervals)
+        self.watch = LivenessWatch(  # prefill workers only: a decode worker never hears its decode peers
+            bus, self._on_dead, roles=(m.Role.PREFILL,), schedulers=False, dead_after_intervals=dead_after_intervals
+        )
 
     async def start(self) -> None:
         await self.watch.start()

@@ -7,7 +7,7 @@
   the mesh, hence the guards: off unless `enable_admin` is set (the routes do not exist otherwise), and
   the API key required when one is set.
 
-Workers are learned from their heartbeats (`proto.subjects.HEARTBEAT`): one heard within
+Workers are learned from their heartbeats (`proto.subjects.HEARTBEAT_ALL`): one heard within
 `DEAD_AFTER_INTERVALS` of its own interval is live; `WorkerGone` forgets it at once. The directory is
 pure (`WorkerDirectory`); `AdminMesh` is its bus side.
 """
@@ -74,10 +74,12 @@ class AdminMesh:
         self.directory = WorkerDirectory()
         self._heard = asyncio.Event()
 
-    async def start(self) -> None:
-        await self.bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, self._on_heartbeat)
+    async def start(self, subscribe: bool = True) -> None:
+        """subscribe False: the owner hands every worker heartbeat to `observe`."""
+        if subscribe:
+            await self.bus.subscribe(subjects.HEARTBEAT_ALL, m.Heartbeat, self.observe)
 
-    async def _on_heartbeat(self, msg: m.WorkerHeartbeat | m.WorkerGone) -> None:
+    async def observe(self, msg: m.WorkerHeartbeat | m.WorkerGone) -> None:
         self.directory.observe(msg, self.clock())
         self._heard.set()
 

@@ -6,10 +6,11 @@ chat.completion / chat.completion.chunk / text_completion, so the official clien
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 # JSON has no -inf; a token the model rules out completely gets this (vLLM does the same).
 MIN_LOGPROB = -9999.0
@@ -17,9 +18,12 @@ MIN_LOGPROB = -9999.0
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+_json = msgspec.json.Encoder()  # compact UTF-8 JSON, several times cheaper than json.dumps per event
+
+
 def sse(obj: Any) -> bytes:
     """One server-sent event carrying a JSON object."""
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _json.encode(obj) + b"\n\n"
 
 
 def _lp(x: float) -> float:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from libs.bus.bus import Bus, BusError, NoResponders, RequestRejected, RequestTimeout
 from libs.liveness import Holders, LivenessWatch
+from proto import messages as m
 from proto import subjects
 from proto.messages import Cancel, RequestError, StreamMessage, Submit, SubmitReply, TokenBatch, TokenDelta
 from services.gateway.errors import ApiError, mesh_error
@@ -48,12 +49,14 @@ class MeshClient:
         self._background: set[asyncio.Task] = set()
         self.dropped_deltas = 0
         self.holders = Holders()
-        self.liveness = LivenessWatch(
-            bus, self._on_dead, on_reconnect=self._on_reconnect, dead_after_intervals=dead_after_intervals
-        )
+        self.liveness = LivenessWatch(  # holders are decode workers and scheduler replicas
+            bus, self._on_dead, on_reconnect=self._on_reconnect, roles=(m.Role.DECODE,),
+            dead_after_intervals=dead_after_intervals,
+        )  # fmt: skip
 
-    async def start(self) -> None:
-        await self.liveness.start()
+    async def start(self, heartbeats: bool = True) -> None:
+        """heartbeats False: the owner subscribes to heartbeats and hands them to `self.liveness`."""
+        await self.liveness.start(subscribe=heartbeats)
         await self.bus.subscribe(self.stream_subject, StreamMessage, self._on_stream)
         await self.bus.flush()  # the subscription is live at the server before any Submit names it
 
@@ -71,7 +74,7 @@ class MeshClient:
         match msg:
             case TokenBatch(deltas=deltas, worker_id=wid):
                 for d in deltas:
-                    if wid and d.request_id in self._routes:
+                    if wid and d.request_id in self._routes and self.holders.holder(d.request_id) != wid:
                         self._hold(d.request_id, wid, replace=True)
                     self._route(d.request_id, d)
             case RequestError(request_id=rid):

@@ -95,11 +95,13 @@ class ReadinessWatch:
         self.bus, self.clock = bus, clock
         self.state = MeshReadiness(model, dead_after_intervals)
 
-    async def start(self) -> None:
-        await self.bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, self._on)
-        await self.bus.subscribe(subjects.SCHED_HEARTBEAT, m.SchedulerHeartbeat, self._on)
+    async def start(self, subscribe: bool = True) -> None:
+        """subscribe False: the owner hands every heartbeat to `observe`."""
+        if subscribe:
+            await self.bus.subscribe(subjects.HEARTBEAT_ALL, m.Heartbeat, self.observe)
+            await self.bus.subscribe(subjects.SCHED_HEARTBEAT, m.SchedulerHeartbeat, self.observe)
 
-    async def _on(self, msg: m.WorkerHeartbeat | m.WorkerGone | m.SchedulerHeartbeat) -> None:
+    async def observe(self, msg: m.WorkerHeartbeat | m.WorkerGone | m.SchedulerHeartbeat) -> None:
         self.state.observe(msg, self.clock())
 
     def check(self) -> Readiness:

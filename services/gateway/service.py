@@ -18,6 +18,8 @@ import uvicorn
 from libs.bus.service import Service
 from libs.telemetry.asgi import TracedApp
 from libs.tokenizer import Tokenizer
+from proto import messages as m
+from proto import subjects
 from services.gateway.admin import AdminMesh, install_admin
 from services.gateway.app import GatewayContext, create_app
 from services.gateway.convert import ModelInfo
@@ -65,6 +67,7 @@ class Gateway(Service):
         self.info = ModelInfo.from_dir(settings.model_dir, settings.model_name)
         self.metrics = GatewayMetrics(self.registry)
         self.mesh: MeshClient | None = None
+        self.admin: AdminMesh | None = None
         self.port: int | None = None  # the bound API port, once set up
         self._server: _Server | None = None
         self._serve_task: asyncio.Task | None = None
@@ -73,11 +76,16 @@ class Gateway(Service):
     async def setup(self) -> None:
         s = self.settings
         self.mesh = MeshClient(self.bus, self.instance_id, s.dead_after_intervals)
-        await self.mesh.start()
+        await self.mesh.start(heartbeats=False)  # _on_worker_heartbeat hands them over
         mesh = self.mesh
         self.metrics.track_mesh_in_flight(lambda: mesh.in_flight)
-        self.readiness = ReadinessWatch(self.bus, self.info.name, s.dead_after_intervals)
-        await self.readiness.start()  # /ready: a decode worker and a scheduler heard
+        clock = mesh.liveness.clock  # silence measured without this process's own stalls
+        self.readiness = ReadinessWatch(self.bus, self.info.name, s.dead_after_intervals, clock)
+        await self.readiness.start(subscribe=False)  # /ready: a decode worker and a scheduler heard
+        self.admin = AdminMesh(self.bus, clock=clock) if s.enable_admin else None
+        # One subscription per heartbeat subject for the whole process (not one per user of them).
+        await self.bus.subscribe(subjects.HEARTBEAT_ALL, m.Heartbeat, self._on_worker_heartbeat)
+        await self.bus.subscribe(subjects.SCHED_HEARTBEAT, m.SchedulerHeartbeat, self._on_sched_heartbeat)
         ctx = GatewayContext(
             s, self.tokenizer, self.info, mesh, self.metrics, self.healthy, readiness=self.readiness.check
         )
@@ -85,10 +93,8 @@ class Gateway(Service):
         self.port = sock.getsockname()[1]
         app = create_app(ctx)
         await watch_launchers(self.bus, self.registry)  # services up/restarting/given up (launcher.py)
-        if s.enable_admin:  # worker stats and the decode slow-down (admin.py)
-            admin = AdminMesh(self.bus)
-            await admin.start()
-            install_admin(app, admin, s.api_key)
+        if self.admin is not None:  # worker stats and the decode slow-down (admin.py)
+            install_admin(app, self.admin, s.api_key)
         config = uvicorn.Config(
             TracedApp(app, self.telemetry, self.registry),  # the trace's root span, e2e latency
             log_config=None, access_log=False, lifespan="off",
@@ -100,6 +106,18 @@ class Gateway(Service):
         log.info(
             "gateway %s serving %s on http://%s:%d/v1", self.instance_id, self.info.name, s.host, self.port
         )
+
+    async def _on_worker_heartbeat(self, msg: m.WorkerHeartbeat | m.WorkerGone) -> None:
+        if msg.role == m.Role.DECODE and self.mesh is not None:
+            await self.mesh.liveness.on_worker(msg)
+        await self.readiness.observe(msg)
+        if self.admin is not None:
+            await self.admin.observe(msg)
+
+    async def _on_sched_heartbeat(self, msg: m.SchedulerHeartbeat) -> None:
+        if self.mesh is not None:
+            await self.mesh.liveness.on_scheduler(msg)
+        await self.readiness.observe(msg)
 
     def bound_ports(self) -> dict[str, int]:
         ports = super().bound_ports()

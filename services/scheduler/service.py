@@ -37,6 +37,7 @@ from libs.bus import (
     current_traceparent,
     request_context,
 )
+from libs.liveness import StallClock
 from libs.prefix.replica import PrefixReplica
 from libs.telemetry import attributes as span_attrs
 from libs.telemetry import mark_error
@@ -155,6 +156,10 @@ class SchedulerService(Service):
     ) -> None:
         super().__init__(settings, registry)
         self.clock = clock
+        # Worker silence is measured without this process's own stalls (a saturated scheduler reads
+        # heartbeats late); a clock given by a test is used as it is.
+        self.stall_clock = StallClock() if clock is time.monotonic else None
+        self.heard_clock: Callable[[], float] = self.stall_clock or clock
         self.config = PolicyConfig(
             direct_prefill_threshold=settings.direct_prefill_threshold,
             dead_after_intervals=settings.dead_after_intervals,
@@ -174,7 +179,9 @@ class SchedulerService(Service):
     async def setup(self) -> None:
         bus = self.bus
         await bus.subscribe(subjects.SCHED_SUBMIT, m.Submit, self._on_submit, queue=subjects.QUEUE_SCHEDULER)
-        await bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, self._on_heartbeat)
+        await bus.subscribe(subjects.HEARTBEAT_ALL, m.Heartbeat, self._on_heartbeat)
+        if self.stall_clock is not None:
+            self.stall_clock.start()
         await bus.subscribe(subjects.CANCEL, m.Cancel, self._on_cancel)
         s = self.settings
         if s.prefix_weight > 0 and s.prefix_index == "local":
@@ -183,6 +190,7 @@ class SchedulerService(Service):
                 self.registry,
                 "moemesh_scheduler_prefix_index",
                 dead_after_intervals=s.dead_after_intervals,
+                clock=self.heard_clock,
             )
             await self.replica.start(heartbeats=False)  # _on_heartbeat hands them over
         await bus.flush()
@@ -210,6 +218,8 @@ class SchedulerService(Service):
         await self.beacon.stop()
         if self.replica is not None:
             await self.replica.stop()
+        if self.stall_clock is not None:
+            await self.stall_clock.stop()
 
     def wake(self) -> None:
         """Something changed (submit, heartbeat, cancel, placement done): run a placement pass."""
@@ -227,7 +237,7 @@ class SchedulerService(Service):
         decision, too, goes by prompt length alone."""
         if self.prefix is None or self.config.prefix_weight == 0:
             return {}
-        page_sizes = {w.hb.page_size for w in self.workers.live(self.clock())}
+        page_sizes = {w.hb.page_size for w in self.workers.live(self.heard_clock())}
         return await self.prefix.hits(submit.prompt_ids, page_sizes)
 
     def _note_prefix(self, s: m.Submit, prefill_worker: str) -> None:
@@ -267,7 +277,7 @@ class SchedulerService(Service):
         self, now: float, req: PlacementRequest, s: m.Submit, hits: dict[str, int] | None
     ) -> Decision:
         """The policy through failover.place: avoided workers, full decode lines, decode-local fallback."""
-        live = self.workers.live(now)
+        live = self.workers.live(self.heard_clock())
         return place(live, req, self.config, hits, s.avoid, self.settings.max_decode_waiting)
 
     def _refuse(self, request_id: str, code: int, message: str) -> m.SubmitReply:
@@ -281,7 +291,7 @@ class SchedulerService(Service):
         match hb:
             case m.WorkerHeartbeat():
                 try:
-                    self.workers.observe(hb, self.clock())
+                    self.workers.observe(hb, self.heard_clock())
                 except ValueError as e:
                     log.warning("ignored heartbeat: %s", e)
                     return
@@ -312,18 +322,21 @@ class SchedulerService(Service):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
     def _next_timer(self) -> float | None:
-        times = [t for t in (self.queue.next_deadline(), self.workers.next_expiry()) if t is not None]
-        return max(0.0, min(times) - self.clock()) + 0.001 if times else None
+        now, heard = self.clock(), self.heard_clock()
+        expiry = self.workers.next_expiry()
+        worker_due = None if expiry is None else expiry - heard + now  # in this clock's time
+        times = [t for t in (self.queue.next_deadline(), worker_due) if t is not None]
+        return max(0.0, min(times) - now) + 0.001 if times else None
 
     async def _place_ready(self) -> None:
         """One pass: drop the dead, fail the late, place from the head until a request must wait."""
-        now = self.clock()
-        for wid in self.workers.expire(now):
+        now, heard = self.clock(), self.heard_clock()
+        for wid in self.workers.expire(heard):
             log.warning("worker %s missed its heartbeats: considered dead", wid)
         for late in self.queue.expire(now):
             why = late.last_error or "queued"
             await self._fail(late, m.ErrorCode.TIMEOUT, f"not placed before its deadline ({why})")
-        live = self.workers.live(now)
+        live = self.workers.live(heard)
         for role in m.Role:
             self.metrics.live_workers.labels(role.name.lower()).set(sum(w.role == role for w in live))
         while (e := self.queue.head()) is not None:

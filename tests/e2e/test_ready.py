@@ -56,7 +56,7 @@ async def test_ready_follows_the_decode_workers_heartbeats(tiny_model: Path, tmp
             if isinstance(beat, m.WorkerHeartbeat) and beat.worker_id == "decode-0":
                 beats.append(beat.sent_ms)
 
-        await nc.subscribe(subjects.HEARTBEAT, cb=on_beat)
+        await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
         await nc.flush()
         async with httpx.AsyncClient(base_url=mesh.url, timeout=10) as http:
             seen: list[tuple[float, int]] = []

@@ -78,7 +78,7 @@ async def test_watch_reports_silence_and_goodbyes(nats_server: str) -> None:
             worker_id="w-silent", role=m.Role.DECODE, model="x", running=0, waiting=0, free_pages=1,
             total_pages=1, page_size=1, max_context=8, interval_ms=50, sent_ms=0,
         )  # fmt: skip
-        await pub.publish(subjects.HEARTBEAT, hb)
+        await pub.publish(subjects.heartbeat_of(hb), hb)
         await pub.publish(
             subjects.SCHED_HEARTBEAT, m.SchedulerHeartbeat(scheduler_id="s0", interval_ms=60_000, sent_ms=0)
         )
@@ -87,7 +87,7 @@ async def test_watch_reports_silence_and_goodbyes(nats_server: str) -> None:
             await changed.wait()
         assert dead == [["w-silent"]] and watch.table.is_alive("s0", watch.clock())
         changed.clear()
-        await pub.publish(subjects.HEARTBEAT, m.WorkerGone(worker_id="s0", role=m.Role.DECODE))
+        await pub.publish(subjects.heartbeat("decode"), m.WorkerGone(worker_id="s0", role=m.Role.DECODE))
         async with asyncio.timeout(5):
             await changed.wait()
         assert dead[-1] == ["s0"]

@@ -31,7 +31,7 @@ async def test_dead_prefill_worker_fails_its_reservations_over(nats_server: str)
             worker_id="p-live", role=m.Role.PREFILL, model="x", running=0, waiting=0, free_pages=1,
             total_pages=1, page_size=1, max_context=8, interval_ms=60_000, sent_ms=0,
         )  # fmt: skip
-        await bus.publish(subjects.HEARTBEAT, hb)
+        await bus.publish(subjects.heartbeat_of(hb), hb)
         await bus.flush()
         guard.track("r-live", "p-live", subjects.stream("g1"))
         guard.track("r-dead", "p-dead", subjects.stream("g1"))  # never heard: one grace period

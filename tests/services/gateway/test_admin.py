@@ -3,11 +3,13 @@ with a stand-in decode worker that answers admin requests and sends heartbeats."
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import httpx
+import msgspec
 import pytest
 
 from libs.bus import Bus
@@ -45,7 +47,7 @@ class StandInDecode:
     async def start(self) -> None:
         await self.bus.subscribe(subjects.admin("decode-worker", self.id), m.AdminRequest, self.on_admin)
         await self.bus.flush()
-        await self.bus.publish(subjects.HEARTBEAT, beat(self.id, interval_ms=60_000))
+        await self.bus.publish(subjects.heartbeat("decode"), beat(self.id, interval_ms=60_000))
 
     async def on_admin(self, msg: m.AdminRequest) -> m.AdminReply:
         if isinstance(msg, m.SetSlowdown):
@@ -114,3 +116,38 @@ async def test_bad_slowdown_bodies_are_400(start_gateway: StartGateway, body: ob
         r = await h.post("/admin/slowdown", **kw)  # type: ignore[arg-type]
     assert r.status_code == 400
     assert r.json()["error"]["param"] == param
+
+
+async def test_the_gateway_receives_each_heartbeat_once(
+    start_gateway: StartGateway, nats_server: str
+) -> None:
+    """Migration liveness, /ready and the admin directory share one subscription per heartbeat subject:
+    each heartbeat is delivered to the gateway once, not once per user."""
+    gw = await start_gateway(enable_admin=True)
+    assert gw.mesh is not None and gw.admin is not None
+    bus = await Bus.connect(nats_server, "workers")
+    try:
+        before = gw.bus.nc.stats["in_msgs"]
+        for i in range(10):
+            hb = msgspec.structs.replace(beat(f"p{i}", m.Role.PREFILL, 60_000), model=gw.info.name)
+            await bus.publish(subjects.heartbeat("prefill"), hb)
+        await bus.publish(
+            subjects.SCHED_HEARTBEAT, m.SchedulerHeartbeat(scheduler_id="s0", interval_ms=60_000, sent_ms=0)
+        )
+        hb = msgspec.structs.replace(beat("d0", interval_ms=60_000), model=gw.info.name)
+        await bus.publish(subjects.heartbeat("decode"), hb)  # sent last
+        await bus.flush()
+        async with asyncio.timeout(10):
+            while "d0" not in gw.mesh.liveness.table:
+                await asyncio.sleep(0.005)
+        assert gw.bus.nc.stats["in_msgs"] - before == 12
+        ready = gw.readiness.check()
+        assert ready.reason is None and (ready.decode_workers, ready.prefill_workers, ready.schedulers) == (
+            1,
+            10,
+            1,
+        )
+        assert len(await gw.admin.workers(None)) == 11
+        assert "s0" in gw.mesh.liveness.table and "p0" not in gw.mesh.liveness.table  # prefill: not a holder
+    finally:
+        await bus.close()

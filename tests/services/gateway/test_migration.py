@@ -113,7 +113,7 @@ class ScriptedMesh:
                 worker_id=worker, role=Role.DECODE, model=MODEL, running=1, waiting=0, free_pages=1,
                 total_pages=1, page_size=16, max_context=128, interval_ms=5000, sent_ms=0,
             )  # fmt: skip
-            await self.bus.publish(subjects.HEARTBEAT, hb)
+            await self.bus.publish(subjects.heartbeat_of(hb), hb)
         start = len(s.prompt_ids) - len(self.submits[0].prompt_ids)
         out = self.script[start : start + s.sampling.max_tokens]
         k, skipped = 0, False

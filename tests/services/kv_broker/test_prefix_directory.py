@@ -76,7 +76,7 @@ class Worker:
             worker_id=self.worker_id, role=m.Role.PREFILL, model="tiny", running=0, waiting=0, free_pages=64,
             total_pages=64, page_size=PS, max_context=1024, interval_ms=interval_ms, sent_ms=0,
         )  # fmt: skip
-        await self.bus.publish(subjects.HEARTBEAT, hb)
+        await self.bus.publish(subjects.heartbeat_of(hb), hb)
 
     async def stop(self) -> None:
         await self.pub.stop()
@@ -190,7 +190,7 @@ async def test_departed_and_silent_workers_leave_the_index(broker, client, worke
         await w.heartbeat(interval_ms=50)
     ix = index_of(broker)
     await until(lambda: {p0.worker_id, p1.worker_id} <= set(ix.workers()), "both indexed")
-    await client.publish(subjects.HEARTBEAT, m.WorkerGone(worker_id=p0.worker_id, role=m.Role.PREFILL))
+    await client.publish(subjects.heartbeat("prefill"), m.WorkerGone(worker_id=p0.worker_id, role=m.Role.PREFILL))
     await until(lambda: p0.worker_id not in ix.workers(), "WorkerGone")
     # p1 stays silent: 3 intervals of 50 ms later it is dead
     await until(lambda: p1.worker_id not in ix.workers(), "silence")
@@ -208,10 +208,10 @@ async def test_a_departed_worker_never_indexed_is_forgotten(broker, client) -> N
     )  # fmt: skip
     d = broker.prefix
     assert d is not None
-    await client.publish(subjects.HEARTBEAT, hb)
+    await client.publish(subjects.heartbeat_of(hb), hb)
     await until(lambda: wid in d.index._intervals and wid in d._last_try, "the heartbeat")
     assert d.index.seq_of(wid) is None
-    await client.publish(subjects.HEARTBEAT, m.WorkerGone(worker_id=wid, role=m.Role.PREFILL))
+    await client.publish(subjects.heartbeat("prefill"), m.WorkerGone(worker_id=wid, role=m.Role.PREFILL))
     await until(lambda: wid not in d.index._intervals and wid not in d._last_try, "WorkerGone")
     assert metric(broker, "moemesh_kv_broker_prefix_workers_dropped_total", reason="gone") == 0
 

@@ -30,7 +30,7 @@ class FakeDecode:
     async def heartbeat(self, **kw: object) -> None:
         kw.setdefault("interval_ms", 60_000)
         hb = make_heartbeat(self.worker_id, m.Role.DECODE, model=self.model, **kw)  # type: ignore[arg-type]
-        await self.bus.publish(subjects.HEARTBEAT, hb)
+        await self.bus.publish(subjects.heartbeat_of(hb), hb)
 
     async def _on_msg(self, msg: m.DecodeInbox) -> m.ReserveKvReply | None:
         match msg:
@@ -62,7 +62,7 @@ class FakePrefill:
         await self.bus.subscribe(subjects.prefill_inbox(self.worker_id), m.PrefillInbox, self._on_task)
         kw = {"interval_ms": 60_000, **heartbeat}
         hb = make_heartbeat(self.worker_id, m.Role.PREFILL, model=self.model, **kw)  # type: ignore[arg-type]
-        await self.bus.publish(subjects.HEARTBEAT, hb)
+        await self.bus.publish(subjects.heartbeat_of(hb), hb)
         return self
 
     async def _on_task(self, task: m.PrefillTask) -> None:

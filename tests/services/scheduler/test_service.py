@@ -213,7 +213,7 @@ async def test_worker_gone_fails_queued_requests_with_503(start) -> None:
     d = await h.decode("d0", free_pages=0)
     await h.prefill("p0")
     assert (await h.submit("r1")).ok
-    await h.bus.publish(subjects.HEARTBEAT, m.WorkerGone(worker_id=d.worker_id, role=m.Role.DECODE))
+    await h.bus.publish(subjects.heartbeat("decode"), m.WorkerGone(worker_id=d.worker_id, role=m.Role.DECODE))
     err = await _get(h.errors)
     assert (err.request_id, err.code) == ("r1", 503)
 
@@ -226,7 +226,7 @@ async def test_garbage_is_rejected_and_the_service_keeps_serving(start) -> None:
     wrong_type = proto.encode(m.Cancel(request_id="x"))
     wrong = await h.bus.nc.request(subjects.SCHED_SUBMIT, wrong_type, timeout=TIMEOUT)
     assert rejected.decode(wrong.data).code == 400
-    await h.bus.nc.publish(subjects.HEARTBEAT, b"not a heartbeat")
+    await h.bus.nc.publish(subjects.heartbeat("decode"), b"not a heartbeat")
     await h.bus.nc.publish(subjects.CANCEL, b"\x00")
     d = await h.decode("d0")
     await h.prefill("p0")

@@ -1,0 +1,25 @@
+"""The services' event loop choice (libs/bus/loop.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from libs.bus.loop import loop_kind, run
+
+
+async def _loop_module() -> str:
+    return type(asyncio.get_running_loop()).__module__
+
+
+def test_auto_takes_uvloop_when_installed_and_asyncio_on_request() -> None:
+    pytest.importorskip("uvloop")
+    assert loop_kind("auto") == "uvloop"  # the default setting is "asyncio"
+    assert run(_loop_module(), "auto").startswith("uvloop")
+    assert run(_loop_module(), "asyncio").startswith("asyncio")
+
+
+def test_a_bad_choice_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="auto, uvloop or asyncio"):
+        loop_kind("tokio")
