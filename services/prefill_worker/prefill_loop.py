@@ -50,6 +50,7 @@ class PrefillLoop:
         1: one prompt at a time, the unbatched baseline)."""
         self.engine, self.et, self.on_step, self.max_prompts = engine, et, on_step, max_prompts
         self._queued: dict[str, tuple[list[int], SamplingParams]] = {}  # submitted, not yet in the engine
+        self._lengths: dict[str, int] = {}  # prompt tokens of every prompt not yet reported
         self._in_engine: set[str] = set()  # added to the engine, result not yet reported
         self._futures: dict[str, asyncio.Future[PrefillResult]] = {}  # waiting tasks, queued or in the engine
         self._drop: set[str] = set()  # to abort in the engine before the next step
@@ -63,6 +64,12 @@ class PrefillLoop:
     def waiting(self) -> int:
         """Prompts submitted and not yet reported (queued or in the engine)."""
         return len(self._futures)
+
+    def backlog(self) -> tuple[int, int]:
+        """(prompts queued for the engine, prompt tokens not yet computed of those and of the ones in the
+        engine, counted in whole pages as the engine reports them final)."""
+        done = sum(len(p) for p in self._progress.values()) * self.engine.page_size
+        return len(self._queued), max(sum(self._lengths.values()) - done, 0)
 
     def watch(self, rid: str, watcher: Watcher) -> None:
         """Call watcher(pages, fence) on the event loop whenever the prompt's final pages change (at once
@@ -92,6 +99,7 @@ class PrefillLoop:
         fut: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
         self._futures[rid] = fut
         self._queued[rid] = (list(prompt_ids), params)
+        self._lengths[rid] = len(self._queued[rid][0])
         self._wake.set()
         try:
             return await fut
@@ -116,6 +124,7 @@ class PrefillLoop:
 
     def _fail(self, rid: str, exc: BaseException) -> None:
         self._progress.pop(rid, None)
+        self._lengths.pop(rid, None)
         fut = self._futures.pop(rid, None)
         if fut is not None and not fut.done():
             fut.set_exception(exc)
@@ -200,6 +209,7 @@ class PrefillLoop:
                 continue
             self._in_engine.discard(o.rid)
             self._progress.pop(o.rid, None)
+            self._lengths.pop(o.rid, None)
             fut = self._futures.pop(o.rid, None)
             if fut is None or fut.done():  # dropped while its last chunk ran: unpin it next round
                 self._drop.add(o.rid)

@@ -136,11 +136,16 @@ class PrefillWorker(WorkerService):
         return self.engine.stats()[key]
 
     def load(self) -> dict[str, int]:
+        """The heartbeat's numbers: waiting = prompts queued for the engine, running = every other task
+        (looking up its destination, in the engine, or transferring), waiting_tokens = prompt tokens not
+        yet computed (the scheduler's measure of prefill work ahead)."""
         st = self.engine.stats()
+        queued, tokens = self.prefills.backlog()
         return {
             **st,
-            "running": len(self.active) + len(self.early),
-            "waiting": 0,
+            "running": max(len(self.active) + len(self.early) - queued, 0),
+            "waiting": queued,
+            "waiting_tokens": tokens,
             "free_pages": st["free_pages"] + st["evictable_pages"],
             "page_size": self.engine.page_size,
             "max_context": self.engine.config.max_position_embeddings,
@@ -173,7 +178,8 @@ class PrefillWorker(WorkerService):
     async def on_admin(self, msg: m.AdminRequest) -> m.AdminReply:
         st = self.engine.stats()
         stats = m.WorkerStats(
-            worker_id=self.instance_id, role=m.Role.PREFILL, running=len(self.active), waiting=0,
+            worker_id=self.instance_id, role=m.Role.PREFILL, running=len(self.active),
+            waiting=self.prefills.backlog()[0],
             free_pages=st["free_pages"], total_pages=st["total_pages"], reserved_handles=st["pinned"],
             requests=sorted(self.active), **page_account(st),
         )  # fmt: skip
