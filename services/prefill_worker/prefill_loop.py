@@ -56,6 +56,7 @@ class PrefillLoop:
         self._drop: set[str] = set()  # to abort in the engine before the next step
         self._progress: dict[str, list[int]] = {}  # in the engine: its final pages after the last step
         self._watchers: dict[str, Watcher] = {}
+        self._last_fence: Fence | None = None  # the latest fence: it also covers every earlier step
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.forwards = 0  # engine steps run
@@ -76,7 +77,7 @@ class PrefillLoop:
         with what is known now); [] after a preemption means every page may be recomputed elsewhere."""
         self._watchers[rid] = watcher
         if self._progress.get(rid):
-            watcher(self._progress[rid], None)  # the fence of an earlier step has long passed
+            watcher(self._progress[rid], self._last_fence)
 
     def unwatch(self, rid: str) -> None:
         self._watchers.pop(rid, None)
@@ -192,6 +193,8 @@ class PrefillLoop:
         return event.synchronize
 
     def _notify(self, progress: dict[str, list[int]], fence: Fence | None) -> None:
+        if fence is not None:
+            self._last_fence = fence
         for rid, pages in progress.items():
             if rid not in self._in_engine or pages == self._progress.get(rid, []):
                 continue  # reported this round (its result carries every page), or nothing new
