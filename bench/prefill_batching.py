@@ -39,17 +39,17 @@ TINY = Path.home() / ".cache/moemesh/tiny-v3"  # what `moemesh up` serves by def
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def prefill_worker_cpu_s(session: int) -> float:
-    """User + system CPU seconds of the prefill worker started under `moemesh up` (its session)."""
+def prefill_worker_cpu_s(parent: int) -> float:
+    """User + system CPU seconds of the prefill worker that `moemesh up` (pid `parent`) started."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if b"services.prefill_worker" in cmdline and int(stat[3]) == session:
+        if b"services.prefill_worker" in cmdline and int(stat[1]) == parent:
             return (int(stat[11]) + int(stat[12])) / _TICK
-    raise RuntimeError(f"no prefill worker process in session {session}")
+    raise RuntimeError(f"no prefill worker process under pid {parent}")
 
 
 def engine_factor(length: int, prompts: int, budget: int) -> dict:
