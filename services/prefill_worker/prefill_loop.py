@@ -196,8 +196,8 @@ class PrefillLoop:
         if fence is not None:
             self._last_fence = fence
         for rid, pages in progress.items():
-            if rid not in self._in_engine or pages == self._progress.get(rid, []):
-                continue  # reported this round (its result carries every page), or nothing new
+            if rid not in self._in_engine or rid not in self._futures or pages == self._progress.get(rid, []):
+                continue  # reported or dropped meanwhile (its result carries every page), or nothing new
             self._progress[rid] = pages
             watcher = self._watchers.get(rid)
             if watcher is not None:
