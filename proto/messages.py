@@ -197,6 +197,8 @@ class WorkerHeartbeat(Kind, frozen=True):
     interval_ms: int
     sent_ms: int
     draining: bool = False
+    # prompt tokens queued or mid-prompt, not yet computed (prefill workers; 0 from senders that predate it)
+    waiting_tokens: int = 0
 
 
 class WorkerGone(Kind, frozen=True):

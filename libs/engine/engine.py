@@ -285,6 +285,16 @@ class Engine:
         self.add_request(rid, prompt_ids, params)
         self.requests[rid].pin_after_prefill = True
 
+    def prefill_progress(self, rid: str) -> list[int]:
+        """The pages of an add_prefill() prompt still in its prompt whose every row is computed, in prompt
+        order: they are final (later chunks write only past them), so their KV can be copied out while the
+        rest of the prompt computes. [] for a prompt that waits, including one preempted since the last
+        step (its recompute may put rows in other pages), or that is not in the engine."""
+        req = self.requests.get(rid)
+        if req is None or req.status is not Status.RUNNING:
+            return []
+        return req.pages[: req.num_computed // self.page_size]
+
     @property
     def stalled(self) -> bool:
         """The last step() had nothing to run and nothing to report (e.g. every page is pinned)."""

@@ -232,6 +232,11 @@ class EPEngine:
         self.group.call(r, "add_prefill", rid, list(prompt_ids), params)
         self.owner[rid] = r
 
+    def prefill_progress(self, rid: str) -> list[int]:
+        """Always []: an EP group reports a prompt's pages only when it is done, so its KV goes whole (asking
+        the owning rank after every step would cost a pipe round trip per prompt per step)."""
+        return []
+
     @property
     def stalled(self) -> bool:
         """Every rank's last step had nothing to run and nothing to report."""

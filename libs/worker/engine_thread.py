@@ -32,5 +32,10 @@ class EngineThread:
             if self.after_call is not None:
                 self.after_call()
 
+    def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn on the engine thread, waited for by the calling thread (never the engine thread itself, nor
+        the event loop: a transfer thread that must act where the engine's memory is)."""
+        return self._pool.submit(fn, *args).result()
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -28,20 +28,25 @@ def reserve_for(engine: EngineLike, msg: m.ReserveKv) -> tuple[int, list[int]]:
 
 def pages_to_send(page_ids: Sequence[int], handle: m.KvHandle, page_size: int) -> list[int]:
     """The prefill side's pages (covering the whole prompt) that the decode side does not hold yet."""
+    return list(page_ids[first_page_to_send(len(page_ids), handle, page_size) :])
+
+
+def first_page_to_send(num_pages: int, handle: m.KvHandle, page_size: int) -> int:
+    """Index of the prompt's first page (of num_pages) the decode side needs; page i goes into the
+    handle's page i - first. ValueError when the handle does not fit the prompt."""
     if handle.cached_tokens < 0 or handle.cached_tokens % page_size:
         raise ValueError(
             f"handle {handle.handle_id}: cached_tokens {handle.cached_tokens} is not a whole number of "
             f"{page_size}-token pages"
         )
     skip = handle.cached_tokens // page_size
-    if skip >= len(page_ids) and page_ids:
+    if skip >= num_pages and num_pages:
         raise ValueError(
             f"handle {handle.handle_id}: the decode side caches {handle.cached_tokens} tokens, the whole "
-            f"prompt of {len(page_ids)} pages; at least its last token must be sent"
+            f"prompt of {num_pages} pages; at least its last token must be sent"
         )
-    send = list(page_ids[skip:])
-    if len(handle.page_ids) < len(send):
+    if len(handle.page_ids) < num_pages - skip:
         raise ValueError(
-            f"handle {handle.handle_id} has {len(handle.page_ids)} pages, the prompt needs {len(send)}"
+            f"handle {handle.handle_id} has {len(handle.page_ids)} pages, the prompt needs {num_pages - skip}"
         )
-    return send
+    return skip

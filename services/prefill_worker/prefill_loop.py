@@ -7,12 +7,12 @@ forward runs share the next one: the engine's Batcher packs their chunks under `
 (long prompts chunked, prefix cache reused). A prompt's result is handed back from the round whose step
 ran its last chunk; its pages stay pinned until `release(rid)`.
 
-Transfers start per prompt, not per chunk or per layer: a task gets its result as soon as the step that
-finished its prompt returns and starts its KV write off the engine thread at once, while the loop's next
-round computes the other prompts. A prompt's transfer therefore overlaps the rest of the batch, but not
-its own later chunks. Per-chunk starts would need the engine to expose half-prefilled pages and the
-decode side to accept KV in pieces, and would only help prompts longer than `max_prefill_tokens`; the
-lease check, the cancel checks and the single KvReady stay per prompt as they were.
+A task gets its result as soon as the step that finished its prompt returns, so its KV write starts off
+the engine thread while the loop's next round computes the other prompts. A prompt longer than one chunk
+starts earlier still: after every step the loop reads which of its pages are final
+(`Engine.prefill_progress`) and hands them to the prompt's watcher (`watch`; kv_stream.py writes them),
+so its earlier chunks' KV travels while its later chunks compute. On CUDA the pages come with a fence
+(an event recorded after the step) that the writer waits on before reading them.
 
 Failures: a prompt the engine refuses (ValueError) fails alone; a step that raises fails every prompt in
 the engine with that error (they are aborted in the next round, so no page stays held). `drop` (a
@@ -25,12 +25,16 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 
+import torch
+
 from libs.engine.outputs import PrefillResult, StepOutput
 from libs.engine.protocol import EngineLike
 from libs.engine.sampling import SamplingParams
 from libs.worker.engine_thread import EngineThread
 
-Round = tuple[dict[str, Exception], list[StepOutput], bool]
+Fence = Callable[[], None]  # returns once the device has written what the step computed
+Watcher = Callable[[list[int], Fence | None], None]  # (the prompt's final pages so far, their fence)
+Round = tuple[dict[str, Exception], list[StepOutput], bool, dict[str, list[int]], Fence | None]
 
 
 class PrefillLoop:
@@ -46,9 +50,13 @@ class PrefillLoop:
         1: one prompt at a time, the unbatched baseline)."""
         self.engine, self.et, self.on_step, self.max_prompts = engine, et, on_step, max_prompts
         self._queued: dict[str, tuple[list[int], SamplingParams]] = {}  # submitted, not yet in the engine
+        self._lengths: dict[str, int] = {}  # prompt tokens of every prompt not yet reported
         self._in_engine: set[str] = set()  # added to the engine, result not yet reported
         self._futures: dict[str, asyncio.Future[PrefillResult]] = {}  # waiting tasks, queued or in the engine
         self._drop: set[str] = set()  # to abort in the engine before the next step
+        self._progress: dict[str, list[int]] = {}  # in the engine: its final pages after the last step
+        self._watchers: dict[str, Watcher] = {}
+        self._last_fence: Fence | None = None  # the latest fence: it also covers every earlier step
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.forwards = 0  # engine steps run
@@ -57,6 +65,22 @@ class PrefillLoop:
     def waiting(self) -> int:
         """Prompts submitted and not yet reported (queued or in the engine)."""
         return len(self._futures)
+
+    def backlog(self) -> tuple[int, int]:
+        """(prompts queued for the engine, prompt tokens not yet computed of those and of the ones in the
+        engine, counted in whole pages as the engine reports them final)."""
+        done = sum(len(p) for p in self._progress.values()) * self.engine.page_size
+        return len(self._queued), max(sum(self._lengths.values()) - done, 0)
+
+    def watch(self, rid: str, watcher: Watcher) -> None:
+        """Call watcher(pages, fence) on the event loop whenever the prompt's final pages change (at once
+        with what is known now); [] after a preemption means every page may be recomputed elsewhere."""
+        self._watchers[rid] = watcher
+        if self._progress.get(rid):
+            watcher(self._progress[rid], self._last_fence)
+
+    def unwatch(self, rid: str) -> None:
+        self._watchers.pop(rid, None)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="prefill-loop")
@@ -76,6 +100,7 @@ class PrefillLoop:
         fut: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
         self._futures[rid] = fut
         self._queued[rid] = (list(prompt_ids), params)
+        self._lengths[rid] = len(self._queued[rid][0])
         self._wake.set()
         try:
             return await fut
@@ -99,6 +124,8 @@ class PrefillLoop:
         self._wake.set()
 
     def _fail(self, rid: str, exc: BaseException) -> None:
+        self._progress.pop(rid, None)
+        self._lengths.pop(rid, None)
         fut = self._futures.pop(rid, None)
         if fut is not None and not fut.done():
             fut.set_exception(exc)
@@ -115,7 +142,9 @@ class PrefillLoop:
             self._wake.clear()
             forwards = self.forwards
             try:
-                errors, outs, stalled = await self.et.call(self._round, new, drop)
+                errors, outs, stalled, progress, fence = await self.et.call(
+                    self._round, new, drop, tuple(self._in_engine)
+                )
             except Exception as e:  # the step failed: so does every prompt it held
                 self._in_engine -= drop
                 for rid in self._in_engine:
@@ -127,6 +156,7 @@ class PrefillLoop:
             if self.on_step is not None and self.forwards > forwards:
                 self.on_step(len(self._in_engine) - len(errors))
             self._report(errors, outs)
+            self._notify(progress, fence)
             if stalled and not self._drop:
                 await self._wake.wait()  # every page is pinned: a release, a new task or a drop wakes us
 
@@ -135,8 +165,10 @@ class PrefillLoop:
         rids = list(self._queued)[: max(room, 0)]
         return {rid: self._queued.pop(rid) for rid in rids}
 
-    def _round(self, new: dict[str, tuple[list[int], SamplingParams]], drop: set[str]) -> Round:
-        """On the engine thread: abort, queue, one step."""
+    def _round(
+        self, new: dict[str, tuple[list[int], SamplingParams]], drop: set[str], running: tuple[str, ...]
+    ) -> Round:
+        """On the engine thread: abort, queue, one step, then the final pages of the prompts still running."""
         for rid in drop:
             self.engine.abort(rid)
         errors: dict[str, Exception] = {}
@@ -146,10 +178,30 @@ class PrefillLoop:
             except ValueError as e:
                 errors[rid] = e
         if not self.engine.has_unfinished():
-            return errors, [], False
+            return errors, [], False, {}, None
         outs = self.engine.step()
         self.forwards += 1
-        return errors, outs, self.engine.stalled
+        progress = {rid: self.engine.prefill_progress(rid) for rid in running if rid not in drop}
+        return errors, outs, self.engine.stalled, progress, self._fence(progress)
+
+    def _fence(self, progress: dict[str, list[int]]) -> Fence | None:
+        """On CUDA the step's kernels may still run when step() returns: an event to wait on before reading."""
+        if not any(progress.values()) or not self.engine.kv_pool.buffer.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event.synchronize
+
+    def _notify(self, progress: dict[str, list[int]], fence: Fence | None) -> None:
+        if fence is not None:
+            self._last_fence = fence
+        for rid, pages in progress.items():
+            if rid not in self._in_engine or rid not in self._futures or pages == self._progress.get(rid, []):
+                continue  # reported or dropped meanwhile (its result carries every page), or nothing new
+            self._progress[rid] = pages
+            watcher = self._watchers.get(rid)
+            if watcher is not None:
+                watcher(pages, fence)
 
     def _report(self, errors: dict[str, Exception], outs: list[StepOutput]) -> None:
         for rid, e in errors.items():
@@ -159,6 +211,8 @@ class PrefillLoop:
             if o.prefill is None:
                 continue
             self._in_engine.discard(o.rid)
+            self._progress.pop(o.rid, None)
+            self._lengths.pop(o.rid, None)
             fut = self._futures.pop(o.rid, None)
             if fut is None or fut.done():  # dropped while its last chunk ran: unpin it next round
                 self._drop.add(o.rid)

@@ -5,10 +5,11 @@ PrefillStart before it (the prompt is queued into the batch while the decode wor
 or PrefillAbandon (the reservation failed). For each PrefillTask: look up the decode worker's pool
 geometry at the kv-broker (cached), run the prompt in the next batched forward of the `PrefillLoop`
 (prefill_loop.py: prompts that arrive together share forwards, prefix cache reused; its pages stay
-pinned), and as soon as its own result is back write the pages into the handle's pages with the
-transfer engine (a plan of merged contiguous runs, off the engine thread while the batch goes on), mark the handle written, send
-KvReady (first token) to the decode worker, unpin. Failures send PrefillFailed to the decode worker and
-RequestError to the gateway. `Cancel` drops a queued or running task before its KvReady.
+pinned), writing its pages into the handle's pages with the transfer engine as they become final
+(kv_stream.py: a long prompt's earlier chunks travel while its later chunks compute; each write a plan of
+merged contiguous runs, off the engine thread), the rest as soon as its own result is back; then mark the
+handle written, send KvReady (first token) to the decode worker, unpin. Failures send PrefillFailed to the
+decode worker and RequestError to the gateway. `Cancel` drops a queued or running task before its KvReady.
 """
 
 from __future__ import annotations
@@ -25,14 +26,17 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.bus.periodic import Periodic
+from libs.engine.batcher import pages_for
+from libs.engine.outputs import PrefillResult
+from libs.kvtransfer import PageGeometry, plan_page_runs
 from libs.kvtransfer.ranks import sessions, target_pool
 from libs.telemetry import RequestTracker
 from libs.telemetry import attributes as span_attrs
 from libs.worker.heartbeat import Heartbeater
 from libs.worker.kv_events import start_kv_events
 from libs.worker.page_accounting import install_page_gauges, page_account
-from libs.worker.prefix_reuse import pages_to_send
-from libs.worker.rank_pools import write_pages
+from libs.worker.prefix_reuse import first_page_to_send
+from libs.worker.rank_pools import has_rank_pools
 from libs.worker.service import WorkerService
 from libs.worker.settings import WorkerSettings
 from libs.worker.startup import register_engine_metrics
@@ -40,6 +44,7 @@ from libs.worker.wire import to_params, to_wire_logprob
 from proto import messages as m
 from proto import subjects
 from services.prefill_worker.early import EarlyPrefills
+from services.prefill_worker.kv_stream import KvStream
 from services.prefill_worker.prefill_loop import PrefillLoop
 
 log = logging.getLogger("moemesh.prefill")
@@ -66,6 +71,9 @@ class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
         if self.attention_backend == "auto" and not self.device.startswith("cuda"):
             return "triton"
         return self.attention_backend
+    # write a long prompt's finished chunks while its later chunks compute (kv_stream.py); off: the whole
+    # prompt's KV goes once its last chunk ran (the baseline)
+    stream_kv: bool = True
 
 
 class PrefillWorker(WorkerService):
@@ -77,6 +85,8 @@ class PrefillWorker(WorkerService):
         s = self.settings
         await self.start_engine(m.Role.PREFILL)
         self.dst_workers: dict[str, m.WorkerRecord] = {}  # decode worker -> its pools, from the broker
+        # this worker's own pool (None: an EP engine whose ranks hold the pools and write themselves)
+        self.src_geom = None if has_rank_pools(self.engine) else PageGeometry.of_pool(self.engine.kv_pool)
         self.active: set[str] = set()  # tasks received and not finished
         self.cancelled: set[str] = set()
         self._background: set[asyncio.Task] = set()
@@ -101,6 +111,10 @@ class PrefillWorker(WorkerService):
         self.m_xfer_seconds = Histogram(
             "moemesh_kv_transfer_seconds", "KV transfer time per request", registry=r
         )
+        self.m_xfer_early = Counter(
+            "moemesh_kv_transfer_early_bytes_total",
+            "KV bytes written while the prompt's later chunks were still computing", registry=r,
+        )  # fmt: skip
         self.tracker = RequestTracker(self.telemetry, r, "prefill")  # spans + request outcome metrics
         register_engine_metrics(self.engine, r)  # an EP group's expert load
         install_page_gauges(r, self.engine.stats)  # the leak check
@@ -131,11 +145,16 @@ class PrefillWorker(WorkerService):
         return self.engine.stats()[key]
 
     def load(self) -> dict[str, int]:
+        """The heartbeat's numbers: waiting = prompts queued for the engine, running = every other task
+        (looking up its destination, in the engine, or transferring), waiting_tokens = prompt tokens not
+        yet computed (the scheduler's measure of prefill work ahead)."""
         st = self.engine.stats()
+        queued, tokens = self.prefills.backlog()
         return {
             **st,
-            "running": len(self.active) + len(self.early),
-            "waiting": 0,
+            "running": max(len(self.active) + len(self.early) - queued, 0),
+            "waiting": queued,
+            "waiting_tokens": tokens,
             "free_pages": st["free_pages"] + st["evictable_pages"],
             "page_size": self.engine.page_size,
             "max_context": self.engine.config.max_position_embeddings,
@@ -168,7 +187,8 @@ class PrefillWorker(WorkerService):
     async def on_admin(self, msg: m.AdminRequest) -> m.AdminReply:
         st = self.engine.stats()
         stats = m.WorkerStats(
-            worker_id=self.instance_id, role=m.Role.PREFILL, running=len(self.active), waiting=0,
+            worker_id=self.instance_id, role=m.Role.PREFILL, running=len(self.active),
+            waiting=self.prefills.backlog()[0],
             free_pages=st["free_pages"], total_pages=st["total_pages"], reserved_handles=st["pinned"],
             requests=sorted(self.active), **page_account(st),
         )  # fmt: skip
@@ -220,29 +240,32 @@ class PrefillWorker(WorkerService):
         rid, handle = task.request_id, task.handle
         dst = await self._dst_pool(handle)
         self._check_cancelled(rid)
-        t0 = time.perf_counter()
-        early = self.early.take(rid)  # started by PrefillStart while the decode worker reserved
-        if early is not None:
-            res = await early
-        else:
-            res = await self.prefills.prefill(rid, task.prompt_ids, to_params(task.sampling))
-        self.m_seconds.observe(time.perf_counter() - t0)
-        self.m_tokens.labels("yes").inc(res.cached_tokens)
-        self.m_tokens.labels("no").inc(len(task.prompt_ids) - res.cached_tokens)
-        self.tracker.prefix_cache(rid, res.cached_tokens, len(task.prompt_ids))
-        self._check_cancelled(rid)
-        send = pages_to_send(res.page_ids, handle, self.engine.page_size)  # past what decode caches
-        left_ms = handle.lease_expires_ms - int(time.time() * 1000)
-        if left_ms < self.settings.lease_margin_ms:  # past the lease the decode side may reuse the pages
-            raise TimeoutError(f"lease of handle {handle.handle_id} has {left_ms} ms left; not writing")
-        protocol = self.settings.transfer_protocol
-        with self.telemetry.span("kv_transfer", kind=SpanKind.CLIENT) as span:
-            t0 = time.perf_counter()
-            nbytes, nruns = await write_pages(self.engine, self.et, self.transport, send, handle, dst)
-            dt = time.perf_counter() - t0
-            span.set_attributes(span_attrs.transfer(protocol, nbytes, dt, nruns, handle.decode_worker))
-        self.m_xfer_seconds.observe(dt)
-        self.m_xfer_bytes.inc(nbytes)
+        skip = first_page_to_send(
+            pages_for(len(task.prompt_ids), self.engine.page_size), handle, self.engine.page_size
+        )
+        stream = KvStream(
+            functools.partial(self._write_pages, handle.session_id, dst), handle.page_ids, skip,
+            functools.partial(self._check_writable, task), functools.partial(self.prefills.drop, rid),
+        )  # fmt: skip
+        if self.settings.stream_kv:
+            self.prefills.watch(rid, stream.update)
+        try:
+            res = await self._prefill(task)
+            with self.telemetry.span("kv_transfer", kind=SpanKind.CLIENT) as span:
+                t0 = time.perf_counter()
+                late = await stream.finish(res.page_ids)  # what is left once the last chunk ran
+                protocol, worker = self.settings.transfer_protocol, handle.decode_worker
+                span.set_attributes(
+                    span_attrs.transfer(protocol, stream.bytes, stream.seconds, stream.runs, worker)
+                )
+                span.set_attribute("moemesh.kv_transfer.early_bytes", stream.bytes - late)
+                span.set_attribute("moemesh.kv_transfer.exposed_seconds", time.perf_counter() - t0)
+        finally:
+            self.prefills.unwatch(rid)
+            await stream.close()  # nothing lands in the decode side's pages after this
+        self.m_xfer_seconds.observe(stream.seconds)
+        self.m_xfer_bytes.inc(stream.bytes)
+        self.m_xfer_early.inc(stream.bytes - late)
         # Unpinning waits in the engine thread's queue behind the next batched step: on_task's `finally`
         # does it after KvReady is out, so the batch does not hold back this first token.
         self._check_cancelled(rid)
@@ -261,6 +284,44 @@ class PrefillWorker(WorkerService):
         task_ = asyncio.create_task(self._mark_written(handle.handle_id))
         self._background.add(task_)
         task_.add_done_callback(self._background.discard)
+
+    async def _prefill(self, task: m.PrefillTask) -> PrefillResult:
+        """The prompt's result from the batched loop (or the early start PrefillStart made), with metrics."""
+        rid, t0 = task.request_id, time.perf_counter()
+        early = self.early.take(rid)  # started by PrefillStart while the decode worker reserved
+        if early is not None:
+            res = await early
+        else:
+            res = await self.prefills.prefill(rid, task.prompt_ids, to_params(task.sampling))
+        self.m_seconds.observe(time.perf_counter() - t0)
+        self.m_tokens.labels("yes").inc(res.cached_tokens)
+        self.m_tokens.labels("no").inc(len(task.prompt_ids) - res.cached_tokens)
+        self.tracker.prefix_cache(rid, res.cached_tokens, len(task.prompt_ids))
+        return res
+
+    def _check_writable(self, task: m.PrefillTask) -> None:
+        """Before each KV write: not cancelled, and the lease far enough from its end (past it the decode
+        side may reuse the pages)."""
+        self._check_cancelled(task.request_id)
+        handle = task.handle
+        left_ms = handle.lease_expires_ms - int(time.time() * 1000)
+        if left_ms < self.settings.lease_margin_ms:
+            raise TimeoutError(f"lease of handle {handle.handle_id} has {left_ms} ms left; not writing")
+
+    def _write_pages(
+        self, session: str, dst: m.KvGeometry, src_pages: list[int], dst_pages: list[int]
+    ) -> tuple[int, int]:
+        """Blocking (a worker thread): every layer of src_pages into dst_pages of the decode worker (or of
+        its rank's pool). An EP engine with per-rank pools writes from the rank holding the prompt, through
+        the engine thread (libs.worker.rank_pools); runs are then not counted (-1)."""
+        if has_rank_pools(self.engine):
+            layers = self.engine.config.num_hidden_layers
+            geom = {f: getattr(dst, f) for f in m.KvGeometry.__struct_fields__}
+            write = self.engine.write_kv  # type: ignore[attr-defined]
+            return self.et.run_blocking(write, src_pages, session, geom, dst_pages, layers), -1
+        assert self.src_geom is not None
+        runs = plan_page_runs(self.src_geom.num_layers, src_pages, dst_pages, self.src_geom, dst)
+        return self.transport.write(session, runs), len(runs)
 
     async def _mark_written(self, handle_id: str) -> None:
         try:

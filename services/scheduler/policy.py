@@ -24,8 +24,10 @@ Rules (why, where it is not obvious):
 - Conditional disaggregation: when the chosen decode worker's uncached prompt part (prompt length minus
   its cached prefix) is at most `direct_prefill_threshold` tokens, prefill runs on the decode worker
   itself; a threshold of 0 disables this.
-- Prefill choice: best score with load = queued work (running + waiting + inflight), then most cached
-  prefix, then id.
+- Prefill choice: best score with load = queued work (running + waiting + inflight, in prompts), then
+  fewest prompt tokens still to compute (the heartbeat's waiting_tokens plus the uncached tokens placed
+  since), so of two workers with as many prompts the one with less prefill work takes the next, then most
+  cached prefix, then id.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class WorkerState:
     last_seen: float
     inflight: int = 0
     inflight_pages: int = 0
+    inflight_tokens: int = 0  # prompt tokens to compute placed since the heartbeat (prefill workers)
     suspended: bool = False
 
     @property
@@ -115,6 +118,11 @@ class WorkerState:
     @property
     def prefill_load(self) -> int:
         return self.hb.running + self.hb.waiting + self.inflight
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens this prefill worker has yet to compute, as far as the scheduler knows."""
+        return self.hb.waiting_tokens + self.inflight_tokens
 
     def expires_at(self, dead_after_intervals: float) -> float:
         return expires_at(self.last_seen, self.hb.interval_ms, dead_after_intervals)
@@ -171,12 +179,13 @@ class WorkerTable:
         times = [s.expires_at(self.dead_after_intervals) for s in self._workers.values()]
         return min(times) if times else None
 
-    def note_placement(self, worker_id: str, pages: int = 0) -> None:
-        """Count a placement on a worker until its next heartbeat reports it."""
+    def note_placement(self, worker_id: str, pages: int = 0, tokens: int = 0) -> None:
+        """Count a placement (its pages, its prompt tokens to compute) until the next heartbeat reports it."""
         s = self._workers.get(worker_id)
         if s is not None:
             s.inflight += 1
             s.inflight_pages += pages
+            s.inflight_tokens += tokens
 
     def suspend(self, worker_id: str) -> None:
         """The worker refused or did not answer a reservation: place nothing on it until it is heard again."""
@@ -291,7 +300,7 @@ def schedule(
     usable = [w for w in prefill.fits_context if not w.suspended]
     if not usable:
         return Wait("every prefill worker is suspended until its next heartbeat")
-    p = min(usable, key=lambda w: (-score(w, w.prefill_load), -hit(w), w.worker_id))
+    p = min(usable, key=lambda w: (-score(w, w.prefill_load), w.prefill_tokens, -hit(w), w.worker_id))
     uncached = max(0, req.prompt_len - hits.get(p.worker_id, 0))
     return Plan(PlanKind.DISAGGREGATED, d.worker_id, p.worker_id, req.prompt_len, d_pages, uncached)
 

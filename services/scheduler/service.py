@@ -356,7 +356,7 @@ class SchedulerService(Service):
             self.queue.start(e.request_id)
             self.workers.note_placement(decision.decode, decision.decode_pages)
             if decision.prefill is not None:
-                self.workers.note_placement(decision.prefill)
+                self.workers.note_placement(decision.prefill, tokens=decision.uncached)
                 self._note_prefix(s, decision.prefill)
             task = asyncio.create_task(self._place(e, decision))
             self._placements.add(task)

@@ -137,3 +137,29 @@ def test_abort_bad_input_and_a_full_pool(model) -> None:
     assert set(got) == {"b", "c"} and not e.stalled
     assert e.release("c") and not e.release("c")
     assert_no_leak(e)
+
+
+def test_prefill_progress_names_the_pages_later_chunks_leave_alone(model) -> None:
+    """After each step a prompt's whole computed pages are final: later chunks do not change their rows."""
+    e = make(model)
+    long = PROMPTS[0]  # 50 tokens, chunks of 24: pages final after each step 6, 12, then the result
+    e.add_prefill("a", long, GREEDY)
+    assert e.prefill_progress("a") == []  # waiting
+    seen = []
+    while e.has_unfinished():
+        outs = e.step()
+        if outs:
+            result = outs[0].prefill
+            break
+        pages = e.prefill_progress("a")
+        seen.append((len(pages), pages, rows(e, pages, len(pages) * PAGE)))
+    assert result is not None and [n for n, _, _ in seen] == [6, 12]
+    assert e.prefill_progress("a") == []  # reported: pinned, out of the batch
+    for n, pages, before in seen:
+        assert pages == result.page_ids[:n]
+        assert torch.equal(rows(e, pages, n * PAGE), before)
+    assert e.release("a")
+    e.add_prefill("b", PROMPTS[4], GREEDY)  # 30 tokens: mid-prompt after one step
+    e.step()
+    assert e.prefill_progress("b") and e.abort("b") and e.prefill_progress("b") == []
+    assert_no_leak(e)

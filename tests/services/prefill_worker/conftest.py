@@ -1,6 +1,7 @@
 """A prefill worker service alone against a real nats-server: the test plays the kv-broker (a double that
 answers registration and lookups and records HandleWritten) and the decode worker (a KV pool of the same
-geometry registered with the in-process transport, and subscriptions on its inbox and the request's stream).
+geometry registered with the in-process transport, or with Mooncake TCP when the rig asks for it, and
+subscriptions on its inbox and the request's stream).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from libs.bus import Bus
 from libs.engine import Engine
 from libs.engine.tiny import write_tiny_model
-from libs.kvtransfer.inprocess import InProcessTransport
+from libs.kvtransfer import InProcessTransport, KvTransport, MooncakeTransport
 from libs.worker.startup import geometry
 from proto import messages as m
 from proto import subjects
@@ -46,12 +47,12 @@ def nats_url(private_nats_url: str) -> str:
 
 
 class DecodeSide:
-    """The decode worker's pool (zeros until written) registered with the in-process transport."""
+    """The decode worker's pool (zeros until written) registered with its transport."""
 
-    def __init__(self, like: torch.Tensor, page_size: int) -> None:
+    def __init__(self, like: torch.Tensor, page_size: int, transport: KvTransport) -> None:
         self.buffer = torch.zeros_like(like)  # [L, pages * page_size, row]
         self.page_size = page_size
-        self.transport = InProcessTransport()
+        self.transport = transport
         self.transport.register(self.buffer.data_ptr(), self.buffer.numel() * self.buffer.element_size())
 
     def geometry(self, pool_geometry: m.KvGeometry) -> m.KvGeometry:
@@ -132,12 +133,13 @@ class Rig:
 async def make_rig(nats_url: str, model_dir: Path) -> AsyncIterator[Callable[..., object]]:
     started: list[tuple[PrefillWorker, asyncio.Task, Bus, DecodeSide]] = []
 
-    async def make(lease_margin_ms: int = 1000, **more: object) -> Rig:
+    async def make(lease_margin_ms: int = 1000, mooncake: bool = False, **more: object) -> Rig:
+        """mooncake: both sides on Mooncake TCP over loopback (else the in-process transport)."""
         bus = await Bus.connect(nats_url, "prefill-test")
         settings = PrefillWorkerSettings(
             nats_url=nats_url, instance_id=f"prefill-{uuid.uuid4().hex[:8]}", model_dir=str(model_dir),
-            transfer_protocol="inprocess", lease_margin_ms=lease_margin_ms, heartbeat_interval_ms=60_000,
-            broker_timeout_s=5.0, **more,
+            transfer_protocol="tcp" if mooncake else "inprocess", lease_margin_ms=lease_margin_ms,
+            heartbeat_interval_ms=60_000, broker_timeout_s=5.0, **more,
         )  # fmt: skip
         worker = PrefillWorker(settings)
         rig_box: list[Rig] = []
@@ -150,7 +152,8 @@ async def make_rig(nats_url: str, model_dir: Path) -> AsyncIterator[Callable[...
         await bus.subscribe(subjects.BROKER, m.BrokerRequest, on_broker, concurrent=True)
         await bus.flush()
         task = await start_service(worker, timeout=120)
-        decode = DecodeSide(worker.engine.kv_pool.buffer, worker.engine.page_size)
+        transport = MooncakeTransport("tcp") if mooncake else InProcessTransport()
+        decode = DecodeSide(worker.engine.kv_pool.buffer, worker.engine.page_size, transport)
         rig = Rig(bus, worker, decode)
         rig_box.append(rig)
         await bus.subscribe(subjects.decode_inbox(DECODE), m.DecodeInbox, rig.inbox.put)

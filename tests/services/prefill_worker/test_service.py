@@ -198,3 +198,37 @@ async def test_tasks_that_arrive_together_share_forwards_and_each_kv_lands(
         same_kv(rig.decode.rows(list(t.handle.page_ids), len(t.prompt_ids)), rows)
     await rig.settled()
     assert rig.stream.empty()
+
+
+async def test_the_heartbeat_reports_queued_prompts_and_their_tokens(make_rig) -> None:
+    """Tasks queued behind a busy engine thread show in the heartbeat as waiting prompts and tokens (what
+    the scheduler weighs prefill workers by); once done, nothing waits."""
+    rig: Rig = await make_rig()
+    beats: asyncio.Queue[m.WorkerHeartbeat] = asyncio.Queue()
+
+    async def on_beat(msg: m.Heartbeat) -> None:
+        if isinstance(msg, m.WorkerHeartbeat) and msg.worker_id == rig.worker.instance_id:
+            await beats.put(msg)
+
+    await rig.bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, on_beat)
+    await rig.bus.flush()
+    tasks = [rig.task(PROMPT[:n], [2 * k, 2 * k + 1]) for k, n in enumerate((30, 17, 25))]
+    hold = threading.Event()
+    busy = asyncio.ensure_future(rig.worker.et.call(hold.wait, 30))
+    try:
+        for t in tasks:
+            await rig.send(t)
+        await rig.until(lambda: rig.worker.prefills.waiting == len(tasks), "every task at the prefill loop")
+        await rig.worker.heartbeat.beat()
+        hb = await asyncio.wait_for(beats.get(), 10)
+    finally:
+        hold.set()
+        await busy
+    # queued behind the held thread, or taken into the round that waits for it: not yet computed either way
+    assert (hb.waiting_tokens, hb.running + hb.waiting) == (30 + 17 + 25, 3), hb
+    for _ in tasks:
+        assert isinstance(await rig.next_inbox(), m.KvReady)
+    await rig.settled()
+    await rig.worker.heartbeat.beat()
+    hb = await asyncio.wait_for(beats.get(), 10)
+    assert (hb.running, hb.waiting, hb.waiting_tokens) == (0, 0, 0), hb

@@ -19,6 +19,7 @@ def make_heartbeat(
     max_context: int = 1024,
     interval_ms: int = 1000,
     draining: bool = False,
+    waiting_tokens: int = 0,
 ) -> WorkerHeartbeat:
     return WorkerHeartbeat(
         worker_id=worker_id,
@@ -33,6 +34,7 @@ def make_heartbeat(
         interval_ms=interval_ms,
         sent_ms=0,
         draining=draining,
+        waiting_tokens=waiting_tokens,
     )
 
 

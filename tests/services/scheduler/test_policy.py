@@ -168,6 +168,20 @@ def test_prefill_worker_with_least_queued_work_wins() -> None:
     assert decide(table).prefill == "p0"  # 4 vs 3 + 2 in flight
 
 
+def test_of_two_prefill_workers_with_as_many_prompts_the_one_with_fewer_tokens_to_compute_wins() -> None:
+    table = make_workers(
+        make_heartbeat("d0"),
+        make_heartbeat("p0", Role.PREFILL, running=1, waiting=2, waiting_tokens=6_000),
+        make_heartbeat("p1", Role.PREFILL, running=2, waiting=1, waiting_tokens=2_500),
+    )
+    assert decide(table).prefill == "p1"
+    table.note_placement("p0")
+    table.note_placement("p1", tokens=4_000)  # both one prompt more; p1 now has more tokens ahead
+    assert decide(table).prefill == "p0"
+    table.observe(make_heartbeat("p1", Role.PREFILL, running=1, waiting=3, waiting_tokens=100), 0.0)
+    assert decide(table).prefill == "p1"  # its heartbeat replaced the estimate
+
+
 def test_prefix_overlap_breaks_prefill_ties() -> None:
     table = make_workers(
         make_heartbeat("d0"), make_heartbeat("p0", Role.PREFILL), make_heartbeat("p1", Role.PREFILL)
