@@ -28,7 +28,7 @@ from torch import nn
 
 from libs.ep.comm import Comm
 from libs.ep.dispatch.base import Dispatched, Dispatcher
-from libs.ep.experts import run_local_experts
+from libs.ep.experts import count_load, run_fp8_experts, run_local_experts
 from libs.ep.placement import Placement
 
 log = logging.getLogger("moemesh.ep")
@@ -48,7 +48,7 @@ def shard_experts(model: Any, placement: Placement, rank: int, copy: bool = True
     local = placement.local_experts(rank)
     for j, (_, moe) in enumerate(layers):
         ex = moe.experts
-        for name in ("gate_up_proj", "down_proj"):
+        for name in expert_param_names(ex):
             full = getattr(ex, name)
             if copy:
                 part = full.data[local[j].to(full.device)].clone()
@@ -57,14 +57,22 @@ def shard_experts(model: Any, placement: Placement, rank: int, copy: bool = True
             setattr(ex, name, nn.Parameter(part, requires_grad=False))
 
 
+def expert_param_names(ex: Any) -> tuple[str, ...]:
+    """The stacked [E, ...] parameters of an Experts module (FP8 ones carry their block scales)."""
+    names = ("gate_up_proj", "down_proj")
+    return names + ("gate_up_proj_scale_inv", "down_proj_scale_inv") if ex.is_fp8 else names
+
+
 class EPMoEHook:
     """What `MoE.ep` is set to: layer j's call into the rank's runtime."""
 
     def __init__(self, runtime: EPRuntime, j: int) -> None:
         self.runtime, self.j = runtime, j
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.runtime.moe(self.j, x, ids, weights)
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.runtime.moe(self.j, x, ids, weights, add)
 
 
 class EPRuntime:
@@ -83,15 +91,19 @@ class EPRuntime:
             len(self.layers), placement.num_logical, dtype=torch.int64, device=self.device
         )
         self.rounds = 0
+        dispatcher.set_rounds_per_forward(len(self.layers))
 
     # --- the model side: one MoE layer of an active forward ---
-    def moe(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids/weights [T, K] (logical experts from the router) -> routed experts' output [T, D]."""
+    def moe(
+        self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, D], ids/weights [T, K] (logical experts from the router) -> routed experts' output [T, D]
+        (+ add: the shared expert's output, which FP8 MoEs hand over)."""
         if j != self.rounds % len(self.experts):
             raise RuntimeError(
                 f"EP lockstep broken: MoE layer {j} in round {self.rounds} on rank {self.rank}"
             )
-        self.load[j] += torch.bincount(ids.flatten(), minlength=self.placement.num_logical)
+        count_load(self.load[j], ids)
         slots = self.placement.to_physical(j, ids, self.rank, self.tables)
         d = self.dispatcher.dispatch(x, slots, weights, active=True)
         if d is None:
@@ -99,7 +111,7 @@ class EPRuntime:
         out, failure = self._serve(j, d)
         if failure is not None:
             raise failure
-        return out
+        return out if add is None else out + add
 
     def _serve(self, j: int, d: Dispatched) -> tuple[torch.Tensor, Exception | None]:
         """Local experts over what arrived, then combine; the combine happens even if the experts fail."""
@@ -107,7 +119,7 @@ class EPRuntime:
         ex = self.experts[j]
         failure: Exception | None = None
         try:
-            y = run_local_experts(ex.gate_up_proj, ex.down_proj, d)
+            y = run_fp8_experts(ex, d) if ex.is_fp8 else run_local_experts(ex.gate_up_proj, ex.down_proj, d)
         except Exception as e:
             failure, y = e, torch.zeros_like(d.x)
         return self.dispatcher.combine(y, d), failure
@@ -126,6 +138,7 @@ class EPRuntime:
             if failure is not None:
                 log.error("rank %d: local experts failed while serving an idle round: %s", self.rank, failure)
         self.rounds = 0
+        self.dispatcher.check()
 
     def take_load(self) -> np.ndarray:
         """[L, E] tokens routed to each logical expert by this rank's requests since the last call."""
@@ -136,6 +149,8 @@ class EPRuntime:
     def apply_placement(self, new: Placement) -> None:
         """Collective: every rank swaps to `new` at the same point, expert weights moved between ranks."""
         old = self.placement
+        if any(ex.is_fp8 for ex in self.experts):
+            raise ValueError("EPLB rebalancing moves dense expert weights only: FP8 experts cannot move yet")
         if (new.num_layers, new.num_logical, new.ep_size, new.num_physical) != (
             old.num_layers, old.num_logical, old.ep_size, old.num_physical,
         ):  # fmt: skip
