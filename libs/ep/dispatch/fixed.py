@@ -115,7 +115,7 @@ class FixedDispatcher(Dispatcher):
         back = torch.empty(n * cap + 1, wire.shape[1], dtype=wire.dtype, device=wire.device)
         back[-1].zero_()  # the scratch row: picks that sent no row read zeros
         self.comm.all_to_all_equal(_bytes(back[:-1]), _bytes(wire))
-        out = back[send_row].view(t, self.top_k, -1).float().sum(1)
+        out = back[send_row].view(t, self.top_k, back.shape[1]).float().sum(1)
         if add is not None:
             out += add.float()
         return out.to(dtype)
@@ -173,6 +173,8 @@ class FixedDispatcher(Dispatcher):
         t, k = meta.shape[:2]
         n, cap, d = self.comm.size, self.capacity, self.hidden
         send = torch.empty(n * cap + 1, self.row_bytes, dtype=torch.uint8, device=x.device)
+        if t == 0:  # an idle rank: nothing to write (empty FP8 scales may not even view as bytes)
+            return send
         if self.fp8:
             q, sc = quantize_fp8_groups(x, DEEPEP_MIN_AMAX)
             hidden = torch.cat([q.view(torch.uint8), sc.view(torch.uint8)], dim=1)

@@ -142,3 +142,23 @@ def test_auto_backend_is_fixed_on_cuda_and_all_to_all_elsewhere() -> None:
     with pytest.raises(ValueError, match="needs top_k and max_tokens"):
         make_dispatcher("fixed", InProcessHub(1).comm(0), slots_per_rank=E, num_physical=E, hidden=D,
                         dtype=torch.float32)  # fmt: skip
+
+
+def test_an_idle_rank_with_fp8_rows_serves_its_experts() -> None:
+    placement = Placement.uniform(1, E, 2)
+    gate_up, down = experts_weights()
+    hub = InProcessHub(2)
+
+    def rank(r: int):
+        disp = fixed(hub.comm(r), placement, max_tokens=8, fp8=True)
+        x, ids, w = routing(7 if r == 0 else 0, seed=r)
+        slots = placement.to_physical(0, ids, r)
+        local = placement.local_experts(r)[0]
+        d = disp.dispatch(x, slots, w, active=r == 0)
+        assert d is not None
+        return x, ids, w, disp.combine(run_local_experts(gate_up[local], down[local], d), d)
+
+    (x, ids, w, out), (_, _, _, idle_out) = run_ranks(2, rank)
+    xq = dequantize_fp8_groups(*quantize_for_dispatch(x), torch.float32)
+    torch.testing.assert_close(out, dense(xq, ids, w, gate_up, down), atol=1e-5, rtol=1e-5)
+    assert idle_out.shape == (0, D)
