@@ -15,7 +15,13 @@ import torch
 
 from libs.engine.config import ModelConfig
 from libs.engine.layers.fp8_linear import apply_fp8_weights
-from libs.engine.loader import _listing, checkpoint_weight_map, iter_checkpoint_tensors, keeps_fp8, parse_dtype
+from libs.engine.loader import (
+    _listing,
+    checkpoint_weight_map,
+    iter_checkpoint_tensors,
+    keeps_fp8,
+    parse_dtype,
+)
 from libs.engine.models.deepseek_v3 import CHECKPOINT_EXPERT_NAME, DeepseekV3ForCausalLM
 from libs.ep.placement import Placement
 from libs.ep.runtime import moe_layers, shard_experts

@@ -35,7 +35,9 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     # and 1/ep_size of the routed experts; 1 runs the engine in this process, as before
     ep_size: Annotated[int, msgspec.Meta(ge=1)] = 1
     dp_size: Annotated[int, msgspec.Meta(ge=0)] = 0  # attention DP ranks: 0 or ep_size (every EP rank)
-    ep_backend: str = "torch"  # dispatch/combine: torch (all_to_all over gloo/NCCL) | deepep | mooncake
+    # dispatch/combine: auto (fixed on CUDA, torch on CPU) | fixed (fixed-capacity buffers, no host sync) |
+    # torch (all_to_all over gloo/NCCL) | deepep | mooncake
+    ep_backend: str = "auto"
     ep_redundant_experts: Annotated[int, msgspec.Meta(ge=0)] = 0  # extra physical expert slots for EPLB
     ep_fp8_dispatch: bool = False
     eplb_interval_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # rebalance experts every N steps (0: never)
@@ -71,14 +73,10 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             )
         if self.quantization not in ("auto", "fp8", "none"):
             raise ValueError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
-        if self.quantization == "fp8" and self.ep_size > 1:
-            raise ValueError(
-                "quantization=fp8 runs on one rank only: EP ranks load dequantized experts (use auto)"
-            )
         if self.mtp_k and self.ep_size > 1:
             raise ValueError("mtp_k runs on one rank only: use ep_size=1 with MTP speculative decoding")
-        if self.ep_backend not in ("torch", "deepep", "mooncake"):
-            raise ValueError(f"ep_backend must be torch, deepep or mooncake, got {self.ep_backend!r}")
+        if self.ep_backend not in ("auto", "fixed", "torch", "deepep", "mooncake"):
+            raise ValueError(f"ep_backend must be auto, fixed, torch, deepep or mooncake, got {self.ep_backend!r}")
 
     @property
     def model_name(self) -> str:

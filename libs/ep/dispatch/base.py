@@ -64,10 +64,12 @@ class Dispatcher(ABC):
     def set_rounds_per_forward(self, rounds: int) -> None:
         """The runtime says how many rounds (MoE layers) one forward has; a backend may exchange its round
         header once per forward instead of once per round (fixed.py does)."""
+        return None
 
     def check(self) -> None:
         """Raise what went wrong on the device since the last call (the runtime calls it after each group
         operation, where the host reads anyway); nothing by default."""
+        return None
 
 
 def peak_tokens(header: Any, active: bool, num_tokens: int) -> int | None:

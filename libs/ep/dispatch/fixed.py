@@ -171,7 +171,7 @@ class FixedDispatcher(Dispatcher):
     def _pack(self, x: torch.Tensor, send_row: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """[N*C + 1, B] bytes: each token's hidden part and each pick's metadata at its rows (last: scratch)."""
         t, k = meta.shape[:2]
-        n, cap, d = self.comm.size, self.capacity, self.hidden
+        n, cap = self.comm.size, self.capacity
         send = torch.empty(n * cap + 1, self.row_bytes, dtype=torch.uint8, device=x.device)
         if t == 0:  # an idle rank: nothing to write (empty FP8 scales may not even view as bytes)
             return send
@@ -186,7 +186,7 @@ class FixedDispatcher(Dispatcher):
         return send
 
     def _unpack(self, recv: torch.Tensor, recv_counts: torch.Tensor, handle) -> Dispatched:
-        n, cap, d, k = self.comm.size, self.capacity, self.hidden, self.top_k
+        cap, d, k = self.capacity, self.hidden, self.top_k
         valid = (torch.arange(cap, device=recv.device)[None, :] < recv_counts[:, None]).flatten()[:, None]
         meta = recv[:, self.x_bytes : self.x_bytes + 8 * k].contiguous()
         ids = torch.where(valid, meta[:, : 4 * k].view(torch.int32), -1).long()
