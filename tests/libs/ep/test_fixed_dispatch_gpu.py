@@ -94,3 +94,43 @@ def test_more_tokens_than_the_buffers_is_refused_before_any_collective(nccl_worl
     x, slots, w, _ = inputs(torch.Generator().manual_seed(3), T + 1)
     with pytest.raises(ValueError, match=f"{T + 1} tokens exceed"):
         disp.exchange(x, slots, w)
+
+
+def test_decode_rank_real_dispatch_engine_graphs_equal_eager_steps(nccl_world1) -> None:
+    """bench/decode_rank's rank Engine with --dispatch real (stepped hooks over the fixed dispatcher at world 1)
+    captures its decode steps, and they pick the tokens the same model picks eagerly (greedy; a full bucket of
+    8, so every GEMM sees the same shapes; prompt KV zero in both pools, whichever pages they got)."""
+    import random
+
+    import bench.decode_rank as R
+    from libs.engine.engine import Engine
+    from libs.engine.presets import deepseek_v3_config
+    from libs.engine.sampling import SamplingParams
+
+    config = deepseek_v3_config(
+        hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=256,
+        n_routed_experts=64, n_group=8, topk_group=4, num_experts_per_tok=8, vocab_size=2048,
+        max_position_embeddings=512,
+    )  # fmt: skip
+    graphs = R.build_engine(config, ep=8, physical=64, max_batch=8, max_ctx=128, attention="triton", page_size=16,
+                            dispatch="real")  # fmt: skip
+    assert graphs.runner.graphs is not None, "the stepped EP hooks must leave decode capturable"
+    graphs.kv_pool.buffer.zero_()
+    eager = Engine(
+        graphs.model, page_size=16, num_pages=graphs.kv_pool.num_pages, max_num_seqs=8, enable_prefix_cache=False,
+        attention_backend="triton", cuda_graphs=False, fast_path=True,
+    )  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    got: dict[str, dict[str, list[int]]] = {"graphs": {}, "eager": {}}
+    for name, engine, steps in (("graphs", graphs, 5), ("eager", eager, 4)):  # overlap reports a step late
+        rng = random.Random(1)
+        for i in range(8):
+            n = 40 + rng.randint(0, 8)
+            engine.reserve(f"r{i}", n)
+            engine.add_prefilled(f"r{i}", [rng.randrange(2048) for _ in range(n)], rng.randrange(2048), greedy)
+        for _ in range(steps):
+            for o in engine.step():
+                got[name].setdefault(o.rid, []).extend(o.token_ids)
+    assert len(got["eager"]) == 8 and all(len(v) == 4 for v in got["eager"].values())
+    assert {rid: toks[:4] for rid, toks in got["graphs"].items()} == got["eager"]
