@@ -149,16 +149,15 @@ class EPRuntime:
     def apply_placement(self, new: Placement) -> None:
         """Collective: every rank swaps to `new` at the same point, expert weights moved between ranks."""
         old = self.placement
-        if any(ex.is_fp8 for ex in self.experts):
-            raise ValueError("EPLB rebalancing moves dense expert weights only: FP8 experts cannot move yet")
         if (new.num_layers, new.num_logical, new.ep_size, new.num_physical) != (
             old.num_layers, old.num_logical, old.ep_size, old.num_physical,
         ):  # fmt: skip
             raise ValueError(f"new placement {new} does not fit the group's {old}")
         for j, ex in enumerate(self.experts):
-            gate_up, down = exchange_layer(self.comm, old, new, j, ex.gate_up_proj.data, ex.down_proj.data)
-            ex.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
-            ex.down_proj = nn.Parameter(down, requires_grad=False)
+            names = expert_param_names(ex)  # FP8 experts move with their block scales
+            moved = exchange_layer(self.comm, old, new, j, [getattr(ex, n).data for n in names])
+            for name, tensor in zip(names, moved, strict=True):
+                setattr(ex, name, nn.Parameter(tensor, requires_grad=False))
         self.placement, self.tables = new, new.device_tables(self.device)
 
 
@@ -173,10 +172,12 @@ def enable_expert_parallel(
 
 
 def exchange_layer(
-    comm: Comm, old: Placement, new: Placement, j: int, gate_up: torch.Tensor, down: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer j's local experts under `new`, from `old`: kept locally where this rank already holds the
-    expert, else received from a rank that holds it (one all-to-all; every rank computes the same plan)."""
+    comm: Comm, old: Placement, new: Placement, j: int, stacks: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Layer j's local experts under `new`, from `old`: each of `stacks` ([S, ...] per local slot, any dtype:
+    gate_up, down and for FP8 their scales) kept locally where this rank already holds the expert, else
+    received from a rank that holds it (one all-to-all of each expert's bytes; every rank computes the same
+    plan)."""
     n, me = comm.size, comm.rank
     old_local = [old.local_experts(r)[j].tolist() for r in range(n)]
     new_local = [new.local_experts(r)[j].tolist() for r in range(n)]
@@ -192,24 +193,23 @@ def exchange_layer(
     sends = [(r, e) for r, _, e, src in plan if src == me and r != me]  # ordered by (dest, slot)
     recvs = sorted((src, s) for r, s, _, src in plan if r == me and src != me)
     mine = {e: slot for slot, e in enumerate(old_local[me])}
+    sizes = [t[0].numel() * t.element_size() for t in stacks]  # bytes per expert of each stack
 
     def flat(e: int) -> torch.Tensor:
-        return torch.cat([gate_up[mine[e]].flatten(), down[mine[e]].flatten()])
+        return torch.cat([t[mine[e]].contiguous().view(-1).view(torch.uint8) for t in stacks])
 
-    width = gate_up[0].numel() + down[0].numel()
-    send = torch.stack([flat(e) for _, e in sends]) if sends else gate_up.new_empty(0, width)
+    ref = stacks[0]
+    send = torch.stack([flat(e) for _, e in sends]) if sends else ref.new_empty(0, sum(sizes), dtype=torch.uint8)
     send_rows = [sum(1 for r, _ in sends if r == dest) for dest in range(n)]
     recv_rows = [sum(1 for src, _ in recvs if src == peer) for peer in range(n)]
     got = comm.all_to_all(send, send_rows, recv_rows)
-    new_gate_up = torch.empty(
-        len(new_local[me]), *gate_up.shape[1:], dtype=gate_up.dtype, device=gate_up.device
-    )
-    new_down = torch.empty(len(new_local[me]), *down.shape[1:], dtype=down.dtype, device=down.device)
+    out = [torch.empty(len(new_local[me]), *t.shape[1:], dtype=t.dtype, device=t.device) for t in stacks]
     for s, e in enumerate(new_local[me]):
         if e in mine:
-            new_gate_up[s], new_down[s] = gate_up[mine[e]], down[mine[e]]
-    split = gate_up[0].numel()
+            for dst, src in zip(out, stacks, strict=True):
+                dst[s] = src[mine[e]]
     for row, (_, s) in enumerate(recvs):
-        new_gate_up[s] = got[row, :split].view(gate_up.shape[1:])
-        new_down[s] = got[row, split:].view(down.shape[1:])
-    return new_gate_up, new_down
+        parts = torch.split(got[row], sizes)
+        for dst, part in zip(out, parts, strict=True):
+            dst[s] = part.view(dst.dtype).view(dst.shape[1:])
+    return out
