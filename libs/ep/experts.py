@@ -45,7 +45,9 @@ def run_fp8_experts(experts, d: Dispatched, rows_per_expert: int | None = None) 
         return y.view_as(d.x)
     assert d.local_ids is not None and d.weights is not None
     masked = use_masked_moe(d.x.shape[0], d.local_ids.shape[1], s)
-    return fp8_moe(d.x, d.local_ids, d.weights, w13, w2, masked=masked, m_max=rows_per_expert)
+    return fp8_moe(
+        d.x, d.local_ids, d.weights, w13, w2, masked=masked, m_max=rows_per_expert, quantized=d.quantized
+    )
 
 
 def expert_mlp(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
