@@ -2,14 +2,18 @@
 `Engine.step()` timed exactly as the worker calls it.
 
     python -m bench.decode_rank --batch 64,128,256,512 [--ctx 2000 --gen 100] [--attn auto|triton|flashinfer]
-        [--ep 72 --physical 288] [--layers 61] [--profile 256]
+        [--ep 72 --physical 288] [--layers 61] [--profile 256] [--dispatch emulated|real]
 
 The Engine is built from DeepSeek-V3's config (libs.engine.presets) with random FP8 block-scaled weights
 (libs.engine.random_weights) and only this rank's local experts: EP-72 over 288 physical experts holds 4
 per MoE layer. Each token's 8 routed picks are mapped onto those 4 (libs.ep.emulated): the expert GEMMs
 see the 8 x B token-expert pairs a balanced EP-72 rank receives, but no dispatch or combine bytes move.
 So every number here is one rank with EP communication emulated, not moved: it leaves out the
-all-to-all traffic (and its overlap) and routing imbalance.
+all-to-all traffic (and its overlap) and routing imbalance. `--dispatch real` keeps the same expert shapes
+but sends the picks through the EP dispatcher's real code path at world 1 (libs.ep.stepped over
+libs.ep.dispatch.fixed: FP8 rows packed into the fixed [max_batch, B] buffer, counts and rows through NCCL
+all_to_all_single with one rank, the grouped GEMMs on the received rows, the combine back), captured in the
+decode graphs like the rest of the step; the one thing it still cannot show is bytes crossing NVLink.
 
 B requests join the engine as a decode worker's do (reserve + add_prefilled: their prompts' KV is in the
 pool, as if a prefill worker had written it), with contexts of ctx + U(0..gen) tokens, temperature 0.7,
@@ -40,9 +44,13 @@ from libs.engine.presets import deepseek_v3_config
 from libs.engine.random_weights import fill_random_
 from libs.engine.sampling import SamplingParams
 from libs.engine.tiny import is_fp8_weight
-from libs.ep.emulated import enable_emulated_ep
+from libs.ep.emulated import EmulatedEP, enable_emulated_ep
 
 PAGE = 64
+COMMUNICATION = {
+    "emulated": "emulated (no bytes moved)",
+    "real": "fixed-capacity dispatcher at world 1 (FP8 rows through NCCL all_to_all_single to itself)",
+}
 
 
 class _DeepSeekFP8:
@@ -55,15 +63,22 @@ class _DeepSeekFP8:
 def build_engine(
     config: dict, *, ep: int, physical: int, max_batch: int, max_ctx: int, device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16, attention: str = "auto", page_size: int = PAGE, seed: int = 0,
+    dispatch: str = "emulated",
 ) -> Engine:  # fmt: skip
     """The Engine of one EP rank (physical // ep local experts per MoE layer, emulated EP), random FP8
-    weights, a KV pool for max_batch sequences of max_ctx tokens."""
+    weights, a KV pool for max_batch sequences of max_ctx tokens. dispatch="real": the picks go through the
+    fixed-capacity dispatcher at world 1 (`real_dispatch`) instead of the fused MoE's local mapping."""
+    if dispatch not in ("emulated", "real"):
+        raise ValueError(f"dispatch must be 'emulated' or 'real', got {dispatch!r}")
     cfg = ModelConfig.from_dict(config)
     local = physical // ep if ep > 1 else None
     with torch.device(device):
         model = DeepseekV3ForCausalLM(cfg, dtype, device, local_experts=local)
     apply_fp8_weights(model, _DeepSeekFP8(), (128, 128))
     fill_random_(model, seed)
+    if dispatch == "real":  # hooks set before the Engine is built, so its decode graphs capture them
+        real_dispatch(model, local or cfg.n_routed_experts, max_batch)
+        local = None
     pages = max_batch * math.ceil(max_ctx / page_size)
     engine = Engine(
         model, page_size=page_size, num_pages=pages, max_num_seqs=max_batch, enable_prefix_cache=False,
@@ -73,6 +88,36 @@ def build_engine(
         raise RuntimeError("the model did not take the fused MoE path: EP cannot be emulated")
     engine.kv_pool.buffer.normal_()  # as if prompts had been prefilled: attention reads real-looking rows
     return engine
+
+
+def real_dispatch(model: DeepseekV3ForCausalLM, local: int, max_tokens: int) -> None:
+    """Every MoE layer of `model` (its `local` experts FP8) through the fixed-capacity dispatcher of a one-rank
+    group (NCCL on CUDA, gloo on CPU; started here if the process has none): each token's K routed picks
+    mapped onto the local experts as in the emulated rank (so one token may pick an expert twice: the masked
+    buffers get K rows per token), FP8 dispatch, bf16 combine."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from libs.ep.comm import TorchComm
+    from libs.ep.dispatch.fixed import FixedDispatcher
+    from libs.ep.placement import Placement
+    from libs.ep.runtime import moe_layers
+    from libs.ep.stepped import enable_stepped_ep
+
+    cfg = model.config
+    if not dist.is_initialized():
+        store = Path(tempfile.mkdtemp(prefix="decode-rank-")) / "store"
+        cuda = model.device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1,
+                                device_id=model.device if cuda else None)  # fmt: skip
+    dispatcher = FixedDispatcher(
+        TorchComm(None, model.device), local, hidden=cfg.hidden_size, top_k=cfg.num_experts_per_tok,
+        dtype=model.dtype, max_tokens=max_tokens, fp8=True,
+    )  # fmt: skip
+    placement = Placement.uniform(len(moe_layers(model)), local, 1)
+    enable_stepped_ep(model, placement, 0, dispatcher, remap=EmulatedEP(local),
+                      rows_per_expert_factor=cfg.num_experts_per_tok)  # fmt: skip
 
 
 def fill(engine: Engine, b: int, ctx: int, gen: int, seed: int = 0) -> list[str]:
@@ -129,7 +174,7 @@ def run(a) -> list[dict]:
     t0 = time.perf_counter()
     engine = build_engine(
         config, ep=a.ep, physical=a.physical, max_batch=max(batches), max_ctx=a.ctx + a.gen + 64,
-        attention=a.attn,
+        attention=a.attn, dispatch=a.dispatch,
     )  # fmt: skip
     build_s = time.perf_counter() - t0
     env = environment()
@@ -154,7 +199,7 @@ def run(a) -> list[dict]:
             "roofline_step_ms": roof["step_s"] * 1e3, "roofline_fraction": roof["step_s"] * 1e3 / step,
             "roofline_spec_step_ms": spec["step_s"] * 1e3, "roofline_fraction_spec": spec["step_s"] * 1e3 / step,
             "attention_backend": backend, "ep": a.ep, "physical_experts": a.physical,
-            "local_experts": a.physical // a.ep, "ep_communication": "emulated (no bytes moved)",
+            "local_experts": a.physical // a.ep, "dispatch": a.dispatch, "ep_communication": COMMUNICATION[a.dispatch],
             "fast_path": engine.model.fast is not None, "cuda_graph": engine.runner.graphs is not None,
             "build_s": round(build_s, 1), **env,
         }  # fmt: skip
@@ -162,9 +207,10 @@ def run(a) -> list[dict]:
         print(
             f"B={b} ctx={ctx:.0f}: step {step:.2f} ms (graph {t['graph_ms']:.2f}, host {rec['host_ms']:.2f}) -> "
             f"{rec['tokens_per_s_per_gpu']:.0f} tok/s/GPU; roofline {rec['roofline_fraction']:.2f} measured peaks, "
-            f"{rec['roofline_fraction_spec']:.2f} spec [{backend}, EP emulated]", flush=True,
+            f"{rec['roofline_fraction_spec']:.2f} spec [{backend}, EP {a.dispatch}]", flush=True,
         )  # fmt: skip
-    print("wrote", write_results(f"decode_rank-engine-{backend}", records))
+    suffix = "-real-dispatch" if a.dispatch == "real" else ""
+    print("wrote", write_results(f"decode_rank-engine-{backend}{suffix}", records))
     return records
 
 
@@ -180,6 +226,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", type=int, default=0, help="batch size to profile three steps of")
+    ap.add_argument("--dispatch", choices=["emulated", "real"], default="emulated",
+                    help="emulated: picks mapped onto local experts in the fused MoE; real: through the EP "
+                    "dispatcher at world 1")  # fmt: skip
     run(ap.parse_args())
 
 

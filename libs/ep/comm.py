@@ -48,6 +48,18 @@ class Comm(ABC):
         out = self._all_to_all_bytes(raw, list(send_rows), list(recv_rows))
         return out.view(send.dtype).view(sum(recv_rows), *tail)
 
+    def all_to_all_equal(self, out: torch.Tensor, send: torch.Tensor) -> None:
+        """Equal splits, no host sync: send [N * R, B] uint8 (rows [j*R, (j+1)*R) go to rank j) -> out, the
+        same shape (rows from rank i at [i*R, (i+1)*R)). Shapes alone fix the sizes, so it can be captured in
+        a CUDA graph (NCCL)."""
+        if send.shape != out.shape or send.dtype != torch.uint8 or send.shape[0] % self.size:
+            raise ValueError(f"all_to_all_equal: send {tuple(send.shape)} {send.dtype}, out {tuple(out.shape)}")
+        self._all_to_all_equal(out, send)
+
+    def _all_to_all_equal(self, out: torch.Tensor, send: torch.Tensor) -> None:
+        rows = [send.shape[0] // self.size] * self.size
+        out.copy_(self._all_to_all_bytes(send, rows, rows))
+
 
 class TorchComm(Comm):
     """torch.distributed over `group` (None: the default group). Small control tensors live on `device`
@@ -72,6 +84,9 @@ class TorchComm(Comm):
         out = torch.empty(sum(recv_rows), send.shape[1], dtype=torch.uint8, device=send.device)
         self.dist.all_to_all_single(out, send, recv_rows, send_rows, group=self.group)
         return out
+
+    def _all_to_all_equal(self, out: torch.Tensor, send: torch.Tensor) -> None:
+        self.dist.all_to_all_single(out, send, group=self.group)
 
 
 class InProcessHub:

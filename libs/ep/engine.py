@@ -68,9 +68,10 @@ class EPEngine:
         max_num_seqs: int = 64,  # per rank
         max_prefill_tokens: int = 2048,
         enable_prefix_cache: bool = True,
-        backend: str = "torch",
+        backend: str = "auto",
         num_redundant_experts: int = 0,
         fp8_dispatch: bool = False,
+        quantization: str = "auto",
         torch_threads: int = 1,
         eplb_interval_steps: int = 0,
         timeout_s: float = 300.0,
@@ -119,8 +120,8 @@ class EPEngine:
         spec = RankSpec(
             model_dir=str(model_dir), ep_size=ep_size, init_method=f"file://{self._rendezvous}/store",
             placement=self.placement.to_wire(), device=device, dtype=dtype, backend=backend,
-            fp8_dispatch=fp8_dispatch, torch_threads=torch_threads, timeout_s=timeout_s, engine=engine_kwargs,
-            backend_options=dict(backend_options or {}), kv_transfer=kv_transfer, mtp_k=mtp_k,
+            fp8_dispatch=fp8_dispatch, quantization=quantization, torch_threads=torch_threads, timeout_s=timeout_s,
+            engine=engine_kwargs, backend_options=dict(backend_options or {}), kv_transfer=kv_transfer, mtp_k=mtp_k,
         )  # fmt: skip
         self.mtp_k = mtp_k
         try:

@@ -1,5 +1,7 @@
 """This rank's routed experts over what dispatch delivered (the middle of router -> dispatch -> experts ->
-combine). Same SwiGLU math as the model's `Experts`, over the rank's S local slots.
+combine). Same SwiGLU math as the model's `Experts`, over the rank's S local slots: dense weights expert by
+expert (`run_local_experts`, the CPU reference), FP8 weights through the grouped GEMMs the single-rank engine
+runs (`run_fp8_experts`: masked layout for decode-sized rounds, no host sync; contiguous for prefill).
 
 Legend: S local slots, I moe_intermediate_size, D hidden, M received rows, K experts per token.
 """
@@ -10,6 +12,42 @@ import torch
 import torch.nn.functional as F
 
 from libs.ep.dispatch.base import Dispatched
+
+
+def count_load(load: torch.Tensor, ids: torch.Tensor) -> None:
+    """load [E] += tokens per logical expert in ids [T, K] (a scatter-add: no host sync, graph-safe)."""
+    flat = ids.flatten().long()
+    load.scatter_add_(0, flat, torch.ones_like(flat, dtype=load.dtype))
+
+
+def run_fp8_experts(experts, d: Dispatched, rows_per_expert: int | None = None) -> torch.Tensor:
+    """FP8 stacked experts (gate_up_proj [S, 2I, D] + block scales, as the model's `Experts` holds them) over
+    a round: "tokens" -> [M, D] weighted sum per row (ids -1 skipped); "experts" -> [S, cap, D] unweighted,
+    rows past counts zero. Decode-sized rounds take the masked grouped GEMM (fixed buffers, graph-safe),
+    prefill-sized ones the contiguous layout (libs.engine.layers.fp8_linear.use_masked_moe decides).
+    rows_per_expert: the masked layout's rows per expert (default M: a row reaches an expert once)."""
+    from libs.engine.layers.fp8_linear import use_masked_moe
+    from libs.kernels.backend import fp8_moe
+
+    w13 = (experts.gate_up_proj, experts.gate_up_proj_scale_inv)
+    w2 = (experts.down_proj, experts.down_proj_scale_inv)
+    s = w13[0].shape[0]
+    if d.layout == "experts":  # each row once, to its own expert, weight 1: the tokens path over [S*cap] rows
+        assert d.counts is not None
+        cap = d.x.shape[1]
+        rows = torch.arange(cap, device=d.x.device)[None, :]
+        counts = torch.as_tensor(d.counts, device=d.x.device)[:, None]
+        expert = torch.arange(s, device=d.x.device)[:, None].expand(s, cap)
+        ids = torch.where(rows < counts, expert, -1).reshape(-1, 1)
+        x = d.x.reshape(s * cap, -1)
+        masked = use_masked_moe(x.shape[0], 1, s)
+        y = fp8_moe(x, ids, torch.ones(ids.shape, device=x.device), w13, w2, masked=masked)
+        return y.view_as(d.x)
+    assert d.local_ids is not None and d.weights is not None
+    masked = use_masked_moe(d.x.shape[0], d.local_ids.shape[1], s)
+    return fp8_moe(
+        d.x, d.local_ids, d.weights, w13, w2, masked=masked, m_max=rows_per_expert, quantized=d.quantized
+    )
 
 
 def expert_mlp(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 from libs.engine.engine import Engine
 from libs.engine.pages import OutOfPagesError
 from libs.ep.comm import TorchComm
-from libs.ep.dispatch.factory import make_dispatcher
+from libs.ep.dispatch.factory import make_dispatcher, resolve_backend
 from libs.ep.loader import load_rank_model
 from libs.ep.placement import Placement
 from libs.ep.rank_kv import RANK_KV_CALLS, RankKv
@@ -65,6 +65,7 @@ class RankSpec:
     dtype: str = "float32"
     backend: str = "torch"
     fp8_dispatch: bool = False
+    quantization: str = "auto"  # as load_model: FP8 experts kept FP8 on CUDA ("auto") or anywhere ("fp8")
     torch_threads: int = 1
     timeout_s: float = 300.0
     engine: dict[str, Any] = field(default_factory=dict)  # Engine(...) keyword arguments
@@ -146,11 +147,15 @@ class RankWorker:
         )  # fmt: skip
         comm = TorchComm(None, device)
         placement = Placement.from_wire(spec.placement)
-        model = load_rank_model(spec.model_dir, placement, rank, spec.dtype, device)
+        model = load_rank_model(spec.model_dir, placement, rank, spec.dtype, device, spec.quantization)
+        backend, options = resolve_backend(spec.backend, device), dict(spec.backend_options)
+        if backend == "fixed":  # buffers for a decode batch; longer forwards take its all-to-all fallback
+            options.setdefault("max_tokens", int(spec.engine.get("max_num_seqs", 64)))
+            options["top_k"] = model.config.num_experts_per_tok
         dispatcher = make_dispatcher(
-            spec.backend, comm, slots_per_rank=placement.slots_per_rank, num_physical=placement.num_physical,
+            backend, comm, slots_per_rank=placement.slots_per_rank, num_physical=placement.num_physical,
             hidden=model.config.hidden_size, dtype=model.dtype, fp8=spec.fp8_dispatch,
-            group=dist.group.WORLD, **spec.backend_options,
+            group=dist.group.WORLD, **options,
         )  # fmt: skip
         runtime = enable_expert_parallel(model, placement, rank, dispatcher, comm)
         tok_file = Path(spec.model_dir) / "tokenizer.json"

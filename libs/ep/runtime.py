@@ -28,7 +28,7 @@ from torch import nn
 
 from libs.ep.comm import Comm
 from libs.ep.dispatch.base import Dispatched, Dispatcher
-from libs.ep.experts import run_local_experts
+from libs.ep.experts import count_load, run_fp8_experts, run_local_experts
 from libs.ep.placement import Placement
 
 log = logging.getLogger("moemesh.ep")
@@ -48,7 +48,7 @@ def shard_experts(model: Any, placement: Placement, rank: int, copy: bool = True
     local = placement.local_experts(rank)
     for j, (_, moe) in enumerate(layers):
         ex = moe.experts
-        for name in ("gate_up_proj", "down_proj"):
+        for name in expert_param_names(ex):
             full = getattr(ex, name)
             if copy:
                 part = full.data[local[j].to(full.device)].clone()
@@ -57,14 +57,22 @@ def shard_experts(model: Any, placement: Placement, rank: int, copy: bool = True
             setattr(ex, name, nn.Parameter(part, requires_grad=False))
 
 
+def expert_param_names(ex: Any) -> tuple[str, ...]:
+    """The stacked [E, ...] parameters of an Experts module (FP8 ones carry their block scales)."""
+    names = ("gate_up_proj", "down_proj")
+    return names + ("gate_up_proj_scale_inv", "down_proj_scale_inv") if ex.is_fp8 else names
+
+
 class EPMoEHook:
     """What `MoE.ep` is set to: layer j's call into the rank's runtime."""
 
     def __init__(self, runtime: EPRuntime, j: int) -> None:
         self.runtime, self.j = runtime, j
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.runtime.moe(self.j, x, ids, weights)
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.runtime.moe(self.j, x, ids, weights, add)
 
 
 class EPRuntime:
@@ -83,15 +91,19 @@ class EPRuntime:
             len(self.layers), placement.num_logical, dtype=torch.int64, device=self.device
         )
         self.rounds = 0
+        dispatcher.set_rounds_per_forward(len(self.layers))
 
     # --- the model side: one MoE layer of an active forward ---
-    def moe(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids/weights [T, K] (logical experts from the router) -> routed experts' output [T, D]."""
+    def moe(
+        self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, D], ids/weights [T, K] (logical experts from the router) -> routed experts' output [T, D]
+        (+ add: the shared expert's output, which FP8 MoEs hand over)."""
         if j != self.rounds % len(self.experts):
             raise RuntimeError(
                 f"EP lockstep broken: MoE layer {j} in round {self.rounds} on rank {self.rank}"
             )
-        self.load[j] += torch.bincount(ids.flatten(), minlength=self.placement.num_logical)
+        count_load(self.load[j], ids)
         slots = self.placement.to_physical(j, ids, self.rank, self.tables)
         d = self.dispatcher.dispatch(x, slots, weights, active=True)
         if d is None:
@@ -99,7 +111,7 @@ class EPRuntime:
         out, failure = self._serve(j, d)
         if failure is not None:
             raise failure
-        return out
+        return out if add is None else out + add
 
     def _serve(self, j: int, d: Dispatched) -> tuple[torch.Tensor, Exception | None]:
         """Local experts over what arrived, then combine; the combine happens even if the experts fail."""
@@ -107,7 +119,7 @@ class EPRuntime:
         ex = self.experts[j]
         failure: Exception | None = None
         try:
-            y = run_local_experts(ex.gate_up_proj, ex.down_proj, d)
+            y = run_fp8_experts(ex, d) if ex.is_fp8 else run_local_experts(ex.gate_up_proj, ex.down_proj, d)
         except Exception as e:
             failure, y = e, torch.zeros_like(d.x)
         return self.dispatcher.combine(y, d), failure
@@ -126,6 +138,7 @@ class EPRuntime:
             if failure is not None:
                 log.error("rank %d: local experts failed while serving an idle round: %s", self.rank, failure)
         self.rounds = 0
+        self.dispatcher.check()
 
     def take_load(self) -> np.ndarray:
         """[L, E] tokens routed to each logical expert by this rank's requests since the last call."""
@@ -141,9 +154,10 @@ class EPRuntime:
         ):  # fmt: skip
             raise ValueError(f"new placement {new} does not fit the group's {old}")
         for j, ex in enumerate(self.experts):
-            gate_up, down = exchange_layer(self.comm, old, new, j, ex.gate_up_proj.data, ex.down_proj.data)
-            ex.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
-            ex.down_proj = nn.Parameter(down, requires_grad=False)
+            names = expert_param_names(ex)  # FP8 experts move with their block scales
+            moved = exchange_layer(self.comm, old, new, j, [getattr(ex, n).data for n in names])
+            for name, tensor in zip(names, moved, strict=True):
+                setattr(ex, name, nn.Parameter(tensor, requires_grad=False))
         self.placement, self.tables = new, new.device_tables(self.device)
 
 
@@ -158,10 +172,12 @@ def enable_expert_parallel(
 
 
 def exchange_layer(
-    comm: Comm, old: Placement, new: Placement, j: int, gate_up: torch.Tensor, down: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer j's local experts under `new`, from `old`: kept locally where this rank already holds the
-    expert, else received from a rank that holds it (one all-to-all; every rank computes the same plan)."""
+    comm: Comm, old: Placement, new: Placement, j: int, stacks: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Layer j's local experts under `new`, from `old`: each of `stacks` ([S, ...] per local slot, any dtype:
+    gate_up, down and for FP8 their scales) kept locally where this rank already holds the expert, else
+    received from a rank that holds it (one all-to-all of each expert's bytes; every rank computes the same
+    plan)."""
     n, me = comm.size, comm.rank
     old_local = [old.local_experts(r)[j].tolist() for r in range(n)]
     new_local = [new.local_experts(r)[j].tolist() for r in range(n)]
@@ -177,24 +193,23 @@ def exchange_layer(
     sends = [(r, e) for r, _, e, src in plan if src == me and r != me]  # ordered by (dest, slot)
     recvs = sorted((src, s) for r, s, _, src in plan if r == me and src != me)
     mine = {e: slot for slot, e in enumerate(old_local[me])}
+    sizes = [t[0].numel() * t.element_size() for t in stacks]  # bytes per expert of each stack
 
     def flat(e: int) -> torch.Tensor:
-        return torch.cat([gate_up[mine[e]].flatten(), down[mine[e]].flatten()])
+        return torch.cat([t[mine[e]].contiguous().view(-1).view(torch.uint8) for t in stacks])
 
-    width = gate_up[0].numel() + down[0].numel()
-    send = torch.stack([flat(e) for _, e in sends]) if sends else gate_up.new_empty(0, width)
+    ref = stacks[0]
+    send = torch.stack([flat(e) for _, e in sends]) if sends else ref.new_empty(0, sum(sizes), dtype=torch.uint8)
     send_rows = [sum(1 for r, _ in sends if r == dest) for dest in range(n)]
     recv_rows = [sum(1 for src, _ in recvs if src == peer) for peer in range(n)]
     got = comm.all_to_all(send, send_rows, recv_rows)
-    new_gate_up = torch.empty(
-        len(new_local[me]), *gate_up.shape[1:], dtype=gate_up.dtype, device=gate_up.device
-    )
-    new_down = torch.empty(len(new_local[me]), *down.shape[1:], dtype=down.dtype, device=down.device)
+    out = [torch.empty(len(new_local[me]), *t.shape[1:], dtype=t.dtype, device=t.device) for t in stacks]
     for s, e in enumerate(new_local[me]):
         if e in mine:
-            new_gate_up[s], new_down[s] = gate_up[mine[e]], down[mine[e]]
-    split = gate_up[0].numel()
+            for dst, src in zip(out, stacks, strict=True):
+                dst[s] = src[mine[e]]
     for row, (_, s) in enumerate(recvs):
-        new_gate_up[s] = got[row, :split].view(gate_up.shape[1:])
-        new_down[s] = got[row, split:].view(down.shape[1:])
-    return new_gate_up, new_down
+        parts = torch.split(got[row], sizes)
+        for dst, part in zip(out, parts, strict=True):
+            dst[s] = part.view(dst.dtype).view(dst.shape[1:])
+    return out

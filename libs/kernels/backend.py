@@ -68,6 +68,7 @@ def fp8_swiglu_mlp(x: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor
 def fp8_moe(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple, w2: tuple,
     add: torch.Tensor | None = None, *, masked: bool, block_m: int = 64, m_max: int | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Routed experts with FP8 weights: x [T, D], ids [T, K] expert per slot (-1: none; a token's K ids
     distinct, as top-k gives them), weights [T, K] f32, w13 = (gate_up [E, 2I, D], scales [E, 2I/128, D/128]),
@@ -76,12 +77,16 @@ def fp8_moe(
     masked=True: the graph-safe decode layout (no host sync, buffers [E, T, D] fixed by the shapes: an
     expert gets at most one row per token); masked=False: contiguous rows sorted by expert, padded to
     block_m (one host sync for the run lengths; prefill). m_max: masked rows per expert (default T, one per
-    token; an emulated EP rank whose picks repeat a local expert needs T * K)."""
+    token; an emulated EP rank whose picks repeat a local expert needs T * K). quantized: x as 1x128 FP8
+    rows + scales already (what an EP dispatch received): the masked layout copies those bytes into its
+    expert buffers instead of quantizing x again."""
     if x.shape[0] == 0:
         return torch.zeros_like(x) if add is None else add.clone()
     if not triton_usable(x):
         return fp8_moe_reference(x, ids, weights, w13, w2, add)
-    if masked:
+    if masked and quantized is not None:
+        out, dest = _moe_masked_quantized(*quantized, ids.reshape(-1), w13, w2, m_max or x.shape[0], x.dtype)
+    elif masked:
         out, dest = _moe_masked(x.contiguous(), ids.reshape(-1), w13, w2, m_max or x.shape[0])
     else:
         out, dest = _moe_contiguous(x.contiguous(), ids.reshape(-1), w13, w2, block_m)
@@ -95,6 +100,22 @@ def _moe_masked(x, pair_ids, w13, w2, m_max):
     xs = torch.empty(e, m_max, d // fp8_gemm.GROUP, dtype=torch.float32, device=x.device)
     moe_ops.dispatch_quant(x, dest, xq, xs)
     return moe_ops.moe_masked(xq, xs, counts, *w13, *w2, out_dtype=x.dtype), dest
+
+
+def _moe_masked_quantized(xq, xs, pair_ids, w13, w2, m_max, out_dtype):
+    """_moe_masked over rows quantized already: each pair's FP8 row and scales copied (as bytes, graph-safe:
+    pairs without a row land on a scratch row past the buffers) to its expert row."""
+    e, _, d = w13[0].shape
+    dest, counts = moe_ops.align_masked(pair_ids, e, m_max)
+    rows = torch.where(dest >= 0, dest, e * m_max)
+    token = torch.arange(pair_ids.numel(), device=xq.device) // (pair_ids.numel() // xq.shape[0])
+    bq = torch.empty(e * m_max + 1, d, dtype=torch.uint8, device=xq.device)
+    bs = torch.empty(e * m_max + 1, xs.shape[1], dtype=torch.float32, device=xq.device)
+    bq.index_copy_(0, rows, xq.contiguous().view(torch.uint8)[token])
+    bs.index_copy_(0, rows, xs.contiguous()[token])
+    q3 = bq[:-1].view(fp8_gemm.FP8).view(e, m_max, d)
+    out = moe_ops.moe_masked(q3, bs[:-1].view(e, m_max, -1), counts, *w13, *w2, out_dtype=out_dtype)
+    return out, dest
 
 
 def _moe_contiguous(x, pair_ids, w13, w2, block_m):

@@ -35,7 +35,9 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     # and 1/ep_size of the routed experts; 1 runs the engine in this process, as before
     ep_size: Annotated[int, msgspec.Meta(ge=1)] = 1
     dp_size: Annotated[int, msgspec.Meta(ge=0)] = 0  # attention DP ranks: 0 or ep_size (every EP rank)
-    ep_backend: str = "torch"  # dispatch/combine: torch (all_to_all over gloo/NCCL) | deepep | mooncake
+    # dispatch/combine: auto (fixed on CUDA, torch on CPU) | fixed (fixed-capacity buffers, no host sync) |
+    # torch (all_to_all over gloo/NCCL) | deepep | mooncake
+    ep_backend: str = "auto"
     ep_redundant_experts: Annotated[int, msgspec.Meta(ge=0)] = 0  # extra physical expert slots for EPLB
     ep_fp8_dispatch: bool = False
     # each EP rank registers its own KV pool on its own transport and handles name the rank (what device
@@ -81,14 +83,10 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "fp8", "none"):
             raise ValueError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
-        if self.quantization == "fp8" and self.ep_size > 1:
-            raise ValueError(
-                "quantization=fp8 runs on one rank only: EP ranks load dequantized experts (use auto)"
-            )
         if self.ep_size > 1 and self.kv_per_rank and self.transfer_protocol == "inprocess":
             raise ValueError("per-rank KV pools live in the rank processes: use a Mooncake transfer_protocol")
-        if self.ep_backend not in ("torch", "deepep", "mooncake"):
-            raise ValueError(f"ep_backend must be torch, deepep or mooncake, got {self.ep_backend!r}")
+        if self.ep_backend not in ("auto", "fixed", "torch", "deepep", "mooncake"):
+            raise ValueError(f"ep_backend must be auto, fixed, torch, deepep or mooncake, got {self.ep_backend!r}")
 
     @property
     def model_name(self) -> str:

@@ -36,6 +36,7 @@ def load_engine(s: WorkerSettings) -> EngineLike:
             max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
             backend=s.ep_backend, num_redundant_experts=s.ep_redundant_experts, fp8_dispatch=s.ep_fp8_dispatch,
             torch_threads=s.torch_threads, eplb_interval_steps=s.eplb_interval_steps, mtp_k=s.mtp_k,
+            quantization=s.quantization,
             kv_transfer=(s.transfer_protocol, s.transfer_hostname, s.transfer_device) if s.kv_per_rank else None,
         )  # fmt: skip
     if s.torch_threads and s.device == "cpu":

@@ -34,3 +34,37 @@ def test_rank_engine_builds_local_experts_and_steps_on_the_fused_path():
         out = engine.step()
         assert sorted(o.rid for o in out) == sorted(rids)
         assert all(len(o.token_ids) == 1 and 0 <= o.token_ids[0] < 600 for o in out)
+
+
+def test_rank_engine_with_the_real_dispatcher_at_world_1_steps():
+    """--dispatch real: the MoE layers take the stepped EP hook (fixed dispatcher over a one-rank gloo group,
+    FP8 experts through the grouped GEMMs) and the engine steps as with the emulated mapping."""
+    import torch.distributed as dist
+
+    import bench.decode_rank as R
+    from libs.engine.presets import deepseek_v3_config
+    from libs.ep.stepped import SteppedEPHook
+
+    config = deepseek_v3_config(
+        hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128,
+        n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, vocab_size=600,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    try:
+        engine = R.build_engine(
+            config, ep=8, physical=16, max_batch=4, max_ctx=64, device="cpu", dtype=torch.float16,
+            attention="triton", page_size=16, dispatch="real",
+        )  # fmt: skip
+        moe = engine.model.model.layers[1].mlp
+        assert isinstance(moe.ep, SteppedEPHook) and moe.fast is None and moe.graph_safe
+        assert moe.experts.gate_up_proj.shape[0] == 2 and moe.ep.dispatcher.capacity == 4
+        rids = R.fill(engine, 3, ctx=20, gen=4)
+        for _ in range(2):
+            out = engine.step()
+            assert sorted(o.rid for o in out) == sorted(rids)
+            assert all(len(o.token_ids) == 1 and 0 <= o.token_ids[0] < 600 for o in out)
+        assert int(moe.ep.load.sum()) > 0  # the hook counted the routed picks
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -298,9 +298,10 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype, device, local_experts)
         shared = cfg.n_shared_experts * cfg.moe_intermediate_size
         self.shared_experts = MLP(cfg.hidden_size, shared, dtype, device) if shared else None
-        # Expert parallelism, set from outside (libs/ep): ep(x, ids, weights) -> [T, D] replaces the local
-        # routed experts with dispatch -> this rank's experts -> combine.
-        self.ep: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # Expert parallelism, set from outside (libs/ep): ep(x, ids, weights[, add=shared]) -> [T, D] replaces
+        # the local routed experts with dispatch -> this rank's experts -> combine; a hook whose `graph_safe`
+        # is True (no host reads: libs.ep.stepped) keeps decode capturable.
+        self.ep: Callable[..., torch.Tensor] | None = None
         self.fast: fast_path.MoEFast | None = None  # set by fast_path.enable
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -314,17 +315,16 @@ class MoE(nn.Module):
     def graph_safe(self) -> bool:
         """Decode can be captured in a CUDA graph: FP8 experts take the masked layout (no host sync) under
         capture; the dense-weight path counts each expert's tokens on the host."""
-        return self.experts.is_fp8 and self.ep is None
+        return self.experts.is_fp8 and (self.ep is None or getattr(self.ep, "graph_safe", False))
 
     def _forward_fp8(self, x: torch.Tensor) -> torch.Tensor:
-        """Fused router, then the grouped FP8 experts with the shared expert's output added in their combine."""
-        if self.ep is not None:
-            raise ValueError(
-                "expert parallelism does not run FP8 experts yet: load the model with quantization='none'"
-            )
+        """Fused router, then the grouped FP8 experts with the shared expert's output added in their combine;
+        on an EP rank the hook runs dispatch -> this rank's grouped FP8 experts -> combine (+ shared)."""
         routed = fp8_linear.fused_route(self.gate, x)
         weights, ids = routed if routed is not None else self.gate(x)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
+        if self.ep is not None:
+            return self.ep(x, ids, weights, add=shared)
         return self.experts(x, ids, weights, add=shared)
 
 

@@ -51,10 +51,8 @@ class AllToAllDispatcher(Dispatcher):
     def _pack(self, x: torch.Tensor, token: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """[R, bytes]: rows x[token] as hidden (or fp8 + scales) | ids int32 | weights float32. FP8 quantizes
         each token once, before the gather, however many ranks it visits."""
-        rows = [
-            p.contiguous().view(torch.uint8)[token] for p in (quantize_for_dispatch(x) if self.fp8 else [x])
-        ]
-        return torch.cat([*rows, *(p.contiguous().view(torch.uint8) for p in (ids, w))], dim=1)
+        rows = [_bytes(p)[token] for p in (quantize_for_dispatch(x) if self.fp8 else [x])]
+        return torch.cat([*rows, *(_bytes(p) for p in (ids, w))], dim=1)
 
     def _unpack(self, got: torch.Tensor, d: int, k: int, dtype: torch.dtype):
         cuts = [d, 4 * d // FP8_GROUP] if self.fp8 else [d * torch.empty((), dtype=dtype).element_size()]
@@ -66,3 +64,10 @@ class AllToAllDispatcher(Dispatcher):
         else:
             x = parts[0].view(dtype)
         return x, ids, w
+
+
+def _bytes(p: torch.Tensor) -> torch.Tensor:
+    """[R, C] -> [R, C * itemsize] uint8 (an empty one too: its strides may not allow the view)."""
+    if p.numel() == 0:
+        return torch.empty(p.shape[0], p.shape[1] * p.element_size(), dtype=torch.uint8, device=p.device)
+    return p.contiguous().view(torch.uint8)

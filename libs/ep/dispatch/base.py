@@ -18,7 +18,9 @@ per row. "experts" (DeepEP/Mooncake low latency): [S, cap, D] rows grouped by lo
 experts return [S, cap, D] unweighted and combine applies the weights.
 
 Backends, one module each beside this one: all_to_all.py (`AllToAllDispatcher` over a Comm:
-torch.distributed all_to_all_single on gloo/NCCL, or the in-process hub for tests), deepep.py
+torch.distributed all_to_all_single on gloo/NCCL, or the in-process hub for tests), fixed.py
+(`FixedDispatcher`: fixed-capacity buffers, counts and rows exchanged on the device, CUDA-graph capturable;
+the default on CUDA), deepep.py
 (`DeepEPDispatcher`), mooncake_ep.py (`MooncakeEPDispatcher`). factory.py picks one by name (`make_dispatcher`)
 and says clearly when the chosen library is missing.
 
@@ -45,6 +47,7 @@ class Dispatched:
     weights: torch.Tensor | None = None  # tokens: [M, K] float32
     counts: list[int] | None = None  # experts: valid rows per local expert
     handle: Any = None
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None  # x as it came over the wire: FP8 [.., D], scales
 
 
 class Dispatcher(ABC):
@@ -57,6 +60,16 @@ class Dispatcher(ABC):
 
     @abstractmethod
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor: ...
+
+    def set_rounds_per_forward(self, rounds: int) -> None:
+        """The runtime says how many rounds (MoE layers) one forward has; a backend may exchange its round
+        header once per forward instead of once per round (fixed.py does)."""
+        return None
+
+    def check(self) -> None:
+        """Raise what went wrong on the device since the last call (the runtime calls it after each group
+        operation, where the host reads anyway); nothing by default."""
+        return None
 
 
 def peak_tokens(header: Any, active: bool, num_tokens: int) -> int | None:

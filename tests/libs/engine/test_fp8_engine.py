@@ -209,12 +209,23 @@ def test_quantization_modes(ckpt) -> None:
         load_model(ckpt["ref"], progress=False, quantization="int4")
 
 
-def test_expert_parallel_hook_on_fp8_experts_is_a_clear_error(fp8_model) -> None:
+def test_expert_parallel_hook_on_fp8_experts_gets_the_picks_and_the_shared_expert(fp8_model) -> None:
+    """An EP rank's FP8 MoE hands its hook the router's picks and the shared expert's output (`add`): a hook
+    that runs the local grouped FP8 experts on them gives the MoE's own output (libs/ep runs dispatch ->
+    grouped GEMMs -> combine there)."""
     moe = fp8_model.model.layers[1].mlp
-    moe.ep = lambda x, ids, weights: x
+    x = torch.randn(5, 256, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0))
+    want = moe(x)
+    seen = []
+
+    def hook(x, ids, weights, add=None):
+        seen.append(add is not None)
+        return moe.experts(x, ids, weights, add=add)
+
+    moe.ep = hook
     try:
-        with pytest.raises(ValueError, match="quantization='none'"):
-            moe(torch.zeros(2, 256, device=DEVICE))
+        torch.testing.assert_close(moe(x), want, atol=0, rtol=0)
+        assert seen == [moe.shared_experts is not None] and not moe.graph_safe  # a plain hook is not graph-safe
     finally:
         moe.ep = None
 

@@ -30,12 +30,19 @@ def ref(tiny: Path) -> Engine:
     return Engine.from_pretrained(tiny, num_pages=PAGES, max_prefill_tokens=32)
 
 
-@pytest.fixture(scope="module", params=[(2, 0), (4, 4)], ids=["ep2", "ep4-redundant4"])
+@pytest.fixture(
+    scope="module", params=[(2, 0, "torch"), (4, 4, "torch"), (2, 2, "fixed")],
+    ids=["ep2", "ep4-redundant4", "ep2-redundant2-fixed"],
+)  # fmt: skip
 def group(request: pytest.FixtureRequest, tiny: Path) -> Iterator[EPEngine]:
-    ranks, redundant = request.param
+    """fixed: buffers for max_num_seqs=4 tokens per rank, so decode rounds take them and longer prefill
+    forwards its all-to-all fallback."""
+    ranks, redundant, backend = request.param
+    seqs = {"max_num_seqs": 4} if backend == "fixed" else {}
     with EPEngine(
-        str(tiny), ranks, num_pages=PAGES, max_prefill_tokens=32, num_redundant_experts=redundant
-    ) as ep:
+        str(tiny), ranks, num_pages=PAGES, max_prefill_tokens=32, num_redundant_experts=redundant, backend=backend,
+        **seqs,
+    ) as ep:  # fmt: skip
         yield ep
 
 

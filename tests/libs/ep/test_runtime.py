@@ -106,3 +106,22 @@ def test_expert_load_counts_every_routed_token_once(model) -> None:
     k = model.config.num_experts_per_tok
     assert total.sum(axis=1).tolist() == [13 * k, 13 * k]
     assert workers[0].runtime.take_load().sum() == 0  # taking resets
+
+
+def test_a_placement_swap_moves_fp8_experts_with_their_block_scales(tmp_path: Path) -> None:
+    path = write_tiny_model(tmp_path / "fp8", seed=2, fp8=True, num_hidden_layers=2, moe_intermediate_size=128,
+                            intermediate_size=128)  # fmt: skip
+    fp8_model = load_model(path, progress=False, quantization="fp8")
+    old = Placement.uniform(1, E, 2, num_redundant=2)
+    workers = inprocess_group(fp8_model, old, num_pages=4)
+    new = eplb.rebalance(torch.tensor([[2.0**i for i in range(E)]]), old.num_physical, 2, num_groups=4)
+    assert new != old
+    run_ranks(2, lambda r: workers[r].run_op("rebalance", (new.to_wire(),)))
+    (_, full_moe), = moe_layers(fp8_model)
+    full = full_moe.experts
+    for r, w in enumerate(workers):
+        local = new.local_experts(r)[0]
+        ex = w.runtime.experts[0]
+        assert ex.is_fp8 and ex.gate_up_proj.dtype == torch.float8_e4m3fn
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"):
+            assert torch.equal(getattr(ex, name).view(torch.uint8), getattr(full, name)[local].view(torch.uint8))

@@ -111,3 +111,15 @@ def test_fused_dispatch_and_combine_match_the_unfused_ops(device):
     got = M.combine_fused(rows, dest, w, add=shared)
     ref = M.combine(rows, dest, w).float() + shared.float()
     torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_masked_moe_over_rows_quantized_already_equals_quantizing_them_itself(device):
+    """fp8_moe(quantized=...): an EP rank's received FP8 rows go into the expert buffers as they are; with the
+    rows the kernels would have made, the output is the same, bit for bit."""
+    from libs.kernels.backend import fp8_moe
+
+    x, ids, w, (w13, w13s, w2, w2s) = _setup(device)
+    ids[1, 2] = -1  # a pick on another rank
+    want = fp8_moe(x, ids, w, (w13, w13s), (w2, w2s), masked=True)
+    got = fp8_moe(x, ids, w, (w13, w13s), (w2, w2s), masked=True, quantized=Q.quant_fp8_groups(x))
+    assert torch.equal(got, want)

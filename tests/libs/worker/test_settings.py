@@ -11,8 +11,8 @@ def test_worker_settings_validate_quantization() -> None:
     assert WorkerSettings(model_dir="m", quantization="fp8").quantization == "fp8"
     with pytest.raises(ValueError, match="quantization must be auto, fp8 or none"):
         WorkerSettings(model_dir="m", quantization="int4")
-    with pytest.raises(ValueError, match="EP ranks load dequantized experts"):
-        WorkerSettings(model_dir="m", quantization="fp8", ep_size=2, dp_size=2)
+    # EP ranks keep FP8 experts too (libs/ep/loader.py)
+    assert WorkerSettings(model_dir="m", quantization="fp8", ep_size=2, dp_size=2).quantization == "fp8"
 
 
 def test_dtype_auto_is_16_bit_on_cuda_and_float32_on_the_cpu() -> None:
@@ -38,3 +38,10 @@ def test_per_rank_kv_pools_when_asked_or_on_gpus_and_never_in_process() -> None:
     assert not WorkerSettings(model_dir="m", ep_kv_per_rank=True).kv_per_rank  # one rank: one pool
     with pytest.raises(ValueError, match="per-rank KV pools live in the rank processes"):
         WorkerSettings(model_dir="m", ep_size=2, ep_kv_per_rank=True, transfer_protocol="inprocess")
+
+
+def test_worker_settings_ep_backend() -> None:
+    assert WorkerSettings(model_dir="m").ep_backend == "auto"  # fixed on CUDA, all-to-all on CPU
+    assert WorkerSettings(model_dir="m", ep_backend="fixed").ep_backend == "fixed"
+    with pytest.raises(ValueError, match="ep_backend must be auto, fixed, torch"):
+        WorkerSettings(model_dir="m", ep_backend="nccl")

@@ -1,0 +1,62 @@
+"""Triton's CPU interpreter made to compute what the GPU computes, for tests and the EP rank processes they
+start (libs/ep/_preload.py applies it when TRITON_INTERPRET=1).
+
+Triton 3.6's interpreter converts a loaded scalar to an int with `int(array)`, which NumPy 2 refuses
+for the one-element arrays it uses; kernels with run-time loop bounds (a context length read from
+memory) need that conversion, so the interpreter's `__index__` is patched to take the element.
+Its float32 -> float8 cast also drops the carry when rounding overflows the mantissa (127.9 -> 64);
+that cast is done with torch instead, which rounds to nearest as the GPU does.
+A device-function call (`tl.cdiv` and the other triton.language.standard helpers) patches
+triton.language.core for the interpreter and never restores it, which breaks any later Gluon compile in
+the same process; the call is wrapped so its patches are undone when it returns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def patch_interpreter() -> None:
+    """Apply the fixes above (once; a no-op without Triton)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # triton missing: the tests skip on import
+        return
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_moemesh_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._moemesh_patched = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+    import numpy as np
+    import triton.language as tl
+
+    builder_cls = interpreter.InterpreterBuilder
+    original_fp_to_fp = builder_cls.create_fp_to_fp
+
+    def fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
+            wide = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            data = wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(data, dst_type.scalar)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder_cls.create_fp_to_fp = fp_to_fp
+
+    def device_call(self, *args, **kwargs):
+        scope = interpreter._patch_lang(self.fn)
+        try:
+            fn = self.rewrite()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                raise interpreter.InterpreterError(repr(e)) from e
+        finally:
+            scope.restore()
+
+    interpreter.InterpretedFunction.__call__ = device_call
