@@ -37,6 +37,7 @@ from libs.engine.request import Request, Status
 from libs.engine.runner import Chunk, ModelRunner
 from libs.engine.sampling import SampleOutput, SamplingParams, make_generator, sample
 from libs.engine.stopping import StopChecker
+from libs.engine.two_batch_overlap import enable as enable_two_batch_overlap
 from libs.engine.validation import Limits, check_prompt, check_token
 from libs.tokenizer import Tokenizer
 
@@ -67,11 +68,14 @@ class Engine:
         cuda_graphs: bool = True,
         fast_path: bool | None = None,
         overlap: bool = True,
+        two_batch_overlap: bool = False,
     ) -> None:
         """attention_backend: "auto" | "torch" | "triton" | "flashinfer" (ModelRunner). cuda_graphs: run
         decode steps as CUDA graphs where the device, backend and model allow it (cuda_graph.py).
         fast_path: the fused decoder path (layers/fast_path.py) where the model allows it; None: on CUDA.
-        overlap: launch each decode-graph step before reading the previous one's tokens (decode_pipeline.py)."""
+        overlap: launch each decode-graph step before reading the previous one's tokens (decode_pipeline.py).
+        two_batch_overlap: every forward as two overlapped micro-batches (two_batch_overlap.py; set before the
+        decode graphs are captured, which happens on first use)."""
         self.model = model
         if fast_path or (fast_path is None and model.device.type == "cuda"):
             model.enable_fast_path()
@@ -94,6 +98,8 @@ class Engine:
             model, self.kv_pool, attention_backend=attention_backend,
             graph_batch_sizes=capture_sizes(max_num_seqs) if graphs else (), scratch_page=num_pages,
         )  # fmt: skip
+        if two_batch_overlap:
+            enable_two_batch_overlap(model, self.runner.backend)
         self.tokenizer = tokenizer
         self.eos_ids: tuple[int, ...] = cfg.eos_token_ids
         if not self.eos_ids and tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -68,6 +68,7 @@ class EPEngine:
         fp8_dispatch: bool = False,
         torch_threads: int = 1,
         eplb_interval_steps: int = 0,
+        two_batch_overlap: bool = False,
         timeout_s: float = 300.0,
         backend_options: dict[str, Any] | None = None,
     ) -> None:
@@ -101,6 +102,7 @@ class EPEngine:
         engine_kwargs = dict(
             page_size=page_size, num_pages=self.pages_per_rank, max_num_seqs=max_num_seqs,
             max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=enable_prefix_cache,
+            two_batch_overlap=two_batch_overlap,
         )  # fmt: skip
         # a file store in a fresh directory: the ranks share a host, and no port can be taken in between
         self._rendezvous = tempfile.mkdtemp(prefix="moemesh-ep-")

@@ -13,8 +13,10 @@ rank r's forward f reaches MoE layer j in round f*L + j. A rank that has run out
 calls `idle_until_all_done`: it joins each further round with no tokens, serving the layer `round mod L`
 for the active ranks, until a round in which no rank is active; that round ends the operation on every
 rank at once. Nothing else needs agreeing in advance: not how many forwards each rank runs, nor their
-sizes. A failure in a rank's local expert computation still completes its combine, so the others never
-hang on it.
+sizes. With two-batch overlap (the model's `tbo`, set on every rank of a group or none) each MoE layer is
+two rounds, micro-batch A's then B's, started in that order (`moe_stages` is the started-and-finished-later
+form of `moe`), and an idle rank serves layer `(round // 2) mod L`. A failure in a rank's local expert
+computation still completes its combine, so the others never hang on it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from libs.engine.two_batch_overlap import run_alone
 from libs.ep.comm import Comm
 from libs.ep.dispatch.base import Dispatched, Dispatcher
 from libs.ep.experts import run_local_experts
@@ -66,6 +69,10 @@ class EPMoEHook:
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self.runtime.moe(self.j, x, ids, weights)
 
+    def stages(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """The same call in stages, for two-batch overlap (EPRuntime.moe_stages)."""
+        return self.runtime.moe_stages(self.j, x, ids, weights)
+
 
 class EPRuntime:
     def __init__(
@@ -73,6 +80,7 @@ class EPRuntime:
     ) -> None:
         """model: a DeepseekV3ForCausalLM whose experts are already this rank's slots."""
         cfg = model.config
+        self.model = model
         self.rank, self.placement, self.dispatcher, self.comm = rank, placement, dispatcher, comm
         self.layers = moe_layers(model)
         self.experts = [moe.experts for _, moe in self.layers]
@@ -85,31 +93,51 @@ class EPRuntime:
         self.rounds = 0
 
     # --- the model side: one MoE layer of an active forward ---
+    @property
+    def rounds_per_layer(self) -> int:
+        return 2 if getattr(self.model, "tbo", None) is not None else 1
+
+    def layer_of_round(self, r: int) -> int:
+        return (r // self.rounds_per_layer) % len(self.experts)
+
     def moe(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids/weights [T, K] (logical experts from the router) -> routed experts' output [T, D]."""
-        if j != self.rounds % len(self.experts):
+        return run_alone(self.moe_stages(j, x, ids, weights))
+
+    def moe_stages(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """`moe` as a generator that yields after starting the dispatch and after starting the combine."""
+        if j != self.layer_of_round(self.rounds):
             raise RuntimeError(
                 f"EP lockstep broken: MoE layer {j} in round {self.rounds} on rank {self.rank}"
             )
         self.load[j] += torch.bincount(ids.flatten(), minlength=self.placement.num_logical)
         slots = self.placement.to_physical(j, ids, self.rank, self.tables)
-        d = self.dispatcher.dispatch(x, slots, weights, active=True)
+        self.rounds += 1
+        pending = self.dispatcher.dispatch_start(x, slots, weights, active=True)
+        yield
+        d = pending.wait()
         if d is None:
             raise RuntimeError("dispatch reported no active rank while this rank was active")
-        out, failure = self._serve(j, d)
+        y, failure = self._local_experts(j, d)
+        combined = self.dispatcher.combine_start(y, d)
+        yield
+        out = combined.wait()
         if failure is not None:
             raise failure
         return out
 
+    def _local_experts(self, j: int, d: Dispatched) -> tuple[torch.Tensor, Exception | None]:
+        """This rank's experts over what arrived; on failure zeros, so the combine still happens."""
+        ex = self.experts[j]
+        try:
+            return run_local_experts(ex.gate_up_proj, ex.down_proj, d), None
+        except Exception as e:
+            return torch.zeros_like(d.x), e
+
     def _serve(self, j: int, d: Dispatched) -> tuple[torch.Tensor, Exception | None]:
         """Local experts over what arrived, then combine; the combine happens even if the experts fail."""
         self.rounds += 1
-        ex = self.experts[j]
-        failure: Exception | None = None
-        try:
-            y = run_local_experts(ex.gate_up_proj, ex.down_proj, d)
-        except Exception as e:
-            failure, y = e, torch.zeros_like(d.x)
+        y, failure = self._local_experts(j, d)
         return self.dispatcher.combine(y, d), failure
 
     # --- the group side ---
@@ -122,7 +150,7 @@ class EPRuntime:
         slots = torch.empty(0, self.top_k, dtype=torch.int64, device=self.device)
         weights = torch.empty(0, self.top_k, dtype=torch.float32, device=self.device)
         while (d := self.dispatcher.dispatch(x, slots, weights, active=False)) is not None:
-            _, failure = self._serve(self.rounds % len(self.experts), d)
+            _, failure = self._serve(self.layer_of_round(self.rounds), d)
             if failure is not None:
                 log.error("rank %d: local experts failed while serving an idle round: %s", self.rank, failure)
         self.rounds = 0
