@@ -1,0 +1,64 @@
+"""Two-batch overlap in EP groups against the single-rank engine on the same tiny checkpoint: ranks as
+threads (the in-process hub), then rank processes over gloo, where dispatch and combine are asynchronous
+all-to-alls (torch.distributed async work) finished while the other micro-batch computes."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from libs.engine import Engine, SamplingParams, load_model
+from libs.engine.tiny import write_tiny_model
+from libs.engine.two_batch_overlap import enable
+from libs.ep.engine import EPEngine
+from libs.ep.placement import Placement
+from tests.libs.ep.inprocess import inprocess_group, run_ranks
+
+E = 16
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = [[(o + 7 * i) % 1000 + 3 for i in range(n)] for o, n in ((1, 1), (2, 45), (3, 9), (4, 20), (5, 3))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tbo-ep") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def want(tiny: Path) -> list[list[int]]:
+    ref = Engine.from_pretrained(tiny, num_pages=48, max_prefill_tokens=32)
+    return [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
+
+
+def test_ranks_with_tbo_running_uneven_work_equal_the_single_rank_engine(tiny: Path, want) -> None:
+    """Rank 0 splits its batches, rank 1 has one prompt (its second micro-batch is empty), rank 2 idles:
+    every MoE layer is still two rounds on every rank, served with the right layer's experts."""
+    model = load_model(tiny, progress=False)
+    workers = inprocess_group(copy.deepcopy(model), Placement.uniform(2, E, 3, 2), num_pages=48,
+                              max_prefill_tokens=32)  # fmt: skip
+    for w in workers:
+        enable(w.engine.model, w.engine.runner.backend)
+        assert w.engine.model.tbo.paired and w.runtime.rounds_per_layer == 2
+    mine = {0: [0, 1, 2, 3], 1: [4], 2: []}
+
+    def run(r: int):
+        if not mine[r]:
+            return workers[r].run_op("idle", ())
+        return workers[r].run_op("generate", ([PROMPTS[i] for i in mine[r]], GREEDY))
+
+    results = run_ranks(3, run)
+    got = dict(zip(mine[0] + mine[1], [o.token_ids for o in results[0] + results[1]], strict=True))
+    assert [got[i] for i in range(len(PROMPTS))] == want
+    assert workers[0].engine.model.tbo.split_forwards > 0
+    assert all(w.runtime.rounds == 0 for w in workers)
+
+
+def test_gloo_group_with_tbo_equals_the_single_rank_engine(tiny: Path, want) -> None:
+    with EPEngine(str(tiny), 2, num_pages=48, max_prefill_tokens=32, two_batch_overlap=True) as ep:
+        assert [o.token_ids for o in ep.generate(PROMPTS, GREEDY)] == want
+        ref = Engine.from_pretrained(tiny, num_pages=48, max_prefill_tokens=32)
+        for p, got in zip(PROMPTS[1:3], ep.prefill_logits_many(PROMPTS[1:3]), strict=True):
+            torch.testing.assert_close(got, ref.prefill_logits(p), atol=1e-5, rtol=1e-5)
