@@ -33,6 +33,7 @@ from libs.ep.comm import Comm
 from libs.ep.dispatch.base import Dispatched, Dispatcher
 from libs.ep.experts import run_local_experts
 from libs.ep.placement import Placement
+from libs.ep.rebalance import RoutingTables, apply_placement
 
 log = logging.getLogger("moemesh.ep")
 
@@ -58,6 +59,12 @@ def shard_experts(model: Any, placement: Placement, rank: int, copy: bool = True
             else:
                 part = torch.empty(local.shape[1], *full.shape[1:], dtype=full.dtype, device=full.device)
             setattr(ex, name, nn.Parameter(part, requires_grad=False))
+
+
+def expert_tensors(ex: Any) -> list[torch.Tensor]:
+    """An Experts module's stacked [S, ...] tensors: weights, and for FP8 experts their block scales."""
+    names = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+    return [getattr(ex, n).data for n in names if getattr(ex, n, None) is not None]
 
 
 class EPMoEHook:
@@ -86,7 +93,8 @@ class EPRuntime:
         self.experts = [moe.experts for _, moe in self.layers]
         self.device, self.dtype = model.device, model.dtype
         self.hidden, self.top_k = cfg.hidden_size, cfg.num_experts_per_tok
-        self.tables = placement.device_tables(self.device)
+        self.routing = RoutingTables(placement, self.device)  # rewritten in place by apply_placement
+        self.tables = self.routing.as_tuple()
         self.load = torch.zeros(
             len(self.layers), placement.num_logical, dtype=torch.int64, device=self.device
         )
@@ -162,17 +170,12 @@ class EPRuntime:
         return out
 
     def apply_placement(self, new: Placement) -> None:
-        """Collective: every rank swaps to `new` at the same point, expert weights moved between ranks."""
-        old = self.placement
-        if (new.num_layers, new.num_logical, new.ep_size, new.num_physical) != (
-            old.num_layers, old.num_logical, old.ep_size, old.num_physical,
-        ):  # fmt: skip
-            raise ValueError(f"new placement {new} does not fit the group's {old}")
-        for j, ex in enumerate(self.experts):
-            gate_up, down = exchange_layer(self.comm, old, new, j, ex.gate_up_proj.data, ex.down_proj.data)
-            ex.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
-            ex.down_proj = nn.Parameter(down, requires_grad=False)
-        self.placement, self.tables = new, new.device_tables(self.device)
+        """Collective: every rank swaps to `new` at the same point between two steps, expert weights (FP8 with
+        their scales) moved between ranks into the tensors the model holds, the routing tables rewritten in
+        place (rebalance.py)."""
+        layers = [expert_tensors(ex) for ex in self.experts]
+        apply_placement(self.comm, self.placement, new, layers, self.routing)
+        self.placement = new
 
 
 def enable_expert_parallel(
@@ -183,46 +186,3 @@ def enable_expert_parallel(
     for j, (_, moe) in enumerate(runtime.layers):
         moe.ep = EPMoEHook(runtime, j)
     return runtime
-
-
-def exchange_layer(
-    comm: Comm, old: Placement, new: Placement, j: int, gate_up: torch.Tensor, down: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer j's local experts under `new`, from `old`: kept locally where this rank already holds the
-    expert, else received from a rank that holds it (one all-to-all; every rank computes the same plan)."""
-    n, me = comm.size, comm.rank
-    old_local = [old.local_experts(r)[j].tolist() for r in range(n)]
-    new_local = [new.local_experts(r)[j].tolist() for r in range(n)]
-    holders: dict[int, list[int]] = {}
-    for r, experts in enumerate(old_local):
-        for e in dict.fromkeys(experts):  # a rank holding two copies is one holder
-            holders.setdefault(e, []).append(r)
-
-    def source(r: int, s: int, e: int) -> int:
-        return r if e in old_local[r] else holders[e][(r + s) % len(holders[e])]
-
-    plan = [(r, s, e, source(r, s, e)) for r in range(n) for s, e in enumerate(new_local[r])]
-    sends = [(r, e) for r, _, e, src in plan if src == me and r != me]  # ordered by (dest, slot)
-    recvs = sorted((src, s) for r, s, _, src in plan if r == me and src != me)
-    mine = {e: slot for slot, e in enumerate(old_local[me])}
-
-    def flat(e: int) -> torch.Tensor:
-        return torch.cat([gate_up[mine[e]].flatten(), down[mine[e]].flatten()])
-
-    width = gate_up[0].numel() + down[0].numel()
-    send = torch.stack([flat(e) for _, e in sends]) if sends else gate_up.new_empty(0, width)
-    send_rows = [sum(1 for r, _ in sends if r == dest) for dest in range(n)]
-    recv_rows = [sum(1 for src, _ in recvs if src == peer) for peer in range(n)]
-    got = comm.all_to_all(send, send_rows, recv_rows)
-    new_gate_up = torch.empty(
-        len(new_local[me]), *gate_up.shape[1:], dtype=gate_up.dtype, device=gate_up.device
-    )
-    new_down = torch.empty(len(new_local[me]), *down.shape[1:], dtype=down.dtype, device=down.device)
-    for s, e in enumerate(new_local[me]):
-        if e in mine:
-            new_gate_up[s], new_down[s] = gate_up[mine[e]], down[mine[e]]
-    split = gate_up[0].numel()
-    for row, (_, s) in enumerate(recvs):
-        new_gate_up[s] = got[row, :split].view(gate_up.shape[1:])
-        new_down[s] = got[row, split:].view(down.shape[1:])
-    return new_gate_up, new_down
