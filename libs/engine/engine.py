@@ -132,6 +132,7 @@ class Engine:
         attention_backend: str = "auto",
         cuda_graphs: bool = True,
         fast_path: bool | None = None,
+        two_batch_overlap: bool = False,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder; its tokenizer too when tokenizer.json is there.
         num_pages None sizes the pool by `default_num_pages`; quantization as `load_model` takes it."""
@@ -141,6 +142,7 @@ class Engine:
             model, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
             max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=enable_prefix_cache, tokenizer=tokenizer,
             attention_backend=attention_backend, cuda_graphs=cuda_graphs, fast_path=fast_path,
+            two_batch_overlap=two_batch_overlap,
         )  # fmt: skip
 
     # --- offline API ---

@@ -68,6 +68,7 @@ def split_index(extend_lens: Sequence[int]) -> int:
 def split_step(step: StepInputs, s: int) -> tuple[StepInputs, StepInputs]:
     """The step's first s sequences and the rest, as views (0 < s < S)."""
     meta = step.meta
+    parts: list[PagedMetadata | AttentionMetadata]
     if isinstance(meta, PagedMetadata):
         ext = meta.extend_lens if meta.extend_lens is not None else [1] * meta.seq_lens.shape[0]
         t = sum(ext[:s])
@@ -169,13 +170,13 @@ def empty_stages(model, hidden: int, dtype: torch.dtype) -> Stages:
     k = model.config.num_experts_per_tok
     for layer in model.model.layers:
         yield
-        hook = getattr(layer.mlp, "ep", None)
-        if getattr(hook, "stages", None) is None:
+        stages = getattr(getattr(layer.mlp, "ep", None), "stages", None)
+        if stages is None:
             yield
             yield
             continue
         ids = torch.empty(0, k, dtype=torch.int64, device=x.device)
-        yield from hook.stages(x, ids, torch.empty(0, k, dtype=torch.float32, device=x.device))
+        yield from stages(x, ids, torch.empty(0, k, dtype=torch.float32, device=x.device))
     return x
 
 

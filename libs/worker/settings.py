@@ -39,6 +39,9 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     ep_redundant_experts: Annotated[int, msgspec.Meta(ge=0)] = 0  # extra physical expert slots for EPLB
     ep_fp8_dispatch: bool = False
     eplb_interval_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # rebalance experts every N steps (0: never)
+    # two-batch overlap (libs/engine/two_batch_overlap.py): every forward as two micro-batches, one's EP
+    # dispatch/combine in flight while the other computes; attention backend torch or triton
+    two_batch_overlap: bool = False
     # engine: "model" runs the checkpoint; "sim" the timing-model engine (libs/sim: config and tokenizer
     # only, forward passes replaced by waits fitted to the H200 decode records, deterministic tokens)
     engine: str = "model"
@@ -77,6 +80,8 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             )
         if self.mtp_k and self.ep_size > 1:
             raise ValueError("mtp_k runs on one rank only: use ep_size=1 with MTP speculative decoding")
+        if self.two_batch_overlap and (self.engine == "sim" or self.mtp_k or self.attention_backend == "flashinfer"):
+            raise ValueError("two_batch_overlap runs the model engine without MTP, on torch or triton attention")
         if self.ep_backend not in ("torch", "deepep", "mooncake"):
             raise ValueError(f"ep_backend must be torch, deepep or mooncake, got {self.ep_backend!r}")
 

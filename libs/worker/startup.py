@@ -35,6 +35,7 @@ def load_engine(s: WorkerSettings) -> EngineLike:
             max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
             backend=s.ep_backend, num_redundant_experts=s.ep_redundant_experts, fp8_dispatch=s.ep_fp8_dispatch,
             torch_threads=s.torch_threads, eplb_interval_steps=s.eplb_interval_steps,
+            two_batch_overlap=s.two_batch_overlap,
         )  # fmt: skip
     if s.torch_threads and s.device == "cpu":
         torch.set_num_threads(s.torch_threads)
@@ -52,6 +53,7 @@ def load_engine(s: WorkerSettings) -> EngineLike:
         num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
         max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
         quantization=s.quantization, attention_backend=s.attention_backend,
+        two_batch_overlap=s.two_batch_overlap,
     )  # fmt: skip
 
 

@@ -5,14 +5,17 @@ all-to-alls (torch.distributed async work) finished while the other micro-batch 
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from libs.engine import Engine, SamplingParams, load_model
 from libs.engine.tiny import write_tiny_model
 from libs.engine.two_batch_overlap import enable
+from libs.ep.comm import TorchComm
 from libs.ep.engine import EPEngine
 from libs.ep.placement import Placement
 from tests.libs.ep.inprocess import inprocess_group, run_ranks
@@ -62,3 +65,31 @@ def test_gloo_group_with_tbo_equals_the_single_rank_engine(tiny: Path, want) -> 
         ref = Engine.from_pretrained(tiny, num_pages=48, max_prefill_tokens=32)
         for p, got in zip(PROMPTS[1:3], ep.prefill_logits_many(PROMPTS[1:3]), strict=True):
             torch.testing.assert_close(got, ref.prefill_logits(p), atol=1e-5, rtol=1e-5)
+
+
+def _started_rank(rank: int, init: str) -> None:
+    """Rank 0 starts an all-to-all, then sends rank 1 the message rank 1 waits for before joining it: only
+    a start that returns before the peers have joined gets through (else both wait until the timeout)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        side = dist.new_group(backend="gloo")
+        comm = TorchComm()
+        rows = torch.full((2, 3), float(rank))
+        flag = torch.zeros(1)
+        if rank == 0:
+            pending = comm.all_to_all_start(rows, [1, 1], [1, 1])
+            dist.send(torch.ones(1), dst=1, group=side)
+            got = pending.wait()
+        else:
+            dist.recv(flag, src=0, group=side)
+            got = comm.all_to_all(rows, [1, 1], [1, 1])
+        assert got[:, 0].tolist() == [0.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_started_all_to_all_returns_before_the_peers_join(tmp_path: Path) -> None:
+    """What the overlap rests on over torch.distributed: dispatch/combine start without waiting."""
+    mp.spawn(_started_rank, args=(f"file://{tmp_path}/store",), nprocs=2, join=True)
