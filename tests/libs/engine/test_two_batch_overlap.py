@@ -76,10 +76,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tbo") / "tiny", seed=1)
 
 
-def test_plain_path_equal_with_and_without_tbo(tiny: Path) -> None:
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_plain_path_equal_with_and_without_tbo(tiny: Path, attention: str) -> None:
+    """The reference metadata and the paged one (torch kernels on CPU), split for prefill and decode."""
     model = load_model(tiny, progress=False)
-    off = Engine(model, num_pages=64, max_prefill_tokens=64, attention_backend="torch")
-    on = Engine(copy.deepcopy(model), num_pages=64, max_prefill_tokens=64, attention_backend="torch",
+    off = Engine(model, num_pages=64, max_prefill_tokens=64, attention_backend=attention)
+    on = Engine(copy.deepcopy(model), num_pages=64, max_prefill_tokens=64, attention_backend=attention,
                 two_batch_overlap=True)  # fmt: skip
     assert [o.token_ids for o in on.generate(PROMPTS, GREEDY)] == [o.token_ids for o in off.generate(PROMPTS, GREEDY)]
     assert on.model.tbo.split_forwards > 0  # ragged prefill and decode batches were split
