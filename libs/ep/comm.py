@@ -63,26 +63,34 @@ class Comm(ABC):
         """`_all_to_all_bytes` started; a backend with asynchronous collectives overrides it."""
         return Pending.done(self._all_to_all_bytes(send, send_rows, recv_rows))
 
-    def all_to_all(
+    def _send_bytes(
         self, send: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int]
-    ) -> torch.Tensor:
-        """Rows of `send` [R, ...] go to ranks in order (send_rows[j] rows to rank j); returns the rows received,
-        recv_rows[i] from rank i, in rank order, same trailing shape and dtype."""
-        return self.all_to_all_start(send, send_rows, recv_rows).wait()
-
-    def all_to_all_start(
-        self, send: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int]
-    ) -> Pending:
-        """`all_to_all` started: every rank starts its exchanges in the same order; wait() -> the rows."""
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """send [R, ...] checked against the splits and viewed as [R, bytes] uint8; -> (bytes, trailing shape)."""
         if len(send_rows) != self.size or len(recv_rows) != self.size or sum(send_rows) != send.shape[0]:
             raise ValueError(
                 f"all_to_all: {send.shape[0]} rows, send_rows {list(send_rows)}, group of {self.size}"
             )
         tail = tuple(send.shape[1:])
-        raw = send.contiguous().view(send.shape[0], math.prod(tail)).view(torch.uint8)
+        return send.contiguous().view(send.shape[0], math.prod(tail)).view(torch.uint8), tail
+
+    def all_to_all_start(
+        self, send: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int]
+    ) -> Pending:
+        """`all_to_all` started: every rank starts its exchanges in the same order; wait() -> the rows."""
+        raw, tail = self._send_bytes(send, send_rows, recv_rows)
         n, dtype = sum(recv_rows), send.dtype
         pending = self._all_to_all_bytes_start(raw, list(send_rows), list(recv_rows))
         return pending.then(lambda out: out.view(dtype).view(n, *tail))
+
+    def all_to_all(
+        self, send: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int]
+    ) -> torch.Tensor:
+        """Rows of `send` [R, ...] go to ranks in order (send_rows[j] rows to rank j); returns the rows received,
+        recv_rows[i] from rank i, in rank order, same trailing shape and dtype."""
+        raw, tail = self._send_bytes(send, send_rows, recv_rows)
+        out = self._all_to_all_bytes(raw, list(send_rows), list(recv_rows))
+        return out.view(send.dtype).view(sum(recv_rows), *tail)
 
 
 class TorchComm(Comm):
@@ -102,13 +110,6 @@ class TorchComm(Comm):
         self.dist.all_gather(out, mine, group=self.group)
         return torch.stack(out).tolist()
 
-    def _all_to_all_bytes(
-        self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]
-    ) -> torch.Tensor:
-        out = torch.empty(sum(recv_rows), send.shape[1], dtype=torch.uint8, device=send.device)
-        self.dist.all_to_all_single(out, send, recv_rows, send_rows, group=self.group)
-        return out
-
     def _all_to_all_bytes_start(
         self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]
     ) -> Pending:
@@ -122,6 +123,13 @@ class TorchComm(Comm):
             return out
 
         return Pending(finish)
+
+    def _all_to_all_bytes(
+        self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]
+    ) -> torch.Tensor:
+        out = torch.empty(sum(recv_rows), send.shape[1], dtype=torch.uint8, device=send.device)
+        self.dist.all_to_all_single(out, send, recv_rows, send_rows, group=self.group)
+        return out
 
 
 class InProcessHub:

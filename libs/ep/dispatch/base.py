@@ -57,14 +57,6 @@ class Dispatched:
 class Dispatcher(ABC):
     """Moves tokens to experts and back for one rank of an EP group (see the module docstring)."""
 
-    @abstractmethod
-    def dispatch(
-        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, active: bool = True
-    ) -> Dispatched | None: ...
-
-    @abstractmethod
-    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor: ...
-
     def dispatch_start(
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, active: bool = True
     ) -> Pending:
@@ -74,6 +66,14 @@ class Dispatcher(ABC):
     def combine_start(self, y: torch.Tensor, d: Dispatched) -> Pending:
         """combine, started: wait() -> [T, D]."""
         return Pending.done(self.combine(y, d))
+
+    @abstractmethod
+    def dispatch(
+        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, active: bool = True
+    ) -> Dispatched | None: ...
+
+    @abstractmethod
+    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor: ...
 
 
 def peak_tokens(header: Any, active: bool, num_tokens: int) -> int | None:
