@@ -21,11 +21,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from libs.ep.comm import Comm
 from libs.ep.placement import Placement
+
+
+def expert_tensors(ex: Any) -> list[torch.Tensor]:
+    """An Experts module's stacked [S, ...] tensors: weights, and for FP8 experts their block scales."""
+    names = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+    return [getattr(ex, n).data for n in names if getattr(ex, n, None) is not None]
 
 
 @dataclass(frozen=True)

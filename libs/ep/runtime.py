@@ -33,7 +33,7 @@ from libs.ep.comm import Comm
 from libs.ep.dispatch.base import Dispatched, Dispatcher
 from libs.ep.experts import run_local_experts
 from libs.ep.placement import Placement
-from libs.ep.rebalance import RoutingTables, apply_placement
+from libs.ep.rebalance import RoutingTables, apply_placement, expert_tensors
 
 log = logging.getLogger("moemesh.ep")
 
@@ -59,12 +59,6 @@ def shard_experts(model: Any, placement: Placement, rank: int, copy: bool = True
             else:
                 part = torch.empty(local.shape[1], *full.shape[1:], dtype=full.dtype, device=full.device)
             setattr(ex, name, nn.Parameter(part, requires_grad=False))
-
-
-def expert_tensors(ex: Any) -> list[torch.Tensor]:
-    """An Experts module's stacked [S, ...] tensors: weights, and for FP8 experts their block scales."""
-    names = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
-    return [getattr(ex, n).data for n in names if getattr(ex, n, None) is not None]
 
 
 class EPMoEHook:

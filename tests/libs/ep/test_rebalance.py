@@ -92,9 +92,14 @@ def _check_move(comm: Comm, device: torch.device, old: Placement, new: Placement
         assert torch.equal(new.phy2log[j][slots.cpu()], ids.cpu())
 
 
-def test_world_one_moves_fp8_weights_and_scales_in_place() -> None:
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                             reason="needs CUDA")])],
+)  # fmt: skip
+def test_world_one_moves_fp8_weights_and_scales_in_place(device: str) -> None:
     old, new = _placements(1, 2)
-    _check_move(InProcessHub(1).comm(0), torch.device("cpu"), old, new)
+    _check_move(InProcessHub(1).comm(0), torch.device(device), old, new)
 
 
 def _rank_main(rank: int, backend: str, init: str, ranks: int) -> None:
