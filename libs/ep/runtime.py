@@ -93,6 +93,7 @@ class EPRuntime:
             len(self.layers), placement.num_logical, dtype=torch.int64, device=self.device
         )
         self.rounds = 0
+        self.deferred_failure: Exception | None = None  # a local-expert failure under TBO, raised after the op
 
     # --- the model side: one MoE layer of an active forward ---
     @property
@@ -125,7 +126,11 @@ class EPRuntime:
         yield
         out = combined.wait()
         if failure is not None:
-            raise failure
+            if self.rounds_per_layer == 1:
+                raise failure
+            # two micro-batches: the other one's rounds are already started; finish the forward (this layer's
+            # routed output zero) and raise once every rank is done (idle_until_all_done)
+            self.deferred_failure = self.deferred_failure or failure
         return out
 
     def _local_experts(self, j: int, d: Dispatched) -> tuple[torch.Tensor, Exception | None]:
@@ -160,6 +165,9 @@ class EPRuntime:
             if failure is not None:
                 log.error("rank %d: local experts failed while serving an idle round: %s", self.rank, failure)
         self.rounds = 0
+        failure, self.deferred_failure = self.deferred_failure, None
+        if failure is not None:
+            raise failure
 
     def take_load(self) -> np.ndarray:
         """[L, E] tokens routed to each logical expert by this rank's requests since the last call."""

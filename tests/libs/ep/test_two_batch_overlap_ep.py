@@ -93,3 +93,25 @@ def _started_rank(rank: int, init: str) -> None:
 def test_a_started_all_to_all_returns_before_the_peers_join(tmp_path: Path) -> None:
     """What the overlap rests on over torch.distributed: dispatch/combine start without waiting."""
     mp.spawn(_started_rank, args=(f"file://{tmp_path}/store",), nprocs=2, join=True)
+
+
+def test_a_tbo_rank_whose_experts_fail_finishes_its_rounds_then_reports(tiny: Path) -> None:
+    """The failing rank's other micro-batch has rounds in flight: it finishes the forward (nobody hangs) and
+    raises once the operation's rounds are over; the healthy rank completes."""
+    model = load_model(tiny, progress=False)
+    workers = inprocess_group(copy.deepcopy(model), Placement.uniform(2, E, 2), num_pages=48, max_prefill_tokens=32)
+    for w in workers:
+        enable(w.engine.model, w.engine.runner.backend)
+    broken = workers[1].runtime.experts[0]
+    broken.down_proj = torch.nn.Parameter(broken.down_proj.data[:, :, :1].clone(), requires_grad=False)
+    mine = {0: PROMPTS[1:3], 1: PROMPTS[3:5]}
+
+    def run(r: int):
+        try:
+            return workers[r].run_op("generate", (mine[r], GREEDY))
+        except RuntimeError as e:
+            return e
+
+    ok, err = run_ranks(2, run)
+    assert isinstance(err, RuntimeError) and [len(o.token_ids) for o in ok] == [6, 6]
+    assert all(w.runtime.rounds == 0 and w.runtime.deferred_failure is None for w in workers)
