@@ -42,8 +42,7 @@ from libs.engine.layers import fast_path, fp8_linear
 from libs.engine.layers.attention_backend import AttentionBackend, StepInputs
 from libs.engine.layers.mla import AttentionMetadata, PagedMetadata
 
-Stages = Generator[None, None, Any]
-STAGES_PER_LAYER = 3
+Stages = Generator[None, None, Any]  # yields between stages, returns the micro-batch's output
 BACKENDS = ("torch", "triton")
 
 
