@@ -182,7 +182,7 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=72)
     ap.add_argument("--physical", type=int, default=288)
     ap.add_argument("--layers", type=int, default=61)
-    ap.add_argument("--attn", choices=["auto", "triton", "flashinfer"], default="flashinfer")
+    ap.add_argument("--attn", choices=["auto", "triton", "flashinfer"], default="auto")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", type=int, default=0, help="batch size to profile three steps of")

@@ -2,6 +2,10 @@
 MTP at batch 1, 8 and 32, through the Engine API (scheduling, paging, sampling, verification included).
 
     python -m bench.mtp [--batches 1,8,32 --ks 0,1,2,3 --decode-tokens 64 --temperature 0]
+    python -m bench.mtp --gpu [--layers 4 --ctx 1000 --attn triton --batches 1,8,32 --ks 1,2,3]
+
+--gpu: draft + verify step time at DeepSeek-V3 width with random FP8 weights (bench/mtp_gpu.py), written
+to bench/results/mtp-gpu-<attn>-<time>.json (or under $OUT).
 
 Prompts are the first --prompt-len tokens of held-out pydoc paragraphs (text the model never trained
 on). Per (batch, k): B requests are prefilled (not timed), then the timed steps produce the rest of
@@ -114,7 +118,18 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--gpu", action="store_true", help="V3-width step times on a GPU (bench/mtp_gpu.py)")
+    ap.add_argument("--layers", type=int, default=4, help="--gpu: decoder layers (3 dense, then MoE)")
+    ap.add_argument("--ctx", type=int, default=1000, help="--gpu: context tokens per request")
+    ap.add_argument("--attn", choices=["auto", "triton", "flashinfer"], default="triton", help="--gpu")
+    ap.add_argument("--warmup", type=int, default=3, help="--gpu: untimed steps (graph captures)")
+    ap.add_argument("--iters", type=int, default=10, help="--gpu: timed steps")
     args = ap.parse_args()
+    if args.gpu:
+        from bench import mtp_gpu
+
+        mtp_gpu.main(args)
+        return
     result = run(args)
     folder = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     folder.mkdir(parents=True, exist_ok=True)

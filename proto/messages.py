@@ -16,7 +16,10 @@ import enum
 
 import msgspec
 
-SCHEMA_VERSION = 1
+# 2: Sampling gained penalties, logit_bias, min_tokens and guided (structured output). A reader of 1 would
+# drop them without a word (map-encoded fields it does not know are skipped), so it must refuse instead.
+# also 2: per-rank KV pools (KvRankPool, KvHandle.decode_rank), landed in the same release
+SCHEMA_VERSION = 2
 
 
 class Kind(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -111,6 +114,15 @@ class KvGeometry(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str
 
 
+class KvRankPool(msgspec.Struct, frozen=True, kw_only=True):
+    """One DP-attention rank's own KV pool in an EP worker whose ranks keep their pools apart (on GPUs, each
+    on its rank's device): the rank's own Mooncake session and pool layout. Page ids for it are its own."""
+
+    rank: int
+    session_id: str
+    geometry: KvGeometry
+
+
 class KvHandle(msgspec.Struct, frozen=True, kw_only=True):
     """Where a request's prompt KV must be written: pages reserved in a decode worker's pool.
 
@@ -126,6 +138,8 @@ class KvHandle(msgspec.Struct, frozen=True, kw_only=True):
     num_tokens: int
     lease_expires_ms: int  # epoch ms; unclaimed after this, the pages are reclaimed
     cached_tokens: int = 0
+    # the EP rank whose own pool holds page_ids (session_id is that rank's); -1: the worker's one pool
+    decode_rank: int = -1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,6 +403,7 @@ class RegisterWorker(Kind, frozen=True):
     role: Role
     session_id: str
     geometry: KvGeometry
+    ranks: list[KvRankPool] = []  # an EP worker's per-rank pools; empty: one pool (session_id, geometry)
 
 
 class LookupWorker(Kind, frozen=True):
@@ -460,6 +475,7 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
     role: Role
     session_id: str
     geometry: KvGeometry
+    ranks: list[KvRankPool] = []
 
 
 class BrokerReply(Kind, frozen=True):

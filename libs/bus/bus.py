@@ -4,7 +4,8 @@ Messages are proto Structs, msgpack-encoded through `proto.encode` / `proto.Deco
 type, built once). A subscription handler is `async def handler(msg) -> Struct | None`: a returned
 Struct is sent as the reply when the message has a reply subject. A handler that raises, or a message
 that does not decode, is logged and answered (when it has a reply subject) with `proto.messages.Rejected`;
-the subscription keeps serving. `request()` turns a `Rejected` answer back into `RequestRejected`.
+the subscription keeps serving. A message of a newer schema version than this service reads is refused the
+same way, logged as an error and answered with code 503 (a rolling upgrade: the sender tries another node). `request()` turns a `Rejected` answer back into `RequestRejected`.
 
 Every outgoing message carries the caller's trace context and deadline (libs.telemetry.context); `request()`
 also bounds its wait by the deadline in force and tells the receiver when it will stop waiting.
@@ -269,7 +270,13 @@ class Bus:
         with incoming_context(m.headers):
             try:
                 msg = dec.decode(m.data)
-            except (msgspec.DecodeError, msgspec.ValidationError, SchemaVersionError) as e:
+            except SchemaVersionError as e:
+                outcome = "schema_version"
+                log.error("refused a message on %s from a newer service: %s (upgrade this one)", m.subject, e)
+                await self._reject(m, ErrorCode.UNAVAILABLE, f"{self.name} cannot read it: {e}")
+                self._count(label, outcome, t0)
+                return
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 outcome = "undecodable"
                 log.warning("undecodable message on %s (%d bytes): %s", m.subject, len(m.data), e)
                 await self._reject(m, ErrorCode.BAD_REQUEST, f"cannot decode message on {m.subject}: {e}")

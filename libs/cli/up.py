@@ -46,7 +46,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--nats-tls-ca", default="", help="CA the services verify the server with")
     p.add_argument("--transfer-protocol", default="tcp", choices=["tcp", "rdma", "nvlink_intra"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument(
         "--ep-size", type=int, default=1,
         help="expert parallelism: rank processes per prefill and decode worker (DP attention + EP MoE)",

@@ -16,32 +16,43 @@ One engine step, per decoding request with num_computed = c (its newest token t_
 
 Prefill chunks run the target and then the same MTP extend, so the MTP cache covers the prompt. Drafts
 only ever change speed, never output: a request with no drafts (just joined from a PD prefill worker,
-or no free page for the draft rows) verifies only t_c, which is plain decoding. Known limits: the MTP
-rows of a PD-joined prompt are not transferred (its first drafts attend to stale rows, so fewer are
-accepted); no CUDA graphs on this path; one rank (no EP).
+or no free page for the draft rows) verifies only t_c, which is plain decoding.
+
+On the paged attention backends the verify forward and the MTP steps after it run as decode rows (one
+row per token, libs/engine/spec_graphs.py), from CUDA graphs wherever the engine captures decode graphs;
+the torch reference runs them as absorbed multi-token chunks. Known limits: the MTP rows of a PD-joined
+prompt are not transferred (its first drafts attend to stale rows, so fewer are accepted). Under EP
+(libs/ep/rank.py) each rank runs one of these, its MTP module whole and local: only the target's MoE
+layers join the group's rounds.
 
 Legend: T tokens in a forward, V vocabulary, D hidden, k draft tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from libs.engine.batcher import Plan, pages_for
+from libs.engine.cuda_graph import GraphCaptureError, capture_sizes
 from libs.engine.engine import Engine
-from libs.engine.layers.attention_backend import TorchAttention
+from libs.engine.layers.attention_backend import StepInputs, TorchAttention
 from libs.engine.loader import load_model
-from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM, MoE
 from libs.engine.models.mtp import MTPLayer, load_mtp
 from libs.engine.outputs import StepOutput
 from libs.engine.request import Request, Status
 from libs.engine.runner import Chunk, build_batch
 from libs.engine.sampling import SamplingParams, TokenLogprob, sample, sampling_probs
+from libs.engine.spec_graphs import RowGraphRunner, chunk_rows, row_chunks
 from libs.tokenizer import Tokenizer
+
+log = logging.getLogger("moemesh.engine")
 
 
 @dataclass
@@ -107,6 +118,25 @@ def token_logprobs(
     ]
 
 
+def mtp_collector(read: Callable[[], tuple[int, int]]):
+    """A Prometheus collector of MTP draft tokens verified and accepted, from `read() -> (drafted,
+    accepted)` (one MTPEngine, or the sum over an EP group's ranks)."""
+    from prometheus_client.core import CounterMetricFamily
+    from prometheus_client.registry import Collector
+
+    class _Collector(Collector):
+        def collect(self):
+            drafted, accepted = read()
+            yield CounterMetricFamily(
+                "moemesh_mtp_drafted_tokens", "MTP draft tokens verified", value=drafted
+            )
+            yield CounterMetricFamily(
+                "moemesh_mtp_accepted_tokens", "MTP draft tokens accepted", value=accepted
+            )
+
+    return _Collector()
+
+
 class MTPEngine(Engine):
     """The Engine with MTP speculative decoding of `num_speculative_tokens` (k) drafts per step."""
 
@@ -117,12 +147,17 @@ class MTPEngine(Engine):
             raise ValueError(
                 f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens!r}"
             )
-        engine_kwargs["cuda_graphs"] = False  # verify and draft forwards are not captured
+        engine_kwargs["overlap"] = False  # the overlapped plain decode step would bypass verify and draft
         super().__init__(model, **engine_kwargs)
         self.mtp, self.k = mtp, num_speculative_tokens
         self.mtp_pool = mtp.new_kv_pool(self.kv_pool)
+        if model.fast is not None:  # the target took the fused path (on CUDA by default): the block too
+            mtp.enable_fast_path(model)
         self._drafts: dict[str, Draft] = {}
-        self._torch_attention = TorchAttention(model.config, model.device)
+        # paged backends run verify and short MTP chunks as decode rows (spec_graphs.py), the reference
+        # backend as absorbed multi-token chunks
+        self._rows = not isinstance(self.runner.backend, TorchAttention)
+        self.verify_graphs, self.draft_graphs = self._row_graphs()
         self.num_drafted = self.num_accepted = self.num_verified = 0
 
     @classmethod
@@ -147,21 +182,7 @@ class MTPEngine(Engine):
 
     def register_metrics(self, registry) -> None:
         """Prometheus counters of drafted and accepted tokens (the worker calls this when it exists)."""
-        from prometheus_client.core import CounterMetricFamily
-        from prometheus_client.registry import Collector
-
-        engine = self
-
-        class _Collector(Collector):
-            def collect(self):
-                yield CounterMetricFamily(
-                    "moemesh_mtp_drafted_tokens", "MTP draft tokens verified", value=engine.num_drafted
-                )
-                yield CounterMetricFamily(
-                    "moemesh_mtp_accepted_tokens", "MTP draft tokens accepted", value=engine.num_accepted
-                )
-
-        registry.register(_Collector())
+        registry.register(mtp_collector(lambda: (self.num_drafted, self.num_accepted)))
 
     # --- one step ---
     def _run(self, plan: Plan) -> list[StepOutput]:
@@ -206,8 +227,7 @@ class MTPEngine(Engine):
             Chunk(r.tokens[r.num_computed :] + (d.tokens if d else []), r.num_computed, r.pages)
             for r, d in zip(decode, drafts, strict=True)
         ]
-        hidden = self._target(chunks, absorbed=True)
-        logits = self.model.compute_logits(hidden)  # [T, V]
+        hidden, logits = self._verify_forward(chunks)
         argmax = logits.argmax(dim=-1).tolist()
         outputs, off = [], 0
         for req, draft, chunk in zip(decode, drafts, chunks, strict=True):
@@ -288,14 +308,76 @@ class MTPEngine(Engine):
 
     def _mtp_forward(self, chunks: Sequence[Chunk], hidden: torch.Tensor) -> torch.Tensor:
         """Short chunks (what follows a verify) attend in latent space, as the verify does: the expanded
-        form would re-expand every cached row of the sequence for a token or two."""
+        form would re-expand every cached row of the sequence for a token or two. On the paged backends
+        they run as decode rows, replayed from a CUDA graph where one is captured."""
+        short = max(len(c.tokens) for c in chunks) <= self.k + 1
+        if short and self._rows:
+            out = self._replay("draft_graphs", chunks, hidden)
+            if out is not None:
+                return out[0]
+            chunks = row_chunks(chunks)
         batch = build_batch(chunks, self.page_size)
-        absorbed = max(batch.extend_lens) <= self.k + 1
-        backend = self.runner.backend
-        if absorbed and not batch.is_decode and not isinstance(backend, TorchAttention):
-            backend = self._torch_attention  # absorbed multi-token chunks exist in the reference only
-        step = backend.prepare(batch, self.page_size, absorbed)
+        step = self.runner.backend.prepare(batch, self.page_size, short)
         return self.mtp.draft_step(step, hidden, self.mtp_pool)
+
+    # --- verify and draft as decode rows, CUDA graphs (spec_graphs.py) ---
+    def _verify_forward(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's hidden [T, D] and float32 logits [T, V] at every token of the verify chunks."""
+        if self._rows:
+            out = self._replay("verify_graphs", chunks)
+            if out is not None:
+                return out[0], out[1]
+            hidden = self._target(row_chunks(chunks))  # one-token chunks: the absorbed decode form
+        else:
+            hidden = self._target(chunks, absorbed=True)
+        return hidden, self.model.compute_logits(hidden)
+
+    def _verify_body(self, step: StepInputs, _: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model.forward_step(step, self.kv_pool)
+        return hidden, self.model.compute_logits(hidden)
+
+    def _draft_body(self, step: StepInputs, hidden: torch.Tensor | None) -> tuple[torch.Tensor]:
+        assert hidden is not None
+        return (self.mtp.draft_step(step, hidden, self.mtp_pool),)
+
+    def _row_graphs(self) -> tuple[RowGraphRunner | None, RowGraphRunner | None]:
+        """Verify and draft graphs wherever the engine captures decode graphs (device, backend and model
+        allow it), over their scratch page and table width; draft graphs need a graph-safe MTP block."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return None, None
+        sizes = capture_sizes(self.batcher.max_num_seqs * (self.k + 1))
+        kw: dict[str, Any] = dict(
+            page_size=self.page_size, scratch_page=graphs.scratch_page, max_pages=graphs.max_pages,
+            device=self.model.device,
+        )  # fmt: skip
+        verify = RowGraphRunner(self._verify_body, self.runner.backend, sizes, **kw)
+        mlp = self.mtp.mlp
+        if isinstance(mlp, MoE) and not mlp.graph_safe:
+            return verify, None
+        # its own backend object: FlashInfer keeps one planned wrapper per captured size
+        backend = self.model.attention_backend(self.runner.backend.name)
+        cfg = self.config
+        draft = RowGraphRunner(
+            self._draft_body, backend, sizes, hidden_dim=cfg.hidden_size, hidden_dtype=self.model.dtype, **kw
+        )
+        return verify, draft
+
+    def _replay(self, which: str, chunks: Sequence[Chunk], hidden=None) -> tuple[torch.Tensor, ...] | None:
+        """The chunks' rows through `which` graphs ("verify_graphs" / "draft_graphs"); None when there are
+        none, the rows do not fit, or the capture failed (those graphs are then off for this engine)."""
+        runner: RowGraphRunner | None = getattr(self, which)
+        if runner is None:
+            return None
+        tokens, positions, tables = chunk_rows(chunks)
+        if not runner.can_run(len(tokens), positions):
+            return None
+        try:
+            return runner.run(tokens, positions, tables, hidden)
+        except GraphCaptureError:
+            log.warning("MTP %s off for this engine: capture failed", which, exc_info=True)
+            setattr(self, which, None)
+            return None
 
     def _propose(self, logits: torch.Tensor, req: Request) -> tuple[int, torch.Tensor]:
         """A sampled request's draft token from the MTP distribution q (filtered as the target's)."""

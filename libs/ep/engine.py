@@ -13,9 +13,12 @@ requests and KV pages, with the routed experts sharded over the group. The front
   `rebalance()` is called): a new placement computed from the load since the last one, swapped in on every
   rank between two steps, in-flight requests untouched (their KV and state never move).
 
-KV pages. On CPU the ranks' KV pools are slices of one shared-memory pool owned by the front: rank r owns
-pages [r * P, (r + 1) * P) of `kv_pool`, so the worker registers one region with the transfer engine and
-page ids on the wire are global. On GPU each rank's pool lives on its own GPU and `kv_pool` is unavailable.
+KV pages. Page ids the front hands out are global: rank r's page p is r * P + p (P = pages_per_rank).
+Without `kv_transfer`, on CPU, the ranks' pools are slices of one shared-memory pool owned by the front
+(`kv_pool`), so the worker registers one region with the transfer engine. With `kv_transfer` (what GPUs
+need: each rank's pool lives on its own device) every rank keeps its own pool and registers it on its own
+transport (rank_kv.py): `rank_pools` says where each one is, and `write_kv` / `read_kv` move a request's
+pages from or read them in the rank that holds them.
 
 Every call must come from one thread (the worker's engine thread); only stats()/has_unfinished() and the
 metrics collector may be read from others.
@@ -44,10 +47,12 @@ from libs.ep.group import RankGroup
 from libs.ep.placement import Placement
 from libs.ep.rank import RankSpec
 from libs.ep.rank_routing import RankBlocks, pick_rank
+from libs.kvtransfer.ranks import split_rank_pages
 from libs.prefix import block_hashes
 
 STAT_KEYS = ("total_pages", "free_pages", "used_pages", "cached_pages", "evictable_pages", "running",
              "waiting", "pinned", "reserved", "preemptions")  # fmt: skip
+MTP_STAT_KEYS = ("mtp_drafted", "mtp_accepted")  # ranks running MTPEngine
 
 
 class EPEngine:
@@ -71,11 +76,21 @@ class EPEngine:
         two_batch_overlap: bool = False,
         timeout_s: float = 300.0,
         backend_options: dict[str, Any] | None = None,
+        kv_transfer: tuple[str, str, str] | None = None,  # (protocol, hostname, device): per-rank pools
+        mtp_k: int = 0,
     ) -> None:
+        """mtp_k: MTP speculative decoding on every rank (libs/engine/speculative.py), k drafts per step.
+        two_batch_overlap: every rank runs its forwards as two overlapped micro-batches (not with mtp_k)."""
+        if two_batch_overlap and mtp_k:
+            raise ValueError("two_batch_overlap does not run with MTP (mtp_k) yet")
         _check_args(
             ep_size, backend, eplb_interval_steps, max(max_prefill_tokens, max_num_seqs), backend_options
         )
         self.config = cfg = ModelConfig.from_pretrained(model_dir)
+        if not isinstance(mtp_k, int) or mtp_k < 0 or (mtp_k and cfg.num_nextn_predict_layers < 1):
+            raise ValueError(
+                f"mtp_k {mtp_k!r} needs an integer >= 0 and, above 0, a checkpoint with an MTP layer"
+            )
         self.layer_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         if not self.layer_ids:
             raise ValueError(f"{model_dir} has no MoE layers: expert parallelism has nothing to shard")
@@ -89,7 +104,7 @@ class EPEngine:
         # CPU: one shared-memory pool, rank r's pages a slice of it
         self._kv_pool = (
             _shared_pool(cfg, ep_size * self.pages_per_rank, page_size, torch_dtype)
-            if device == "cpu"
+            if device == "cpu" and kv_transfer is None
             else None
         )
         shape = (len(self.layer_ids), cfg.n_routed_experts)
@@ -110,11 +125,18 @@ class EPEngine:
             model_dir=str(model_dir), ep_size=ep_size, init_method=f"file://{self._rendezvous}/store",
             placement=self.placement.to_wire(), device=device, dtype=dtype, backend=backend,
             fp8_dispatch=fp8_dispatch, torch_threads=torch_threads, timeout_s=timeout_s, engine=engine_kwargs,
-            backend_options=dict(backend_options or {}),
+            backend_options=dict(backend_options or {}), kv_transfer=kv_transfer, mtp_k=mtp_k,
         )  # fmt: skip
+        self.mtp_k = mtp_k
         try:
             self.group = RankGroup(spec, self._kv_slices(), timeout_s, self._add_load, self.blocks.apply)
+            # (Mooncake session, KvGeometry fields) of each rank's own pool
+            self.rank_pools: list[tuple[str, dict[str, Any]]] = (
+                [] if kv_transfer is None else [self.group.call(r, "kv_endpoint") for r in range(ep_size)]
+            )
         except BaseException:
+            if hasattr(self, "group"):
+                self.group.close()
             shutil.rmtree(self._rendezvous, ignore_errors=True)
             raise
 
@@ -187,7 +209,8 @@ class EPEngine:
 
     def stats(self) -> dict[str, int]:
         """Summed over ranks, as of each rank's last reply."""
-        return {k: sum(s.get(k, 0) for s in self.group.status) for k in STAT_KEYS}
+        keys = STAT_KEYS + MTP_STAT_KEYS if self.mtp_k else STAT_KEYS
+        return {k: sum(s.get(k, 0) for s in self.group.status) for k in keys}
 
     def set_cache_listener(self, listener: Any) -> None:
         """Prefix-cache block events of the whole group (radix_cache.CacheListener), on the engine thread:
@@ -261,10 +284,35 @@ class EPEngine:
     def kv_pool(self) -> KVPool:
         if self._kv_pool is None:
             raise RuntimeError(
-                "this EP group keeps each rank's KV pool on its own GPU; moving KV pages from per-rank "
-                "pools (PD transfer) is not implemented, only the CPU shared pool is"
+                "this EP group keeps a KV pool per rank (on GPUs, each on its own device): there is no one "
+                "pool to register; use rank_pools / write_kv / read_kv (built with kv_transfer), which the "
+                "workers do"
             )
         return self._kv_pool
+
+    def write_kv(
+        self, src_pages: Sequence[int], dst_session: str, dst_geometry: dict[str, Any],
+        dst_pages: Sequence[int], num_layers: int,
+    ) -> int:  # fmt: skip
+        """Write global pages `src_pages` (one request's, so one rank's) from the rank that holds them into
+        `dst_pages` of the pool at `dst_session` (KvGeometry fields in `dst_geometry`); bytes written."""
+        rank, local = split_rank_pages(src_pages, self.pages_per_rank)
+        self._check_rank_pools()
+        return int(
+            self.group.call(rank, "write_kv", local, dst_session, dst_geometry, list(dst_pages), num_layers)
+        )
+
+    def read_kv(self, pages: Sequence[int]) -> np.ndarray:
+        """Bytes [L, rows, C*itemsize] of global `pages` (one rank's), read in the rank that holds them."""
+        rank, local = split_rank_pages(pages, self.pages_per_rank)
+        self._check_rank_pools()
+        return self.group.call(rank, "read_kv", local)
+
+    def _check_rank_pools(self) -> None:
+        if not self.rank_pools:
+            raise RuntimeError(
+                "this EP group's ranks have no KV pools of their own (build it with kv_transfer)"
+            )
 
     # --- EPLB ---
     def rebalance(self) -> Placement:
@@ -286,6 +334,12 @@ class EPEngine:
         from libs.ep.metrics import ExpertLoadCollector
 
         registry.register(ExpertLoadCollector(self))
+        if self.mtp_k:
+            from libs.engine.speculative import mtp_collector
+
+            registry.register(
+                mtp_collector(lambda: (self.stats()["mtp_drafted"], self.stats()["mtp_accepted"]))
+            )
 
     # --- internals ---
     def _kv_slices(self) -> list[torch.Tensor] | None:

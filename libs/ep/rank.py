@@ -4,7 +4,9 @@ model whose routed experts are this rank's slots, joined to the group through to
 The front (engine.EPEngine, in the worker process) talks to each rank over a multiprocessing pipe with
 plain tuples, never tensors:
   ("call", method, args)  -> this rank alone: add_request, abort, reserve, reserve_cached,
-                             cancel_reservation, add_prefilled, release, flush_prefix_cache, stats
+                             cancel_reservation, add_prefilled, release, flush_prefix_cache, stats;
+                             with a pool of its own on the transfer fabric (RankSpec.kv_transfer) also
+                             kv_endpoint, write_kv, read_kv (rank_kv.py)
   ("op", name, args)      -> a group operation: the front sends one to every rank at once (step, prefill,
                              prefill_logits, generate, rebalance, or idle for ranks with nothing to do);
                              each rank does its part, then serves rounds until every rank is done
@@ -39,6 +41,7 @@ from libs.ep.comm import TorchComm
 from libs.ep.dispatch.factory import make_dispatcher
 from libs.ep.loader import load_rank_model
 from libs.ep.placement import Placement
+from libs.ep.rank_kv import RANK_KV_CALLS, RankKv
 from libs.ep.runtime import EPRuntime, enable_expert_parallel
 from libs.tokenizer import Tokenizer
 
@@ -66,6 +69,9 @@ class RankSpec:
     timeout_s: float = 300.0
     engine: dict[str, Any] = field(default_factory=dict)  # Engine(...) keyword arguments
     backend_options: dict[str, Any] = field(default_factory=dict)
+    # (protocol, hostname, device name): the rank registers its own KV pool on its own transport
+    kv_transfer: tuple[str, str, str] | None = None
+    mtp_k: int = 0  # MTP speculative decoding: each rank an MTPEngine, its MTP module whole (no EP hook)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -119,8 +125,8 @@ class CacheEvents:
 
 
 class RankWorker:
-    def __init__(self, rank: int, engine: Engine, runtime: EPRuntime) -> None:
-        self.rank, self.engine, self.runtime = rank, engine, runtime
+    def __init__(self, rank: int, engine: Engine, runtime: EPRuntime, kv: RankKv | None = None) -> None:
+        self.rank, self.engine, self.runtime, self.kv = rank, engine, runtime, kv
         self.cache_events = CacheEvents()
         engine.set_cache_listener(self.cache_events)
 
@@ -149,12 +155,13 @@ class RankWorker:
         runtime = enable_expert_parallel(model, placement, rank, dispatcher, comm)
         tok_file = Path(spec.model_dir) / "tokenizer.json"
         tokenizer = Tokenizer.from_pretrained(spec.model_dir) if tok_file.exists() else None
-        engine = Engine(model, tokenizer=tokenizer, **spec.engine)
+        engine = _rank_engine(spec, model, tokenizer)
         if kv_buffer is not None:  # this rank's pages of the worker's shared pool
             if kv_buffer.shape != engine.kv_pool.buffer.shape or kv_buffer.dtype != engine.kv_pool.dtype:
                 raise ValueError(f"shared KV slice {tuple(kv_buffer.shape)} does not match the rank's pool")
             engine.kv_pool.buffer = kv_buffer
-        return cls(rank, engine, runtime)
+        kv = None if spec.kv_transfer is None else RankKv(engine.kv_pool, *spec.kv_transfer)
+        return cls(rank, engine, runtime, kv)
 
     def serve(self, conn: Any) -> None:
         import torch.distributed as dist
@@ -168,6 +175,8 @@ class RankWorker:
                 conn.send(("ok", None, None, None, None))
                 break
             conn.send(self.handle(msg))
+        if self.kv is not None:
+            self.kv.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -175,7 +184,11 @@ class RankWorker:
         kind, name, args = msg
         load = None
         try:
-            if kind == "call":
+            if kind == "call" and name in RANK_KV_CALLS:
+                if self.kv is None:
+                    raise ValueError(f"rank {self.rank} has no KV pool of its own on the transfer fabric")
+                result = self.kv.handle(name, args)
+            elif kind == "call":
                 if name not in CALLS:
                     raise ValueError(f"rank call {name!r} is not allowed")
                 result = getattr(self.engine, name)(*args)
@@ -226,6 +239,18 @@ class RankWorker:
     def status(self) -> dict[str, int]:
         e = self.engine
         return {**e.stats(), "unfinished": int(e.has_unfinished()), "stalled": int(e.stalled)}
+
+
+def _rank_engine(spec: RankSpec, model: Any, tokenizer: Tokenizer | None) -> Engine:
+    """The rank's Engine; with mtp_k an MTPEngine whose MTP module holds all its experts and runs them
+    locally (no collective: only the target's MoE layers take part in the group's lockstep rounds)."""
+    if not spec.mtp_k:
+        return Engine(model, tokenizer=tokenizer, **spec.engine)
+    from libs.engine.models.mtp import load_mtp
+    from libs.engine.speculative import MTPEngine
+
+    mtp = load_mtp(spec.model_dir, model, quantization="none")  # dense, as the rank's target is
+    return MTPEngine(model, mtp, num_speculative_tokens=spec.mtp_k, tokenizer=tokenizer, **spec.engine)
 
 
 _PORTABLE: tuple[type[Exception], ...] = (OutOfPagesError, ValueError, TypeError, TimeoutError, RuntimeError)

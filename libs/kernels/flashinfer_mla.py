@@ -84,6 +84,15 @@ class FlashInferMLA:
         return self._wrapper.run(q_nope, q_pe, paged[..., :512], paged[..., 512:], out=out)
 
 
+RAGGED_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})  # (qk, vo) its prefill kernels take
+
+
+def ragged_prefill_fits(head_dim_qk: int, head_dim_vo: int) -> bool:
+    """FlashInfer's ragged prefill compiles for these head-dim pairs only (DeepSeek-V3's 192/128 among them);
+    others (the tests' tiny 96/32) fail in the kernel ("Invalid configuration"), so callers take SDPA."""
+    return (head_dim_qk, head_dim_vo) in RAGGED_HEAD_DIMS
+
+
 class FlashInferRaggedPrefill:
     """Causal attention over ragged chunks whose keys include a cached prefix (FlashInfer aligns the
     causal mask bottom-right: query i of a chunk sees keys 0 .. kv_len - q_len + i). Keys/values are the

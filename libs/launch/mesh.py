@@ -51,7 +51,7 @@ class MeshConfig:
     served_model_name: str = ""
     transfer_protocol: str = "tcp"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU
     ep_size: int = 1  # EP ranks (processes) per prefill and decode worker; 1: the engine in the worker
     log_dir: Path | None = None
     # extra MOEMESH_* settings per service module name, e.g. {"services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": "8"}}

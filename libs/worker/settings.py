@@ -14,7 +14,7 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     model_dir: str = ""  # a Hugging Face checkpoint folder (required)
     served_model_name: str = ""  # empty: the folder's name
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU | float32 | bfloat16 | float16
     quantization: str = "auto"  # FP8 checkpoints: auto (FP8 on CUDA) | fp8 | none (dequantize to dtype)
     page_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
     num_pages: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: the engine's default
@@ -38,6 +38,9 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     ep_backend: str = "torch"  # dispatch/combine: torch (all_to_all over gloo/NCCL) | deepep | mooncake
     ep_redundant_experts: Annotated[int, msgspec.Meta(ge=0)] = 0  # extra physical expert slots for EPLB
     ep_fp8_dispatch: bool = False
+    # each EP rank registers its own KV pool on its own transport and handles name the rank (what device
+    # cuda always does: the pools live on the ranks' GPUs); off on CPU: one shared pool, one region
+    ep_kv_per_rank: bool = False
     eplb_interval_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # rebalance experts every N steps (0: never)
     # two-batch overlap (libs/engine/two_batch_overlap.py): every forward as two micro-batches, one's EP
     # dispatch/combine in flight while the other computes; attention backend torch or triton
@@ -51,6 +54,11 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     # MTP speculative decoding (libs/engine/speculative.py): draft tokens per step from the checkpoint's
     # MTP module, verified by the target in one forward; 0: off. Needs num_nextn_predict_layers >= 1.
     mtp_k: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0
+
+    @property
+    def kv_per_rank(self) -> bool:
+        """EP ranks keep their own KV pools (rank_kv.py): asked for, or forced by pools on GPUs."""
+        return self.ep_size > 1 and (self.ep_kv_per_rank or self.device != "cpu")
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -72,14 +80,16 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             raise ValueError(
                 f"attention_backend must be auto, torch, triton or flashinfer, got {self.attention_backend!r}"
             )
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "fp8", "none"):
             raise ValueError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
         if self.quantization == "fp8" and self.ep_size > 1:
             raise ValueError(
                 "quantization=fp8 runs on one rank only: EP ranks load dequantized experts (use auto)"
             )
-        if self.mtp_k and self.ep_size > 1:
-            raise ValueError("mtp_k runs on one rank only: use ep_size=1 with MTP speculative decoding")
+        if self.ep_size > 1 and self.kv_per_rank and self.transfer_protocol == "inprocess":
+            raise ValueError("per-rank KV pools live in the rank processes: use a Mooncake transfer_protocol")
         if self.two_batch_overlap and (self.engine == "sim" or self.mtp_k or self.attention_backend == "flashinfer"):
             raise ValueError("two_batch_overlap runs the model engine without MTP, on torch or triton attention")
         if self.ep_backend not in ("torch", "deepep", "mooncake"):
@@ -88,3 +98,15 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_dir).resolve().name
+
+    @property
+    def activation_dtype(self) -> str:
+        """dtype with auto resolved: 16-bit activations on a GPU (as SGLang and vLLM serve DeepSeek-V3)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def engine_attention_backend(self) -> str:
+        """The engine's attention_backend setting (the prefill worker resolves auto per device)."""
+        return self.attention_backend

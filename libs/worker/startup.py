@@ -11,7 +11,8 @@ from libs.bus import Bus
 from libs.engine import Engine
 from libs.engine.protocol import EngineLike
 from libs.ep.engine import EPEngine
-from libs.kvtransfer import KvTransport, make_transport
+from libs.kvtransfer import KvTransport, SkipTransport, make_transport
+from libs.worker.rank_pools import has_rank_pools, rank_pools
 from libs.worker.settings import WorkerSettings
 from proto import messages as m
 from proto import subjects
@@ -30,11 +31,12 @@ def load_engine(s: WorkerSettings) -> EngineLike:
 
     if s.ep_size > 1:
         return EPEngine(
-            s.model_dir, s.ep_size, device=s.device, dtype=s.dtype, page_size=s.page_size,
+            s.model_dir, s.ep_size, device=s.device, dtype=s.activation_dtype, page_size=s.page_size,
             num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
             max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
             backend=s.ep_backend, num_redundant_experts=s.ep_redundant_experts, fp8_dispatch=s.ep_fp8_dispatch,
-            torch_threads=s.torch_threads, eplb_interval_steps=s.eplb_interval_steps,
+            torch_threads=s.torch_threads, eplb_interval_steps=s.eplb_interval_steps, mtp_k=s.mtp_k,
+            kv_transfer=(s.transfer_protocol, s.transfer_hostname, s.transfer_device) if s.kv_per_rank else None,
             two_batch_overlap=s.two_batch_overlap,
         )  # fmt: skip
     if s.torch_threads and s.device == "cpu":
@@ -43,16 +45,16 @@ def load_engine(s: WorkerSettings) -> EngineLike:
         from libs.engine.speculative import MTPEngine
 
         return MTPEngine.load(
-            s.model_dir, device=s.device, dtype=s.dtype, num_speculative_tokens=s.mtp_k, page_size=s.page_size,
+            s.model_dir, device=s.device, dtype=s.activation_dtype, num_speculative_tokens=s.mtp_k, page_size=s.page_size,
             num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
             max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
-            quantization=s.quantization,
+            quantization=s.quantization, attention_backend=s.engine_attention_backend,
         )  # fmt: skip
     return Engine.from_pretrained(
-        s.model_dir, device=s.device, dtype=s.dtype, page_size=s.page_size,
+        s.model_dir, device=s.device, dtype=s.activation_dtype, page_size=s.page_size,
         num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
         max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
-        quantization=s.quantization, attention_backend=s.attention_backend,
+        quantization=s.quantization, attention_backend=s.engine_attention_backend,
         two_batch_overlap=s.two_batch_overlap,
     )  # fmt: skip
 
@@ -65,6 +67,9 @@ def register_engine_metrics(engine: EngineLike, registry: Any) -> None:
 
 
 def geometry(engine: EngineLike) -> m.KvGeometry:
+    pools = rank_pools(engine)
+    if pools:  # per-rank pools: the worker's own fields carry rank 0's
+        return pools[0].geometry
     pool = engine.kv_pool
     return m.KvGeometry(
         num_layers=pool.num_layers, num_pages=pool.num_pages, page_size=pool.page_size,
@@ -74,6 +79,8 @@ def geometry(engine: EngineLike) -> m.KvGeometry:
 
 
 def open_transport(s: WorkerSettings, engine: EngineLike) -> KvTransport:
+    if has_rank_pools(engine):  # each rank registered its own pool; this process moves no KV itself
+        return SkipTransport()
     t = make_transport(s.transfer_protocol, s.transfer_hostname, s.transfer_device)
     t.register(engine.kv_pool.data_ptr(), engine.kv_pool.nbytes)
     return t
@@ -82,9 +89,11 @@ def open_transport(s: WorkerSettings, engine: EngineLike) -> KvTransport:
 async def register_at_broker(
     bus: Bus, worker_id: str, role: m.Role, transport: KvTransport, engine: EngineLike, timeout: float
 ) -> None:
+    pools = rank_pools(engine)
     msg = m.RegisterWorker(
-        worker_id=worker_id, role=role, session_id=transport.session_id, geometry=geometry(engine)
-    )
+        worker_id=worker_id, role=role, session_id=pools[0].session_id if pools else transport.session_id,
+        geometry=geometry(engine), ranks=pools,
+    )  # fmt: skip
     reply: m.BrokerReply = await bus.request(subjects.BROKER, msg, m.BrokerReply, timeout=timeout)
     if not reply.ok:
         raise RuntimeError(f"kv-broker refused registration of {worker_id}: {reply.message}")

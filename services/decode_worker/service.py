@@ -31,6 +31,7 @@ from libs.worker.heartbeat import Heartbeater
 from libs.worker.kv_events import start_kv_events
 from libs.worker.page_accounting import install_page_gauges, page_account
 from libs.worker.prefix_reuse import reserve_for
+from libs.worker.rank_pools import handle_place
 from libs.worker.service import WorkerService
 from libs.worker.settings import WorkerSettings
 from libs.worker.startup import register_engine_metrics
@@ -67,7 +68,9 @@ class DecodeWorker(WorkerService):
         self.work = asyncio.Event()
         self.guard = ReservationGuard(self.bus, self.cancelled.add)  # prefill deaths, lease expiry
         await self.guard.start()
-        self.leases = LeaseBackstop()  # frees what the broker never expires (a lost CreateHandle/HandleExpired)
+        self.leases = (
+            LeaseBackstop()
+        )  # frees what the broker never expires (a lost CreateHandle/HandleExpired)
         self._backstop = Periodic(1.0, self._expire_unanswered, "lease-backstop")
         self._backstop.start()
         self._metrics()
@@ -136,10 +139,11 @@ class DecodeWorker(WorkerService):
             return m.ReserveKvReply(request_id=rid, ok=False, code=429, message=str(e))
         except ValueError as e:
             return m.ReserveKvReply(request_id=rid, ok=False, code=400, message=str(e))
+        session, rank, pages = handle_place(self.engine, self.transport, rid, pages)  # the rank holding it
         handle = m.KvHandle(
             handle_id=uuid.uuid4().hex, request_id=rid, decode_worker=self.instance_id,
-            session_id=self.transport.session_id, page_ids=pages, num_tokens=msg.num_tokens,
-            lease_expires_ms=int(time.time() * 1000) + msg.lease_ms, cached_tokens=cached,
+            session_id=session, page_ids=pages, num_tokens=msg.num_tokens,
+            lease_expires_ms=int(time.time() * 1000) + msg.lease_ms, cached_tokens=cached, decode_rank=rank,
         )  # fmt: skip
         if msg.prompt_ids:
             self.tracker.prefix_cache(rid, cached, msg.num_tokens)

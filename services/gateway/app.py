@@ -32,7 +32,7 @@ from starlette.types import Receive, Scope, Send
 from libs.telemetry.context import TRACEPARENT, context_from_headers, new_traceparent, request_context
 from libs.tokenizer import Tokenizer
 from services.gateway import formatting as fmt
-from services.gateway import tools
+from services.gateway import tool_parser
 from services.gateway.convert import ModelInfo, Plan, plan_chat, plan_completion
 from services.gateway.errors import ApiError, error_body
 from services.gateway.generation import Generation
@@ -189,10 +189,10 @@ async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) 
                     )
                     yield fmt.sse(first)
             plan = gen.plan.tools if chat else None
-            parsers = {o.index: tools.ToolStream(plan) for o in gen.outputs} if plan is not None else {}
+            parsers = {o.index: tool_parser.ToolStream(plan) for o in gen.outputs} if plan is not None else {}
             async for out, step in gen.steps():
                 if out.index in parsers:
-                    delta, finish = tools.stream_step(parsers[out.index], step.text, step.finish_reason)
+                    delta, finish = tool_parser.stream_step(parsers[out.index], step.text, step.finish_reason)
                     if delta or step.logprobs or step.done:
                         pending.append(fmt.sse(fmt.chat_chunk(
                             gen.id, gen.created, gen.model, out.index, delta or {}, logprobs=step.logprobs,
@@ -249,7 +249,7 @@ def _response(gen: Generation, chat: bool) -> dict[str, Any]:
     choices, plan = gen.choices(), gen.plan.tools
     if chat and plan is not None:
         for k, c in enumerate(choices):
-            content, calls, finish = tools.choice_with_calls(plan, c.text, c.finish_reason)
+            content, calls, finish = tool_parser.choice_with_calls(plan, c.text, c.finish_reason)
             choices[k] = dataclasses.replace(
                 c, content=content, tool_calls=calls or None, finish_reason=finish
             )

@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from libs.kvtransfer.ranks import sessions, target_pool
 from proto.messages import HandleRecord, HandleState, KvHandle, WorkerRecord
 
 LIVE = (HandleState.RESERVED, HandleState.WRITTEN)
@@ -57,17 +58,21 @@ def create(
         raise HandleError(f"handle {handle.handle_id} already exists (request {existing.handle.request_id})")
     if worker is None:
         raise HandleError(f"decode worker {handle.decode_worker!r} is not registered at the kv-broker")
-    if worker.session_id != handle.session_id:
+    try:
+        session, geometry = target_pool(worker, handle.decode_rank)
+    except ValueError as e:
+        raise HandleError(str(e)) from None
+    if session != handle.session_id:
         raise HandleError(
             f"handle names Mooncake session {handle.session_id!r} but {worker.worker_id} registered "
-            f"{worker.session_id!r} (stale worker incarnation?)"
+            f"{session!r} (stale worker incarnation?)"
         )
     if not handle.page_ids:
         raise HandleError(f"handle {handle.handle_id} reserves no pages")
-    bad = [p for p in handle.page_ids if not 0 <= p < worker.geometry.num_pages]
+    bad = [p for p in handle.page_ids if not 0 <= p < geometry.num_pages]
     if bad:
         raise HandleError(
-            f"page ids {bad[:8]} outside {worker.worker_id}'s pool of {worker.geometry.num_pages} pages"
+            f"page ids {bad[:8]} outside {worker.worker_id}'s pool of {geometry.num_pages} pages"
         )
     if handle.lease_expires_ms <= now_ms:
         raise HandleError(
@@ -106,7 +111,7 @@ def consumed(rec: HandleRecord, now_ms: int) -> HandleRecord:
 def of_old_incarnation(rec: HandleRecord, worker: WorkerRecord) -> bool:
     """A live handle into `worker`'s pool made for an earlier process of it (another session)."""
     h = rec.handle
-    return rec.state in LIVE and h.decode_worker == worker.worker_id and h.session_id != worker.session_id
+    return rec.state in LIVE and h.decode_worker == worker.worker_id and h.session_id not in sessions(worker)
 
 
 def expire(rec: HandleRecord, now_ms: int, old_incarnation: bool = False) -> HandleRecord:

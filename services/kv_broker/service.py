@@ -177,9 +177,12 @@ class KvBroker(Service):
     async def _register(self, req: m.RegisterWorker) -> m.BrokerReply:
         handles.check_id("worker_id", req.worker_id)
         _check_geometry(req.geometry)
+        for pool in req.ranks:
+            _check_geometry(pool.geometry)
         rec = m.WorkerRecord(
-            worker_id=req.worker_id, role=req.role, session_id=req.session_id, geometry=req.geometry
-        )
+            worker_id=req.worker_id, role=req.role, session_id=req.session_id, geometry=req.geometry,
+            ranks=req.ranks,
+        )  # fmt: skip
         await self._buckets()[1].put(req.worker_id, rec)
         log.info("registered %s worker %s at %s", req.role.name.lower(), req.worker_id, req.session_id)
         stale = [hid for hid, h in self._buckets()[0].items() if handles.of_old_incarnation(h, rec)]

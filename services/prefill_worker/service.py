@@ -25,13 +25,14 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.bus.periodic import Periodic
-from libs.kvtransfer import PageGeometry, plan_page_runs
+from libs.kvtransfer.ranks import sessions, target_pool
 from libs.telemetry import RequestTracker
 from libs.telemetry import attributes as span_attrs
 from libs.worker.heartbeat import Heartbeater
 from libs.worker.kv_events import start_kv_events
 from libs.worker.page_accounting import install_page_gauges, page_account
 from libs.worker.prefix_reuse import pages_to_send
+from libs.worker.rank_pools import write_pages
 from libs.worker.service import WorkerService
 from libs.worker.settings import WorkerSettings
 from libs.worker.startup import register_engine_metrics
@@ -55,9 +56,16 @@ class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     # prompts batched into the engine at once (forwards still hold at most max_prefill_tokens); 0: no limit,
     # 1: one prompt at a time (the unbatched baseline of bench/results/prefill_batching.json)
     max_prefill_prompts: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # "triton": one SDPA per sequence for prefill, plain torch on CPU (what "auto" picks on CUDA anyway);
-    # the CPU reference ("torch") pads a batch to its longest chunk, which would make batching cost more
-    attention_backend: str = "triton"
+    # auto: on CUDA the engine's choice (FlashInfer's ragged prefill where it imports, else Triton/SDPA); on
+    # the CPU "triton" (one SDPA per sequence): the CPU reference ("torch") pads a batch to its longest chunk,
+    # which would make batching cost more
+    attention_backend: str = "auto"
+
+    @property
+    def engine_attention_backend(self) -> str:
+        if self.attention_backend == "auto" and not self.device.startswith("cuda"):
+            return "triton"
+        return self.attention_backend
 
 
 class PrefillWorker(WorkerService):
@@ -68,9 +76,7 @@ class PrefillWorker(WorkerService):
     async def setup(self) -> None:
         s = self.settings
         await self.start_engine(m.Role.PREFILL)
-        self.src_geom = PageGeometry.of_pool(self.engine.kv_pool)
-        self.dst_geoms: dict[str, m.KvGeometry] = {}
-        self.dst_sessions: dict[str, str] = {}  # decode worker -> the session its geometry is of
+        self.dst_workers: dict[str, m.WorkerRecord] = {}  # decode worker -> its pools, from the broker
         self.active: set[str] = set()  # tasks received and not finished
         self.cancelled: set[str] = set()
         self._background: set[asyncio.Task] = set()
@@ -168,19 +174,27 @@ class PrefillWorker(WorkerService):
         )  # fmt: skip
         return m.AdminReply(ok=True, stats=stats)
 
-    async def _dst_geometry(self, worker_id: str) -> m.KvGeometry:
-        geom = self.dst_geoms.get(worker_id)
-        if geom is None:
+    async def _dst_pool(self, handle: m.KvHandle) -> m.KvGeometry:
+        """Layout of the pool the handle's pages are in (the decode worker's, or its rank's), looked up at
+        the kv-broker once per incarnation of the worker."""
+        worker = self.dst_workers.get(handle.decode_worker)
+        if worker is None or handle.session_id not in sessions(worker):
             reply: m.BrokerReply = await self.bus.request(
                 subjects.BROKER,
-                m.LookupWorker(worker_id=worker_id),
+                m.LookupWorker(worker_id=handle.decode_worker),
                 m.BrokerReply,
                 timeout=self.settings.broker_timeout_s,
             )
             if not reply.ok or reply.worker is None:
-                raise RuntimeError(f"kv-broker does not know decode worker {worker_id}: {reply.message}")
-            geom = self.dst_geoms[worker_id] = reply.worker.geometry
-            self.dst_sessions[worker_id] = reply.worker.session_id
+                raise RuntimeError(
+                    f"kv-broker does not know decode worker {handle.decode_worker}: {reply.message}"
+                )
+            worker = self.dst_workers[handle.decode_worker] = reply.worker
+        session, geom = target_pool(worker, handle.decode_rank)
+        if session != handle.session_id:  # it restarted since
+            raise RuntimeError(
+                f"handle {handle.handle_id} names an old incarnation of {handle.decode_worker}"
+            )
         return geom
 
     async def on_task(self, task: m.PrefillTask) -> None:
@@ -204,13 +218,7 @@ class PrefillWorker(WorkerService):
 
     async def _run(self, task: m.PrefillTask) -> None:
         rid, handle = task.request_id, task.handle
-        if self.dst_sessions.get(handle.decode_worker) != handle.session_id:
-            self.dst_geoms.pop(handle.decode_worker, None)
-        dst = await self._dst_geometry(handle.decode_worker)
-        if self.dst_sessions.get(handle.decode_worker) != handle.session_id:  # it restarted since
-            raise RuntimeError(
-                f"handle {handle.handle_id} names an old incarnation of {handle.decode_worker}"
-            )
+        dst = await self._dst_pool(handle)
         self._check_cancelled(rid)
         t0 = time.perf_counter()
         early = self.early.take(rid)  # started by PrefillStart while the decode worker reserved
@@ -227,15 +235,12 @@ class PrefillWorker(WorkerService):
         left_ms = handle.lease_expires_ms - int(time.time() * 1000)
         if left_ms < self.settings.lease_margin_ms:  # past the lease the decode side may reuse the pages
             raise TimeoutError(f"lease of handle {handle.handle_id} has {left_ms} ms left; not writing")
-        runs = plan_page_runs(
-            self.src_geom.num_layers, send, handle.page_ids[: len(send)], self.src_geom, dst
-        )
         protocol = self.settings.transfer_protocol
         with self.telemetry.span("kv_transfer", kind=SpanKind.CLIENT) as span:
             t0 = time.perf_counter()
-            nbytes = await asyncio.to_thread(self.transport.write, handle.session_id, runs)
+            nbytes, nruns = await write_pages(self.engine, self.et, self.transport, send, handle, dst)
             dt = time.perf_counter() - t0
-            span.set_attributes(span_attrs.transfer(protocol, nbytes, dt, len(runs), handle.decode_worker))
+            span.set_attributes(span_attrs.transfer(protocol, nbytes, dt, nruns, handle.decode_worker))
         self.m_xfer_seconds.observe(dt)
         self.m_xfer_bytes.inc(nbytes)
         # Unpinning waits in the engine thread's queue behind the next batched step: on_task's `finally`

@@ -187,3 +187,27 @@ def test_required_and_named_tool_choice_yield_valid_calls(client) -> None:
             args = json.loads(call.function.arguments)  # type: ignore[union-attr]
             assert args["side"] in ("left", "right") and 0 <= args["steps"] <= 9
             assert c.finish_reason == ("tool_calls" if choice == "required" else "stop")
+
+
+def test_streamed_tool_call_arguments_join_to_the_whole_ones(client) -> None:
+    """The same seeded request streamed and not: the call's name comes first, then its arguments in
+    fragments whose concatenation is the non-streamed arguments."""
+    messages = [{"role": "user", "content": "Which way?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+        body = dict(
+            model=model_of(client), messages=messages, tools=[TOOL], tool_choice=choice,
+            max_tokens=60, temperature=1.0, seed=3, parallel_tool_calls=False,
+        )  # fmt: skip
+        whole = client.chat.completions.create(**body)  # type: ignore[call-overload]
+        (call,) = whole.choices[0].message.tool_calls or [None]
+        assert call is not None
+        first, fragments, finish = None, [], None
+        for chunk in client.chat.completions.create(**body, stream=True):  # type: ignore[call-overload]
+            for tc in chunk.choices[0].delta.tool_calls or []:
+                assert tc.index == 0
+                first = first or tc
+                fragments.append(tc.function.arguments)
+            finish = chunk.choices[0].finish_reason or finish
+        assert first is not None and first.id and first.type == "function" and first.function.name == "pick"
+        assert "".join(fragments) == call.function.arguments and len(fragments) > 3, (choice, fragments)
+        assert finish == whole.choices[0].finish_reason

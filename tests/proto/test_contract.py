@@ -199,3 +199,38 @@ def test_subject_tokens_are_checked() -> None:
     for bad in ["", "a.b", "a b", "*", ">"]:
         with pytest.raises(ValueError):
             subjects.check_token(bad)
+
+
+# Sampling's fields at each schema version. Sampling is map-encoded, so a reader that lacks a field skips it
+# silently; every field that changes the output therefore comes with a SCHEMA_VERSION bump (older readers
+# refuse the message instead, libs/bus). Adding a field here without bumping the version fails below.
+SAMPLING_FIELDS = {
+    1: {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop",
+        "ignore_eos", "logprobs", "top_logprobs"},
+    2: {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "guided"},
+}  # fmt: skip
+
+
+def test_sampling_fields_are_versioned() -> None:
+    known = set().union(*(f for v, f in SAMPLING_FIELDS.items() if v <= m.SCHEMA_VERSION))
+    assert set(m.Sampling.__struct_fields__) == known
+    assert max(SAMPLING_FIELDS) == m.SCHEMA_VERSION
+
+
+def test_older_version_is_read_with_neutral_defaults() -> None:
+    """A version-1 sender (no penalties or grammar on the wire) is still served as before."""
+
+    class OldSampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+        max_tokens: int = 16
+
+    class OldSubmit(m.Kind, frozen=True, tag="Submit"):
+        request_id: str
+        model: str
+        prompt_ids: list[int]
+        sampling: OldSampling
+        stream_subject: str
+
+    old = OldSubmit(request_id="r", model="m", prompt_ids=[1], sampling=OldSampling(max_tokens=3), stream_subject="s",
+                    v=1)  # fmt: skip
+    new = proto.decoder(m.Submit).decode(proto.encode(old))
+    assert new.v == 1 and new.sampling == m.Sampling(max_tokens=3)

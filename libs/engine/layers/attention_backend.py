@@ -179,8 +179,9 @@ class TritonAttention(AttentionBackend):
 
 
 class FlashInferAttention(TritonAttention):
-    """FlashInfer's MLA decode and ragged prefill (planned per forward on the host: no decode graphs).
-    FlashInfer takes 16-bit inputs: a float32 model gets the torch paged decode and the SDPA prefill."""
+    """FlashInfer's MLA decode (eager: planned per forward; in decode graphs: planned on the host before each
+    replay) and ragged prefill. FlashInfer takes 16-bit inputs: a float32 model gets the torch paged decode and
+    the SDPA prefill; head dims its prefill does not compile for (flashinfer_mla.RAGGED_HEAD_DIMS) get SDPA."""
 
     name = "flashinfer"
     graph_safe = True  # decode graphs: one wrapper per captured batch size, planned before each replay
@@ -193,7 +194,8 @@ class FlashInferAttention(TritonAttention):
         half = dtype in (torch.bfloat16, torch.float16)
         fits = half and _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         self.mla = flashinfer_mla.FlashInferMLA(device) if fits else None
-        self.prefill = flashinfer_mla.FlashInferRaggedPrefill(device) if half else None
+        ragged = half and flashinfer_mla.ragged_prefill_fits(*self.head_dims)
+        self.prefill = flashinfer_mla.FlashInferRaggedPrefill(device) if ragged else None
         self._kv_index: torch.Tensor | None = None  # [sum K] pool slots of the extend batch's keys
         self._graph_mla: dict[int, flashinfer_mla.FlashInferMLA] = {}  # captured batch size -> its wrapper
         self._active: flashinfer_mla.FlashInferMLA | None = None  # last planned for a graph step (None: eager)
@@ -256,8 +258,12 @@ def _kernel_fits(num_heads: int, latent: int, rope: int) -> bool:
 def resolve_backend(name: str, device: torch.device) -> str:
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+    if name == "auto":  # on CUDA: FlashInfer's MLA (in decode graphs too) where it imports, else Triton's
+        if device.type != "cuda":
+            return "torch"
+        from libs.kernels import flashinfer_mla
+
+        return "flashinfer" if flashinfer_mla.available() else "triton"
     if name == "flashinfer":
         from libs.kernels import flashinfer_mla
 

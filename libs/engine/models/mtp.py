@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,8 @@ from torch import nn
 
 from libs.engine.config import ModelConfig
 from libs.engine.kv_pool import KVPool
-from libs.engine.layers.attention_backend import StepInputs
+from libs.engine.layers import fast_path
+from libs.engine.layers.attention_backend import StepInputs, TritonAttention
 from libs.engine.layers.fp8_linear import FP8_DTYPE, apply_fp8_weights
 from libs.engine.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, Embedding, Linear, RMSNorm
 from libs.quant.fp8 import SCALE_SUFFIX
@@ -55,6 +57,23 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = Linear(2 * d, d, False, dtype, device)
         self.shared_head = SharedHead(cfg, dtype, device)
         self.embed_tokens = Embedding(cfg.vocab_size, d, dtype, device)
+        # the fused decoder path, once enable_fast_path() said yes
+        self.fast: fast_path.ModelFast | None = None
+
+    def enable_fast_path(self, target: DeepseekV3ForCausalLM) -> bool:
+        """Run this block on the fused decoder path (layers/fast_path.py) too, where the target takes it and
+        the block allows it (FP8 attention projections, DeepSeek's MLA dims): `fast_path.enable` sees the
+        block as a one-layer model and stacks its weights once, as it does the target's."""
+        if self.fast is not None or target.fast is None:
+            return self.fast is not None
+        view = SimpleNamespace(
+            model=SimpleNamespace(layers=[self]), config=self.config, dtype=target.dtype, device=target.device,
+            rope=self.rope, fast=None,
+        )  # fmt: skip
+        if not fast_path.enable(view):
+            return False
+        self.fast = view.fast
+        return True
 
     def new_kv_pool(self, target_pool: KVPool) -> KVPool:
         """A one-layer latent pool with the target pool's page geometry."""
@@ -65,9 +84,13 @@ class MTPLayer(DecoderLayer):
     def draft_step(self, step: StepInputs, hidden: torch.Tensor, kv: KVPool) -> torch.Tensor:
         """step.input_ids [T] are the tokens after the positions whose states `hidden` [T, D] holds ->
         this module's hidden [T, D] (before shared_head.norm), its latent rows written into `kv`."""
-        cos, sin = self.rope.cos_sin(step.positions)
         e = F.embedding(step.input_ids, self.embed_tokens.weight)
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.to(e.dtype))], dim=-1))
+        if self.fast is not None and isinstance(step.backend, TritonAttention):
+            residual = torch.zeros_like(x)  # the fused layer adds its input in and carries the sum here
+            h = fast_path.decoder_layer(self, x, residual, step, kv, self.fast)
+            return h + residual
+        cos, sin = self.rope.cos_sin(step.positions)
         return super().forward(x, cos, sin, step, kv)
 
     @torch.inference_mode()

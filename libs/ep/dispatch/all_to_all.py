@@ -67,7 +67,9 @@ class AllToAllDispatcher(Dispatcher):
     def _pack(self, x: torch.Tensor, token: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """[R, bytes]: rows x[token] as hidden (or fp8 + scales) | ids int32 | weights float32. FP8 quantizes
         each token once, before the gather, however many ranks it visits."""
-        rows = [p.contiguous().view(torch.uint8)[token] for p in (quantize_for_dispatch(x) if self.fp8 else [x])]
+        rows = [
+            p.contiguous().view(torch.uint8)[token] for p in (quantize_for_dispatch(x) if self.fp8 else [x])
+        ]
         return torch.cat([*rows, *(p.contiguous().view(torch.uint8) for p in (ids, w))], dim=1)
 
     def _unpack(self, got: torch.Tensor, d: int, k: int, dtype: torch.dtype):

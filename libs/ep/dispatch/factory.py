@@ -13,7 +13,8 @@ import torch
 from libs.ep.comm import Comm
 from libs.ep.dispatch.all_to_all import AllToAllDispatcher
 from libs.ep.dispatch.base import Dispatcher
-from libs.ep.dispatch.deepep import DeepEPDispatcher
+from libs.ep.dispatch.deepep import DeepEPDispatcher, deepep_api
+from libs.ep.dispatch.deepep_v2 import DeepEPV2Dispatcher
 from libs.ep.dispatch.mooncake_ep import MooncakeEPDispatcher
 
 BACKENDS = ("torch", "deepep", "mooncake")
@@ -27,7 +28,9 @@ def make_dispatcher(
     is a RuntimeError naming what to install."""
     if backend == "torch":
         return AllToAllDispatcher(comm, slots_per_rank, fp8=fp8, combine_dtype=options.get("combine_dtype"))
-    if backend == "deepep":
+    if backend == "deepep":  # DeepEP's V1 Buffer where the installed deep_ep has it, else V2's EPBuffer
+        if deepep_api() == "v2":
+            return DeepEPV2Dispatcher(group, comm, num_physical, hidden, dtype, fp8=fp8, **options)
         return DeepEPDispatcher(group, comm, num_physical, hidden, dtype, fp8=fp8, **options)
     if backend == "mooncake":
         return MooncakeEPDispatcher(group, comm, num_physical, hidden, dtype, fp8=fp8, **options)

@@ -210,3 +210,26 @@ async def test_drain_deadline_cancels_stuck_handlers(bus):
     await asyncio.wait_for(entered.wait(), 5)
     assert await bus.stop_subscriptions(timeout=0.1) is False
     assert bus.in_flight == 0
+
+
+async def test_newer_schema_version_is_a_logged_refusal(bus, caplog):
+    """A service one schema version behind neither handles nor silently drops what it cannot read."""
+    from proto import messages as m
+
+    s, handled = subj(), []
+
+    async def handler(msg: m.Cancel) -> Pong:
+        handled.append(msg)
+        return Pong(0)
+
+    await bus.subscribe(s, m.Cancel, handler)
+    with caplog.at_level("ERROR", logger="moemesh.bus"), pytest.raises(RequestRejected) as e:
+        await bus.request(s, m.Cancel(request_id="r", v=m.SCHEMA_VERSION + 1), Pong, timeout=5)
+    assert e.value.code == 503 and f"schema version {m.SCHEMA_VERSION + 1}" in e.value.message
+    assert handled == []
+    assert any("newer service" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+    count = bus.registry.get_sample_value(
+        "moemesh_bus_messages_total", {"subscription": s, "outcome": "schema_version"}
+    )
+    assert count == 1
+    assert await bus.request(s, m.Cancel(request_id="r"), Pong, timeout=5) == Pong(0)  # this version: served

@@ -137,9 +137,19 @@ def test_pack_batch_is_real_pages_and_rejects_short_tables():
         pack_batch(batch, PAGE)
 
 
+def test_flashinfer_ragged_prefill_takes_only_the_head_dims_it_compiles():
+    from libs.kernels.flashinfer_mla import ragged_prefill_fits
+
+    assert ragged_prefill_fits(192, 128)  # DeepSeek-V3's expanded heads
+    assert not ragged_prefill_fits(96, 32)  # the tiny test dims: "Invalid configuration" on the H200
+
+
 def test_backend_names():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_backend("auto", cpu) == "torch" and resolve_backend("auto", cuda) == "triton"
+    from libs.kernels import flashinfer_mla
+
+    on_cuda = "flashinfer" if flashinfer_mla.available() else "triton"  # FlashInfer where it imports
+    assert resolve_backend("auto", cpu) == "torch" and resolve_backend("auto", cuda) == on_cuda
     assert resolve_backend("triton", cpu) == "triton"
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         resolve_backend("flash", cpu)

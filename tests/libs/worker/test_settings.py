@@ -15,6 +15,31 @@ def test_worker_settings_validate_quantization() -> None:
         WorkerSettings(model_dir="m", quantization="fp8", ep_size=2, dp_size=2)
 
 
+def test_dtype_auto_is_16_bit_on_cuda_and_float32_on_the_cpu() -> None:
+    assert WorkerSettings(model_dir="m").activation_dtype == "float32"
+    assert WorkerSettings(model_dir="m", device="cuda").activation_dtype == "bfloat16"
+    assert WorkerSettings(model_dir="m", device="cuda:1", dtype="float32").activation_dtype == "float32"
+    with pytest.raises(ValueError, match="dtype must be auto"):
+        WorkerSettings(model_dir="m", dtype="bf16")
+
+
+def test_prefill_worker_attention_auto_resolves_per_device() -> None:
+    from services.prefill_worker.service import PrefillWorkerSettings
+
+    assert PrefillWorkerSettings(model_dir="m").engine_attention_backend == "triton"  # CPU: SDPA per sequence
+    assert PrefillWorkerSettings(model_dir="m", device="cuda").engine_attention_backend == "auto"
+    assert WorkerSettings(model_dir="m").engine_attention_backend == "auto"
+
+
+def test_per_rank_kv_pools_when_asked_or_on_gpus_and_never_in_process() -> None:
+    assert not WorkerSettings(model_dir="m", ep_size=2).kv_per_rank  # CPU: one shared pool
+    assert WorkerSettings(model_dir="m", ep_size=2, ep_kv_per_rank=True).kv_per_rank
+    assert WorkerSettings(model_dir="m", ep_size=2, device="cuda").kv_per_rank  # pools on the ranks' GPUs
+    assert not WorkerSettings(model_dir="m", ep_kv_per_rank=True).kv_per_rank  # one rank: one pool
+    with pytest.raises(ValueError, match="per-rank KV pools live in the rank processes"):
+        WorkerSettings(model_dir="m", ep_size=2, ep_kv_per_rank=True, transfer_protocol="inprocess")
+
+
 def test_worker_settings_take_two_batch_overlap_where_it_runs() -> None:
     assert WorkerSettings(model_dir="m", two_batch_overlap=True, ep_size=2, dp_size=2).two_batch_overlap
     for bad in (dict(mtp_k=2), dict(engine="sim"), dict(attention_backend="flashinfer")):

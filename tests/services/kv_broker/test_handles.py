@@ -1,3 +1,4 @@
+import msgspec
 import pytest
 
 from proto.messages import HandleRecord, HandleState
@@ -113,3 +114,31 @@ def test_only_live_handles_of_the_same_worker_with_another_session_are_of_an_old
     assert handles.expire(rec, 0, old_incarnation=True).state == HandleState.EXPIRED  # before its lease
     with pytest.raises(handles.HandleError):
         handles.expire(rec, 0)
+
+
+def test_per_rank_worker_handles_are_checked_against_the_named_ranks_pool() -> None:
+    from tests.libs.kvtransfer.test_ranks import ranked
+
+    w = ranked(2)  # rank 0: 32 pages at :2000, rank 1: 33 pages at :2001
+    ok = msgspec.structs.replace(
+        handle(NOW + 1000, w, pages=[32]), session_id="127.0.0.1:2001", decode_rank=1
+    )
+    assert handles.create(None, ok, w, NOW, 60_000).state == HandleState.RESERVED
+    for bad, match in (
+        (msgspec.structs.replace(ok, decode_rank=0), "registered '127.0.0.1:2000'"),  # rank 1's session
+        (
+            msgspec.structs.replace(ok, session_id="127.0.0.1:2000", decode_rank=0),
+            "outside",
+        ),  # page 32 > rank 0's
+        (msgspec.structs.replace(ok, decode_rank=-1), "must name its decode_rank"),
+        (msgspec.structs.replace(ok, decode_rank=2), "no KV pool of rank 2"),
+    ):
+        with pytest.raises(handles.HandleError, match=match):
+            handles.create(None, bad, w, NOW, 60_000)
+    # a restart changes every rank's session: its old handles are of an old incarnation
+    rec = HandleRecord(handle=ok, state=HandleState.RESERVED, updated_ms=0)
+    assert not handles.of_old_incarnation(rec, w)
+    moved = msgspec.structs.replace(
+        w, ranks=[msgspec.structs.replace(p, session_id=f"127.0.0.1:{3000 + p.rank}") for p in w.ranks]
+    )
+    assert handles.of_old_incarnation(rec, moved)

@@ -128,7 +128,7 @@ async def test_a_cancel_while_the_task_runs_frees_the_reservation_without_writin
         if where == "at-the-broker-lookup":
             await rig.until(lambda: task.request_id in rig.worker.active, "the task to start")
         else:  # past the lookup: the next step is the prefill, queued behind `hold`
-            await rig.until(lambda: DECODE in rig.worker.dst_geoms, "the task to look up the decode worker")
+            await rig.until(lambda: DECODE in rig.worker.dst_workers, "the task to look up the decode worker")
         await rig.bus.publish(subjects.CANCEL, m.Cancel(request_id=task.request_id, reason="client gone"))
         await rig.bus.flush()
         await rig.until(lambda: task.request_id in rig.worker.cancelled, "the worker to hear the cancel")

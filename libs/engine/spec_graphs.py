@@ -1,0 +1,175 @@
+"""CUDA graphs for MTP speculative decoding (libs/engine/speculative.py): the target's verify forward and
+the MTP module's draft steps, both run as decode-shaped "rows".
+
+A verify chunk [t_c, d_1..d_k] at positions c..c+k is k+1 rows of a decode step: row j feeds one token at
+position c+j, with the sequence's page table and KV length c+j+1. Each layer writes every row's latent row
+before any row attends, so row j attends over exactly the chunk's causal prefix 0..c+j: the chunk's
+absorbed attention, computed by the decode kernel. The MTP module's extend over verified positions and
+its chained single-token steps are rows the same way. So both forwards are decode steps of n rows:
+captured per row-count bucket (`capture_sizes`, `bucket_for`) and replayed from the decode graphs'
+packed input layout (`DecodeLayout`, `fill_decode_inputs` in libs/engine/cuda_graph.py: padding rows
+write the scratch page), plus, for the MTP module, a static [b, D] hidden-state input.
+
+`RowGraphRunner` captures any `body(step, hidden) -> tensors` this way; the caller (MTPEngine) says
+what the body is (target: hidden and logits; MTP: its hidden) and falls back to the same rows eagerly
+when `can_run` says no or a capture fails. The pure part (`chunk_rows`, `row_chunks`) is tested on CPU.
+
+Legend: n rows, b the captured row count (n padded), D hidden, P pages in the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from libs.engine.cuda_graph import (
+    DecodeLayout,
+    GraphCaptureError,
+    bucket_for,
+    fill_decode_inputs,
+    static_step,
+)
+from libs.engine.layers.attention_backend import AttentionBackend, StepInputs, TritonAttention
+from libs.engine.runner import Chunk
+
+Body = Callable[[StepInputs, torch.Tensor | None], tuple[torch.Tensor, ...]]
+
+
+def chunk_rows(chunks: Sequence[Chunk]) -> tuple[list[int], list[int], list[list[int]]]:
+    """Chunks -> one decode row per token: (tokens, positions, page tables), chunk after chunk."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    tables: list[list[int]] = []
+    for c in chunks:
+        tokens += c.tokens
+        positions += range(c.start, c.start + len(c.tokens))
+        tables += [c.pages] * len(c.tokens)
+    return tokens, positions, tables
+
+
+def row_chunks(chunks: Sequence[Chunk]) -> list[Chunk]:
+    """The same rows as one-token chunks, for the eager forward of the same decode step."""
+    return [Chunk([t], p, pages) for t, p, pages in zip(*chunk_rows(chunks), strict=True)]
+
+
+@dataclass
+class _Graph:
+    layout: DecodeLayout
+    staging: torch.Tensor  # pinned host int32 [layout.size]
+    packed: torch.Tensor  # device int32 [layout.size]
+    hidden: torch.Tensor | None  # device [b, D]: the body's hidden-state input (None: the body takes none)
+    copied: torch.cuda.Event  # the last host->device copy from staging is done
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: tuple[torch.Tensor, ...] = ()
+
+
+class RowGraphRunner:
+    """Captures and replays `body` over n decode rows, one graph per row-count bucket (lazily, on first
+    use, after two eager warm-up runs on padding rows). hidden_dim: the width of the body's hidden input
+    (None: no hidden input). All buckets share one memory pool; outputs are views valid until the next
+    replay of the same bucket."""
+
+    def __init__(
+        self, body: Body, backend: AttentionBackend, sizes: Sequence[int], *, page_size: int, scratch_page: int,
+        max_pages: int, device: torch.device, hidden_dim: int | None = None, hidden_dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
+        if not isinstance(backend, TritonAttention) or not backend.graph_safe:
+            raise ValueError(f"attention backend {backend.name!r} cannot be captured in a CUDA graph")
+        if max_pages < 1 or not sizes or (hidden_dim is not None and hidden_dtype is None):
+            raise ValueError(
+                f"bad row graph setup: max_pages {max_pages}, sizes {sizes}, hidden {hidden_dim}"
+            )
+        self.body, self.backend, self.sizes = body, backend, sorted(sizes)
+        self.page_size, self.scratch_page, self.max_pages = page_size, scratch_page, max_pages
+        self.device, self.hidden_dim, self.hidden_dtype = device, hidden_dim, hidden_dtype
+        self._graphs: dict[int, _Graph] = {}
+        self._pool: Any = None  # one memory pool for every bucket, made at the first capture
+
+    @property
+    def captured(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def can_run(self, n: int, positions: Sequence[int]) -> bool:
+        """n rows at `positions` fit a captured size and the table width."""
+        if n < 1 or bucket_for(n, self.sizes) is None:
+            return False
+        return all(p // self.page_size < self.max_pages for p in positions)
+
+    def run(
+        self, tokens: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
+        hidden: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """The body's outputs for n rows ([n, ...] views of the graph's outputs). hidden [n, D]: the rows'
+        hidden input (required iff the runner has hidden_dim). GraphCaptureError: nothing replayed."""
+        n = len(tokens)
+        b = bucket_for(n, self.sizes)
+        if b is None:
+            raise ValueError(f"{n} rows exceed the largest captured size {self.sizes[-1]}")
+        if (hidden is None) != (self.hidden_dim is None) or (hidden is not None and hidden.shape[0] != n):
+            raise ValueError(f"hidden input {None if hidden is None else tuple(hidden.shape)} for {n} rows")
+        g = self._graphs.get(b)
+        if g is None:
+            try:
+                g = self._capture(b)
+            except Exception as e:
+                raise GraphCaptureError(f"capturing {n} rows (bucket {b}) failed: {e!r}") from e
+        g.copied.synchronize()  # staging may be rewritten only once its last copy is done
+        fill_decode_inputs(
+            g.staging.numpy(), g.layout, tokens, positions, tables, self.page_size, self.scratch_page
+        )
+        self._plan(g)
+        g.packed.copy_(g.staging, non_blocking=True)
+        if hidden is not None and g.hidden is not None:
+            g.hidden[:n].copy_(hidden)
+        g.copied.record()
+        assert g.graph is not None
+        g.graph.replay()
+        return tuple(o[:n] for o in g.outputs)
+
+    def _plan(self, g: _Graph) -> None:
+        """Backends that plan on the host (FlashInfer) plan this replay's lengths and table first."""
+        plan = getattr(self.backend, "plan_graph", None)
+        if plan is not None:
+            _, _, _, lens, table = g.layout.views(g.staging.numpy())
+            plan(g.layout.batch, lens, table, self.page_size)
+
+    def _capture(self, b: int) -> _Graph:
+        layout = DecodeLayout(b, self.max_pages)
+        hidden = None
+        if self.hidden_dim is not None:
+            hidden = torch.zeros(b, self.hidden_dim, dtype=self.hidden_dtype, device=self.device)
+        g = _Graph(
+            layout,
+            staging=torch.zeros(layout.size, dtype=torch.int32, pin_memory=True),
+            packed=torch.zeros(layout.size, dtype=torch.int32, device=self.device),
+            hidden=hidden,
+            copied=torch.cuda.Event(),
+        )
+        fill_decode_inputs(
+            g.staging.numpy(), layout, [0], [0], [[self.scratch_page]], self.page_size, self.scratch_page
+        )
+        g.packed.copy_(g.staging)
+        self._plan(g)
+
+        def step() -> tuple[torch.Tensor, ...]:
+            return self.body(static_step(g.packed, layout, self.page_size, self.backend), g.hidden)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        g.graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with (
+            torch.inference_mode(),
+            torch.cuda.graph(g.graph, pool=self._pool, capture_error_mode="thread_local"),
+        ):
+            g.outputs = step()
+        self._graphs[b] = g
+        return g

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# DeepEP for the GPU machine, in two halves (that machine has no internet):
+#   bash scripts/build_deep_ep.sh fetch   # here, with PyPI: the source distributions into .gpu-pkgs/deep_ep/
+#   bash scripts/build_deep_ep.sh build   # there (carry .gpu-pkgs): wheels built with nvcc + NVSHMEM from
+#                                         # the nvidia-nvshmem-cu13 package, installed into $SITE (/tmp/site);
+#                                         # log in $OUT/deep_ep_build.log, outcome in $OUT/deep_ep_build.json
+# Then `PYTHONPATH=/tmp/site python3 scripts/check_deep_ep.py` runs the one-rank round trips.
+#
+# What PyPI has (read 2026-12-01): `deep-ep` 1.0.0, an sdist of DeepEP's first release (its V1 API: Buffer,
+# get_dispatch_layout, dispatch/combine, low_latency_dispatch/combine), whose csrc/ lacks the headers its
+# sources include (deep_ep.hpp, config.hpp, kernels/api.cuh, ...): the build stops at the first include.
+# `deepinfer-ep` 2.5.0 is a complete sdist of DeepEP V2.5 (import name deep_ep too, NCCL instead of
+# NVSHMEM, kernels JIT-compiled at run time, V1's Buffer API removed). `build` tries deep-ep first and,
+# if it fails, deepinfer-ep, so one device call says what builds; libs/ep/dispatch/deepep.py speaks V1,
+# deepep_v2.py V2 (make_dispatcher picks by what the installed deep_ep has).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+dir=.gpu-pkgs/deep_ep
+# name, version, sha256 of the sdist: pinned so the carry is what was read here
+SOURCES=(
+  "deep-ep 1.0.0 d6894fadaec1406e7c4ababf06518d42edad7bc862c8aff137b9542b83f02090"
+  "deepinfer-ep 2.5.0 14d5b32e77fc1609f95444136c19519606c0b3552648ef9a1f472dca99c983d2"
+)
+
+fetch() {
+  mkdir -p "$dir"
+  local entry
+  for entry in "${SOURCES[@]}"; do
+    # shellcheck disable=SC2086
+    set -- $entry
+    python3 - "$1" "$2" "$3" "$dir" <<'EOF'
+import hashlib, json, sys, urllib.request
+from pathlib import Path
+name, version, sha, out = sys.argv[1:]
+index = f"https://pypi.org/simple/{name}/"
+req = urllib.request.Request(index, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
+sdists = [f for f in files if f["filename"].endswith(f"-{version}.tar.gz")]
+if not sdists:
+    sys.exit(f"PyPI has no source distribution of {name} {version}: {[f['filename'] for f in files]}")
+f = sdists[0]
+data = urllib.request.urlopen(urllib.request.Request(urllib.parse.urljoin(index, f["url"])), timeout=120).read()
+got = hashlib.sha256(data).hexdigest()
+if got != sha:
+    sys.exit(f"{f['filename']}: sha256 {got}, pinned {sha}")
+(Path(out) / f["filename"]).write_bytes(data)
+print(f"{f['filename']}: {len(data)} bytes, sha256 ok")
+EOF
+  done
+  du -sh "$dir"
+}
+
+nvshmem_dir() {  # the nvidia-nvshmem-cu13 package's root (include/, lib/)
+  python3 -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])"
+}
+
+build_one() {  # $1 sdist, $2 label; appends to the log, prints ok/failed
+  local sdist=$1 label=$2 src
+  src=$(mktemp -d /tmp/deep_ep_src.XXXX)
+  tar xzf "$sdist" -C "$src"
+  src=$(ls -d "$src"/*/)
+  echo "=== $label: $(basename "$sdist") ===" >> "$LOG"
+  if [ -f "$src/setup.py" ] && grep -q "csrc/deep_ep.cpp" "$src/setup.py"; then
+    missing=$(cd "$src/csrc" && grep -ho '#include "[^"]*"' deep_ep.cpp kernels/*.cu | sort -u | sed 's/#include "\(.*\)"/\1/' \
+      | while read -r h; do [ -e "$h" ] || [ -e "kernels/$h" ] || echo "$h"; done | tr '\n' ' ')
+    echo "headers the sources include that the sdist lacks: ${missing:-none}" >> "$LOG"
+  fi
+  if (cd "$src" && timeout "${BUILD_TIMEOUT:-360}" python3 -m pip wheel -v --no-build-isolation --no-deps \
+        -w "$WHEELS" .) >> "$LOG" 2>&1; then
+    echo ok
+  else
+    echo failed
+  fi
+}
+
+build() {
+  OUT=${OUT:-/tmp/deep_ep_out}
+  SITE=${SITE:-/tmp/site}
+  LOG="$OUT/deep_ep_build.log"
+  WHEELS=$(mktemp -d /tmp/deep_ep_wheels.XXXX)
+  mkdir -p "$OUT" "$SITE"
+  : > "$LOG"
+  NVSHMEM_DIR=$(nvshmem_dir 2>>"$LOG") || { echo "nvidia-nvshmem-cu13 does not import" >> "$LOG"; NVSHMEM_DIR=; }
+  export NVSHMEM_DIR TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16}
+  {
+    echo "nvcc: $(nvcc --version 2>&1 | tail -2 | tr '\n' ' ')"
+    python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+    echo "NVSHMEM_DIR=$NVSHMEM_DIR"; ls "$NVSHMEM_DIR/lib" 2>&1 | tr '\n' ' '; echo
+  } >> "$LOG" 2>&1
+  local results=() sdist label status start err built=""
+  for sdist in "$dir"/deep_ep-*.tar.gz "$dir"/deepinfer_ep-*.tar.gz; do
+    [ -f "$sdist" ] || { results+=("\"$(basename "$sdist")\": \"not fetched\""); continue; }
+    label=$(basename "$sdist" .tar.gz)
+    start=$(wc -l < "$LOG")
+    status=$(build_one "$sdist" "$label")
+    err=""
+    if [ "$status" != ok ]; then  # the attempt's first error line, quoted for the note
+      err=$(tail -n +"$((start + 1))" "$LOG" | grep -m1 -E "error:|fatal error|Error" | cut -c1-300 \
+        | sed 's/\\/\\\\/g; s/"/\\"/g; s/\t/ /g')
+    fi
+    results+=("\"$label\": {\"status\": \"$status\", \"first_error\": \"$err\"}")
+    if [ "$status" = ok ]; then built=$label; break; fi
+  done
+  if [ -n "$built" ]; then
+    python3 -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl >> "$LOG" 2>&1 || built=""
+  fi
+  (IFS=,; echo "{${results[*]}, \"installed\": \"${built:-none}\", \"site\": \"$SITE\"}") | tee "$OUT/deep_ep_build.json"
+}
+
+case "${1:-}" in
+  fetch) fetch ;;
+  build) build ;;
+  *) echo "usage: $0 fetch|build" >&2; exit 2 ;;
+esac
