@@ -2,7 +2,7 @@
 `Engine.step()` timed exactly as the worker calls it.
 
     python -m bench.decode_rank --batch 64,128,256,512 [--ctx 2000 --gen 100] [--attn auto|triton|flashinfer]
-        [--ep 72 --physical 288] [--layers 61] [--profile 256] [--dispatch emulated|real]
+        [--ep 72 --physical 288] [--layers 61] [--profile 256] [--dispatch emulated|real] [--tbo]
 
 The Engine is built from DeepSeek-V3's config (libs.engine.presets) with random FP8 block-scaled weights
 (libs.engine.random_weights) and only this rank's local experts: EP-72 over 288 physical experts holds 4
@@ -21,6 +21,10 @@ seeded. Then `Engine.step()` runs: scheduling, per-step metadata (FlashInfer's p
 host-to-device copies, the captured decode graph, sampling (one-pass Gumbel-max), the tokens copied back.
 `step_ms` is that wall time per step; `graph_ms` is the captured graph replayed alone (CUDA events), so
 `host_ms` = step - graph is what the host adds.
+
+`--tbo` runs every step as two overlapped micro-batches (libs.engine.two_batch_overlap; `tbo` in the
+record). With EP emulated there is no dispatch or combine to overlap: it measures what splitting the batch
+costs (half-size GEMMs and attention), not what overlap gains on a real EP group. It needs `--attn triton`.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ def build_engine(
     config: dict, *, ep: int, physical: int, max_batch: int, max_ctx: int, device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16, attention: str = "auto", page_size: int = PAGE, seed: int = 0,
     dispatch: str = "emulated",
+    two_batch_overlap: bool = False,
 ) -> Engine:  # fmt: skip
     """The Engine of one EP rank (physical // ep local experts per MoE layer, emulated EP), random FP8
     weights, a KV pool for max_batch sequences of max_ctx tokens. dispatch="real": the picks go through the
@@ -82,7 +87,7 @@ def build_engine(
     pages = max_batch * math.ceil(max_ctx / page_size)
     engine = Engine(
         model, page_size=page_size, num_pages=pages, max_num_seqs=max_batch, enable_prefix_cache=False,
-        attention_backend=attention, cuda_graphs=True, fast_path=True,
+        attention_backend=attention, cuda_graphs=True, fast_path=True, two_batch_overlap=two_batch_overlap,
     )  # fmt: skip
     if local is not None and enable_emulated_ep(model, local) == 0:
         raise RuntimeError("the model did not take the fused MoE path: EP cannot be emulated")
@@ -174,7 +179,7 @@ def run(a) -> list[dict]:
     t0 = time.perf_counter()
     engine = build_engine(
         config, ep=a.ep, physical=a.physical, max_batch=max(batches), max_ctx=a.ctx + a.gen + 64,
-        attention=a.attn, dispatch=a.dispatch,
+        attention=a.attn, dispatch=a.dispatch, two_batch_overlap=a.tbo,
     )  # fmt: skip
     build_s = time.perf_counter() - t0
     env = environment()
@@ -201,15 +206,16 @@ def run(a) -> list[dict]:
             "attention_backend": backend, "ep": a.ep, "physical_experts": a.physical,
             "local_experts": a.physical // a.ep, "dispatch": a.dispatch, "ep_communication": COMMUNICATION[a.dispatch],
             "fast_path": engine.model.fast is not None, "cuda_graph": engine.runner.graphs is not None,
+            "tbo": engine.model.tbo is not None,
             "build_s": round(build_s, 1), **env,
         }  # fmt: skip
         records.append(rec)
         print(
             f"B={b} ctx={ctx:.0f}: step {step:.2f} ms (graph {t['graph_ms']:.2f}, host {rec['host_ms']:.2f}) -> "
             f"{rec['tokens_per_s_per_gpu']:.0f} tok/s/GPU; roofline {rec['roofline_fraction']:.2f} measured peaks, "
-            f"{rec['roofline_fraction_spec']:.2f} spec [{backend}, EP {a.dispatch}]", flush=True,
+            f"{rec['roofline_fraction_spec']:.2f} spec [{backend}, EP {a.dispatch}{', TBO' if a.tbo else ''}]", flush=True,
         )  # fmt: skip
-    suffix = "-real-dispatch" if a.dispatch == "real" else ""
+    suffix = ("-real-dispatch" if a.dispatch == "real" else "") + ("-tbo" if a.tbo else "")
     print("wrote", write_results(f"decode_rank-engine-{backend}{suffix}", records))
     return records
 
@@ -229,6 +235,7 @@ def main() -> None:
     ap.add_argument("--dispatch", choices=["emulated", "real"], default="emulated",
                     help="emulated: picks mapped onto local experts in the fused MoE; real: through the EP "
                     "dispatcher at world 1")  # fmt: skip
+    ap.add_argument("--tbo", action="store_true", help="two-batch overlap (needs --attn triton)")
     run(ap.parse_args())
 
 

@@ -53,6 +53,12 @@ ALLOWED: dict[str, dict[str, str]] = {
     "bench/ep_dispatch.py": {
         "spawn-args": "torch.multiprocessing.spawn of its own GPU ranks with its argparse args"
     },
+    "tests/libs/ep/test_rebalance.py": {
+        "spawn-args": "torch.multiprocessing.spawn of its own two test ranks with a backend name and a store path"
+    },
+    "tests/libs/ep/test_two_batch_overlap_ep.py": {
+        "spawn-args": "torch.multiprocessing.spawn of its own two gloo test ranks with a store path"
+    },
 }
 SELF = Path(__file__).resolve()  # holds every forbidden form as a sample
 

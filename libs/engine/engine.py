@@ -37,6 +37,7 @@ from libs.engine.request import Request, Status
 from libs.engine.runner import Chunk, ModelRunner
 from libs.engine.sampling import SampleOutput, SamplingParams, make_generator, sample
 from libs.engine.stopping import StopChecker
+from libs.engine.two_batch_overlap import enable as enable_two_batch_overlap
 from libs.engine.validation import Limits, check_prompt, check_token
 from libs.tokenizer import Tokenizer
 
@@ -67,11 +68,14 @@ class Engine:
         cuda_graphs: bool = True,
         fast_path: bool | None = None,
         overlap: bool = True,
+        two_batch_overlap: bool = False,
     ) -> None:
         """attention_backend: "auto" | "torch" | "triton" | "flashinfer" (ModelRunner). cuda_graphs: run
         decode steps as CUDA graphs where the device, backend and model allow it (cuda_graph.py).
         fast_path: the fused decoder path (layers/fast_path.py) where the model allows it; None: on CUDA.
-        overlap: launch each decode-graph step before reading the previous one's tokens (decode_pipeline.py)."""
+        overlap: launch each decode-graph step before reading the previous one's tokens (decode_pipeline.py).
+        two_batch_overlap: every forward as two overlapped micro-batches (two_batch_overlap.py; set before the
+        decode graphs are captured, which happens on first use)."""
         self.model = model
         if fast_path or (fast_path is None and model.device.type == "cuda"):
             model.enable_fast_path()
@@ -81,6 +85,8 @@ class Engine:
         row_bytes = cfg.kv_row_dim * torch.empty((), dtype=dtype).element_size() * cfg.num_hidden_layers
         if num_pages is None:
             num_pages = default_num_pages(cfg, page_size, max_num_seqs, row_bytes)
+        if two_batch_overlap and attention_backend == "auto" and device.type == "cuda":
+            attention_backend = "triton"  # FlashInfer (auto's CUDA choice) plans one forward at a time
         graphs = cuda_graphs and decode_graphs_supported(model, attention_backend)
         # decode graphs pad their batch with rows that write one scratch page, past the allocator's pages
         pool_pages = num_pages + 1 if graphs else num_pages
@@ -94,6 +100,8 @@ class Engine:
             model, self.kv_pool, attention_backend=attention_backend,
             graph_batch_sizes=capture_sizes(max_num_seqs) if graphs else (), scratch_page=num_pages,
         )  # fmt: skip
+        if two_batch_overlap:
+            enable_two_batch_overlap(model, self.runner.backend)
         self.tokenizer = tokenizer
         self.eos_ids: tuple[int, ...] = cfg.eos_token_ids
         if not self.eos_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -126,6 +134,7 @@ class Engine:
         attention_backend: str = "auto",
         cuda_graphs: bool = True,
         fast_path: bool | None = None,
+        two_batch_overlap: bool = False,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder; its tokenizer too when tokenizer.json is there.
         num_pages None sizes the pool by `default_num_pages`; quantization as `load_model` takes it."""
@@ -135,6 +144,7 @@ class Engine:
             model, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
             max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=enable_prefix_cache, tokenizer=tokenizer,
             attention_backend=attention_backend, cuda_graphs=cuda_graphs, fast_path=fast_path,
+            two_batch_overlap=two_batch_overlap,
         )  # fmt: skip
 
     # --- offline API ---

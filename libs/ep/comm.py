@@ -14,9 +14,32 @@ from __future__ import annotations
 import math
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+
+
+class Pending:
+    """An exchange that has been started: `wait()` finishes it and returns its result (once; later calls
+    return the same). Two-batch overlap computes between the start and the wait."""
+
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        self._finish: Callable[[], Any] | None = finish
+        self._value: Any = None
+
+    @classmethod
+    def done(cls, value: Any) -> Pending:
+        return cls(lambda: value)
+
+    def then(self, fn: Callable[[Any], Any]) -> Pending:
+        """A Pending whose result is fn(this one's result)."""
+        return Pending(lambda: fn(self.wait()))
+
+    def wait(self) -> Any:
+        if self._finish is not None:
+            self._value, self._finish = self._finish(), None
+        return self._value
 
 
 class Comm(ABC):
@@ -34,17 +57,38 @@ class Comm(ABC):
     ) -> torch.Tensor:
         """send [sum(send_rows), B] uint8 -> [sum(recv_rows), B] uint8; rows to rank j are contiguous."""
 
-    def all_to_all(
+    def _all_to_all_bytes_start(
+        self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]
+    ) -> Pending:
+        """`_all_to_all_bytes` started; a backend with asynchronous collectives overrides it."""
+        return Pending.done(self._all_to_all_bytes(send, send_rows, recv_rows))
+
+    def _send_bytes(
         self, send: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int]
-    ) -> torch.Tensor:
-        """Rows of `send` [R, ...] go to ranks in order (send_rows[j] rows to rank j); returns the rows received,
-        recv_rows[i] from rank i, in rank order, same trailing shape and dtype."""
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """send [R, ...] checked against the splits and viewed as [R, bytes] uint8; -> (bytes, trailing shape)."""
         if len(send_rows) != self.size or len(recv_rows) != self.size or sum(send_rows) != send.shape[0]:
             raise ValueError(
                 f"all_to_all: {send.shape[0]} rows, send_rows {list(send_rows)}, group of {self.size}"
             )
         tail = tuple(send.shape[1:])
-        raw = send.contiguous().view(send.shape[0], math.prod(tail)).view(torch.uint8)
+        return send.contiguous().view(send.shape[0], math.prod(tail)).view(torch.uint8), tail
+
+    def all_to_all_start(
+        self, send: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int]
+    ) -> Pending:
+        """`all_to_all` started: every rank starts its exchanges in the same order; wait() -> the rows."""
+        raw, tail = self._send_bytes(send, send_rows, recv_rows)
+        n, dtype = sum(recv_rows), send.dtype
+        pending = self._all_to_all_bytes_start(raw, list(send_rows), list(recv_rows))
+        return pending.then(lambda out: out.view(dtype).view(n, *tail))
+
+    def all_to_all(
+        self, send: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int]
+    ) -> torch.Tensor:
+        """Rows of `send` [R, ...] go to ranks in order (send_rows[j] rows to rank j); returns the rows received,
+        recv_rows[i] from rank i, in rank order, same trailing shape and dtype."""
+        raw, tail = self._send_bytes(send, send_rows, recv_rows)
         out = self._all_to_all_bytes(raw, list(send_rows), list(recv_rows))
         return out.view(send.dtype).view(sum(recv_rows), *tail)
 
@@ -77,6 +121,20 @@ class TorchComm(Comm):
         out = [torch.empty_like(mine) for _ in range(self.size)]
         self.dist.all_gather(out, mine, group=self.group)
         return torch.stack(out).tolist()
+
+    def _all_to_all_bytes_start(
+        self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]
+    ) -> Pending:
+        """Asynchronous: gloo runs it on its own thread, NCCL on its own stream (wait() makes the current
+        stream wait for it); `send` stays referenced until then."""
+        out = torch.empty(sum(recv_rows), send.shape[1], dtype=torch.uint8, device=send.device)
+        work = self.dist.all_to_all_single(out, send, recv_rows, send_rows, group=self.group, async_op=True)
+
+        def finish(keep: torch.Tensor = send) -> torch.Tensor:  # `keep`: send lives until the wait
+            work.wait()
+            return out
+
+        return Pending(finish)
 
     def _all_to_all_bytes(
         self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]

@@ -74,12 +74,16 @@ class EPEngine:
         quantization: str = "auto",
         torch_threads: int = 1,
         eplb_interval_steps: int = 0,
+        two_batch_overlap: bool = False,
         timeout_s: float = 300.0,
         backend_options: dict[str, Any] | None = None,
         kv_transfer: tuple[str, str, str] | None = None,  # (protocol, hostname, device): per-rank pools
         mtp_k: int = 0,
     ) -> None:
-        """mtp_k: MTP speculative decoding on every rank (libs/engine/speculative.py), k drafts per step."""
+        """mtp_k: MTP speculative decoding on every rank (libs/engine/speculative.py), k drafts per step.
+        two_batch_overlap: every rank runs its forwards as two overlapped micro-batches (not with mtp_k)."""
+        if two_batch_overlap and mtp_k:
+            raise ValueError("two_batch_overlap does not run with MTP (mtp_k) yet")
         _check_args(
             ep_size, backend, eplb_interval_steps, max(max_prefill_tokens, max_num_seqs), backend_options
         )
@@ -114,6 +118,7 @@ class EPEngine:
         engine_kwargs = dict(
             page_size=page_size, num_pages=self.pages_per_rank, max_num_seqs=max_num_seqs,
             max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=enable_prefix_cache,
+            two_batch_overlap=two_batch_overlap,
         )  # fmt: skip
         # a file store in a fresh directory: the ranks share a host, and no port can be taken in between
         self._rendezvous = tempfile.mkdtemp(prefix="moemesh-ep-")

@@ -13,8 +13,10 @@ rank r's forward f reaches MoE layer j in round f*L + j. A rank that has run out
 calls `idle_until_all_done`: it joins each further round with no tokens, serving the layer `round mod L`
 for the active ranks, until a round in which no rank is active; that round ends the operation on every
 rank at once. Nothing else needs agreeing in advance: not how many forwards each rank runs, nor their
-sizes. A failure in a rank's local expert computation still completes its combine, so the others never
-hang on it.
+sizes. With two-batch overlap (the model's `tbo`, set on every rank of a group or none) each MoE layer is
+two rounds, micro-batch A's then B's, started in that order (`moe_stages` is the started-and-finished-later
+form of `moe`), and an idle rank serves layer `(round // 2) mod L`. A failure in a rank's local expert
+computation still completes its combine, so the others never hang on it.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from libs.engine.two_batch_overlap import run_alone
 from libs.ep.comm import Comm
 from libs.ep.dispatch.base import Dispatched, Dispatcher
 from libs.ep.experts import count_load, run_fp8_experts, run_local_experts
 from libs.ep.placement import Placement
+from libs.ep.rebalance import RoutingTables, apply_placement, expert_tensors
 
 log = logging.getLogger("moemesh.ep")
 
@@ -74,6 +78,10 @@ class EPMoEHook:
     ) -> torch.Tensor:
         return self.runtime.moe(self.j, x, ids, weights, add)
 
+    def stages(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """The same call in stages, for two-batch overlap (EPRuntime.moe_stages)."""
+        return self.runtime.moe_stages(self.j, x, ids, weights)
+
 
 class EPRuntime:
     def __init__(
@@ -81,52 +89,85 @@ class EPRuntime:
     ) -> None:
         """model: a DeepseekV3ForCausalLM whose experts are already this rank's slots."""
         cfg = model.config
+        self.model = model
         self.rank, self.placement, self.dispatcher, self.comm = rank, placement, dispatcher, comm
         self.layers = moe_layers(model)
         self.experts = [moe.experts for _, moe in self.layers]
         self.device, self.dtype = model.device, model.dtype
         self.hidden, self.top_k = cfg.hidden_size, cfg.num_experts_per_tok
-        self.tables = placement.device_tables(self.device)
+        self.routing = RoutingTables(placement, self.device)  # rewritten in place by apply_placement
+        self.tables = self.routing.as_tuple()
         self.load = torch.zeros(
             len(self.layers), placement.num_logical, dtype=torch.int64, device=self.device
         )
         self.rounds = 0
-        dispatcher.set_rounds_per_forward(len(self.layers))
+        dispatcher.set_rounds_per_forward(len(self.layers))  # begin_op resets it per operation (TBO: x2)
+        self.deferred_failure: Exception | None = None  # a local-expert failure under TBO, raised after the op
 
     # --- the model side: one MoE layer of an active forward ---
+    @property
+    def rounds_per_layer(self) -> int:
+        return 2 if getattr(self.model, "tbo", None) is not None else 1
+
+    def layer_of_round(self, r: int) -> int:
+        return (r // self.rounds_per_layer) % len(self.experts)
+
     def moe(
         self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x [T, D], ids/weights [T, K] (logical experts from the router) -> routed experts' output [T, D]
         (+ add: the shared expert's output, which FP8 MoEs hand over)."""
-        if j != self.rounds % len(self.experts):
+        out = run_alone(self.moe_stages(j, x, ids, weights))
+        return out if add is None else out + add
+
+    def moe_stages(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """`moe` as a generator that yields after starting the dispatch and after starting the combine."""
+        if j != self.layer_of_round(self.rounds):
             raise RuntimeError(
                 f"EP lockstep broken: MoE layer {j} in round {self.rounds} on rank {self.rank}"
             )
         count_load(self.load[j], ids)
         slots = self.placement.to_physical(j, ids, self.rank, self.tables)
-        d = self.dispatcher.dispatch(x, slots, weights, active=True)
+        self.rounds += 1
+        pending = self.dispatcher.dispatch_start(x, slots, weights, active=True)
+        yield
+        d = pending.wait()
         if d is None:
             raise RuntimeError("dispatch reported no active rank while this rank was active")
-        out, failure = self._serve(j, d)
+        y, failure = self._local_experts(j, d)
+        combined = self.dispatcher.combine_start(y, d)
+        yield
+        out = combined.wait()
         if failure is not None:
-            raise failure
-        return out if add is None else out + add
+            if self.rounds_per_layer == 1:
+                raise failure
+            # two micro-batches: the other one's rounds are already started; finish the forward (this layer's
+            # routed output zero) and raise once every rank is done (idle_until_all_done)
+            self.deferred_failure = self.deferred_failure or failure
+        return out
+
+    def _local_experts(self, j: int, d: Dispatched) -> tuple[torch.Tensor, Exception | None]:
+        """This rank's experts over what arrived; on failure zeros, so the combine still happens."""
+        ex = self.experts[j]
+        try:
+            y = run_fp8_experts(ex, d) if ex.is_fp8 else run_local_experts(ex.gate_up_proj, ex.down_proj, d)
+            return y, None
+        except Exception as e:
+            return torch.zeros_like(d.x), e
 
     def _serve(self, j: int, d: Dispatched) -> tuple[torch.Tensor, Exception | None]:
         """Local experts over what arrived, then combine; the combine happens even if the experts fail."""
         self.rounds += 1
-        ex = self.experts[j]
-        failure: Exception | None = None
-        try:
-            y = run_fp8_experts(ex, d) if ex.is_fp8 else run_local_experts(ex.gate_up_proj, ex.down_proj, d)
-        except Exception as e:
-            failure, y = e, torch.zeros_like(d.x)
+        y, failure = self._local_experts(j, d)
         return self.dispatcher.combine(y, d), failure
 
     # --- the group side ---
     def begin_op(self) -> None:
         self.rounds = 0
+        # backends that exchange their round header once per forward count its rounds (two per layer with TBO)
+        set_rounds = getattr(self.dispatcher, "set_rounds_per_forward", None)
+        if set_rounds is not None:
+            set_rounds(len(self.experts) * self.rounds_per_layer)
 
     def idle_until_all_done(self) -> None:
         """Serve other ranks' rounds with no tokens of our own until a round where nobody is active."""
@@ -134,11 +175,14 @@ class EPRuntime:
         slots = torch.empty(0, self.top_k, dtype=torch.int64, device=self.device)
         weights = torch.empty(0, self.top_k, dtype=torch.float32, device=self.device)
         while (d := self.dispatcher.dispatch(x, slots, weights, active=False)) is not None:
-            _, failure = self._serve(self.rounds % len(self.experts), d)
+            _, failure = self._serve(self.layer_of_round(self.rounds), d)
             if failure is not None:
                 log.error("rank %d: local experts failed while serving an idle round: %s", self.rank, failure)
         self.rounds = 0
         self.dispatcher.check()
+        failure, self.deferred_failure = self.deferred_failure, None
+        if failure is not None:
+            raise failure
 
     def take_load(self) -> np.ndarray:
         """[L, E] tokens routed to each logical expert by this rank's requests since the last call."""
@@ -147,18 +191,12 @@ class EPRuntime:
         return out
 
     def apply_placement(self, new: Placement) -> None:
-        """Collective: every rank swaps to `new` at the same point, expert weights moved between ranks."""
-        old = self.placement
-        if (new.num_layers, new.num_logical, new.ep_size, new.num_physical) != (
-            old.num_layers, old.num_logical, old.ep_size, old.num_physical,
-        ):  # fmt: skip
-            raise ValueError(f"new placement {new} does not fit the group's {old}")
-        for j, ex in enumerate(self.experts):
-            names = expert_param_names(ex)  # FP8 experts move with their block scales
-            moved = exchange_layer(self.comm, old, new, j, [getattr(ex, n).data for n in names])
-            for name, tensor in zip(names, moved, strict=True):
-                setattr(ex, name, nn.Parameter(tensor, requires_grad=False))
-        self.placement, self.tables = new, new.device_tables(self.device)
+        """Collective: every rank swaps to `new` at the same point between two steps, expert weights (FP8 with
+        their scales) moved between ranks into the tensors the model holds, the routing tables rewritten in
+        place (rebalance.py)."""
+        layers = [expert_tensors(ex) for ex in self.experts]
+        apply_placement(self.comm, self.placement, new, layers, self.routing)
+        self.placement = new
 
 
 def enable_expert_parallel(
@@ -169,47 +207,3 @@ def enable_expert_parallel(
     for j, (_, moe) in enumerate(runtime.layers):
         moe.ep = EPMoEHook(runtime, j)
     return runtime
-
-
-def exchange_layer(
-    comm: Comm, old: Placement, new: Placement, j: int, stacks: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """Layer j's local experts under `new`, from `old`: each of `stacks` ([S, ...] per local slot, any dtype:
-    gate_up, down and for FP8 their scales) kept locally where this rank already holds the expert, else
-    received from a rank that holds it (one all-to-all of each expert's bytes; every rank computes the same
-    plan)."""
-    n, me = comm.size, comm.rank
-    old_local = [old.local_experts(r)[j].tolist() for r in range(n)]
-    new_local = [new.local_experts(r)[j].tolist() for r in range(n)]
-    holders: dict[int, list[int]] = {}
-    for r, experts in enumerate(old_local):
-        for e in dict.fromkeys(experts):  # a rank holding two copies is one holder
-            holders.setdefault(e, []).append(r)
-
-    def source(r: int, s: int, e: int) -> int:
-        return r if e in old_local[r] else holders[e][(r + s) % len(holders[e])]
-
-    plan = [(r, s, e, source(r, s, e)) for r in range(n) for s, e in enumerate(new_local[r])]
-    sends = [(r, e) for r, _, e, src in plan if src == me and r != me]  # ordered by (dest, slot)
-    recvs = sorted((src, s) for r, s, _, src in plan if r == me and src != me)
-    mine = {e: slot for slot, e in enumerate(old_local[me])}
-    sizes = [t[0].numel() * t.element_size() for t in stacks]  # bytes per expert of each stack
-
-    def flat(e: int) -> torch.Tensor:
-        return torch.cat([t[mine[e]].contiguous().view(-1).view(torch.uint8) for t in stacks])
-
-    ref = stacks[0]
-    send = torch.stack([flat(e) for _, e in sends]) if sends else ref.new_empty(0, sum(sizes), dtype=torch.uint8)
-    send_rows = [sum(1 for r, _ in sends if r == dest) for dest in range(n)]
-    recv_rows = [sum(1 for src, _ in recvs if src == peer) for peer in range(n)]
-    got = comm.all_to_all(send, send_rows, recv_rows)
-    out = [torch.empty(len(new_local[me]), *t.shape[1:], dtype=t.dtype, device=t.device) for t in stacks]
-    for s, e in enumerate(new_local[me]):
-        if e in mine:
-            for dst, src in zip(out, stacks, strict=True):
-                dst[s] = src[mine[e]]
-    for row, (_, s) in enumerate(recvs):
-        parts = torch.split(got[row], sizes)
-        for dst, part in zip(out, parts, strict=True):
-            dst[s] = part.view(dst.dtype).view(dst.shape[1:])
-    return out

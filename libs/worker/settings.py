@@ -44,6 +44,9 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     # cuda always does: the pools live on the ranks' GPUs); off on CPU: one shared pool, one region
     ep_kv_per_rank: bool = False
     eplb_interval_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # rebalance experts every N steps (0: never)
+    # two-batch overlap (libs/engine/two_batch_overlap.py): every forward as two micro-batches, one's EP
+    # dispatch/combine in flight while the other computes; attention backend torch or triton
+    two_batch_overlap: bool = False
     # engine: "model" runs the checkpoint; "sim" the timing-model engine (libs/sim: config and tokenizer
     # only, forward passes replaced by waits fitted to the H200 decode records, deterministic tokens)
     engine: str = "model"
@@ -85,6 +88,8 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             raise ValueError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
         if self.ep_size > 1 and self.kv_per_rank and self.transfer_protocol == "inprocess":
             raise ValueError("per-rank KV pools live in the rank processes: use a Mooncake transfer_protocol")
+        if self.two_batch_overlap and (self.engine == "sim" or self.mtp_k or self.attention_backend == "flashinfer"):
+            raise ValueError("two_batch_overlap runs the model engine without MTP, on torch or triton attention")
         if self.ep_backend not in ("auto", "fixed", "torch", "deepep", "mooncake"):
             raise ValueError(f"ep_backend must be auto, fixed, torch, deepep or mooncake, got {self.ep_backend!r}")
 

@@ -38,6 +38,7 @@ def load_engine(s: WorkerSettings) -> EngineLike:
             torch_threads=s.torch_threads, eplb_interval_steps=s.eplb_interval_steps, mtp_k=s.mtp_k,
             quantization=s.quantization,
             kv_transfer=(s.transfer_protocol, s.transfer_hostname, s.transfer_device) if s.kv_per_rank else None,
+            two_batch_overlap=s.two_batch_overlap,
         )  # fmt: skip
     if s.torch_threads and s.device == "cpu":
         torch.set_num_threads(s.torch_threads)
@@ -55,6 +56,7 @@ def load_engine(s: WorkerSettings) -> EngineLike:
         num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
         max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
         quantization=s.quantization, attention_backend=s.engine_attention_backend,
+        two_batch_overlap=s.two_batch_overlap,
     )  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -376,6 +377,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, self.device)
         self._attention: AttentionBackend | None = None
         self.fast: fast_path.ModelFast | None = None  # the fused decoder path, once enable_fast_path() said yes
+        # two-batch overlap (libs/engine/two_batch_overlap.py), set from outside: forward_step(model, step, kv)
+        self.tbo: Any = None
 
     def enable_fast_path(self) -> bool:
         """Run the fused decoder path (layers/fast_path.py) from now on, where the model allows it (after
@@ -417,6 +420,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward_step(self, step: StepInputs, kv: KVPool) -> torch.Tensor:
         """The layers over inputs already on the device -> hidden [T, D]. No host syncs of its own: with a
         graph-safe backend and graph-safe MoEs (`graph_safe_decode`) a decode step can be captured."""
+        if self.tbo is not None:
+            return self.tbo.forward_step(self, step, kv)
         x = F.embedding(step.input_ids, self.model.embed_tokens.weight)
         if self.fast is not None and self.uses_fast_path(step.backend):
             residual = torch.zeros_like(x)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from libs.ep.comm import Comm
+from libs.ep.comm import Comm, Pending
 from libs.ep.dispatch.base import Dispatched, Dispatcher, quantize_for_dispatch
 from libs.quant.fp8 import FP8_DTYPE, FP8_GROUP, dequantize_fp8_groups
 
@@ -23,6 +23,15 @@ class AllToAllDispatcher(Dispatcher):
     def dispatch(
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, active: bool = True
     ) -> Dispatched | None:
+        return self.dispatch_start(x, slots, weights, active).wait()
+
+    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
+        return self.combine_start(y, d).wait()
+
+    def dispatch_start(
+        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, active: bool = True
+    ) -> Pending:
+        """The header on the host at once; the rows' all-to-all started (asynchronous over torch.distributed)."""
         n, s, me = self.comm.size, self.slots_per_rank, self.comm.rank
         t, k = slots.shape
         dest = slots // s  # [T, K] rank of each chosen expert
@@ -31,22 +40,29 @@ class AllToAllDispatcher(Dispatcher):
         send_rows = torch.bincount(to_rank, minlength=n).tolist()
         table = self.comm.all_gather_ints([int(active), t, *send_rows])
         if not any(row[0] for row in table):
-            return None
+            return Pending.done(None)
         recv_rows = [row[2 + me] for row in table]
         here = dest[token] == to_rank[:, None]  # [R, K] which of a row's experts live on its destination
         ids = torch.where(here, slots[token] % s, -1).to(torch.int32)
         w = torch.where(here, weights[token].float(), 0.0)
         packed = self._pack(x, token, ids, w)
-        got = self.comm.all_to_all(packed, send_rows, recv_rows)
-        rx, rids, rw = self._unpack(got, x.shape[1], k, x.dtype)
-        return Dispatched("tokens", rx, rids.long(), rw, handle=(token, send_rows, recv_rows, t, x.dtype))
+        handle = (token, send_rows, recv_rows, t, x.dtype)
 
-    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
+        def unpack(got: torch.Tensor) -> Dispatched:
+            rx, rids, rw = self._unpack(got, x.shape[1], k, x.dtype)
+            return Dispatched("tokens", rx, rids.long(), rw, handle=handle)
+
+        return self.comm.all_to_all_start(packed, send_rows, recv_rows).then(unpack)
+
+    def combine_start(self, y: torch.Tensor, d: Dispatched) -> Pending:
         token, send_rows, recv_rows, t, dtype = d.handle
         wire = y.to(self.combine_dtype) if self.combine_dtype is not None else y
-        back = self.comm.all_to_all(wire, recv_rows, send_rows)  # [R, D], in send order
-        out = torch.zeros(t, y.shape[-1], dtype=dtype, device=y.device)
-        return out.index_add_(0, token, back.to(dtype))
+
+        def add_up(back: torch.Tensor) -> torch.Tensor:  # [R, D], in send order
+            out = torch.zeros(t, y.shape[-1], dtype=dtype, device=y.device)
+            return out.index_add_(0, token, back.to(dtype))
+
+        return self.comm.all_to_all_start(wire, recv_rows, send_rows).then(add_up)
 
     def _pack(self, x: torch.Tensor, token: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """[R, bytes]: rows x[token] as hidden (or fp8 + scales) | ids int32 | weights float32. FP8 quantizes

@@ -24,6 +24,12 @@ the default on CUDA), deepep.py
 (`DeepEPDispatcher`), mooncake_ep.py (`MooncakeEPDispatcher`). factory.py picks one by name (`make_dispatcher`)
 and says clearly when the chosen library is missing.
 
+Two-batch overlap (libs/engine/two_batch_overlap.py) starts a round and finishes it later, computing the
+other micro-batch in between: `dispatch_start` / `combine_start` return a `Pending` whose wait() gives what
+dispatch / combine return. By default they run the whole exchange at once (no overlap, same results); a
+backend with asynchronous collectives overrides them (all_to_all.py). Rounds still start in the same order
+on every rank.
+
 FP8 dispatch sends hidden states in DeepSeek's 1x128 format (libs.quant.fp8) with DeepEP's amax floor,
 through `quantize_for_dispatch` here, so every backend puts the same bytes on the wire.
 """
@@ -36,6 +42,7 @@ from typing import Any
 
 import torch
 
+from libs.ep.comm import Pending
 from libs.quant.fp8 import DEEPEP_MIN_AMAX, quantize_fp8_groups
 
 
@@ -52,6 +59,16 @@ class Dispatched:
 
 class Dispatcher(ABC):
     """Moves tokens to experts and back for one rank of an EP group (see the module docstring)."""
+
+    def dispatch_start(
+        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, active: bool = True
+    ) -> Pending:
+        """dispatch, started: wait() -> its Dispatched (or None)."""
+        return Pending.done(self.dispatch(x, slots, weights, active))
+
+    def combine_start(self, y: torch.Tensor, d: Dispatched) -> Pending:
+        """combine, started: wait() -> [T, D]."""
+        return Pending.done(self.combine(y, d))
 
     @abstractmethod
     def dispatch(

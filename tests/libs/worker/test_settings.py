@@ -45,3 +45,10 @@ def test_worker_settings_ep_backend() -> None:
     assert WorkerSettings(model_dir="m", ep_backend="fixed").ep_backend == "fixed"
     with pytest.raises(ValueError, match="ep_backend must be auto, fixed, torch"):
         WorkerSettings(model_dir="m", ep_backend="nccl")
+
+
+def test_worker_settings_take_two_batch_overlap_where_it_runs() -> None:
+    assert WorkerSettings(model_dir="m", two_batch_overlap=True, ep_size=2, dp_size=2).two_batch_overlap
+    for bad in (dict(mtp_k=2), dict(engine="sim"), dict(attention_backend="flashinfer")):
+        with pytest.raises(ValueError, match="two_batch_overlap"):
+            WorkerSettings(model_dir="m", two_batch_overlap=True, **bad)  # type: ignore[arg-type]

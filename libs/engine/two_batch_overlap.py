@@ -1,0 +1,253 @@
+"""Two-batch overlap (TBO): one forward run as two micro-batches whose layers interleave, so that one
+micro-batch's expert-parallel dispatch/combine is in flight while the other computes (SGLang's
+two_batch_overlap.py and its operations strategy for DeepSeek decode).
+
+Legend: T tokens, S sequences, D hidden, K experts per token, L layers.
+
+Split (`split_index`, `split_step`): by sequences, a decode batch in half, an extend batch where half its
+tokens are reached. Each micro-batch reads views of the step's inputs and attention metadata (`torch`,
+`triton` backends; FlashInfer plans one wrapper per forward and is refused), so a captured decode graph
+holds the split forward as well.
+
+Schedule. Each micro-batch's forward is a generator that yields between stages, three per layer:
+  0  attention (with its norms) and the router               | 1  dispatch launch, shared experts
+  2  dispatch wait, local experts, combine launch             | (next 0 starts with the combine wait)
+`run_overlapped` runs A two stages ahead, then alternates B, A. Per layer that launches A's dispatch and
+combine, then B's, as the sequential rounds do (idle EP ranks and ranks without TBO issue the same
+collectives in the same order), while A's dispatch flies over B's attention, A's combine over B's shared
+experts, B's dispatch over A's next attention and B's combine over A's next shared experts. Dense layers
+and fused local MoEs yield the same three times with nothing in flight: the two generators stay in step.
+
+Overlap is done with asynchronous collectives: an EP hook that has `stages(x, ids, weights)` (libs/ep)
+launches its dispatcher's `dispatch_start`/`combine_start` (torch.distributed async work: gloo on a
+background thread, NCCL on its own stream, the wait() making the compute stream wait on it); a hook
+without it runs its whole MoE in stage 1. With no EP hook (one rank, or the emulated EP of
+libs/ep/emulated.py) nothing is communicated: TBO then only splits the batch, and the outputs must not
+change (the tests compare), nor should the step time more than the smaller GEMMs cost.
+
+An EP group runs TBO on every rank or none (`EPRuntime.rounds_per_layer`): every forward of a TBO rank is
+two micro-batches, the second empty when there is one sequence, so each MoE layer is always two rounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from libs.engine.layers import fast_path, fp8_linear
+from libs.engine.layers.attention_backend import AttentionBackend, StepInputs
+from libs.engine.layers.mla import AttentionMetadata, PagedMetadata
+
+Stages = Generator[None, None, Any]  # yields between stages, returns the micro-batch's output
+BACKENDS = ("torch", "triton")
+
+
+def split_index(extend_lens: Sequence[int]) -> int:
+    """Sequences in micro-batch A: half of a decode batch, else the first sequences holding about half the
+    tokens (as SGLang's `_split_array_by_half_sum`). May be 0 or S only when S is 1."""
+    s = len(extend_lens)
+    if s <= 1:
+        return s
+    if all(n == 1 for n in extend_lens):
+        return s // 2
+    total, acc = sum(extend_lens), 0
+    best, best_gap = 1, None
+    for i in range(1, s):
+        acc += extend_lens[i - 1]
+        gap = abs(total - 2 * acc)
+        if best_gap is None or gap < best_gap:
+            best, best_gap = i, gap
+    return best
+
+
+def split_step(step: StepInputs, s: int) -> tuple[StepInputs, StepInputs]:
+    """The step's first s sequences and the rest, as views (0 < s < S)."""
+    meta = step.meta
+    parts: list[PagedMetadata | AttentionMetadata]
+    if isinstance(meta, PagedMetadata):
+        ext = meta.extend_lens if meta.extend_lens is not None else [1] * meta.seq_lens.shape[0]
+        t = sum(ext[:s])
+        parts = [_paged_part(step, meta, slice(0, s), ext[:s]), _paged_part(step, meta, slice(s, None), ext[s:])]
+    elif isinstance(meta, AttentionMetadata):
+        t = int(meta.q_valid[:s].sum())
+        parts = [_torch_part(meta, slice(0, s), 0), _torch_part(meta, slice(s, None), t)]
+    else:
+        raise TypeError(f"two-batch overlap cannot split {type(meta).__name__}")
+    tokens = (slice(0, t), slice(t, None))
+    return tuple(  # type: ignore[return-value]
+        replace(step, input_ids=step.input_ids[tk], positions=step.positions[tk], out_slots=step.out_slots[tk],
+                meta=m)  # fmt: skip
+        for tk, m in zip(tokens, parts, strict=True)
+    )
+
+
+def _paged_part(step: StepInputs, meta: PagedMetadata, rows: slice, ext: list[int]) -> PagedMetadata:
+    table = meta.page_table[rows]
+    splits = meta.num_splits
+    num_splits = getattr(step.backend, "num_splits", None)
+    if num_splits is not None and step.absorbed:  # split-K chosen for the micro-batch's size (host math)
+        splits = num_splits(table.shape[0], table.shape[1] * meta.page_size)
+    return PagedMetadata(
+        table, meta.seq_lens[rows], meta.page_size, splits,
+        None if meta.extend_lens is None else ext, None if meta.kv_lens is None else meta.kv_lens[rows],
+    )  # fmt: skip
+
+
+def _torch_part(meta: AttentionMetadata, rows: slice, first_token: int) -> AttentionMetadata:
+    return AttentionMetadata(meta.kv_slots[rows], meta.mask[rows], meta.q_index[rows] - first_token, meta.q_valid[rows])
+
+
+def run_overlapped(a: Stages, b: Stages, delta: int = 2) -> tuple[Any, Any]:
+    """Run two stage generators: `delta` stages of A, then B and A alternately; -> their return values."""
+    done: dict[str, Any] = {}
+
+    def advance(name: str, gen: Stages) -> None:
+        if name in done:
+            return
+        try:
+            next(gen)
+        except StopIteration as stop:
+            done[name] = stop.value
+
+    for _ in range(delta):
+        advance("a", a)
+    while len(done) < 2:
+        advance("b", b)
+        advance("a", a)
+    return done["a"], done["b"]
+
+
+def run_alone(gen: Stages) -> Any:
+    """A stage generator run to the end (the sequential forward of the same code)."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
+# --- one micro-batch's forward, as stages ---
+
+
+def _route(moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE's router as MoE.forward runs it: -> weights [T, K] float32, logical ids [T, K]."""
+    if moe.experts.is_fp8:
+        routed = fp8_linear.fused_route(moe.gate, x)
+        if routed is not None:
+            return routed
+    return moe.gate(x)
+
+
+def mlp_stages(mlp, x: torch.Tensor, fused: bool) -> Stages:
+    """Stages 1 and 2 of a layer's MLP (two yields) -> its output [T, D] (the combine waited in stage 0 of
+    the next layer). `fused`: the fast path's local-expert MoE."""
+    hook = getattr(mlp, "ep", None)
+    stages = getattr(hook, "stages", None)
+    if stages is None:
+        y = fast_path.moe(mlp, x) if fused else mlp(x)
+        yield
+        yield
+        return y
+    weights, ids = _route(mlp, x)
+    routed = stages(x, ids, weights)  # yields twice: after the dispatch launch, after the combine launch
+    next(routed)
+    shared = mlp.shared_experts(x) if mlp.shared_experts is not None else None
+    yield
+    next(routed)
+    yield
+    y = run_alone(routed)
+    return y if shared is None else y + shared
+
+
+def empty_stages(model, hidden: int, dtype: torch.dtype) -> Stages:
+    """A micro-batch with no tokens in an EP group: every MoE layer's two rounds with nothing to send."""
+    x = torch.empty(0, hidden, dtype=dtype, device=model.device)
+    k = model.config.num_experts_per_tok
+    for layer in model.model.layers:
+        yield
+        stages = getattr(getattr(layer.mlp, "ep", None), "stages", None)
+        if stages is None:
+            yield
+            yield
+            continue
+        ids = torch.empty(0, k, dtype=torch.int64, device=x.device)
+        yield from stages(x, ids, torch.empty(0, k, dtype=torch.float32, device=x.device))
+    return x
+
+
+def plain_stages(model, step: StepInputs, kv) -> Stages:
+    """The model's plain forward (DecoderLayer.forward) over one micro-batch -> normed hidden [T, D]."""
+    x = F.embedding(step.input_ids, model.model.embed_tokens.weight)
+    cos, sin = model.rope.cos_sin(step.positions)
+    for layer in model.model.layers:
+        x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, step, kv)
+        h = layer.post_attention_layernorm(x)
+        yield
+        x = x + (yield from mlp_stages(layer.mlp, h, fused=False))
+    return model.model.norm(x)
+
+
+def fused_stages(model, step: StepInputs, kv) -> Stages:
+    """The fast path's forward (fast_path.decoder_layer) over one micro-batch -> normed hidden [T, D]."""
+    from libs.kernels import fused
+
+    fast = model.fast
+    h = F.embedding(step.input_ids, model.model.embed_tokens.weight)
+    residual = torch.zeros_like(h)
+    for layer in model.model.layers:
+        x8 = fused.add_rmsnorm_quant(h, layer.input_layernorm.weight, fast.eps, residual=residual)
+        a = fast_path.attention(layer.self_attn, x8, step, kv, fast)
+        x = fused.add_rmsnorm(a, layer.post_attention_layernorm.weight, fast.eps, residual=residual)
+        yield
+        mlp = layer.mlp
+        local = getattr(mlp, "fast", None) is not None and mlp.ep is None
+        h = yield from mlp_stages(mlp, x, fused=local)
+    return fast_path.final_norm(model.model.norm, h, residual, fast)
+
+
+class TwoBatchOverlap:
+    """What `DeepseekV3ForCausalLM.tbo` is set to (`enable`): its forward_step over two micro-batches.
+
+    paired: every forward runs as two micro-batches (an EP group's ranks, whose MoE rounds come in pairs),
+    the second one empty when the batch has a single sequence; else such a batch runs whole."""
+
+    def __init__(self, paired: bool = False, delta: int = 2) -> None:
+        self.paired, self.delta = paired, delta
+        self.split_forwards = 0  # forwards run as two non-empty micro-batches
+
+    def forward_step(self, model, step: StepInputs, kv) -> torch.Tensor:
+        stages = fused_stages if model.fast is not None and model.uses_fast_path(step.backend) else plain_stages
+        n = step.meta.seq_lens.shape[0] if isinstance(step.meta, PagedMetadata) else step.meta.q_index.shape[0]
+        ext = getattr(step.meta, "extend_lens", None)
+        s = split_index(ext if ext is not None else [1] * n) if n > 1 else n
+        if 0 < s < n:
+            a, b = split_step(step, s)
+            self.split_forwards += 1
+            ha, hb = run_overlapped(stages(model, a, kv), stages(model, b, kv), self.delta)
+            return torch.cat([ha, hb])
+        if not self.paired:
+            return run_alone(stages(model, step, kv))
+        empty = empty_stages(model, model.config.hidden_size, model.dtype)
+        h, _ = run_overlapped(stages(model, step, kv), empty, self.delta)
+        return h
+
+
+def check_backend(backend: AttentionBackend) -> None:
+    if backend.name not in BACKENDS:
+        raise ValueError(
+            f"two-batch overlap splits the attention metadata of the {BACKENDS} backends; "
+            f"{backend.name!r} plans one forward at a time"
+        )
+
+
+def enable(model, backend: AttentionBackend) -> TwoBatchOverlap:
+    """Run every forward of `model` as two overlapped micro-batches (ValueError for a backend it cannot split);
+    paired when a MoE layer has an expert-parallel hook (an EP rank)."""
+    check_backend(backend)
+    paired = any(getattr(layer.mlp, "ep", None) is not None for layer in model.model.layers)
+    model.tbo = TwoBatchOverlap(paired)
+    return model.tbo

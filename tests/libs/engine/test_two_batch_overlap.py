@@ -1,0 +1,150 @@
+"""Two-batch overlap (libs/engine/two_batch_overlap.py): the split and the schedule as pure functions, then
+whole engines with it on and off on the same weights: the plain path (one rank, torch attention), the fused
+path with an emulated EP rank (the Triton kernels, under the interpreter without CUDA), and on a GPU the
+same under CUDA graphs. EP groups over threads and gloo: tests/libs/ep/test_two_batch_overlap_ep.py.
+
+GPU run (the lead batches device runs): `pytest -q -m gpu tests/libs/engine/test_two_batch_overlap.py`.
+"""
+
+from __future__ import annotations
+
+# first, before anything imports triton: selects and patches the interpreter when there is no GPU
+from tests.libs.kernels.conftest import HAS_CUDA
+
+# isort: split
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from libs.engine import Engine, SamplingParams, load_model
+from libs.engine.tiny import write_tiny_model
+from libs.engine.two_batch_overlap import check_backend, run_overlapped, split_index
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = [[(o + 11 * i) % 900 + 3 for i in range(n)] for o, n in ((1, 5), (2, 17), (3, 9), (4, 1), (5, 30))]
+
+
+def test_decode_splits_in_half_and_extend_at_half_the_tokens() -> None:
+    assert split_index([1] * 7) == 3 and split_index([1] * 256) == 128
+    assert split_index([10, 10, 10, 10]) == 2
+    assert split_index([30, 1, 1, 1]) == 1  # the long one alone is closest to half
+    assert split_index([1, 2, 3, 30]) == 3
+    assert split_index([5]) == 1 and split_index([]) == 0
+
+
+def _layer_trace(name: str, log: list[str], layers: int):
+    """A micro-batch's stages as the model runs them: attention | dispatch launch | combine launch."""
+    for j in range(layers):
+        log.append(f"{name}{j}:attn")
+        yield
+        log.append(f"{name}{j}:D")
+        yield
+        log.append(f"{name}{j}:C")
+        yield
+    return name
+
+
+def test_the_schedule_launches_rounds_in_sequential_order_and_overlaps_attention() -> None:
+    """A's dispatch, A's combine, B's dispatch, B's combine per layer (the order idle EP ranks follow), with
+    B's attention between A's dispatch launch and its wait, and A's next attention in B's dispatch flight."""
+    log: list[str] = []
+    assert run_overlapped(_layer_trace("a", log, 3), _layer_trace("b", log, 3)) == ("a", "b")
+    launches = [e for e in log if e.endswith((":D", ":C"))]
+    assert launches == [f"{m}{j}:{k}" for j in range(3) for m in "ab" for k in "DC"]
+    assert log.index("a0:D") < log.index("b0:attn") < log.index("a0:C")
+    assert log.index("b0:D") < log.index("a1:attn") < log.index("b0:C")
+
+
+def test_backends_that_plan_a_whole_forward_are_refused() -> None:
+    class Planned:
+        name = "flashinfer"
+
+    with pytest.raises(ValueError, match="two-batch overlap"):
+        check_backend(Planned())  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tbo") / "tiny", seed=1)
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_plain_path_equal_with_and_without_tbo(tiny: Path, attention: str) -> None:
+    """The reference metadata and the paged one (torch kernels on CPU), split for prefill and decode."""
+    model = load_model(tiny, progress=False)
+    off = Engine(model, num_pages=64, max_prefill_tokens=64, attention_backend=attention)
+    on = Engine(copy.deepcopy(model), num_pages=64, max_prefill_tokens=64, attention_backend=attention,
+                two_batch_overlap=True)  # fmt: skip
+    assert [o.token_ids for o in on.generate(PROMPTS, GREEDY)] == [o.token_ids for o in off.generate(PROMPTS, GREEDY)]
+    assert on.model.tbo.split_forwards > 0  # ragged prefill and decode batches were split
+    for p in PROMPTS[:2]:
+        torch.testing.assert_close(on.prefill_logits(p), off.prefill_logits(p), atol=1e-5, rtol=1e-5)
+
+
+# 16 heads on a GPU, where the Triton MLA decode kernel (split-K per micro-batch size) then runs; 2 under the
+# interpreter, which runs the paged torch decode either way
+HEADS = 16 if HAS_CUDA else 2
+FAST = dict(
+    hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+    first_k_dense_replace=1, num_attention_heads=HEADS, num_key_value_heads=HEADS, q_lora_rank=128,
+    n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, vocab_size=600,
+    max_position_embeddings=256,
+)  # fmt: skip
+
+
+def _emulated_rank(tbo: bool, device: str, dtype: torch.dtype, max_batch: int):
+    """bench/decode_rank's engine (random FP8 weights, EP-8 emulated, fused path), KV pool seeded."""
+    import bench.decode_rank as R
+    from libs.engine.presets import deepseek_v3_config
+
+    torch.manual_seed(0)  # the benchmark fills the KV pool with normal_()
+    return R.build_engine(
+        deepseek_v3_config(**FAST), ep=8, physical=16, max_batch=max_batch, max_ctx=64, device=device,
+        dtype=dtype, attention="triton", page_size=16, two_batch_overlap=tbo,
+    )  # fmt: skip
+
+
+def _decode_tokens(engine: Engine, batch: int, steps: int) -> list[list[tuple[str, list[int]]]]:
+    import bench.decode_rank as R
+
+    R.fill(engine, batch, ctx=20, gen=4, seed=3)
+    return [sorted((o.rid, o.token_ids) for o in engine.step()) for _ in range(steps)]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU test below runs it under CUDA graphs")
+def test_emulated_ep_rank_on_the_fused_path_equal_with_and_without_tbo() -> None:
+    runs = [_decode_tokens(_emulated_rank(tbo, "cpu", torch.float16, 4), 3, 2) for tbo in (False, True)]
+    assert runs[0] == runs[1] and all(len(step) == 3 for step in runs[0])
+
+
+def _graph_logits(engine: Engine, rids: list[str]) -> torch.Tensor:
+    """One decode forward of the requests through the runner (their captured graph on CUDA)."""
+    from libs.engine.runner import Chunk
+
+    reqs = [engine.requests[r] for r in rids]
+    chunks = [Chunk([r.tokens[-1]], r.num_tokens - 1, r.pages) for r in reqs]
+    return engine.runner.forward_last(chunks).float().clone()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("batch", [5, 16])
+def test_emulated_ep_rank_under_cuda_graphs_equal_with_and_without_tbo(batch: int) -> None:
+    """World 1, the emulated EP rank on the fused path, decode replayed from CUDA graphs (the split forward
+    captured, padded batches too): logits of TBO on and off within bf16 rounding (the split-K choices of
+    the GEMMs and the MLA decode depend on the batch size, so bit equality is not promised), then engine
+    steps with both."""
+    import bench.decode_rank as R
+
+    engines = [_emulated_rank(tbo, "cuda", torch.bfloat16, 16) for tbo in (False, True)]
+    rids = [R.fill(e, batch, ctx=20, gen=4, seed=3) for e in engines]
+    off, on = (_graph_logits(e, r) for e, r in zip(engines, rids, strict=True))
+    assert all(e.runner.graphs is not None and e.runner.graphs.captured for e in engines)
+    assert engines[1].model.tbo.split_forwards > 0
+    assert ((on - off).abs().max() / off.abs().max()).item() < 2e-2
+    assert (on.argmax(-1) == off.argmax(-1)).float().mean().item() >= 0.8  # a near-tie may flip one row
+    for e, r in zip(engines, rids, strict=True):
+        for _ in range(3):
+            assert sorted(o.rid for o in e.step()) in ([], sorted(r))  # overlapped decode reports one step late
