@@ -49,6 +49,17 @@ def handle_place(
     return engine.rank_pools[rank][0], rank, local
 
 
+def write_rank_pages(
+    engine: Any, et: EngineThread, src_pages: Sequence[int], session: str, dst: m.KvGeometry,
+    dst_pages: Sequence[int],
+) -> int:  # fmt: skip
+    """Blocking (a transfer thread, never the engine thread): `src_pages` (global) into `dst_pages` of the
+    pool `session` names, issued by the EP rank that holds them, through the engine thread; -> bytes."""
+    layers = engine.config.num_hidden_layers
+    geom = {f: getattr(dst, f) for f in m.KvGeometry.__struct_fields__}
+    return et.run_blocking(engine.write_kv, list(src_pages), session, geom, list(dst_pages), layers)
+
+
 async def write_pages(
     engine: Any, et: EngineThread, transport: KvTransport, src_pages: Sequence[int], handle: m.KvHandle,
     dst: m.KvGeometry,

@@ -36,7 +36,7 @@ from libs.worker.heartbeat import Heartbeater
 from libs.worker.kv_events import start_kv_events
 from libs.worker.page_accounting import install_page_gauges, page_account
 from libs.worker.prefix_reuse import first_page_to_send
-from libs.worker.rank_pools import has_rank_pools
+from libs.worker.rank_pools import has_rank_pools, write_rank_pages
 from libs.worker.service import WorkerService
 from libs.worker.settings import WorkerSettings
 from libs.worker.startup import register_engine_metrics
@@ -315,10 +315,7 @@ class PrefillWorker(WorkerService):
         its rank's pool). An EP engine with per-rank pools writes from the rank holding the prompt, through
         the engine thread (libs.worker.rank_pools); runs are then not counted (-1)."""
         if has_rank_pools(self.engine):
-            layers = self.engine.config.num_hidden_layers
-            geom = {f: getattr(dst, f) for f in m.KvGeometry.__struct_fields__}
-            write = self.engine.write_kv  # type: ignore[attr-defined]
-            return self.et.run_blocking(write, src_pages, session, geom, dst_pages, layers), -1
+            return write_rank_pages(self.engine, self.et, src_pages, session, dst, dst_pages), -1
         assert self.src_geom is not None
         runs = plan_page_runs(self.src_geom.num_layers, src_pages, dst_pages, self.src_geom, dst)
         return self.transport.write(session, runs), len(runs)

@@ -210,7 +210,7 @@ async def test_the_heartbeat_reports_queued_prompts_and_their_tokens(make_rig) -
         if isinstance(msg, m.WorkerHeartbeat) and msg.worker_id == rig.worker.instance_id:
             await beats.put(msg)
 
-    await rig.bus.subscribe(subjects.HEARTBEAT, m.Heartbeat, on_beat)
+    await rig.bus.subscribe(subjects.heartbeat("prefill"), m.Heartbeat, on_beat)
     await rig.bus.flush()
     tasks = [rig.task(PROMPT[:n], [2 * k, 2 * k + 1]) for k, n in enumerate((30, 17, 25))]
     hold = threading.Event()
