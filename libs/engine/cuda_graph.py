@@ -129,6 +129,15 @@ class _Graph:
     logits: torch.Tensor | None = None  # [b, V] float32: the captured output
 
 
+def plan_replay(backend, layout: DecodeLayout, staging: torch.Tensor, page_size: int) -> None:
+    """Backends that plan on the host (FlashInfer) plan a captured step's lengths and page table (read from
+    its pinned staging buffer) before it is captured or replayed."""
+    plan = getattr(backend, "plan_graph", None)
+    if plan is not None:
+        _, _, _, lens, table = layout.views(staging.numpy())
+        plan(layout.batch, lens, table, page_size)
+
+
 class GraphCaptureError(RuntimeError):
     """A decode forward could not be captured (something in it is not graph-safe); nothing was replayed,
     and the warm-up runs only wrote the scratch page, so the caller can go on eagerly."""
@@ -201,11 +210,7 @@ class DecodeGraphRunner:
         return g.logits[: len(tokens)]
 
     def _plan(self, g: _Graph) -> None:
-        """Backends that plan on the host (FlashInfer) plan this step's lengths and table before the replay."""
-        plan = getattr(self.backend, "plan_graph", None)
-        if plan is not None:
-            _, _, _, lens, table = g.layout.views(g.staging.numpy())
-            plan(g.layout.batch, lens, table, self.page_size)
+        plan_replay(self.backend, g.layout, g.staging, self.page_size)
 
     def _capture(self, b: int) -> _Graph:
         layout = DecodeLayout(b, self.max_pages)

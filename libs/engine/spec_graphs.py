@@ -30,6 +30,7 @@ from libs.engine.cuda_graph import (
     GraphCaptureError,
     bucket_for,
     fill_decode_inputs,
+    plan_replay,
     static_step,
 )
 from libs.engine.layers.attention_backend import AttentionBackend, StepInputs, TritonAttention
@@ -130,11 +131,7 @@ class RowGraphRunner:
         return tuple(o[:n] for o in g.outputs)
 
     def _plan(self, g: _Graph) -> None:
-        """Backends that plan on the host (FlashInfer) plan this replay's lengths and table first."""
-        plan = getattr(self.backend, "plan_graph", None)
-        if plan is not None:
-            _, _, _, lens, table = g.layout.views(g.staging.numpy())
-            plan(g.layout.batch, lens, table, self.page_size)
+        plan_replay(self.backend, g.layout, g.staging, self.page_size)
 
     def _capture(self, b: int) -> _Graph:
         layout = DecodeLayout(b, self.max_pages)
