@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything GPU-side, for the `device` tool's lent H200:
-#   bash bench/gpu_check.sh [quick]        (carry .whl with the FlashInfer wheels, see NOTES-decode.md)
+#   bash bench/gpu_check.sh [quick|wave]   (carry .whl with the FlashInfer wheels, see NOTES-decode.md)
 # Each GPU test file runs in its own process with its own time limit, so one sticky CUDA fault (an
 # illegal address poisons the whole process) cannot hide the others' results; only compact summaries
 # go to $OUT (the device tool brings back a limited number of files).
@@ -13,13 +13,24 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 summary="$OUT/summary.txt"
 : > "$summary"
-for f in tests/libs/kernels/test_*.py tests/libs/engine/test_mla_forms.py tests/libs/engine/test_cuda_graph.py tests/libs/engine/test_attention_backends.py tests/libs/engine/test_fast_path.py; do
+# `wave`: only the files of the latest work not yet run on a GPU (EP dispatch, TBO, EPLB, MTP graphs), so one
+# call can cover them beside a benchmark; otherwise every GPU test file (several calls' worth with cold JIT).
+case "${1:-}" in
+  wave) files="tests/libs/ep/test_fixed_dispatch_gpu.py tests/libs/engine/test_two_batch_overlap.py
+    tests/libs/ep/test_rebalance.py tests/libs/engine/test_spec_graphs.py tests/libs/engine/test_mtp_fast_path.py
+    tests/libs/ep/test_deepep.py";;
+  *) files="tests/libs/kernels/test_*.py tests/libs/engine/test_mla_forms.py tests/libs/engine/test_cuda_graph.py
+    tests/libs/engine/test_attention_backends.py tests/libs/engine/test_fast_path.py
+    tests/libs/engine/test_decode_pipeline.py tests/libs/engine/test_spec_graphs.py
+    tests/libs/engine/test_two_batch_overlap.py tests/libs/ep/test_fixed_dispatch_gpu.py tests/libs/ep/test_rebalance.py";;
+esac
+for f in $files; do
   log=$(timeout 240 python3 -m pytest -q -rf --tb=short --confcutdir=tests/libs -p no:cacheprovider "$f" 2>&1)
   line=$(echo "$log" | grep -E "^(FAILED|ERROR)|passed|failed|error" | tail -6 | tr '\n' ' ')
   echo "$f: ${line:-timed out or crashed}" | tee -a "$summary"
   case "$line" in *failed*|*error*|"") echo "$log" | grep -v -i warn | tail -60 > "$OUT/fail-$(basename "$f" .py).txt";; esac
 done
-[ "${1:-}" = quick ] && exit 0
+case "${1:-}" in quick|wave) exit 0;; esac
 timeout 300 python3 -m bench.decode_rank --batch 256,512 2>&1 | grep -E "^B=" | tee -a "$summary"
 timeout 240 python3 -m bench.kernels --skip-mla > "$OUT/kernels.log" 2>&1
 grep -E "masked-chosen|sm90-masked-128-128-8-4-4|choices" "$OUT/kernels.log" | cut -c1-160 | tee -a "$summary"
