@@ -124,6 +124,7 @@ def serve(model_dir: Path, s: Settings, choice: str, logs: Path, rec: dict[str, 
             rec["greedy_mesh"] = greedy_through_mesh(mesh, s)
         except Exception as e:  # noqa: BLE001 - recorded, then the next transport
             rec["transport_failures"][transport] = f"{type(e).__name__}: {e}"[-2000:]
+            rec["stacks_dumped"] = mesh.dump_stacks()  # where each service was (in its log), then stop
             mesh.stop()
             continue
         try:

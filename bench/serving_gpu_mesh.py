@@ -4,6 +4,7 @@ the gateway, the prefill worker's Mooncake transfer counters and `moemesh bench`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -150,6 +151,43 @@ class MeshProcess:
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"nvidia-smi: {e}"
 
+    def service_pids(self) -> list[int]:
+        """The mesh's service processes (`python -m services.<name>`, children of `moemesh up`, each in a
+        session of its own)."""
+        if self.proc is None:
+            return []
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                cmd = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            except OSError:  # gone meanwhile
+                continue
+            ours = self.proc.pid in (int(fields[1]), int(fields[2]))  # the launcher's children (ppid)
+            if ours and b"-m" in cmd and any(c.startswith(b"services.") for c in cmd):
+                pids.append(int(stat.parent.name))
+        return pids
+
+    def dump_stacks(self, wait_s: float = 5.0) -> int:
+        """Ask every service for its threads' Python stacks (SIGUSR1: libs.bus.service registers faulthandler;
+        they land in each service's log), before a failed attempt is stopped; -> how many dumped."""
+        logs = {p: p.stat().st_size for p in self.log_dir.glob("*.log")}
+        pids = self.service_pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            grown = [
+                p
+                for p, n in logs.items()
+                if p.stat().st_size > n and "(most recent call first)" in p.read_text(errors="replace")[n:]
+            ]
+            if len(grown) >= len(pids):
+                break
+            time.sleep(0.2)  # other processes write the logs: nothing to wait on but the files
+        return len(pids)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)  # `moemesh up` drains and stops every service
@@ -176,7 +214,8 @@ def complete(mesh: MeshProcess, prompt: list[int], max_tokens: int, timeout: flo
 def greedy_through_mesh(mesh: MeshProcess, s: Settings) -> list[list[int]]:
     return [
         # the first request waits for the workers' first-use kernel tuning and graph captures on a GPU
-        complete(mesh, p, s.greedy_tokens, min(180.0, s.left(s.engine_reserve_s))) for p in s.greedy_prompts()
+        complete(mesh, p, s.greedy_tokens, min(180.0, s.left(s.engine_reserve_s)))
+        for p in s.greedy_prompts()
     ]
 
 

@@ -22,6 +22,7 @@ Tracing: `self.telemetry` (libs.telemetry) is built from the OTEL_* environment 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
 import secrets
@@ -252,6 +253,9 @@ class Service:
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
             force=True,
         )
+        # `kill -USR1 <pid>`: every thread's Python stack to stderr (the service's log), the service runs on;
+        # what a stuck request is waiting on (a KV write, the engine thread) shows without a debugger
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         try:
             run_loop(cls(settings).run(), settings.event_loop)
         except KeyboardInterrupt:

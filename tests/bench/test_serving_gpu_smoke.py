@@ -48,3 +48,26 @@ def test_smoke_run_writes_a_complete_record(tmp_path: Path) -> None:
     assert rec["kv_transfer"]["bytes"] == row * 16 * math.ceil(300 / 16)
     assert rec["kv_transfer_GBps"] > 0
     assert set(rec["ttft_ms"]) >= {"median", "p90", "p99"} and rec["itl_ms"]["count"] > 0
+
+
+def test_a_failed_attempt_can_ask_every_service_for_its_stacks(tmp_path: Path) -> None:
+    """What serving_gpu does before it stops an attempt that failed: SIGUSR1 to each service process of the
+    mesh; each writes every thread's stack into its log and keeps running."""
+    from bench.serving_gpu import parse_args, settings
+    from bench.serving_gpu_mesh import MeshProcess
+    from libs.engine.tiny import write_tiny_model
+
+    s = settings(parse_args(["--device", "cpu", "--smoke"]))
+    mesh = MeshProcess(write_tiny_model(tmp_path / "tiny", seed=0), s, "tcp", tmp_path / "logs")
+    try:
+        mesh.start()
+        pids = mesh.service_pids()
+        assert len(pids) >= 5  # gateway, scheduler, kv-broker, prefill and decode worker
+        assert mesh.dump_stacks(wait_s=30) == len(pids)
+        dumped = [
+            p.name for p in (tmp_path / "logs").glob("*.log") if "(most recent call first)" in p.read_text()
+        ]
+        assert len(dumped) >= len(pids), dumped
+        assert all(os.path.exists(f"/proc/{pid}") for pid in pids)  # still running
+    finally:
+        mesh.stop()
