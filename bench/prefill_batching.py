@@ -34,6 +34,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from libs.launch.supervisor import stop_group
+
 MOEMESH = str(Path(sys.executable).with_name("moemesh"))
 TINY = Path.home() / ".cache/moemesh/tiny-v3"  # what `moemesh up` serves by default
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -119,13 +121,7 @@ def start_mesh(mode: str, budget: int, log_dir: Path) -> tuple[subprocess.Popen,
 
 
 def stop_mesh(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stop_group(proc, signal.SIGINT, 60)  # `moemesh up` drains and stops every service
 
 
 def prefill_forwards(log_dir: Path) -> float:

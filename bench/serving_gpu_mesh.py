@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from libs.launch.supervisor import stop_group
+
 MOEMESH = [sys.executable, "-m", "libs.cli.main"]
 BENCH_SEED = 1
 PAGE_SIZE = 16
@@ -189,13 +191,8 @@ class MeshProcess:
         return len(pids)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)  # `moemesh up` drains and stops every service
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        if self.proc is not None:
+            stop_group(self.proc, signal.SIGINT, 60)  # `moemesh up` drains and stops every service
 
 
 def complete(mesh: MeshProcess, prompt: list[int], max_tokens: int, timeout: float) -> list[int]:

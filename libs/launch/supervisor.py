@@ -63,12 +63,22 @@ class ServiceProcess:
                 os.killpg(self.proc.pid, sig)
 
     def stop(self, grace_s: float = 10.0) -> int | None:
-        self.signal(signal.SIGTERM)
+        return stop_group(self.proc, signal.SIGTERM, grace_s)
+
+
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> int | None:
+    """Send `sig` to the process group `proc` leads (started with start_new_session), wait up to grace_s,
+    then SIGKILL the group; -> its exit code (None only if it had already been reaped elsewhere)."""
+    for s in (sig, signal.SIGKILL):
+        if proc.poll() is not None:
+            return proc.returncode
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, s)
         try:
-            return self.proc.wait(grace_s)
+            return proc.wait(grace_s if s == sig else None)
         except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            return self.proc.wait()
+            continue
+    return proc.returncode
 
 
 class Supervisor:

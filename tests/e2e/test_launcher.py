@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from libs.launch.supervisor import stop_group
+
 pytestmark = pytest.mark.e2e
 
 START_TIMEOUT_S = 240.0
@@ -89,13 +91,8 @@ def up_with_a_broken_prefill_worker(
     try:
         yield proc, Console(proc)
     finally:
-        if proc.poll() is None:  # the test failed before its Ctrl-C: stop the launcher and its children
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        # the test failed before its Ctrl-C: stop the launcher and its children (a no-op once it exited)
+        stop_group(proc, signal.SIGINT, 60)
 
 
 def test_a_service_crashing_at_start_up_is_given_up_while_the_rest_serves(
