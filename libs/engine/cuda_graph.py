@@ -20,8 +20,9 @@ The pure parts (`capture_sizes`, `bucket_for`, `fill_decode_inputs`) are tested 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -34,6 +35,8 @@ from libs.engine.layers.attention_backend import (
     resolve_backend,
 )
 from libs.engine.layers.mla import PagedMetadata
+
+T = TypeVar("T")
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -138,6 +141,22 @@ def plan_replay(backend, layout: DecodeLayout, staging: torch.Tensor, page_size:
         plan(layout.batch, lens, table, page_size)
 
 
+def capture(step: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Two warm-up runs of `step` on a side stream, then one captured into a graph on `pool`; -> the graph and
+    the captured run's outputs (static tensors each replay rewrites). thread_local: CUDA calls of other threads
+    (a worker's event loop) must not invalidate the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode(), torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = step()
+    return graph, out
+
+
 class GraphCaptureError(RuntimeError):
     """A decode forward could not be captured (something in it is not graph-safe); nothing was replayed,
     and the warm-up runs only wrote the scratch page, so the caller can go on eagerly."""
@@ -231,18 +250,6 @@ class DecodeGraphRunner:
             hidden = self.model.forward_step(inputs, self.kv_pool)
             return self.model.compute_logits(hidden, raw=self.model.uses_fast_path(self.backend))
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        g.graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls of other threads (a worker's event loop) must not invalidate the capture
-        with (
-            torch.inference_mode(),
-            torch.cuda.graph(g.graph, pool=self._pool, capture_error_mode="thread_local"),
-        ):
-            g.logits = step()
+        g.graph, g.logits = capture(step, self._pool)
         self._graphs[b] = g
         return g

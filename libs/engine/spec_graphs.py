@@ -29,6 +29,7 @@ from libs.engine.cuda_graph import (
     DecodeLayout,
     GraphCaptureError,
     bucket_for,
+    capture,
     fill_decode_inputs,
     plan_replay,
     static_step,
@@ -154,19 +155,8 @@ class RowGraphRunner:
         def step() -> tuple[torch.Tensor, ...]:
             return self.body(static_step(g.packed, layout, self.page_size, self.backend), g.hidden)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        g.graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with (
-            torch.inference_mode(),
-            torch.cuda.graph(g.graph, pool=self._pool, capture_error_mode="thread_local"),
-        ):
-            g.outputs = step()
+        g.graph, g.outputs = capture(step, self._pool)
         self._graphs[b] = g
         return g
