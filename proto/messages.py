@@ -286,6 +286,8 @@ class KvReady(Kind, frozen=True):
     first_token: TokenLogprob
     cached_tokens: int = 0
     prefill_worker: str = ""
+    # the prefill worker already streamed first_token to the gateway (offset 0): not sent again
+    first_token_streamed: bool = False
 
 
 class DecodeDirect(Kind, frozen=True):

@@ -25,6 +25,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from libs.bus.periodic import Periodic
 from libs.engine.pages import OutOfPagesError
+from libs.engine.sampling import SamplingParams
 from libs.telemetry import RequestTracker
 from libs.telemetry import attributes as span_attrs
 from libs.worker.heartbeat import Heartbeater
@@ -57,6 +58,7 @@ class DecodeWorker(WorkerService):
         s = self.settings
         await self.start_engine(m.Role.DECODE)
         self.live: dict[str, Live] = {}
+        self.direct: list[tuple[str, list[int], SamplingParams]] = []  # direct prompts for the next step
         self.reserved: dict[str, str] = {}  # request id -> handle id (pages reserved, KV not yet joined)
         # Cancelled while reserved: the pages stay until the prefill side answers (KvReady / PrefillFailed)
         # or the lease expires, because a Mooncake write into them may still be landing.
@@ -168,12 +170,12 @@ class DecodeWorker(WorkerService):
         self.tracker.start(
             rid, "prefilled", span_attrs.decode_start(msg.prompt_ids, msg.sampling, model, msg.cached_tokens)
         )
-        # The first token is known: stream it now (TTFT), not after the engine thread finishes its step.
-        first = m.TokenDelta(
-            rid, [msg.first_token.token_id], [msg.first_token] if msg.sampling.logprobs else [], offset=0
-        )
         self.live[rid] = Live(msg.stream_subject, len(msg.prompt_ids), msg.cached_tokens, completion_tokens=1)
-        await self.bus.publish(msg.stream_subject, m.TokenBatch(deltas=[first], worker_id=self.instance_id))
+        if not msg.first_token_streamed:  # an older prefill worker: stream it now, before the engine step
+            first = m.TokenDelta(
+                rid, [msg.first_token.token_id], [msg.first_token] if msg.sampling.logprobs else [], offset=0
+            )
+            await self.bus.publish(msg.stream_subject, m.TokenBatch(deltas=[first], worker_id=self.instance_id))
         self.tracker.first_token(rid)
         self.m_tokens.inc()
         try:
@@ -192,16 +194,19 @@ class DecodeWorker(WorkerService):
         self._broker_fire(msg.handle_id, m.HandleConsumed(handle_id=msg.handle_id))
 
     async def start_direct(self, msg: m.DecodeDirect) -> None:
+        """Queue the prompt for the next step: it is added to the engine in the same engine-thread call
+        as that step (one thread hand-off before its first token, not two)."""
         rid = msg.request_id
         self.tracker.start(
             rid, "direct", span_attrs.decode_start(msg.prompt_ids, msg.sampling, self.settings.model_name)
         )
         try:
-            await self.et.call(self.engine.add_request, rid, msg.prompt_ids, to_params(msg.sampling))
+            params = to_params(msg.sampling)
         except ValueError as e:
             await self._error(msg.stream_subject, rid, 400, str(e))
             return
         self.live[rid] = Live(msg.stream_subject, len(msg.prompt_ids))
+        self.direct.append((rid, msg.prompt_ids, params))
         self.work.set()
 
     async def _expire_unanswered(self) -> None:
@@ -222,6 +227,7 @@ class DecodeWorker(WorkerService):
 
     async def on_cancel(self, msg: m.Cancel) -> None:
         rid = msg.request_id
+        self.direct = [a for a in self.direct if a[0] != rid]  # not yet in the engine
         if rid in self.reserved:
             self.cancelled.add(rid)  # freed when the prefill side answers or the lease expires
         if self.live.pop(rid, None) is not None:
@@ -246,9 +252,16 @@ class DecodeWorker(WorkerService):
         )  # fmt: skip
 
     # --- the step loop ---
-    def _step_once(self) -> tuple[list, bool]:
-        outputs = self.engine.step()
-        return outputs, self.engine.has_unfinished()
+    def _step_once(self, adds: list[tuple[str, list[int], SamplingParams]]) -> tuple[list, bool, dict]:
+        """On the engine thread: add the direct prompts queued since the last step, then one step."""
+        refused: dict[str, str] = {}
+        for rid, prompt, params in adds:
+            try:
+                self.engine.add_request(rid, prompt, params)
+            except ValueError as e:
+                refused[rid] = str(e)
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        return outputs, self.engine.has_unfinished(), refused
 
     async def _step_loop(self) -> None:
         while True:
@@ -258,15 +271,19 @@ class DecodeWorker(WorkerService):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.slowdown_changed.wait(), self.forward_sleep_ms / 1000)
             t0 = time.perf_counter()
+            adds, self.direct = self.direct, []
             try:
-                outputs, more = await self.et.call(self._step_once)
+                outputs, more, refused = await self.et.call(self._step_once, adds)
             except Exception as e:  # a failed step fails its batch, never the worker
                 log.exception("engine step failed")
                 await self._fail_all(500, f"decode step failed: {e}")
                 continue
             self.m_step.observe(time.perf_counter() - t0)
+            for rid, why in refused.items():
+                if (live := self.live.get(rid)) is not None:
+                    await self._error(live.stream_subject, rid, 400, why)
             await self._publish(outputs)
-            if not more:
+            if not more and not self.direct:
                 self.work.clear()
 
     async def _publish(self, outputs: list) -> None:

@@ -50,6 +50,10 @@ from services.prefill_worker.prefill_loop import PrefillLoop
 log = logging.getLogger("moemesh.prefill")
 
 
+
+def _first_logprob(res: PrefillResult) -> m.TokenLogprob:
+    return m.TokenLogprob(res.first_token, 0.0) if res.logprobs is None else to_wire_logprob(res.logprobs)
+
 class Cancelled(Exception):
     """The request was cancelled while its task ran; the decode worker still needs PrefillFailed so it
     frees the reservation (it must not free pages a write may still be landing in before then)."""
@@ -251,6 +255,12 @@ class PrefillWorker(WorkerService):
             self.prefills.watch(rid, stream.update)
         try:
             res = await self._prefill(task)
+            self._check_writable(task)  # a request about to fail does not stream a token first
+            first = _first_logprob(res)
+            # The first token is final once sampled: the gateway streams it now, while the KV travels
+            # (TTFT is not the transfer's and the KvReady hop's). The decode worker does not send it again.
+            delta = m.TokenDelta(rid, [first.token_id], [first] if task.sampling.logprobs else [], offset=0)
+            await self.bus.publish(task.stream_subject, m.TokenBatch(deltas=[delta]))
             with self.telemetry.span("kv_transfer", kind=SpanKind.CLIENT) as span:
                 t0 = time.perf_counter()
                 late = await stream.finish(res.page_ids)  # what is left once the last chunk ran
@@ -269,15 +279,12 @@ class PrefillWorker(WorkerService):
         # Unpinning waits in the engine thread's queue behind the next batched step: on_task's `finally`
         # does it after KvReady is out, so the batch does not hold back this first token.
         self._check_cancelled(rid)
-        first = (
-            m.TokenLogprob(res.first_token, 0.0) if res.logprobs is None else to_wire_logprob(res.logprobs)
-        )
         await self.bus.publish(
             subjects.decode_inbox(handle.decode_worker),
             m.KvReady(
                 request_id=rid, handle_id=handle.handle_id, prompt_ids=task.prompt_ids, sampling=task.sampling,
                 stream_subject=task.stream_subject, first_token=first, cached_tokens=res.cached_tokens,
-                prefill_worker=self.instance_id,
+                prefill_worker=self.instance_id, first_token_streamed=True,
             ),
         )  # fmt: skip
         # Off the critical path: KvReady already told the decode worker; the broker's record follows.

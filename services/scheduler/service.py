@@ -253,9 +253,13 @@ class SchedulerService(Service):
             req = _placement_request(s)
         except ValueError as e:
             return self._refuse(s.request_id, m.ErrorCode.BAD_REQUEST, str(e))
+        # Nothing waiting ahead of it: decide with the prefix index now, and place it at once (below)
+        # instead of in a later pass of the loop; otherwise it queues behind the others (FIFO).
+        first = self.queue.head() is None
+        hits = await self.prefix_hits(s) if first else None
         now = self.clock()
-        decision = self._decide(now, req, s, None)
-        if isinstance(decision, Refuse):  # a cached prefix can make it servable (direct on decode)
+        decision = self._decide(now, req, s, hits)
+        if isinstance(decision, Refuse) and hits is None:  # a cached prefix can make it servable
             decision = self._decide(now, req, s, await self.prefix_hits(s))
         if isinstance(decision, Refuse):
             return self._refuse(s.request_id, decision.code, decision.message)
@@ -264,13 +268,18 @@ class SchedulerService(Service):
         # gateway ends a request earlier with Cancel.
         deadline = now + self.settings.queue_timeout_s
         try:
-            self.queue.admit(s, now, deadline, current_traceparent())
+            entry = self.queue.admit(s, now, deadline, current_traceparent())
         except QueueFull as e:
             return self._refuse(s.request_id, m.ErrorCode.TOO_MANY_REQUESTS, str(e))
         except DuplicateRequest as e:
             return self._refuse(s.request_id, m.ErrorCode.BAD_REQUEST, str(e))
+        if first and isinstance(decision, Plan) and self.queue.head() is entry:
+            # Placed now: its first message goes out in the same write as this reply, a pass of the
+            # placement loop (and a second prefix lookup and decision) later than it would otherwise.
+            self._start_placement(entry, decision)
+        else:
+            self.wake()
         self._update_gauges()
-        self.wake()
         return m.SubmitReply(request_id=s.request_id, ok=True, scheduler_id=self.instance_id)
 
     def _decide(
@@ -353,15 +362,19 @@ class SchedulerService(Service):
             if not isinstance(decision, Plan):
                 e.last_error = decision.reason
                 break
-            self.queue.start(e.request_id)
-            self.workers.note_placement(decision.decode, decision.decode_pages)
-            if decision.prefill is not None:
-                self.workers.note_placement(decision.prefill, tokens=decision.uncached)
-                self._note_prefix(s, decision.prefill)
-            task = asyncio.create_task(self._place(e, decision))
-            self._placements.add(task)
-            task.add_done_callback(self._placements.discard)
+            self._start_placement(e, decision)
         self._update_gauges()
+
+    def _start_placement(self, e: Entry, plan: Plan) -> None:
+        """Take the entry out of line and send it (a task: a reservation waits for its reply)."""
+        self.queue.start(e.request_id)
+        self.workers.note_placement(plan.decode, plan.decode_pages)
+        if plan.prefill is not None:
+            self.workers.note_placement(plan.prefill, tokens=plan.uncached)
+            self._note_prefix(e.submit, plan.prefill)
+        task = asyncio.create_task(self._place(e, plan))
+        self._placements.add(task)
+        task.add_done_callback(self._placements.discard)
 
     async def _place(self, e: Entry, plan: Plan) -> None:
         s = e.submit

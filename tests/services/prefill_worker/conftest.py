@@ -104,6 +104,17 @@ class Rig:
             request_id=rid, prompt_ids=prompt, sampling=sampling, stream_subject=GATEWAY_STREAM, handle=handle
         )
 
+    def first_tokens(self) -> dict[str, list[int]]:
+        """Take every first-token delta the gateway has received so far: request id -> [token, offset]."""
+        out: dict[str, list[int]] = {}
+        while not self.stream.empty():
+            batch = self.stream.get_nowait()
+            assert isinstance(batch, m.TokenBatch) and batch.worker_id == "", batch
+            for d in batch.deltas:
+                assert d.request_id not in out, f"{d.request_id}: first token streamed twice"
+                out[d.request_id] = [*d.token_ids, d.offset]
+        return out
+
     async def send(self, task: m.PrefillTask) -> None:
         await self.bus.publish(subjects.prefill_inbox(self.worker.instance_id), task)
         await self.bus.flush()

@@ -57,7 +57,9 @@ async def test_the_kv_lands_in_the_reserved_pages_and_kv_ready_has_the_first_tok
     assert not rig.decode.rows(untouched, len(untouched) * rig.decode.page_size).any()
     await rig.until(lambda: rig.written == [task.handle.handle_id], "HandleWritten at the broker")
     await rig.settled()
-    assert rig.stream.empty()
+    # the first token went to the gateway before the KV (and KvReady says so): once, at offset 0
+    assert ready.first_token_streamed
+    assert rig.first_tokens() == {task.request_id: [first, 0]}
 
 
 async def test_no_write_into_a_lease_that_ends_within_the_margin(make_rig) -> None:
@@ -95,6 +97,11 @@ async def test_a_transfer_failing_half_way_fails_the_request_and_the_worker_serv
     failed = await rig.next_inbox()
     assert isinstance(failed, m.PrefillFailed) and failed.request_id == task.request_id
     assert "connection reset" in failed.message
+    # the gateway had the first token before the transfer failed; the 503 that follows makes it migrate
+    # the request with that token (services/gateway/migration.py)
+    first, rows = reference_prefill(reference, PROMPT)
+    batch = await asyncio.wait_for(rig.stream.get(), 10)
+    assert isinstance(batch, m.TokenBatch) and batch.deltas[0].token_ids == [first], batch
     err = await asyncio.wait_for(rig.stream.get(), 10)
     assert isinstance(err, m.RequestError) and (err.request_id, err.code) == (task.request_id, 503)
     assert rig.decode.buffer.any() and calls[0] > 1  # the failure came after some bytes had landed
@@ -105,7 +112,6 @@ async def test_a_transfer_failing_half_way_fails_the_request_and_the_worker_serv
     await rig.send(again)
     ready = await rig.next_inbox()
     assert isinstance(ready, m.KvReady) and ready.request_id == again.request_id
-    first, rows = reference_prefill(reference, PROMPT)
     assert ready.first_token.token_id == first
     same_kv(rig.decode.rows(DST_PAGES, len(PROMPT)), rows)
     await rig.settled()
@@ -146,7 +152,9 @@ async def test_a_cancel_while_the_task_runs_frees_the_reservation_without_writin
     await rig.send(nxt)
     ready = await rig.next_inbox()
     assert isinstance(ready, m.KvReady) and ready.request_id == nxt.request_id
-    assert rig.stream.empty()  # the gateway ended the request itself: no RequestError for a cancel
+    await rig.settled()
+    # the gateway ended the request itself: no RequestError for a cancel, and no first token
+    assert rig.first_tokens() == {nxt.request_id: [ready.first_token.token_id, 0]}
     await rig.settled()
 
 
@@ -197,7 +205,7 @@ async def test_tasks_that_arrive_together_share_forwards_and_each_kv_lands(
         assert ready[t.request_id].first_token.token_id == first
         same_kv(rig.decode.rows(list(t.handle.page_ids), len(t.prompt_ids)), rows)
     await rig.settled()
-    assert rig.stream.empty()
+    assert rig.first_tokens() == {rid: [r.first_token.token_id, 0] for rid, r in ready.items()}
 
 
 async def test_the_heartbeat_reports_queued_prompts_and_their_tokens(make_rig) -> None:
