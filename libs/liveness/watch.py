@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection
 
 from libs.bus import Bus
+from libs.bus.event_wait import wait_event
 from libs.liveness.stall_clock import StallClock
 from libs.liveness.table import LivenessTable
 from proto import messages as m
@@ -126,6 +127,5 @@ class LivenessWatch:
                     await self._report(dead)
             nxt = self.table.next_expiry()
             wait = self.tick_s if nxt is None else min(self.tick_s, max(0.0, nxt - now) + 0.001)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait)
+            await wait_event(self._wake, wait)
             self._wake.clear()

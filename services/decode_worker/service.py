@@ -23,6 +23,7 @@ import msgspec
 from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
+from libs.bus.event_wait import wait_event
 from libs.bus.periodic import Periodic
 from libs.engine.pages import OutOfPagesError
 from libs.engine.sampling import SamplingParams
@@ -175,7 +176,9 @@ class DecodeWorker(WorkerService):
             first = m.TokenDelta(
                 rid, [msg.first_token.token_id], [msg.first_token] if msg.sampling.logprobs else [], offset=0
             )
-            await self.bus.publish(msg.stream_subject, m.TokenBatch(deltas=[first], worker_id=self.instance_id))
+            await self.bus.publish(
+                msg.stream_subject, m.TokenBatch(deltas=[first], worker_id=self.instance_id)
+            )
         self.tracker.first_token(rid)
         self.m_tokens.inc()
         try:
@@ -268,8 +271,7 @@ class DecodeWorker(WorkerService):
             await self.work.wait()
             if self.forward_sleep_ms:  # slow-down; a new setting (e.g. off) ends the wait at once
                 self.slowdown_changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.slowdown_changed.wait(), self.forward_sleep_ms / 1000)
+                await wait_event(self.slowdown_changed, self.forward_sleep_ms / 1000)
             t0 = time.perf_counter()
             adds, self.direct = self.direct, []
             try:

@@ -28,6 +28,7 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from libs.bus import BusError, Service, ServiceSettings, now_ms
+from libs.bus.event_wait import wait_event
 from libs.telemetry import attributes as span_attrs
 from proto import messages as m
 from proto import subjects
@@ -321,5 +322,4 @@ class KvBroker(Service):
             except Exception:
                 log.exception("kv-broker sweep failed; retrying")
                 delay = cap
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay)
+            await wait_event(self._wake, delay)

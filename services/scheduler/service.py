@@ -37,6 +37,7 @@ from libs.bus import (
     current_traceparent,
     request_context,
 )
+from libs.bus.event_wait import wait_event
 from libs.liveness import StallClock
 from libs.prefix.replica import PrefixReplica
 from libs.telemetry import attributes as span_attrs
@@ -327,8 +328,7 @@ class SchedulerService(Service):
             except Exception:  # a bug here must not stop placement for good
                 log.exception("placement pass failed")
             timeout = self._next_timer()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            await wait_event(self._wake, timeout)
 
     def _next_timer(self) -> float | None:
         now, heard = self.clock(), self.heard_clock()

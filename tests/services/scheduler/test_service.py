@@ -8,6 +8,7 @@ timeouts, never on sleeps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -136,6 +137,35 @@ async def test_short_prompt_goes_straight_to_decode(start) -> None:
     assert (direct.request_id, len(direct.prompt_ids), direct.stream_subject) == ("short", 20, h.stream)
     await h.until(lambda: h.metric("moemesh_scheduler_placements_total", kind="direct") == 1)
     assert d.reserves.empty() and p.tasks.empty()
+
+
+async def test_a_submit_with_nothing_queued_is_placed_by_its_own_handler(start) -> None:
+    """The submit handler places a request that has nobody ahead of it: it reaches the decode worker even
+    with the placement loop stopped (no pass of the loop on the TTFT path)."""
+    h = await start(direct_prefill_threshold=32)
+    d = await h.decode("d0")
+    await h.prefill("p0")
+    loop_task = h.svc._loop_task
+    assert loop_task is not None
+    loop_task.cancel()  # from here on only the submit handler can place
+    with contextlib.suppress(asyncio.CancelledError):
+        await loop_task
+    assert (await h.submit("now", prompt_len=20)).ok
+    assert (await _get(d.directs)).request_id == "now"
+    assert h.svc.queue.depth == 0
+
+
+async def test_a_submit_behind_a_waiting_request_keeps_its_place(start) -> None:
+    """FIFO: a small request that would fit does not pass a large one waiting for pages."""
+    h = await start(direct_prefill_threshold=32)
+    d = await h.decode("d0", free_pages=4)
+    await h.prefill("p0")
+    assert (await h.submit("big", prompt_len=100)).ok  # 7 pages: waits
+    assert (await h.submit("small", prompt_len=20)).ok  # 2 pages would fit, but big is first
+    assert h.svc.queue.depth == 2 and d.directs.empty() and d.reserves.empty()
+    await d.heartbeat(free_pages=64)
+    assert (await _get(d.reserves)).request_id == "big"
+    assert (await _get(d.directs)).request_id == "small"
 
 
 async def test_no_live_worker_is_503(start) -> None:
