@@ -129,3 +129,18 @@ def test_first_use_timing_is_fenced_from_queued_work(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
     assert gemm_tuning.graph_time(lambda: events.append("kernel")) == 1.5
     assert events == ["sync", "bench", "kernel", "sync"]
+
+
+@pytest.mark.parametrize("cfg", G._CONFIGS, ids=str)
+def test_every_tuning_candidate_computes_the_gemm(monkeypatch, cfg):
+    """Whichever tile config the sweep keeps, the launch built from it gives the right product (ragged N: a
+    64-wide tile inside a 128-wide weight-scale block)."""
+    monkeypatch.setattr(G, "_on_gpu", lambda: True)
+    key = G.tuning_key(G.DENSE, 40, 192, 256, 1)
+    monkeypatch.setattr(G, "_TRITON_CONFIG", {key: cfg})
+    monkeypatch.setattr(G, "_KERNEL_CHOICE", {key: None})
+    monkeypatch.setattr(G, "_SPLIT_CHOICE", {("split", *key): 1})
+    w, ws = _weights(1, 192, 256)
+    xq, xs = _acts((40, 256))
+    out = G.fp8_gemm(xq, xs, w[0], ws[0])
+    assert _rel(out, G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
