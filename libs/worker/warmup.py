@@ -67,22 +67,30 @@ def plan_warmup(
 
 def run_warmup(engine: EngineLike, plan: WarmupPlan) -> WarmupReport:
     """The plan through `engine.generate` (greedy, ignore_eos), then the prefix cache emptied. Call it on the
-    engine's thread, before any request. RuntimeError when pages stay held afterwards."""
+    engine's thread, before any request. RuntimeError naming the step that failed (a worker that cannot run
+    its own max_prefill_tokens or decode batch should not start), or when pages stay held afterwards."""
     t0 = time.perf_counter()
-    vocab = engine.config.vocab_size
-    span = max(vocab - FIRST_TOKEN, 1)
+    span = max(engine.config.vocab_size - FIRST_TOKEN, 1)
     prompts = 0
     prefill_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for n in plan.prefill_lens:
         batch = [[FIRST_TOKEN + (7 * i + 13 * c) % span for i in range(n)] for c in range(plan.copies)]
-        engine.generate(batch, prefill_only)
-        prompts += len(batch)
+        prompts += _generate(engine, batch, prefill_only, f"a prefill of {n} tokens")
     decoding = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
     for b in plan.decode_batches:
-        engine.generate([[FIRST_TOKEN + i % span] for i in range(b)], decoding)
-        prompts += b
+        prompts += _generate(
+            engine, [[FIRST_TOKEN + i % span] for i in range(b)], decoding, f"a decode batch of {b}"
+        )
     engine.flush_prefix_cache()
     st = engine.stats()
     if st.get("used_pages", 0) or st.get("running", 0) or st.get("waiting", 0):
         raise RuntimeError(f"warm-up left work or pages behind: {st}")
     return WarmupReport(seconds=time.perf_counter() - t0, prompts=prompts, plan=plan)
+
+
+def _generate(engine: EngineLike, batch: list[list[int]], params: SamplingParams, what: str) -> int:
+    try:
+        engine.generate(batch, params)
+    except Exception as err:
+        raise RuntimeError(f"warm-up failed on {what}: {type(err).__name__}: {err}") from err
+    return len(batch)

@@ -77,3 +77,12 @@ def test_warmup_fails_loudly_when_pages_stay_held(model_dir: Path) -> None:
     plan = plan_warmup(8, 2, page_size=4, free_pages=free, context_len=4096, decode=False)
     with pytest.raises(RuntimeError, match="warm-up left work or pages behind"):
         run_warmup(engine, plan)
+
+
+def test_a_failing_step_is_named(model_dir: Path) -> None:
+    engine = _engine(model_dir)  # 64 pages of 4 tokens: a 300-token prompt cannot fit
+    plan = plan_warmup(300, 2, page_size=4, free_pages=10_000, context_len=4096, decode=False)
+    with pytest.raises(RuntimeError, match="warm-up failed on a prefill of 256 tokens: ValueError"):
+        run_warmup(engine, plan)
+    engine.flush_prefix_cache()  # the shorter prompts' pages stay cached until then
+    assert engine.stats()["used_pages"] == 0  # the failed generate took back what it had
