@@ -59,9 +59,10 @@ class WorkerService(Service):
             context_len=self.engine.config.max_position_embeddings, decode=role == m.Role.DECODE,
             copies=s.ep_size,
         )  # fmt: skip
+        log.info(
+            "%s warming up: prefill lengths %s, decode batches %s", self.instance_id, list(plan.prefill_lens),
+            list(plan.decode_batches),
+        )  # fmt: skip
         report = await self.et.call(run_warmup, self.engine, plan)
         gauge.set(report.seconds)
-        log.info(
-            "%s warm-up: %.1f s, %d prompts (prefill lengths %s, decode batches %s)", self.instance_id,
-            report.seconds, report.prompts, list(plan.prefill_lens), list(plan.decode_batches),
-        )  # fmt: skip
+        log.info("%s warm-up: %.1f s, %d prompts", self.instance_id, report.seconds, report.prompts)

@@ -41,7 +41,7 @@ def test_workers_warm_up_before_the_mesh_is_up_and_free_every_page(warm_mesh: Me
         assert metric_total(warm_mesh.metrics_url(w), "moemesh_worker_warmup_seconds") > 0, w
         assert metric_total(warm_mesh.metrics_url(w), "moemesh_kv_pages_used") == 0, w
     decode_log = (warm_mesh.log_dir / "decode-0.log").read_text()
-    assert "decode batches [1, 2, 4, 8]" in decode_log  # each decode-graph size of max_num_seqs 8
+    assert "decode batches [1, 2, 4, 8]" in decode_log and "warm-up: " in decode_log  # each graph size
     assert "prefill lengths [1, 2, 4, 8, 16, 32, 64]" in (warm_mesh.log_dir / "prefill-0.log").read_text()
 
 
