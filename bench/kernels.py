@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench.harness import bench_ms, environment, write_results
-from libs.kernels import flashinfer_mla
+from libs.kernels import flashinfer_mla, gemm_tuning
 from libs.kernels import fp8_gemm as G
 from libs.kernels.mla_decode import MLAConfig, choose_num_splits, mla_decode, mla_decode_reference
 from libs.kernels.quant import quant_fp8_groups
@@ -155,7 +155,7 @@ def gemm_case(e, m, n, k, log) -> list[dict]:
         if name.startswith("sm90-"):  # each Gluon config checked against the reference, not just timed
             got = out[0] if "masked" in name else fn()
             err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        ms = G._graph_time(fn)  # graph-replayed: eager timing of ~100 us kernels measures the launch path
+        ms = gemm_tuning.graph_time(fn)  # graph-replayed: eager timing of ~100 us kernels times the launch
         f = flops / e if "dense" in name else flops
         cfg = None
         if name == "masked-chosen":
@@ -163,7 +163,7 @@ def gemm_case(e, m, n, k, log) -> list[dict]:
         elif name == "dense-one-expert-nosplit":
             cfg = chosen_kernel(G.DENSE, m, n, k, 1)
         elif name == "dense-one-expert":
-            split = G._SPLIT_CHOICE.get((m, n, k), 1)  # what _measured_split timed fastest
+            split = G._SPLIT_CHOICE.get(("split", *G.tuning_key(G.DENSE, m, n, k, 1)), 1)  # timed fastest
             if split == 1:
                 cfg = f"split_k=1 {chosen_kernel(G.DENSE, m, n, k, 1)}"
             else:  # _fp8_gemm_split_k: Gluon slices where it has a config, else Triton's 64x128 tiles
@@ -178,10 +178,10 @@ def gemm_case(e, m, n, k, log) -> list[dict]:
 
 
 def chosen_kernel(layout, m, n, k, e) -> str:
-    """What `fp8_gemm._choose` runs for this shape: a Gluon config, or the Triton kernel with the config its
-    autotuner last used (this shape's, when called right after timing it)."""
-    cfg = G._KERNEL_CHOICE.get((layout, m, n, k, e))
-    return f"sm90 {cfg}" if cfg is not None else f"triton {G._fp8_gemm_tuned.best_config}"
+    """What `fp8_gemm._choose` runs for this shape: a Gluon config, or the Triton kernel with its tuned config."""
+    key = G.tuning_key(layout, m, n, k, e)
+    cfg = G._KERNEL_CHOICE.get(key)
+    return f"sm90 {cfg}" if cfg is not None else f"triton {G._TRITON_CONFIG.get(key)}"
 
 
 def sm90_variants(xq, xs, w, ws, counts, out) -> dict:
@@ -222,10 +222,10 @@ def gemm_suite(log) -> list[dict]:
     ]:
         records += gemm_case(e, m, n, k, log)
     choices = {str(key): str(cfg) for key, cfg in G._KERNEL_CHOICE.items()}
-    log(f"kernel choices (layout, m, n, k, experts) -> config (None: Triton): {choices}")
+    log(f"kernel choices (layout, m bucket, n, k, experts) -> config (None: Triton): {choices}")
     records.append({"benchmark": "fp8_gemm_choice", "choices": choices,
-                    "timings_ms": {str(key): t for key, t in G._TIMINGS.items()},
-                    "rejected": {str(key): v for key, v in G._REJECTED.items()}})  # fmt: skip
+                    "timings_ms": {str(key): t for key, t in gemm_tuning.TIMINGS.items()},
+                    "rejected": {str(key): v for key, v in gemm_tuning.REJECTED.items()}})  # fmt: skip
     return records
 
 

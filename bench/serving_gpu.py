@@ -6,7 +6,8 @@
 1. writes the checkpoint (`moemesh tiny-model --preset v3-width`, or the tiny model with --smoke);
 2. `moemesh up --device D` with the prefill and the decode worker as separate processes, KV pushed by
    Mooncake (`--transport auto`: nvlink_intra with MC_INTRANODE_NVLINK=1 on CUDA, tcp if that mesh fails
-   to start or to serve; tcp on CPU); the GPU processes and their memory are recorded;
+   to start or to serve; tcp on CPU), up once the workers warmed up (on CUDA: kernels tuned and graphs
+   captured, seconds per worker recorded); the GPU processes and their memory are recorded;
 3. greedy token ids of a few prompts (below and above the scheduler's direct-prefill threshold, so both
    PD paths) through the gateway; the Mooncake transfer of one `--input-len` prompt's KV (all layers),
    from the prefill worker's transfer counters;
@@ -35,7 +36,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.serving_gpu_mesh import MeshProcess, Settings, greedy_through_mesh, kv_transfer, run_slowdown_bench
+from bench.serving_gpu_mesh import (
+    MeshProcess,
+    Settings,
+    greedy_through_mesh,
+    kv_transfer,
+    run_slowdown_bench,
+    warmup_seconds,
+)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -119,7 +127,8 @@ def serve(model_dir: Path, s: Settings, choice: str, logs: Path, rec: dict[str, 
         try:
             t0 = time.monotonic()
             mesh.start()
-            rec["timings"][f"mesh_up_{transport}_s"] = time.monotonic() - t0
+            rec["timings"][f"mesh_up_{transport}_s"] = time.monotonic() - t0  # includes the workers' warm-up
+            rec["timings"]["warmup_s"] = warmup_seconds(mesh)
             rec["gpu_processes"] = mesh.gpu_processes()
             rec["greedy_mesh"] = greedy_through_mesh(mesh, s)
         except Exception as e:  # noqa: BLE001 - recorded, then the next transport

@@ -1,6 +1,7 @@
 """serving_gpu's reference: the same requests through the in-process Engine on the same device and model,
 decode tokens/s measured as the mesh's slow-down experiment measures it (libs.loadgen.slowdown): from the
-moment every request is decoding, while FULL_BATCH_SHARE of them still run."""
+moment every request is decoding, while FULL_BATCH_SHARE of them still run. On a GPU the Engine first runs
+the workers' start-up warm-up (libs/worker/warmup.py), so both sides are timed with kernels tuned."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from libs.engine import Engine
 from libs.engine.sampling import SamplingParams
 from libs.loadgen.slowdown import FULL_BATCH_SHARE
+from libs.worker.warmup import plan_warmup, run_warmup
 
 
 def greedy(engine: Engine, prompts: Sequence[list[int]], max_tokens: int) -> list[list[int]]:
@@ -69,6 +71,16 @@ def full_batch_decode(engine: Engine, prompts: Sequence[list[int]], output_len: 
     }
 
 
+def warm_up(engine: Engine, engine_kwargs: dict[str, Any]) -> float:
+    """The decode worker's start-up warm-up on this Engine (both prefill lengths and decode graph sizes)."""
+    st = engine.stats()
+    plan = plan_warmup(
+        engine_kwargs["max_prefill_tokens"], engine_kwargs["max_num_seqs"], page_size=engine.page_size,
+        free_pages=st["free_pages"], context_len=engine.config.max_position_embeddings, decode=True,
+    )  # fmt: skip
+    return run_warmup(engine, plan).seconds
+
+
 def engine_reference(
     model_dir: str, device: str, dtype: str, engine_kwargs: dict[str, Any], prompts: Sequence[list[int]],
     output_len: int, greedy_prompts: Sequence[list[int]], greedy_tokens: int,
@@ -78,9 +90,10 @@ def engine_reference(
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(model_dir, device=device, dtype=dtype, **engine_kwargs)
     load_s = time.perf_counter() - t0
-    texts = greedy(engine, greedy_prompts, greedy_tokens)  # also the warm-up (kernels compiled, graphs run)
+    warmup_s = warm_up(engine, engine_kwargs) if device.startswith("cuda") else 0.0
+    texts = greedy(engine, greedy_prompts, greedy_tokens)
     out = full_batch_decode(engine, prompts, output_len)
-    out |= {"load_s": load_s, "greedy": texts, "stats_after": engine.stats()}
+    out |= {"load_s": load_s, "warmup_s": warmup_s, "greedy": texts, "stats_after": engine.stats()}
     del engine
     if device.startswith("cuda"):
         torch.cuda.empty_cache()

@@ -210,7 +210,7 @@ def complete(mesh: MeshProcess, prompt: list[int], max_tokens: int, timeout: flo
 
 def greedy_through_mesh(mesh: MeshProcess, s: Settings) -> list[list[int]]:
     return [
-        # the first request waits for the workers' first-use kernel tuning and graph captures on a GPU
+        # the workers warmed up (kernels tuned, graphs captured) before the mesh came up: seconds each
         complete(mesh, p, s.greedy_tokens, min(180.0, s.left(s.engine_reserve_s)))
         for p in s.greedy_prompts()
     ]
@@ -219,6 +219,11 @@ def greedy_through_mesh(mesh: MeshProcess, s: Settings) -> list[list[int]]:
 def _metric(text: str, name: str) -> float:
     m = re.search(rf"^{name} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def warmup_seconds(mesh: MeshProcess) -> dict[str, float]:
+    """Each worker's start-up warm-up (libs/worker/warmup.py), from its /metrics."""
+    return {w: _metric(mesh.metrics(w), "moemesh_worker_warmup_seconds") for w in ("prefill-0", "decode-0")}
 
 
 def transfer_counters(mesh: MeshProcess) -> tuple[float, float, float]:

@@ -67,8 +67,9 @@ def add_parser(subparsers: Any) -> None:
     )  # fmt: skip
     p.add_argument("--restart-window", type=float, default=60.0, help="seconds")
     p.add_argument(
-        "--ready-timeout", type=float, default=120.0,
-        help="seconds to wait for every service to be ready (large checkpoints on GPUs load and JIT longer)",
+        "--ready-timeout", type=float, default=None,
+        help="seconds to wait for every service to be ready; default 120, or 900 with a CUDA --device (the "
+        "workers load, then warm up: kernels compiled and tuned, CUDA graphs captured, before they serve)",
     )  # fmt: skip
     p.set_defaults(func=run)
 
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     mesh = Mesh(cfg, report=lambda line: print(line, flush=True))
     print(f"starting moemesh ({model}); logs in {mesh.log_dir}", flush=True)
-    mesh.start(timeout=args.ready_timeout)
+    mesh.start(timeout=ready_timeout(args.ready_timeout, args.device))
     try:
         print(
             f"moemesh is up: {mesh.url}/v1  (model {mesh.model_name!r}, nats {mesh.nats_url}); Ctrl-C stops\n"
@@ -117,6 +118,13 @@ def run(args: argparse.Namespace) -> int:
         print("stopping moemesh ...", flush=True)
         mesh.stop()
     return 0
+
+
+def ready_timeout(given: float | None, device: str) -> float:
+    """--ready-timeout, or its default for the device: GPU workers warm up before their first heartbeat."""
+    if given is not None:
+        return given
+    return 900.0 if device.startswith("cuda") else 120.0
 
 
 def _nats_auth(args: argparse.Namespace) -> NatsAuth | None:

@@ -12,10 +12,11 @@ Three layouts share one kernel body:
 Program order keeps the row tiles of one column tile adjacent, so a weight tile read from HBM is reused
 from L2 by every row tile of its expert: for decode the weights are the bytes that matter.
 
-On SM90 the dense and masked entry points also consider `fp8_gemm_sm90`'s Gluon WGMMA kernel: the first
-call of a shape times the Triton kernel, the Gluon configs and (dense) split-K from CUDA-graph replays and
-keeps the fastest (`_choose`, `_measured_split`); later calls, and CUDA-graph captures after a warm-up, reuse
-it. The contiguous layout always passes its block_m, so it keeps the Triton kernel.
+On a GPU the dense and masked entry points tune on first use (libs/kernels/gemm_tuning.py): the Triton
+kernel's tile config (`_triton_config`), and on SM90 `fp8_gemm_sm90`'s Gluon WGMMA configs and (dense)
+split-K against it (`_choose`, `_measured_split`), each timed from CUDA-graph replays, the fastest kept per
+(layout, bucket of M, N, K, experts); later calls, and CUDA-graph captures after a warm-up, reuse it. The
+contiguous layout always passes its block_m, so it keeps the Triton kernel untuned.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from libs.kernels import gemm_tuning
+from libs.kernels.gemm_tuning import m_bucket
 from libs.quant.fp8 import FP8_DTYPE as FP8
 from libs.quant.fp8 import FP8_GROUP as GROUP
 from libs.quant.fp8 import dequantize_fp8_groups
@@ -110,7 +113,14 @@ _CONFIGS = [
         (16, 128, 4, 5), (64, 64, 4, 5), (32, 64, 4, 6), (16, 64, 4, 6),
     ]
 ]  # fmt: skip
-_fp8_gemm_tuned = triton.autotune(_CONFIGS, key=["M", "N", "K", "LAYOUT"])(_fp8_gemm_body)
+# (layout, m bucket, n, k, experts) -> the fastest of _CONFIGS: the Triton autotuner's job, keyed by a bucket
+# of M instead of M itself (gemm_tuning says why) and timed as the Gluon configs are
+_TRITON_CONFIG: dict[tuple, triton.Config] = {}
+
+
+def tuning_key(layout: int, m: int, n: int, k: int, experts: int) -> tuple[int, int, int, int, int]:
+    """The key of every first-use choice for a GEMM shape: M by its bucket."""
+    return (layout, m_bucket(m), n, k, experts)
 
 
 def _default_block_m(m: int) -> int:
@@ -140,10 +150,14 @@ def _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, 
     )  # fmt: skip
     if _on_gpu() and block_m is None:
 
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), grid_e)
+        def run(cfg: triton.Config) -> None:
+            bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+            _fp8_gemm_body[(triton.cdiv(m, bm) * triton.cdiv(n, bn), grid_e)](
+                *args, LAYOUT=layout, BLOCK_K=GROUP, **cfg.kwargs, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            )  # fmt: skip
 
-        _fp8_gemm_tuned[grid](*args, LAYOUT=layout, BLOCK_K=GROUP)
+        run(gemm_tuning.fastest(_TRITON_CONFIG, tuning_key(layout, m, n, k, grid_e), _CONFIGS, run))
     else:
         bm = block_m or _default_block_m(m)
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, 128), grid_e)
@@ -162,7 +176,7 @@ def _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cf
     )  # fmt: skip
 
 
-# (layout, m, n, k, experts) -> the Gluon config measured fastest, or None for the Triton kernel
+# (layout, m bucket, n, k, experts) -> the Gluon config measured fastest, or None for the Triton kernel
 _KERNEL_CHOICE: dict[tuple, tuple | None] = {}
 
 
@@ -176,50 +190,23 @@ def _sm90_candidates(layout, a3, w3, k_blocks) -> list[tuple]:
 
 
 def _choose(layout, a3, s3, w3, ws3, c3, m, counts, tile_expert, grid_e):
-    """Time the Triton kernel against the Gluon configs once per shape (first use happens in warm-up, never
-    under graph capture) and keep the fastest; everything but SM90 keeps the Triton kernel."""
-    key = (layout, m, w3.shape[1], w3.shape[2], grid_e)
+    """The Triton kernel or the fastest Gluon config for this shape's bucket (timed once per bucket, first
+    use in warm-up, never under graph capture); everything but SM90 keeps the Triton kernel."""
+    key = tuning_key(layout, m, w3.shape[1], w3.shape[2], grid_e)
     if key not in _KERNEL_CHOICE:
         cands = _sm90_candidates(layout, a3, w3, w3.shape[2] // GROUP)
         if not cands:
             _KERNEL_CHOICE[key] = None
             return None
 
-        def timed(cfg):
+        def run(cfg):
             if cfg is None:
-                fn = lambda: _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, None)  # noqa: E731
+                _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, None)
             else:
-                fn = lambda: _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cfg)  # noqa: E731
-            try:
-                return _graph_time(fn)
-            except Exception as err:  # a config this shape cannot take (compile or resource limits): skip it
-                _REJECTED[(key, cfg)] = f"{type(err).__name__}: {str(err)[:200]}"
-                return float("inf")
+                _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cfg)
 
-        times = {cfg: timed(cfg) for cfg in [None, *cands]}
-        _KERNEL_CHOICE[key] = min(times, key=lambda c: times[c])
-        _TIMINGS[key] = {str(c): t for c, t in times.items()}
+        gemm_tuning.fastest(_KERNEL_CHOICE, key, [None, *cands], run)
     return _KERNEL_CHOICE[key]
-
-
-def _graph_time(fn) -> float:
-    """Median ms of fn replayed from a CUDA graph: the kernels' own time, as a captured decode step sees
-    it (eager timing of these microsecond kernels measures the Python launch path instead)."""
-    import triton.testing
-
-    # do_bench_cudagraph runs the candidates on a stream of its own, unordered with this one: without the
-    # first sync their writes to `out` can land while kernels queued here still read what the caching
-    # allocator gave `out` from (a just-freed temporary), corrupting them; seen on the H200 as NaN tiles in
-    # a float32 matmul queued just before a first-use FP8 GEMM. The second keeps the timing's work off
-    # whatever runs next.
-    torch.cuda.synchronize()
-    ms = float(triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median"))
-    torch.cuda.synchronize()
-    return ms
-
-
-_TIMINGS: dict[tuple, dict[str, float]] = {}  # what _choose measured, for benchmarks to record
-_REJECTED: dict[tuple, str] = {}
 
 
 def _check_weight(w: torch.Tensor, w_s: torch.Tensor, k: int) -> None:
@@ -241,18 +228,18 @@ def split_k_for(m: int, n: int, k: int) -> int:
     return max(1, min(triton.cdiv(4 * NUM_SMS, tiles), k // GROUP // 4))
 
 
-_SPLIT_CHOICE: dict[tuple[int, int, int], int] = {}
+_SPLIT_CHOICE: dict[tuple, int] = {}  # tuning_key of the dense GEMM -> split-K factor
 
 
 def _measured_split(xq, xs, w, w_s, out) -> int:
     """Split-K helps some decode shapes and hurts others (atomics, zero-fill, cast); time no split,
     `split_k_for`'s split and the splits up to twice it that divide the K blocks evenly (the only ones the
-    Gluon kernel takes) once per shape on first use (never during graph capture: callers warm up first),
-    and keep the fastest."""
+    Gluon kernel takes) once per bucket of M on first use (never during graph capture: callers warm up
+    first), and keep the fastest."""
     m, k = xq.shape
-    key = (m, w.shape[0], k)
+    key = ("split", *tuning_key(DENSE, m, w.shape[0], k, 1))
     if key not in _SPLIT_CHOICE:
-        target = split_k_for(*key)
+        target = split_k_for(m, w.shape[0], k)
         if target == 1:
             _SPLIT_CHOICE[key] = 1
         else:
@@ -260,11 +247,14 @@ def _measured_split(xq, xs, w, w_s, out) -> int:
             splits = sorted(
                 {target} | {s for s in range(2, 2 * target + 1) if k_blocks % s == 0 and k_blocks // s >= 2}
             )
-            times = {1: _graph_time(lambda: fp8_gemm(xq, xs, w, w_s, out=out, split_k=1))}
-            for s in splits[:6]:
-                times[s] = _graph_time(lambda s=s: _fp8_gemm_split_k(xq, xs, w, w_s, out, s))
-            _SPLIT_CHOICE[key] = min(times, key=lambda s: times[s])
-            _TIMINGS[("split",) + key] = {str(s): t for s, t in times.items()}
+
+            def run(s: int) -> None:
+                if s == 1:
+                    fp8_gemm(xq, xs, w, w_s, out=out, split_k=1)
+                else:
+                    _fp8_gemm_split_k(xq, xs, w, w_s, out, s)
+
+            gemm_tuning.fastest(_SPLIT_CHOICE, key, [1, *splits[:6]], run)
     return _SPLIT_CHOICE[key]
 
 

@@ -171,23 +171,24 @@ def combine(expert_out: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor)
 
 
 def align_contiguous(local_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Sort pairs by expert, pad each run to block_m (host sync: prefill only).
+    """Sort pairs by expert, pad each run to block_m (one host sync, for the padded length: prefill only).
+    A fixed number of tensor ops whatever the expert count (no per-expert launches).
 
     Returns (order [P'] pair index per row or -1 for padding, tile_expert [P'/block_m] int32)."""
     ids = local_ids.long()
-    counts = torch.bincount(ids[ids >= 0], minlength=num_experts).tolist()
-    order_parts, tiles = [], []
-    sorted_pairs = torch.argsort(torch.where(ids >= 0, ids, num_experts), stable=True)
-    start = 0
-    for e, c in enumerate(counts):
-        n_tiles = -(-c // block_m)
-        run = torch.full((n_tiles * block_m,), -1, dtype=torch.long, device=ids.device)
-        run[:c] = sorted_pairs[start : start + c]
-        order_parts.append(run)
-        tiles += [e] * n_tiles
-        start += c
-    order = torch.cat(order_parts) if order_parts else ids.new_empty(0)
-    return order, torch.tensor(tiles, dtype=torch.int32, device=ids.device)
+    valid = ids >= 0
+    counts = torch.bincount(ids[valid], minlength=num_experts)  # [E]
+    tiles = (counts + block_m - 1) // block_m  # [E] row tiles per expert
+    total_tiles, num_pairs = torch.stack([tiles.sum(), counts.sum()]).tolist()  # the host sync
+    sorted_pairs = torch.argsort(torch.where(valid, ids, num_experts), stable=True)[:num_pairs]
+    run_start = torch.cumsum(counts, 0) - counts  # [E] first sorted pair of each expert
+    padded_start = (torch.cumsum(tiles, 0) - tiles) * block_m  # [E] first row of each expert's run
+    expert = ids[sorted_pairs]
+    rank = torch.arange(sorted_pairs.numel(), device=ids.device) - run_start[expert]
+    order = torch.full((total_tiles * block_m,), -1, dtype=torch.long, device=ids.device)
+    order[padded_start[expert] + rank] = sorted_pairs
+    experts = torch.arange(num_experts, dtype=torch.int32, device=ids.device)
+    return order, torch.repeat_interleave(experts, tiles, output_size=total_tiles)
 
 
 def moe_contiguous(

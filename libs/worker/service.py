@@ -5,6 +5,9 @@ KV pool exposed to the transfer fabric and announced at the kv-broker (`start_en
 from __future__ import annotations
 
 import asyncio
+import logging
+
+from prometheus_client import Gauge
 
 from libs.bus import Service
 from libs.engine.protocol import EngineLike
@@ -12,8 +15,11 @@ from libs.kvtransfer import KvTransport
 from libs.worker.engine_thread import EngineThread
 from libs.worker.settings import WorkerSettings
 from libs.worker.startup import load_engine, open_transport, register_at_broker
+from libs.worker.warmup import plan_warmup, run_warmup, warmup_enabled
 from proto import messages as m
 from proto import subjects
+
+log = logging.getLogger("moemesh.worker")
 
 
 class WorkerService(Service):
@@ -31,9 +37,32 @@ class WorkerService(Service):
         self.startup_stage = "loading the model"  # /ready says so (503) meanwhile
         self.engine = await asyncio.to_thread(load_engine, s)
         self.et = EngineThread(self.engine)
+        await self.warm_up(role)
         self.startup_stage = "registering the KV pool (transfer engine, kv-broker)"
         self.transport = open_transport(s, self.engine)
         await register_at_broker(
             self.bus, self.instance_id, role, self.transport, self.engine, s.broker_timeout_s
         )
         self.startup_stage = "subscribing"
+
+    async def warm_up(self, role: m.Role) -> None:
+        """Kernels compiled and tuned, graphs captured, before the first heartbeat (libs/worker/warmup.py);
+        its seconds in `moemesh_worker_warmup_seconds` (0: not run) and the log."""
+        s = self.settings
+        gauge = Gauge("moemesh_worker_warmup_seconds", "start-up warm-up (0: off)", registry=self.registry)
+        if not warmup_enabled(s.warmup, s.device, s.engine):
+            return
+        self.startup_stage = "warming up (kernel compilation and tuning, CUDA graphs)"
+        st = self.engine.stats()
+        plan = plan_warmup(
+            s.max_prefill_tokens, s.max_num_seqs, page_size=self.engine.page_size, free_pages=st["free_pages"],
+            context_len=self.engine.config.max_position_embeddings, decode=role == m.Role.DECODE,
+            copies=s.ep_size,
+        )  # fmt: skip
+        log.info(
+            "%s warming up: prefill lengths %s, decode batches %s", self.instance_id, list(plan.prefill_lens),
+            list(plan.decode_batches),
+        )  # fmt: skip
+        report = await self.et.call(run_warmup, self.engine, plan)
+        gauge.set(report.seconds)
+        log.info("%s warm-up: %.1f s, %d prompts", self.instance_id, report.seconds, report.prompts)

@@ -56,6 +56,10 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     # MTP speculative decoding (libs/engine/speculative.py): draft tokens per step from the checkpoint's
     # MTP module, verified by the target in one forward; 0: off. Needs num_nextn_predict_layers >= 1.
     mtp_k: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0
+    # warm-up before the first heartbeat (libs/worker/warmup.py): prefills of lengths up to max_prefill_tokens
+    # and (decode worker) each decode-graph batch size, so kernels compile and tune before requests come;
+    # auto: on for a model on CUDA, off on the CPU and for engine=sim | on | off
+    warmup: str = "auto"
 
     @property
     def kv_per_rank(self) -> bool:
@@ -90,6 +94,8 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             raise ValueError("per-rank KV pools live in the rank processes: use a Mooncake transfer_protocol")
         if self.two_batch_overlap and (self.engine == "sim" or self.mtp_k or self.attention_backend == "flashinfer"):
             raise ValueError("two_batch_overlap runs the model engine without MTP, on torch or triton attention")
+        if self.warmup not in ("auto", "on", "off"):
+            raise ValueError(f"warmup must be auto, on or off, got {self.warmup!r}")
         if self.ep_backend not in ("auto", "fixed", "torch", "deepep", "mooncake"):
             raise ValueError(f"ep_backend must be auto, fixed, torch, deepep or mooncake, got {self.ep_backend!r}")
 

@@ -47,6 +47,7 @@ def test_smoke_run_writes_a_complete_record(tmp_path: Path) -> None:
     row = (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 4 * c["num_hidden_layers"]
     assert rec["kv_transfer"]["bytes"] == row * 16 * math.ceil(300 / 16)
     assert rec["kv_transfer_GBps"] > 0
+    assert rec["timings"]["warmup_s"] == {"prefill-0": 0.0, "decode-0": 0.0}  # auto: off on the CPU
     assert set(rec["ttft_ms"]) >= {"median", "p90", "p99"} and rec["itl_ms"]["count"] > 0
 
 

@@ -123,3 +123,35 @@ def test_masked_moe_over_rows_quantized_already_equals_quantizing_them_itself(de
     want = fp8_moe(x, ids, w, (w13, w13s), (w2, w2s), masked=True)
     got = fp8_moe(x, ids, w, (w13, w13s), (w2, w2s), masked=True, quantized=Q.quant_fp8_groups(x))
     assert torch.equal(got, want)
+
+
+def _align_contiguous_loop(ids: torch.Tensor, num_experts: int, block_m: int):
+    """align_contiguous expert by expert, as it was written first: the reference."""
+    counts = torch.bincount(ids[ids >= 0], minlength=num_experts).tolist()
+    sorted_pairs = torch.argsort(torch.where(ids >= 0, ids, num_experts), stable=True)
+    parts, tiles, start = [], [], 0
+    for e, c in enumerate(counts):
+        n_tiles = -(-c // block_m)
+        run = torch.full((n_tiles * block_m,), -1, dtype=torch.long)
+        run[:c] = sorted_pairs[start : start + c]
+        parts.append(run)
+        tiles += [e] * n_tiles
+        start += c
+    return torch.cat(parts), torch.tensor(tiles, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_align_contiguous_equals_the_per_expert_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    num_experts, block_m = 9, 4
+    ids = torch.randint(-1, num_experts, (57,), generator=g)  # -1: a pair routed elsewhere
+    ids[ids == 5] = 3  # an expert without rows: no tile
+    order, tile_expert = M.align_contiguous(ids, num_experts, block_m)
+    want_order, want_tiles = _align_contiguous_loop(ids, num_experts, block_m)
+    assert torch.equal(order, want_order) and torch.equal(tile_expert, want_tiles)
+    assert 5 not in tile_expert.tolist() and order.numel() == block_m * tile_expert.numel()
+
+
+def test_align_contiguous_of_no_pairs_is_empty():
+    order, tile_expert = M.align_contiguous(torch.full((6,), -1), 4, 16)
+    assert order.numel() == 0 and tile_expert.numel() == 0 and tile_expert.dtype == torch.int32

@@ -1,0 +1,96 @@
+"""Worker warm-up before the first heartbeat: a few forwards through the engine so that Triton compiles, the
+FP8 GEMMs' first-use tuning (one per bucket of M, libs/kernels/gemm_tuning.py), FlashInfer's JIT and the
+decode CUDA-graph captures happen while the mesh is coming up, not on a user's first requests (SGLang and
+vLLM warm up and profile before serving likewise). The mesh counts a worker ready at its first heartbeat,
+which starts only after `WorkerService.start_engine` returns; `/ready` names the stage meanwhile.
+
+The plan is pure (`plan_warmup`); `run_warmup` drives it through the engine's own `generate` on the engine
+thread, then empties the prefix cache, so the pool is as it was before (checked: a page held afterwards is
+an error, not a slow leak found later).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from libs.engine.batcher import pages_for
+from libs.engine.cuda_graph import capture_sizes
+from libs.engine.protocol import EngineLike
+from libs.engine.sampling import SamplingParams
+
+DECODE_TOKENS = 3  # tokens per decode-batch request: the first from prefill, then a capture and a replay
+FIRST_TOKEN = 3  # prompt ids from here up: clear of the usual special ids, inside every vocabulary here
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    """prefill_lens: one prompt of each length, alone: a forward of every bucket of M up to the worker's
+    max_prefill_tokens (its batched prefill steps take any token count up to it). decode_batches: that many
+    one-token prompts together, decoded DECODE_TOKENS - 1 steps: each captured decode graph size (and its
+    masked-layout GEMMs)."""
+
+    prefill_lens: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    copies: int = 1  # prompts per length: one per EP rank, so every rank runs it
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    seconds: float
+    prompts: int  # prompts run (each at least one forward)
+    plan: WarmupPlan
+
+
+def warmup_enabled(mode: str, device: str, engine: str) -> bool:
+    """auto: on for a model on a GPU (where first-use compilation and tuning take minutes), off on the CPU
+    (nothing is tuned there; tests stay fast) and for the timing-model engine."""
+    if mode == "auto":
+        return device.startswith("cuda") and engine == "model"
+    return mode == "on"
+
+
+def plan_warmup(
+    max_prefill_tokens: int, max_num_seqs: int, *, page_size: int, free_pages: int, context_len: int,
+    decode: bool, copies: int = 1,
+) -> WarmupPlan:  # fmt: skip
+    """Prompt lengths 1, 2, 4, .. up to max_prefill_tokens and max_prefill_tokens itself, within the context
+    and the pool (each prompt runs alone, `copies` at once); with `decode`, the decode-graph batch sizes
+    that fit in the pool."""
+    room = min(context_len - 1, (free_pages // max(copies, 1)) * page_size - 1)
+    top = min(max_prefill_tokens, room)
+    lens = sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | ({top} if top >= 1 else set()))
+    per_seq = pages_for(1 + DECODE_TOKENS, page_size)
+    batches = [b for b in capture_sizes(max_num_seqs) if b * per_seq <= free_pages] if decode else []
+    return WarmupPlan(prefill_lens=tuple(lens), decode_batches=tuple(batches), copies=copies)
+
+
+def run_warmup(engine: EngineLike, plan: WarmupPlan) -> WarmupReport:
+    """The plan through `engine.generate` (greedy, ignore_eos), then the prefix cache emptied. Call it on the
+    engine's thread, before any request. RuntimeError naming the step that failed (a worker that cannot run
+    its own max_prefill_tokens or decode batch should not start), or when pages stay held afterwards."""
+    t0 = time.perf_counter()
+    span = max(engine.config.vocab_size - FIRST_TOKEN, 1)
+    prompts = 0
+    prefill_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for n in plan.prefill_lens:
+        batch = [[FIRST_TOKEN + (7 * i + 13 * c) % span for i in range(n)] for c in range(plan.copies)]
+        prompts += _generate(engine, batch, prefill_only, f"a prefill of {n} tokens")
+    decoding = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
+    for b in plan.decode_batches:
+        prompts += _generate(
+            engine, [[FIRST_TOKEN + i % span] for i in range(b)], decoding, f"a decode batch of {b}"
+        )
+    engine.flush_prefix_cache()
+    st = engine.stats()
+    if st.get("used_pages", 0) or st.get("running", 0) or st.get("waiting", 0):
+        raise RuntimeError(f"warm-up left work or pages behind: {st}")
+    return WarmupReport(seconds=time.perf_counter() - t0, prompts=prompts, plan=plan)
+
+
+def _generate(engine: EngineLike, batch: list[list[int]], params: SamplingParams, what: str) -> int:
+    try:
+        engine.generate(batch, params)
+    except Exception as err:
+        raise RuntimeError(f"warm-up failed on {what}: {type(err).__name__}: {err}") from err
+    return len(batch)

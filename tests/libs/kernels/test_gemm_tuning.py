@@ -1,0 +1,146 @@
+"""First-use GEMM tuning keyed by a bucket of M: one sweep per bucket (not per exact M), the fastest
+candidate kept, failing candidates skipped, outputs unchanged. The GPU timing is faked (graph_time); the
+kernels run under Triton's interpreter on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from libs.kernels import fp8_gemm as G  # noqa: E402
+from libs.kernels import gemm_tuning  # noqa: E402
+from libs.kernels.quant import quant_fp8_groups  # noqa: E402
+
+
+@pytest.fixture
+def timed(monkeypatch) -> list[int]:
+    """Fresh tuning caches, the tuning path on (as on a GPU) and a fake clock: each timing call returns a
+    smaller time than the one before, so the last candidate of a sweep wins; -> the calls, one per timing."""
+    for name in ("_TRITON_CONFIG", "_KERNEL_CHOICE", "_SPLIT_CHOICE"):
+        monkeypatch.setattr(G, name, {})
+    monkeypatch.setattr(gemm_tuning, "TIMINGS", {})
+    monkeypatch.setattr(gemm_tuning, "REJECTED", {})
+    monkeypatch.setattr(G, "_on_gpu", lambda: True)
+    calls: list[int] = []
+
+    def fake_time(fn) -> float:
+        calls.append(1)
+        return 1000.0 - len(calls)
+
+    monkeypatch.setattr(gemm_tuning, "graph_time", fake_time)
+    return calls
+
+
+def _weights(e, n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(e, n, k, generator=g) * 2).to(G.FP8)
+    return w, torch.rand(e, -(-n // 128), k // 128, generator=g) * 0.02 + 0.005
+
+
+def _acts(shape, seed=1):
+    return quant_fp8_groups(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)))
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_m_bucket():
+    rows = (1, 2, 3, 5, 16, 17, 1000, 2000)
+    assert [gemm_tuning.m_bucket(m) for m in rows] == [1, 2, 4, 8, 16, 32, 1024, 2048]
+    powers = [2**i for i in range(13)]  # decode graph sizes keep a bucket each
+    assert [gemm_tuning.m_bucket(p) for p in powers] == powers
+    assert {gemm_tuning.m_bucket(m) for m in (4097, 8192, 16384, 123_457)} == {gemm_tuning.M_BUCKET_MAX}
+    with pytest.raises(ValueError, match="at least one row"):
+        gemm_tuning.m_bucket(0)
+
+
+def test_rows_of_one_bucket_share_one_tuning_and_stay_correct(timed):
+    w, ws = _weights(1, 128, 256)  # K = 2 blocks: split_k_for says 1, so only the tile sweep is timed
+    for m, sweeps in ((20, 1), (27, 1), (32, 1), (40, 2)):
+        xq, xs = _acts((m, 256), seed=m)
+        out = G.fp8_gemm(xq, xs, w[0], ws[0])
+        assert _rel(out, G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
+        assert len(timed) == sweeps * len(G._CONFIGS), m
+    assert set(G._TRITON_CONFIG) == {(G.DENSE, 32, 128, 256, 1), (G.DENSE, 64, 128, 256, 1)}
+    assert all(cfg is G._CONFIGS[-1] for cfg in G._TRITON_CONFIG.values())  # the fake clock's fastest
+    assert set(G._KERNEL_CHOICE) == set(G._TRITON_CONFIG)  # no Gluon candidates off SM90: Triton, untimed
+
+
+def test_masked_layout_tunes_per_bucket_of_rows_per_expert(timed):
+    w, ws = _weights(2, 128, 256)
+    counts = torch.tensor([5, 9], dtype=torch.int32)
+    for m_max in (9, 13):
+        xq, xs = _acts((2, m_max, 256), seed=m_max)
+        out = G.fp8_gemm_masked(xq, xs, w, ws, counts)
+        ref = G.fp8_gemm_reference(xq, xs, w, ws)
+        for e, c in enumerate(counts.tolist()):
+            assert _rel(out[e, :c], ref[e, :c]) < 1e-2
+    assert len(timed) == len(G._CONFIGS)
+    assert list(G._TRITON_CONFIG) == [(G.MASKED, 16, 128, 256, 2)]
+
+
+def test_split_k_is_chosen_once_per_bucket(timed):
+    w, ws = _weights(1, 128, 2048)  # 16 K blocks: small M asks for split-K
+    assert G.split_k_for(3, 128, 2048) > 1
+    for m in (3, 4):
+        xq, xs = _acts((m, 2048), seed=m)
+        out = G.fp8_gemm(xq, xs, w[0], ws[0])
+        assert _rel(out, G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
+    assert list(G._SPLIT_CHOICE) == [("split", G.DENSE, 4, 128, 2048, 1)]
+    assert G._SPLIT_CHOICE[("split", G.DENSE, 4, 128, 2048, 1)] > 1  # the fake clock's last candidate
+
+
+def test_fastest_skips_a_failing_candidate(monkeypatch):
+    monkeypatch.setattr(gemm_tuning, "REJECTED", {})
+    monkeypatch.setattr(gemm_tuning, "TIMINGS", {})
+    ran: list[str] = []
+
+    def run(c: str) -> None:
+        ran.append(c)
+        if c == "b":
+            raise RuntimeError("out of shared memory")
+
+    monkeypatch.setattr(gemm_tuning, "graph_time", lambda fn: (fn(), {"a": 2.0, "c": 3.0}[ran[-1]])[1])
+    cache: dict[tuple, str] = {}
+    assert gemm_tuning.fastest(cache, ("k",), ["a", "b", "c"], run) == "a"
+    assert gemm_tuning.fastest(cache, ("k",), ["a", "b", "c"], run) == "a"
+    assert ran == ["a", "b", "c"]  # timed once
+    assert "out of shared memory" in gemm_tuning.REJECTED[(("k",), "b")]
+    assert gemm_tuning.TIMINGS[("k",)] == {"a": 2.0, "b": float("inf"), "c": 3.0}
+
+
+def test_first_use_timing_is_fenced_from_queued_work(monkeypatch):
+    """The graph timing of candidate kernels runs on a side stream: it must start only after everything
+    queued on the caller's stream finished (a candidate's write to `out` could otherwise land in memory a
+    queued kernel still reads: NaN tiles in a float32 matmul on the H200) and end before the caller goes on."""
+    import triton.testing
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("sync"))
+
+    def bench(fn, **kw):
+        events.append("bench")
+        fn()
+        return 1.5
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
+    assert gemm_tuning.graph_time(lambda: events.append("kernel")) == 1.5
+    assert events == ["sync", "bench", "kernel", "sync"]
+
+
+@pytest.mark.parametrize("cfg", G._CONFIGS, ids=str)
+def test_every_tuning_candidate_computes_the_gemm(monkeypatch, cfg):
+    """Whichever tile config the sweep keeps, the launch built from it gives the right product (ragged N: a
+    64-wide tile inside a 128-wide weight-scale block)."""
+    monkeypatch.setattr(G, "_on_gpu", lambda: True)
+    key = G.tuning_key(G.DENSE, 40, 192, 256, 1)
+    monkeypatch.setattr(G, "_TRITON_CONFIG", {key: cfg})
+    monkeypatch.setattr(G, "_KERNEL_CHOICE", {key: None})
+    monkeypatch.setattr(G, "_SPLIT_CHOICE", {("split", *key): 1})
+    w, ws = _weights(1, 192, 256)
+    xq, xs = _acts((40, 256))
+    out = G.fp8_gemm(xq, xs, w[0], ws[0])
+    assert _rel(out, G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
