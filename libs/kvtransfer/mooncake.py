@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from libs.kvtransfer.base import KvTransport, Run, TransferError, check_runs
+from libs.kvtransfer.base import KvTransport, Run, TransferError, check_runs, split_batches
 from libs.kvtransfer.cuda_context import bind_primary_context
 
 PROTOCOLS = ("tcp", "rdma", "nvlink_intra")
@@ -87,14 +87,15 @@ class MooncakeTransport(KvTransport):
             return 0
         engine = self._live_engine()
         self._bind()
-        rc = engine.batch_transfer_sync_write(
-            remote_session, [r[0] for r in runs], [r[1] for r in runs], [r[2] for r in runs]
-        )
-        if rc != 0:
-            raise TransferError(
-                f"Mooncake write of {len(runs)} runs ({total} bytes) from {self._session} to {remote_session} "
-                f"failed: rc={rc} (peer down, or a destination outside its registered memory)"
+        for batch in split_batches(runs):  # the binding holds the GIL per call: bounded calls (base.py)
+            rc = engine.batch_transfer_sync_write(
+                remote_session, [r[0] for r in batch], [r[1] for r in batch], [r[2] for r in batch]
             )
+            if rc != 0:
+                raise TransferError(
+                    f"Mooncake write of {len(runs)} runs ({total} bytes) from {self._session} to "
+                    f"{remote_session} failed: rc={rc} (peer down, or a destination outside its registered memory)"
+                )
         return total
 
     def close(self) -> None:

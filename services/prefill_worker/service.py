@@ -260,7 +260,7 @@ class PrefillWorker(WorkerService):
             # The first token is final once sampled: the gateway streams it now, while the KV travels
             # (TTFT is not the transfer's and the KvReady hop's). The decode worker does not send it again.
             delta = m.TokenDelta(rid, [first.token_id], [first] if task.sampling.logprobs else [], offset=0)
-            await self.bus.publish(task.stream_subject, m.TokenBatch(deltas=[delta]))
+            await self.bus.publish_now(task.stream_subject, m.TokenBatch(deltas=[delta]))  # before the KV write
             with self.telemetry.span("kv_transfer", kind=SpanKind.CLIENT) as span:
                 t0 = time.perf_counter()
                 late = await stream.finish(res.page_ids)  # what is left once the last chunk ran

@@ -69,6 +69,18 @@ async def test_publish_subscribe_union_in_order(bus):
     assert got == [1, b"x", 2, 3]
 
 
+async def test_publish_now_has_handed_the_message_to_the_socket(bus):
+    """After publish_now nothing waits in the client's buffer (the caller may block the process next, as
+    the prefill worker does with a KV write); a plain publish leaves it to the writer task's next turn.
+    (nats-py's pending buffer is read directly: it is where the message would wait.)"""
+    s = subj()
+    await bus.publish(s, Ping(1))
+    assert bus.nc._pending_data_size > 0
+    await bus.flush()
+    await bus.publish_now(s, Ping(2))
+    assert bus.nc._pending_data_size == 0
+
+
 async def test_request_reply_typed(bus):
     s = subj()
 

@@ -11,6 +11,7 @@ from libs.kvtransfer import (
     make_transport,
     plan_page_runs,
 )
+from libs.kvtransfer.base import split_batches
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +124,48 @@ def test_bad_protocol_and_factory():
     t = make_transport("inprocess")
     assert isinstance(t, InProcessTransport)
     t.close()
+
+
+def test_split_batches_bounds_every_call_and_keeps_every_byte() -> None:
+    runs = [(1000, 5000, 300), (2000, 9000, 50), (4000, 12000, 700)]
+    batches = split_batches(runs, max_bytes=256)
+    assert all(sum(n for _, _, n in b) <= 256 for b in batches)
+    assert [sum(n for _, _, n in b) for b in batches[:-1]] == [256] * (len(batches) - 1)  # full but the last
+    flat = [r for b in batches for r in b]
+    # the same bytes, in order, each piece at the same offset on both sides
+    assert sum(n for _, _, n in flat) == 1050
+    covered = [(s + i, d + i) for s, d, n in flat for i in range(n)]
+    assert covered == [(s + i, d + i) for s, d, n in runs for i in range(n)]
+    with pytest.raises(ValueError):
+        split_batches(runs, max_bytes=0)
+
+
+def test_a_write_larger_than_one_batch_lands_whole(mooncake_pair, monkeypatch) -> None:
+    """MooncakeTransport cuts a write into several calls (the binding holds the GIL per call): all land."""
+    import libs.kvtransfer.mooncake as mc
+
+    real = mc.split_batches
+    calls: list[int] = []
+
+    def small(runs, max_bytes=0):
+        out = real(runs, 4096)
+        calls.append(len(out))
+        return out
+
+    monkeypatch.setattr(mc, "split_batches", small)
+    a, b = (Registering(t) for t in mooncake_pair)
+    src, dst = make_pools()
+    a.register(src.data_ptr(), src.nbytes)
+    b.register(dst.data_ptr(), dst.nbytes)
+    try:
+        runs = plan_page_runs(
+            4, list(range(8)), list(range(8, 16)), PageGeometry.of_pool(src), PageGeometry.of_pool(dst)
+        )
+        assert a.write(b.session_id, runs) == 4 * 8 * src.bytes_per_page
+        assert calls and calls[0] > 1
+        s, d = src.buffer.view(4, 32, 16, 72), dst.buffer.view(4, 48, 16, 72)
+        assert torch.equal(d[:, 8:16], s[:, 0:8])
+    finally:
+        for w in (a, b):
+            for ptr in w.ptrs:
+                w.t.unregister(ptr)
