@@ -39,7 +39,6 @@ def text_frame(chunk: dict[str, Any]) -> tuple[bytes, bytes]:
     return before, after
 
 
-
 def _lp(x: float) -> float:
     return x if x > MIN_LOGPROB else MIN_LOGPROB
 

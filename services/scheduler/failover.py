@@ -45,17 +45,15 @@ def place(
     avoid: Collection[str] = (),
     max_waiting: int = 0,
 ) -> Decision:
-    usable = [w for w in workers if w.worker_id not in avoid] if avoid else list(workers)
-    if max_waiting > 0:
-        full = {
-            w.worker_id
-            for w in usable
-            if w.role == m.Role.DECODE and w.hb.waiting + w.inflight >= max_waiting
-        }
-        if full:
-            usable = [w for w in usable if w.worker_id not in full]
-            if not any(w.role == m.Role.DECODE for w in usable):  # the request waits in the bounded queue
-                return Wait(f"every decode worker has {max_waiting} requests waiting")
+    usable = [w for w in workers if w.worker_id not in avoid] if avoid else workers
+
+    def full(w: WorkerState) -> bool:
+        return w.hb.role == m.Role.DECODE and w.hb.waiting + w.inflight >= max_waiting
+
+    if max_waiting > 0 and any(full(w) for w in usable):  # one pass in the common case: none full
+        usable = [w for w in usable if not full(w)]
+        if not any(w.hb.role == m.Role.DECODE for w in usable):  # the request waits in the bounded queue
+            return Wait(f"every decode worker has {max_waiting} requests waiting")
     decision = schedule(usable, req, config, prefix_hits)
     if isinstance(decision, Refuse) and decision.code == m.ErrorCode.UNAVAILABLE:
         # No prefill worker (a decode refusal repeats itself below): prefill on the decode worker.
