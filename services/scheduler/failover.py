@@ -46,12 +46,10 @@ def place(
     max_waiting: int = 0,
 ) -> Decision:
     usable = [w for w in workers if w.worker_id not in avoid] if avoid else workers
-
-    def full(w: WorkerState) -> bool:
-        return w.hb.role == m.Role.DECODE and w.hb.waiting + w.inflight >= max_waiting
-
-    if max_waiting > 0 and any(full(w) for w in usable):  # one pass in the common case: none full
-        usable = [w for w in usable if not full(w)]
+    dec = m.Role.DECODE
+    # one pass in the common case (no decode line full), the filter only when one is
+    if max_waiting > 0 and any(w.hb.role == dec and w.hb.waiting + w.inflight >= max_waiting for w in usable):
+        usable = [w for w in usable if not (w.hb.role == dec and w.hb.waiting + w.inflight >= max_waiting)]
         if not any(w.hb.role == m.Role.DECODE for w in usable):  # the request waits in the bounded queue
             return Wait(f"every decode worker has {max_waiting} requests waiting")
     decision = schedule(usable, req, config, prefix_hits)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from libs.liveness import expires_at
@@ -251,22 +251,11 @@ class _Candidates:
 
 
 def _candidates(workers: Iterable[WorkerState], role: Role, req: PlacementRequest) -> _Candidates:
-    live = [w for w in workers if w.hb.role == role and w.hb.model == req.model and not w.hb.draining]
+    model = req.model
+    live = [w for w in workers if (hb := w.hb).role == role and hb.model == model and not hb.draining]
     # one token of room at least: a prompt that fills the whole context cannot generate anything
-    return _Candidates(live=live, fits_context=[w for w in live if req.prompt_len < w.hb.max_context])
-
-
-def _pages_for(tokens: int) -> Callable[[WorkerState], int]:
-    """WorkerState.pages_for(tokens), computed once per (max_context, page_size) (workers mostly share one)."""
-    memo: dict[tuple[int, int], int] = {}
-
-    def pages(w: WorkerState) -> int:
-        key = (w.hb.max_context, w.hb.page_size)
-        if (n := memo.get(key)) is None:
-            n = memo[key] = w.pages_for(tokens)
-        return n
-
-    return pages
+    plen = req.prompt_len
+    return _Candidates(live=live, fits_context=[w for w in live if plen < w.hb.max_context])
 
 
 def schedule(
@@ -288,17 +277,16 @@ def schedule(
     if (refused := _unservable(decode, "decode", req)) is not None:
         return refused
     total = req.prompt_len + req.max_tokens
-    pages = _pages_for(total)
-    if all(pages(w) > w.hb.total_pages for w in decode.fits_context):
+    d, fits_some = _best_decode(decode.fits_context, req.prompt_len, total, hits, config.prefix_weight)
+    if not fits_some:
         return Refuse(
             ErrorCode.BAD_REQUEST,
             f"request needs more KV pages than any decode worker holds ({req.prompt_len} prompt + "
             f"{req.max_tokens} max tokens)",
         )
-    d = _best_decode(decode.fits_context, req.prompt_len, pages, hits, config.prefix_weight)
     if d is None:
         return Wait("no decode worker has enough free KV pages")
-    d_pages = pages(d)
+    d_pages = d.pages_for(total)
     uncached_on_decode = max(0, req.prompt_len - hits.get(d.worker_id, 0))
     threshold = config.direct_prefill_threshold
     if threshold > 0 and uncached_on_decode <= threshold:
@@ -315,26 +303,29 @@ def schedule(
 
 
 def _best_decode(
-    ws: list[WorkerState],
-    plen: int,
-    pages: Callable[[WorkerState], int],
-    hits: Mapping[str, int],
-    weight: float,
-) -> WorkerState | None:
-    """The roomy decode worker with the least (-score(decode_load), -free_pages, -hit, worker_id)."""
+    ws: list[WorkerState], plen: int, total: int, hits: Mapping[str, int], weight: float
+) -> tuple[WorkerState | None, bool]:
+    """(the decode worker with free pages for `total` tokens and the least (-score(decode_load),
+    -free_pages, -hit, worker_id), whether any worker holds that many pages at all)."""
     placed = hits if weight > 0 else {}  # load-only placement ignores the cache entirely
-    best, best_key = None, None
+    best, best_key, fits_some = None, None, False
+    shape, need = (0, 0), 0  # pages_for(total) of the last (max_context, page_size) seen: workers share one
     for w in ws:
         hb = w.hb
+        if (hb.max_context, hb.page_size) != shape:
+            shape, need = (hb.max_context, hb.page_size), w.pages_for(total)
+        fits_some = fits_some or need <= hb.total_pages
         free = 0 if w.suspended else max(0, hb.free_pages - w.inflight_pages)  # WorkerState.free_pages
-        if free < pages(w):
+        if free < need:
             continue
         h = placed.get(hb.worker_id, 0)
         score = weight * min(max(h, 0), plen) / plen - (hb.running + w.inflight)  # placement_score
+        if best_key is not None and -score > best_key[0]:
+            continue  # worse on the first key already: no tuple to build
         key = (-score, -free, -h, hb.worker_id)
         if best_key is None or key < best_key:
             best, best_key = w, key
-    return best
+    return best, fits_some
 
 
 def _best_prefill(
