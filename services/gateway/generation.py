@@ -210,13 +210,12 @@ class Generation:
         if not self._first_token:
             self._first_token = True
             self.metrics.ttft.observe(now - self.arrival)
+        tally = self.metrics.tally
         last = self._last_token_at[k]
         if last is not None:
-            gap = (now - last) / n_tokens
-            for _ in range(n_tokens):
-                self.metrics.itl.observe(gap)
+            tally.itl((now - last) / n_tokens, n_tokens)
         self._last_token_at[k] = now
-        self.metrics.generation_tokens.inc(n_tokens)
+        tally.tokens += n_tokens
 
     def close(self, reason: str = "client went away") -> None:
         """Cancel every unfinished choice and forget all of them. Idempotent and synchronous."""

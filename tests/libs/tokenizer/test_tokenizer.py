@@ -119,3 +119,12 @@ def test_never_imports_torch() -> None:
         "bad = {'torch', 'transformers'} & set(sys.modules); assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[3])
+
+
+def test_decode_known_of_one_id_is_cached_and_equals_decode(tok: Tokenizer) -> None:
+    ids = tok.encode("Hello wörld, 日本語 ok", add_special_tokens=False)
+    for skip in (True, False):
+        first = [tok.decode_known([i], skip_special_tokens=skip) for i in ids]
+        again = [tok.decode_known([i], skip_special_tokens=skip) for i in ids]  # from the cache now
+        assert first == again == [tok.decode([i], skip_special_tokens=skip) for i in ids]
+    assert tok.decode_known(ids) == tok.decode(ids)  # windows longer than one id go to the decoder
