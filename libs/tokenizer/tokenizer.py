@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 from libs.tokenizer.chat_template import compile_template, render_chat
 
@@ -39,11 +40,20 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+_ONE_CACHE = 1 << 18  # entries of Tokenizer._one
+_CONCAT_MAX = 16  # longest window decode_known joins from single-id texts (the detokenizer's are 2-7)
+_REPLACEMENT = "\ufffd"
+
+
 class Tokenizer:
     """Encode/decode and chat templating for one model; immutable after construction, safe to share."""
 
     def __init__(self, tokenizer: HFTokenizer, config: Mapping[str, Any] | None = None) -> None:
         self._tok = tokenizer
+        self._one: dict[tuple[int, bool], str] = {}  # decode_known of single ids (a pure function)
+        # A ByteLevel decoder maps each token to its own bytes and UTF-8-decodes the concatenation, so
+        # ids whose texts are each complete (no U+FFFD) decode to the concatenation of those texts.
+        self._concat = isinstance(tokenizer.decoder, decoders.ByteLevel)
         config = dict(config or {})
         self.special_tokens: dict[str, str | None] = {k: _token_content(config.get(k)) for k in _SPECIAL_KEYS}
         for key, token in self.special_tokens.items():
@@ -153,8 +163,24 @@ class Tokenizer:
 
     def decode_known(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """`decode` for ids the caller already checked are in range (the streaming detokenizer's hot path,
-        twice per token: no per-id check)."""
+        twice per token: no per-id check). A single id's text is cached; with a ByteLevel decoder a
+        window of ids whose texts are each complete is the concatenation of the cached texts, so the
+        steady state of a stream calls no decoder at all."""
+        if len(ids) == 1:
+            return self._one_text(ids[0], skip_special_tokens)
+        if self._concat and len(ids) <= _CONCAT_MAX:
+            parts = [self._one_text(i, skip_special_tokens) for i in ids]
+            if not any(_REPLACEMENT in p for p in parts):  # a piece of a UTF-8 character: decode for real
+                return "".join(parts)
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _one_text(self, token_id: int, skip_special_tokens: bool) -> str:
+        key = (token_id, skip_special_tokens)
+        if (text := self._one.get(key)) is None:
+            if len(self._one) >= _ONE_CACHE:
+                self._one.clear()  # bounded; a vocabulary's worth of short strings at most
+            text = self._one[key] = self._tok.decode([token_id], skip_special_tokens=skip_special_tokens)
+        return text
 
     # -- chat ------------------------------------------------------------------------------------
 

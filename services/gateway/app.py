@@ -190,8 +190,14 @@ async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) 
                     yield fmt.sse(first)
             plan = gen.plan.tools if chat else None
             parsers = {o.index: tool_parser.ToolStream(plan) for o in gen.outputs} if plan is not None else {}
+            # the common chunk (text only: no logprobs, not the last) as precomputed bytes around the text
+            frames = {} if parsers or gen.plan.logprobs else {
+                o.index: fmt.text_frame(_chunk(gen, chat, o.index, fmt.TEXT_MARK, None, None)) for o in gen.outputs
+            }  # fmt: skip
             async for out, step in gen.steps():
-                if out.index in parsers:
+                if step.text and step.finish_reason is None and (frame := frames.get(out.index)) is not None:
+                    pending.append(frame[0] + fmt.json_str(step.text) + frame[1])
+                elif out.index in parsers:
                     delta, finish = tool_parser.stream_step(parsers[out.index], step.text, step.finish_reason)
                     if delta or step.logprobs or step.done:
                         pending.append(fmt.sse(fmt.chat_chunk(

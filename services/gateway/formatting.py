@@ -26,6 +26,19 @@ def sse(obj: Any) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
 
+TEXT_MARK = "\x01moemesh-text\x01"  # stands for the text while a chunk's framing is encoded
+_TEXT_MARK_JSON = _json.encode(TEXT_MARK)
+json_str = _json.encode  # a str as its JSON string literal
+
+
+def text_frame(chunk: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The SSE bytes before and after the text of `chunk` (built with `TEXT_MARK` as its text), so a
+    stream's text chunks are `before + json_str(text) + after`: byte for byte what `sse(chunk)` gives,
+    without building and encoding the dict per token."""
+    before, _, after = sse(chunk).partition(_TEXT_MARK_JSON)
+    return before, after
+
+
 def _lp(x: float) -> float:
     return x if x > MIN_LOGPROB else MIN_LOGPROB
 

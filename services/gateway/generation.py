@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 
 from libs.tokenizer import Tokenizer
@@ -26,6 +27,45 @@ from services.gateway.migration import ChoiceRun, TokenGap
 from services.gateway.output import ChoiceOutput, Step, TokenText
 
 log = logging.getLogger("moemesh.gateway")
+
+
+class Inbox:
+    """The deltas of one generation's choices, in arrival order: what `MeshClient._route` puts and
+    `Generation.steps` takes. Lighter than asyncio.Queue on the per-token path (one deque append and,
+    only when the reader waits, one future), and `expire()` wakes the reader for the deadline, so no
+    timer is armed per token."""
+
+    __slots__ = ("_items", "_waiter", "expired")
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[int, StreamItem]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self.expired = False
+
+    def put_nowait(self, item: tuple[int, StreamItem]) -> None:
+        self._items.append(item)
+        if (w := self._waiter) is not None and not w.done():
+            w.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> tuple[int, StreamItem]:
+        return self._items.popleft()
+
+    def expire(self) -> None:
+        self.expired = True
+        if (w := self._waiter) is not None and not w.done():
+            w.set_result(None)
+
+    async def wait(self) -> None:
+        """Until an item is in, or the inbox expired."""
+        while not self._items and not self.expired:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
 
 class Generation:
@@ -47,7 +87,7 @@ class Generation:
         self.arrival, self.deadline = arrival, deadline  # time.monotonic() values
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.queue: asyncio.Queue[tuple[int, StreamItem]] = asyncio.Queue()
+        self.queue = Inbox()
         self.outputs = [
             ChoiceOutput.create(
                 c.index, tok, tokens, plan.prompts[c.prompt_index], plan.stop, plan.logprobs,
@@ -105,40 +145,44 @@ class Generation:
     async def steps(self) -> AsyncIterator[tuple[ChoiceOutput, Step]]:
         """(choice, what it gained) per delta, until all choices are done; ApiError on failure."""
         remaining = sum(not o.done for o in self.outputs)
-        while remaining:
-            left = self.time_left()
-            try:
-                if left <= 0:
-                    raise TimeoutError
-                if self.queue.empty():
-                    async with asyncio.timeout(left):
-                        k, item = await self.queue.get()
-                else:  # no timer per token when the stream is behind
-                    k, item = self.queue.get_nowait()
-            except TimeoutError:
-                self.close("deadline")
-                raise ApiError(
-                    504, "the request did not finish before its deadline", code="timeout"
-                ) from None
-            out, run = self.outputs[k], self.runs[k]
-            if out.done or item.request_id != run.rid:  # ended, or from an attempt left behind
-                continue
-            if isinstance(item, RequestError):
-                await self._recover(k, item.code, item.message, item.worker_id)
-                continue
-            try:
-                delta: TokenDelta | None = run.accept(item)
-            except TokenGap as e:
-                await self._recover(k, 503, f"tokens were lost on the bus ({e})", "")
-                continue
-            if delta is None:
-                continue
-            self._observe(k, len(delta.token_ids))
-            step = out.feed(delta)
-            if step.done:
-                remaining -= 1
-                self.mesh.close(self.request_ids[k], "stop string" if step.cancel else None)
-            yield out, step
+        inbox = self.queue
+        timer = asyncio.get_running_loop().call_later(max(0.0, self.time_left()), inbox.expire)
+        try:
+            while remaining:
+                if inbox.empty():
+                    await inbox.wait()
+                if inbox.expired or self.time_left() <= 0:
+                    self.close("deadline")
+                    raise ApiError(504, "the request did not finish before its deadline", code="timeout")
+                k, item = inbox.get_nowait()
+                out = self.outputs[k]
+                if out.done or item.request_id != self.runs[k].rid:  # ended, or from an attempt left behind
+                    continue
+                step = await self._apply(k, item)
+                if step is not None:
+                    remaining -= step.done
+                    yield out, step
+        finally:
+            timer.cancel()
+
+    async def _apply(self, k: int, item: StreamItem) -> Step | None:
+        """One item for choice k: a recovery (None), nothing new (None), or the step the delta made."""
+        run = self.runs[k]
+        if isinstance(item, RequestError):
+            await self._recover(k, item.code, item.message, item.worker_id)
+            return None
+        try:
+            delta: TokenDelta | None = run.accept(item)
+        except TokenGap as e:
+            await self._recover(k, 503, f"tokens were lost on the bus ({e})", "")
+            return None
+        if delta is None:
+            return None
+        self._observe(k, len(delta.token_ids))
+        step = self.outputs[k].feed(delta)
+        if step.done:
+            self.mesh.close(self.request_ids[k], "stop string" if step.cancel else None)
+        return step
 
     async def _recover(self, k: int, code: int, message: str, lost: str) -> None:
         """Migrate choice k after a failure (see migration.py), or end the request with the error."""
@@ -173,13 +217,12 @@ class Generation:
         if not self._first_token:
             self._first_token = True
             self.metrics.ttft.observe(now - self.arrival)
+        tally = self.metrics.tally
         last = self._last_token_at[k]
         if last is not None:
-            gap = (now - last) / n_tokens
-            for _ in range(n_tokens):
-                self.metrics.itl.observe(gap)
+            tally.itl((now - last) / n_tokens, n_tokens)
         self._last_token_at[k] = now
-        self.metrics.generation_tokens.inc(n_tokens)
+        tally.tokens += n_tokens
 
     def close(self, reason: str = "client went away") -> None:
         """Cancel every unfinished choice and forget all of them. Idempotent and synchronous."""

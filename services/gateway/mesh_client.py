@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 from libs.bus.bus import Bus, BusError, NoResponders, RequestRejected, RequestTimeout
 from libs.liveness import Holders, LivenessWatch
@@ -32,9 +33,15 @@ log = logging.getLogger("moemesh.gateway.mesh")
 StreamItem = TokenDelta | RequestError
 
 
+class Sink(Protocol):
+    """Where a request's items go (an asyncio.Queue, or the Generation's lighter Inbox)."""
+
+    def put_nowait(self, item: tuple[int, StreamItem], /) -> None: ...
+
+
 @dataclass(frozen=True)
 class _Route:
-    queue: asyncio.Queue[tuple[int, StreamItem]]
+    queue: Sink
     tag: int  # the caller's index for this request (its choice number)
 
 
@@ -65,7 +72,7 @@ class MeshClient:
         """Requests registered and not yet closed."""
         return len(self._routes)
 
-    def open(self, request_id: str, queue: asyncio.Queue[tuple[int, StreamItem]], tag: int) -> None:
+    def open(self, request_id: str, queue: Sink, tag: int) -> None:
         if request_id in self._routes:
             raise ValueError(f"request id {request_id!r} is already in flight")
         self._routes[request_id] = _Route(queue, tag)

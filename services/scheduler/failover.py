@@ -45,17 +45,13 @@ def place(
     avoid: Collection[str] = (),
     max_waiting: int = 0,
 ) -> Decision:
-    usable = [w for w in workers if w.worker_id not in avoid] if avoid else list(workers)
-    if max_waiting > 0:
-        full = {
-            w.worker_id
-            for w in usable
-            if w.role == m.Role.DECODE and w.hb.waiting + w.inflight >= max_waiting
-        }
-        if full:
-            usable = [w for w in usable if w.worker_id not in full]
-            if not any(w.role == m.Role.DECODE for w in usable):  # the request waits in the bounded queue
-                return Wait(f"every decode worker has {max_waiting} requests waiting")
+    usable = [w for w in workers if w.worker_id not in avoid] if avoid else workers
+    dec = m.Role.DECODE
+    # one pass in the common case (no decode line full), the filter only when one is
+    if max_waiting > 0 and any(w.hb.role == dec and w.hb.waiting + w.inflight >= max_waiting for w in usable):
+        usable = [w for w in usable if not (w.hb.role == dec and w.hb.waiting + w.inflight >= max_waiting)]
+        if not any(w.hb.role == m.Role.DECODE for w in usable):  # the request waits in the bounded queue
+            return Wait(f"every decode worker has {max_waiting} requests waiting")
     decision = schedule(usable, req, config, prefix_hits)
     if isinstance(decision, Refuse) and decision.code == m.ErrorCode.UNAVAILABLE:
         # No prefill worker (a decode refusal repeats itself below): prefill on the decode worker.

@@ -140,6 +140,7 @@ class WorkerTable:
             raise ValueError(f"dead_after_intervals must be > 0, got {dead_after_intervals}")
         self.dead_after_intervals = dead_after_intervals
         self._workers: dict[str, WorkerState] = {}
+        self._expiry: dict[str, float] = {}  # worker id -> when it is dead if unheard (same keys)
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -157,27 +158,29 @@ class WorkerTable:
                 f"heartbeat of {hb.worker_id!r}: page_size, interval_ms and max_context must be >= 1 "
                 f"(got {hb.page_size}, {hb.interval_ms}, {hb.max_context})"
             )
-        self._workers[hb.worker_id] = WorkerState(hb=hb, last_seen=now)
+        s = self._workers[hb.worker_id] = WorkerState(hb=hb, last_seen=now)
+        self._expiry[hb.worker_id] = s.expires_at(self.dead_after_intervals)
 
     def gone(self, worker_id: str) -> bool:
         """Forget a worker at once (graceful shutdown); True if it was known."""
+        self._expiry.pop(worker_id, None)
         return self._workers.pop(worker_id, None) is not None
 
     def expire(self, now: float) -> list[str]:
         """Drop workers unheard for too long; returns their ids."""
-        dead = [w for w, s in self._workers.items() if now > s.expires_at(self.dead_after_intervals)]
+        dead = [w for w, t in self._expiry.items() if now > t]
         for w in dead:
-            del self._workers[w]
+            del self._workers[w], self._expiry[w]
         return dead
 
     def live(self, now: float) -> list[WorkerState]:
         """Workers alive at `now` (draining ones included; the policy decides what they may take)."""
-        return [s for s in self._workers.values() if now <= s.expires_at(self.dead_after_intervals)]
+        ws, exp = self._workers, self._expiry  # expiries computed once per heartbeat, not per placement
+        return [ws[w] for w, t in exp.items() if now <= t]
 
     def next_expiry(self) -> float | None:
         """When the next worker would be declared dead if it stays silent (to wake a waiting loop)."""
-        times = [s.expires_at(self.dead_after_intervals) for s in self._workers.values()]
-        return min(times) if times else None
+        return min(self._expiry.values()) if self._expiry else None
 
     def note_placement(self, worker_id: str, pages: int = 0, tokens: int = 0) -> None:
         """Count a placement (its pages, its prompt tokens to compute) until the next heartbeat reports it."""
@@ -248,9 +251,11 @@ class _Candidates:
 
 
 def _candidates(workers: Iterable[WorkerState], role: Role, req: PlacementRequest) -> _Candidates:
-    live = [w for w in workers if w.role == role and w.hb.model == req.model and not w.hb.draining]
+    model = req.model
+    live = [w for w in workers if (hb := w.hb).role == role and hb.model == model and not hb.draining]
     # one token of room at least: a prompt that fills the whole context cannot generate anything
-    return _Candidates(live=live, fits_context=[w for w in live if req.prompt_len < w.hb.max_context])
+    plen = req.prompt_len
+    return _Candidates(live=live, fits_context=[w for w in live if plen < w.hb.max_context])
 
 
 def schedule(
@@ -263,31 +268,24 @@ def schedule(
 
     `prefix_hits` maps worker id -> prompt tokens already in that worker's prefix cache (from the
     kv-broker's prefix index); it lowers the uncached length and, weighed by `config.prefix_weight`
-    against load, draws the request to the workers holding its prefix."""
+    against load, draws the request to the workers holding its prefix.
+
+    The choices are single passes with the score inlined (this runs for every placement over every
+    worker); they pick exactly what `min` over the documented keys would, `placement_score` included."""
     hits = prefix_hits or {}
-    weight = config.prefix_weight
-    placed_hits = hits if weight > 0 else {}  # load-only placement ignores the cache entirely
-
-    def hit(w: WorkerState) -> int:
-        return placed_hits.get(w.worker_id, 0)
-
-    def score(w: WorkerState, load: int) -> float:
-        return placement_score(load, hit(w), req.prompt_len, weight)
-
     decode = _candidates(workers, Role.DECODE, req)
     if (refused := _unservable(decode, "decode", req)) is not None:
         return refused
     total = req.prompt_len + req.max_tokens
-    if all(w.pages_for(total) > w.hb.total_pages for w in decode.fits_context):
+    d, fits_some = _best_decode(decode.fits_context, req.prompt_len, total, hits, config.prefix_weight)
+    if not fits_some:
         return Refuse(
             ErrorCode.BAD_REQUEST,
             f"request needs more KV pages than any decode worker holds ({req.prompt_len} prompt + "
             f"{req.max_tokens} max tokens)",
         )
-    roomy = [w for w in decode.fits_context if w.free_pages >= w.pages_for(total)]
-    if not roomy:
+    if d is None:
         return Wait("no decode worker has enough free KV pages")
-    d = min(roomy, key=lambda w: (-score(w, w.decode_load), -w.free_pages, -hit(w), w.worker_id))
     d_pages = d.pages_for(total)
     uncached_on_decode = max(0, req.prompt_len - hits.get(d.worker_id, 0))
     threshold = config.direct_prefill_threshold
@@ -297,12 +295,55 @@ def schedule(
     prefill = _candidates(workers, Role.PREFILL, req)
     if (refused := _unservable(prefill, "prefill", req)) is not None:
         return refused
-    usable = [w for w in prefill.fits_context if not w.suspended]
-    if not usable:
+    p = _best_prefill(prefill.fits_context, req.prompt_len, hits, config.prefix_weight)
+    if p is None:
         return Wait("every prefill worker is suspended until its next heartbeat")
-    p = min(usable, key=lambda w: (-score(w, w.prefill_load), w.prefill_tokens, -hit(w), w.worker_id))
     uncached = max(0, req.prompt_len - hits.get(p.worker_id, 0))
     return Plan(PlanKind.DISAGGREGATED, d.worker_id, p.worker_id, req.prompt_len, d_pages, uncached)
+
+
+def _best_decode(
+    ws: list[WorkerState], plen: int, total: int, hits: Mapping[str, int], weight: float
+) -> tuple[WorkerState | None, bool]:
+    """(the decode worker with free pages for `total` tokens and the least (-score(decode_load),
+    -free_pages, -hit, worker_id), whether any worker holds that many pages at all)."""
+    placed = hits if weight > 0 else {}  # load-only placement ignores the cache entirely
+    best, best_key, fits_some = None, None, False
+    shape, need = (0, 0), 0  # pages_for(total) of the last (max_context, page_size) seen: workers share one
+    for w in ws:
+        hb = w.hb
+        if (hb.max_context, hb.page_size) != shape:
+            shape, need = (hb.max_context, hb.page_size), w.pages_for(total)
+        fits_some = fits_some or need <= hb.total_pages
+        free = 0 if w.suspended else max(0, hb.free_pages - w.inflight_pages)  # WorkerState.free_pages
+        if free < need:
+            continue
+        h = placed.get(hb.worker_id, 0)
+        score = weight * min(max(h, 0), plen) / plen - (hb.running + w.inflight)  # placement_score
+        if best_key is not None and -score > best_key[0]:
+            continue  # worse on the first key already: no tuple to build
+        key = (-score, -free, -h, hb.worker_id)
+        if best_key is None or key < best_key:
+            best, best_key = w, key
+    return best, fits_some
+
+
+def _best_prefill(
+    ws: list[WorkerState], plen: int, hits: Mapping[str, int], weight: float
+) -> WorkerState | None:
+    """The unsuspended prefill worker with the least (-score(prefill_load), prefill_tokens, -hit, worker_id)."""
+    placed = hits if weight > 0 else {}
+    best, best_key = None, None
+    for w in ws:
+        if w.suspended:
+            continue
+        hb = w.hb
+        h = placed.get(hb.worker_id, 0)
+        score = weight * min(max(h, 0), plen) / plen - (hb.running + hb.waiting + w.inflight)
+        key = (-score, hb.waiting_tokens + w.inflight_tokens, -h, hb.worker_id)
+        if best_key is None or key < best_key:
+            best, best_key = w, key
+    return best
 
 
 def _unservable(c: _Candidates, role: str, req: PlacementRequest) -> Refuse | None:

@@ -92,6 +92,7 @@ class PrefixClient:
             "moemesh_scheduler_prefix_queries", "Prefix overlap queries to the kv-broker, by outcome",
             ["outcome"], registry=registry,
         )  # fmt: skip
+        self._local = self.m_queries.labels("local")  # bound once: no label lookup per placement
         self.m_seconds = Histogram(
             "moemesh_scheduler_prefix_query_seconds", "Prefix overlap query round trip",
             buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=registry,
@@ -114,7 +115,7 @@ class PrefixClient:
                 continue
             found = {w: n * page_size for w, n in self.recent.overlap(hashes, self.clock()).items()}
             if self.replica is not None:
-                self.m_queries.labels("local").inc()
+                self._local.inc()
                 indexed = {w: n * page_size for w, n in self.replica.index.overlap(hashes).items()}
             else:
                 indexed = await self._ask_broker(page_size, hashes)

@@ -119,3 +119,29 @@ def test_never_imports_torch() -> None:
         "bad = {'torch', 'transformers'} & set(sys.modules); assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[3])
+
+
+def test_decode_known_of_one_id_is_cached_and_equals_decode(tok: Tokenizer) -> None:
+    ids = tok.encode("Hello wörld, 日本語 ok", add_special_tokens=False)
+    for skip in (True, False):
+        first = [tok.decode_known([i], skip_special_tokens=skip) for i in ids]
+        again = [tok.decode_known([i], skip_special_tokens=skip) for i in ids]  # from the cache now
+        assert first == again == [tok.decode([i], skip_special_tokens=skip) for i in ids]
+    assert tok.decode_known(ids) == tok.decode(ids)  # windows longer than one id go to the decoder
+
+
+def test_decode_known_of_windows_equals_the_decoder(tok: Tokenizer) -> None:
+    """Windows joined from cached single-id texts (ByteLevel) decode exactly as the HF decoder does:
+    random ids over the whole vocabulary (special tokens and byte pieces of UTF-8 characters included)
+    and windows of real multi-byte text."""
+    import random
+
+    rng = random.Random(7)
+    text_ids = tok.encode("naïve café, 日本語のテキスト 🙂 ok <|x|> \t\n end", add_special_tokens=False)
+    windows = [[rng.randrange(tok.vocab_size) for _ in range(rng.randint(2, 8))] for _ in range(3000)]
+    windows += [text_ids[i : i + n] for n in (2, 3, 5) for i in range(len(text_ids) - n + 1)]
+    for ids in windows:
+        for skip in (True, False):
+            assert tok.decode_known(ids, skip_special_tokens=skip) == tok._tok.decode(
+                ids, skip_special_tokens=skip
+            )
