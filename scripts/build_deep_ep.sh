@@ -4,7 +4,8 @@
 #   bash scripts/build_deep_ep.sh build   # there (carry .gpu-pkgs): wheels built with nvcc + NVSHMEM from
 #                                         # the nvidia-nvshmem-cu13 package, installed into $SITE (/tmp/site);
 #                                         # log in $OUT/deep_ep_build.log, outcome in $OUT/deep_ep_build.json
-# Then `PYTHONPATH=/tmp/site python3 scripts/check_deep_ep.py` runs the one-rank round trips.
+# Then `PYTHONPATH=/tmp/site python3 scripts/check_deep_ep.py` runs the one-rank round trips (with
+# LD_LIBRARY_PATH=.gpu-pkgs/deep_ep/sysroot/usr/lib/x86_64-linux-gnu and CPATH=.../usr/include for deep_jit).
 #
 # What PyPI has (read 2026-12-01): `deep-ep` 1.0.0, an sdist of DeepEP's first release (its V1 API: Buffer,
 # get_dispatch_layout, dispatch/combine, low_latency_dispatch/combine), whose csrc/ lacks the headers its
@@ -47,7 +48,32 @@ if got != sha:
 print(f"{f['filename']}: {len(data)} bytes, sha256 ok")
 EOF
   done
+  fetch_sysroot
   du -sh "$dir"
+}
+
+# deepinfer-ep's deep_jit includes elfutils/libdwfl.h (the H200 image has no libdw-dev: the first build
+# stopped there); the Debian packages' headers and libraries go into $dir/sysroot, which `build` puts on
+# CPATH / LIBRARY_PATH / LD_LIBRARY_PATH
+DEBS=(libdw-dev libdw1 libelf-dev libelf1)
+fetch_sysroot() {
+  local debs="$dir/debs"
+  rm -rf "$debs" "$dir/sysroot"
+  mkdir -p "$debs" "$dir/sysroot"
+  (cd "$debs" && apt-get download -q "${DEBS[@]}" 2>&1 | grep -v "unsandboxed") || { echo "apt-get download failed"; return 1; }
+  local deb
+  for deb in "$debs"/*.deb; do dpkg-deb -x "$deb" "$dir/sysroot"; done
+  rm -rf "$debs"
+  [ -f "$dir/sysroot/usr/include/elfutils/libdwfl.h" ] || { echo "no elfutils/libdwfl.h in the sysroot"; return 1; }
+  echo "sysroot: $(cd "$dir/sysroot" && find . -name 'libdw*.so*' -o -name libdwfl.h | tr '\n' ' ')"
+}
+
+use_sysroot() {  # the carried headers and libraries, where fetch put them
+  local root
+  root=$(cd "$dir/sysroot" 2>/dev/null && pwd) || return 0
+  export CPATH="$root/usr/include${CPATH:+:$CPATH}"
+  export LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
 nvshmem_dir() {  # the nvidia-nvshmem-cu13 package's root (include/, lib/)
@@ -82,10 +108,12 @@ build() {
   : > "$LOG"
   NVSHMEM_DIR=$(nvshmem_dir 2>>"$LOG") || { echo "nvidia-nvshmem-cu13 does not import" >> "$LOG"; NVSHMEM_DIR=; }
   export NVSHMEM_DIR TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16}
+  use_sysroot
   {
     echo "nvcc: $(nvcc --version 2>&1 | tail -2 | tr '\n' ' ')"
     python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
     echo "NVSHMEM_DIR=$NVSHMEM_DIR"; ls "$NVSHMEM_DIR/lib" 2>&1 | tr '\n' ' '; echo
+    echo "CPATH=${CPATH:-} LIBRARY_PATH=${LIBRARY_PATH:-}"
   } >> "$LOG" 2>&1
   local results=() sdist label status start err built=""
   for sdist in "$dir"/deep_ep-*.tar.gz "$dir"/deepinfer_ep-*.tar.gz; do
