@@ -256,13 +256,14 @@ class DecodeWorker(WorkerService):
 
     # --- the step loop ---
     def _step_once(self, adds: list[tuple[str, list[int], SamplingParams]]) -> tuple[list, bool, dict]:
-        """On the engine thread: add the direct prompts queued since the last step, then one step."""
-        refused: dict[str, str] = {}
+        """On the engine thread: add the direct prompts queued since the last step, then one step. A prompt
+        the engine refuses fails alone (400 for a ValueError, else 500), not the batch."""
+        refused: dict[str, tuple[int, str]] = {}
         for rid, prompt, params in adds:
             try:
                 self.engine.add_request(rid, prompt, params)
-            except ValueError as e:
-                refused[rid] = str(e)
+            except Exception as e:
+                refused[rid] = (400, str(e)) if isinstance(e, ValueError) else (500, f"{type(e).__name__}: {e}")
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         return outputs, self.engine.has_unfinished(), refused
 
@@ -281,9 +282,9 @@ class DecodeWorker(WorkerService):
                 await self._fail_all(500, f"decode step failed: {e}")
                 continue
             self.m_step.observe(time.perf_counter() - t0)
-            for rid, why in refused.items():
+            for rid, (code, why) in refused.items():
                 if (live := self.live.get(rid)) is not None:
-                    await self._error(live.stream_subject, rid, 400, why)
+                    await self._error(live.stream_subject, rid, code, why)
             await self._publish(outputs)
             if not more and not self.direct:
                 self.work.clear()

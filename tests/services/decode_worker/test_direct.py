@@ -1,0 +1,133 @@
+"""The decode worker's direct path (DecodeDirect: a short prompt prefilled on the decode worker) against a
+real nats-server and the tiny model: prompts join the next step's engine-thread call, each streams the
+tokens an in-process Engine gives, a prompt the engine refuses fails alone, and a cancel before the step
+leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from libs.bus import Bus
+from libs.engine import Engine, SamplingParams
+from libs.engine.tiny import write_tiny_model
+from proto import messages as m
+from proto import subjects
+from services.decode_worker.service import DecodeWorker, DecodeWorkerSettings
+from tests.service_helpers import start_service, stop_service
+
+STREAM = subjects.stream("gw-direct-t")
+TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-v3", seed=0)
+
+
+def greedy(model_dir: Path, prompt: list[int]) -> list[int]:
+    engine = Engine.from_pretrained(model_dir, enable_prefix_cache=False)
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    return list(engine.generate([prompt], params)[0].token_ids)
+
+
+class Rig:
+    def __init__(self, bus: Bus, worker: DecodeWorker) -> None:
+        self.bus, self.worker = bus, worker
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.errors: dict[str, m.RequestError] = {}
+
+    async def on_stream(self, msg: m.StreamMessage) -> None:
+        match msg:
+            case m.TokenBatch(deltas=deltas):
+                for d in deltas:
+                    self.tokens.setdefault(d.request_id, []).extend(d.token_ids)
+                    if d.finish != m.FinishReason.NONE:
+                        self.finished.add(d.request_id)
+            case m.RequestError():
+                self.errors[msg.request_id] = msg
+
+    async def until(self, cond: Callable[[], bool], what: str) -> None:
+        """Polled: the conditions change on the worker's own tasks and threads as well as on the stream."""
+        try:
+            async with asyncio.timeout(60):
+                while not cond():
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            raise AssertionError(f"timed out waiting for {what}") from None
+
+    async def direct(self, rid: str, prompt: list[int]) -> None:
+        sampling = m.Sampling(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+        msg = m.DecodeDirect(request_id=rid, prompt_ids=prompt, sampling=sampling, stream_subject=STREAM)
+        await self.bus.publish(subjects.decode_inbox(self.worker.instance_id), msg)
+
+
+@pytest.fixture
+async def rig(private_nats_url: str, model_dir: Path) -> AsyncIterator[Rig]:
+    bus = await Bus.connect(private_nats_url, "decode-direct-test")
+
+    async def on_broker(msg: m.BrokerRequest) -> m.BrokerReply:
+        return m.BrokerReply(ok=True)
+
+    await bus.subscribe(subjects.BROKER, m.BrokerRequest, on_broker, concurrent=True)
+    settings = DecodeWorkerSettings(
+        nats_url=private_nats_url, instance_id=f"decode-{uuid.uuid4().hex[:8]}", model_dir=str(model_dir),
+        transfer_protocol="inprocess", heartbeat_interval_ms=60_000, enable_prefix_cache=False,
+    )  # fmt: skip
+    worker = DecodeWorker(settings)
+    task = await start_service(worker, timeout=120)
+    r = Rig(bus, worker)
+    await bus.subscribe(STREAM, m.StreamMessage, r.on_stream)
+    await bus.flush()
+    yield r
+    await stop_service(worker, task, timeout=30)
+    await bus.close()
+
+
+async def test_prompts_that_arrive_during_a_step_join_the_next_and_a_refused_one_fails_alone(
+    rig: Rig, model_dir: Path
+) -> None:
+    a, b = [5, 9, 13, 17, 21], [7, 3, 11]
+    too_long = list(range(3, 3 + 5000))  # past the model's 4,096 positions: the engine refuses it
+    hold = threading.Event()  # the engine thread is busy: all three wait for the same step call
+    busy = asyncio.ensure_future(rig.worker.et.call(hold.wait, 30))
+    try:
+        for rid, prompt in (("a", a), ("long", too_long), ("b", b)):
+            await rig.direct(rid, prompt)
+        await rig.bus.flush()
+        await rig.until(lambda: {"a", "long", "b"} <= set(rig.worker.live), "the three prompts taken in")
+    finally:
+        hold.set()
+        await busy
+    await rig.until(lambda: {"a", "b"} <= rig.finished and "long" in rig.errors, "both streams and the error")
+    assert rig.errors["long"].code == 400 and "long" not in rig.tokens
+    assert rig.tokens["a"] == greedy(model_dir, a) and rig.tokens["b"] == greedy(model_dir, b)
+    await rig.until(lambda: not rig.worker.live, "no request left")
+    assert rig.worker.engine.stats()["used_pages"] == 0
+
+
+async def test_a_cancel_before_the_step_leaves_no_request_and_no_page(rig: Rig) -> None:
+    hold = threading.Event()
+    busy = asyncio.ensure_future(rig.worker.et.call(hold.wait, 30))
+    try:
+        await rig.direct("kept", [42, 7])
+        await rig.until(lambda: "kept" in rig.worker.live and not rig.worker.direct, "a step call holding it")
+        await rig.direct("gone", [4, 8, 15, 16, 23])  # queued for the next call: that one waits behind `hold`
+        await rig.until(lambda: [a[0] for a in rig.worker.direct] == ["gone"], "the second prompt queued")
+        await rig.bus.publish(subjects.CANCEL, m.Cancel(request_id="gone", reason="client gone"))
+        await rig.bus.flush()
+        await rig.until(lambda: "gone" not in rig.worker.live, "the cancel")
+        assert rig.worker.direct == []  # out of the queue before it reached the engine
+    finally:
+        hold.set()
+        await busy
+    await rig.until(lambda: "kept" in rig.finished, "the other request to finish")
+    assert "gone" not in rig.tokens and "gone" not in rig.errors
+    await rig.until(lambda: not rig.worker.live, "no request left")
+    assert rig.worker.engine.stats()["used_pages"] == 0 and rig.worker.engine.stats()["running"] == 0
