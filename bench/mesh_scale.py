@@ -30,7 +30,16 @@ import sys
 import time
 from pathlib import Path
 
-from bench.scale_load import closed_loop, counter_total, cpu_seconds, pct, poisson, submit_flood, varz
+from bench.scale_load import (
+    closed_loop,
+    closed_loop_raw,
+    counter_total,
+    cpu_seconds,
+    pct,
+    poisson,
+    submit_flood,
+    varz,
+)
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
 from libs.launch.supervisor import ServiceSpec
@@ -140,12 +149,14 @@ def load_steps(mesh: ScaleMesh, args: argparse.Namespace, prefill_ms: float, idl
 
 def streaming_test(mesh: ScaleMesh, args: argparse.Namespace) -> dict:
     probe = Probe(mesh)
+    loop_fn = closed_loop_raw if args.stream_client == "raw" else closed_loop
     res, wall = asyncio.run(
-        closed_loop(mesh.url, mesh.model_name, args.stream_clients, args.stream_tokens, 32, 1)
+        loop_fn(mesh.url, mesh.model_name, args.stream_clients, args.stream_tokens, 32, 1)
     )
     d = probe.delta()
     gw = d["cpu_cores"]["gateway"]
-    out = {"clients": args.stream_clients, "max_tokens": args.stream_tokens, "completed": res.ok,
+    out = {"clients": args.stream_clients, "client": args.stream_client, "sim_speed": args.stream_sim_speed or args.sim_speed,
+           "max_tokens": args.stream_tokens, "completed": res.ok,
            "failed": res.failed, "tokens": res.tokens, "wall_s": wall, "tokens_per_s": res.tokens / wall,
            "gateway_cores": gw, "tokens_per_s_per_gateway_core": res.tokens / wall / max(gw, 1e-9),
            "ttft_p50_ms": pct(res.ttft_ms, 50), **d, "load_avg": os.getloadavg()}  # fmt: skip
@@ -217,6 +228,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--sim-speed", type=float, default=1.0, help="modeled GPU speed-up (1: H200 as fitted)")
     ap.add_argument("--stream-clients", type=int, default=256)
+    ap.add_argument(
+        "--stream-client",
+        choices=("raw", "httpx"),
+        default="httpx",
+        help="streaming test load generator: httpx, or a lean raw HTTP/1.1 client (scale_load.RawStream)",
+    )
+    ap.add_argument(
+        "--stream-sim-speed",
+        type=float,
+        default=0.0,
+        help="sim_speed of the streaming test's workers (0: --sim-speed); above 1 they produce tokens "
+        "faster than an H200 would, to saturate the gateway",
+    )
     ap.add_argument("--stream-tokens", type=int, default=256)
     ap.add_argument("--stream-decode", type=int, default=8, help="decode workers in the streaming test")
     ap.add_argument("--stream-prefill", type=int, default=2, help="prefill workers in the streaming test")
@@ -260,7 +284,8 @@ def main() -> None:
         small = dataclasses.replace(
             cfg, decode_workers=args.stream_decode, prefill_workers=args.stream_prefill
         )
-        with ScaleMesh(small, max(1, args.hosts // 4), fields) as mesh:
+        speed = {"sim_speed": args.stream_sim_speed} if args.stream_sim_speed else {}
+        with ScaleMesh(small, max(1, args.hosts // 4), {**fields, **speed}) as mesh:
             results["streaming"] = streaming_test(mesh, args)
             deaths["streaming"] = deaths_in_logs(cfg.log_dir) - seen
     results["false_deaths"] = deaths

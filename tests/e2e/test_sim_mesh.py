@@ -82,3 +82,25 @@ def test_a_repeated_prompt_reports_its_cached_prefix(sim_mesh: Mesh) -> None:
     assert first.choices[0].text and again.choices[0].text
     details = again.usage.prompt_tokens_details if again.usage else None
     assert details is not None and details.cached_tokens == 64  # all four full pages of the first prompt
+
+
+def test_the_raw_load_generator_counts_what_the_gateway_streamed(sim_mesh: Mesh) -> None:
+    """bench.scale_load's lean client (no HTTP library) against the real gateway: every request's tokens
+    counted from the usage line, a TTFT each, keep-alive reused; a refused request counts as failed."""
+    import asyncio
+
+    from bench.scale_load import RawStream, StreamResult, closed_loop_raw
+
+    res, wall = asyncio.run(closed_loop_raw(sim_mesh.url, sim_mesh.model_name, 4, 9, 12, 2))
+    assert (res.ok, res.failed, res.tokens, len(res.ttft_ms)) == (8, 0, 8 * 9, 8) and wall > 0
+
+    async def refused() -> StreamResult:
+        out = StreamResult()
+        host, port = sim_mesh.url.removeprefix("http://").split(":")
+        conn = RawStream(host, int(port))
+        await conn.post("/v1/completions", {"model": "no-such-model", "prompt": [1, 2], "stream": True}, out)
+        await conn.close()
+        return out
+
+    bad = asyncio.run(refused())
+    assert (bad.ok, bad.failed, bad.tokens) == (0, 1, 0)
