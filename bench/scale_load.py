@@ -71,6 +71,17 @@ class StreamResult:
     sent: int = 0
     last_done: float = 0.0
 
+    def record(self, first: float | None, tail: bytes) -> None:
+        """A finished stream: its TTFT (seconds) and the tokens its usage line counts; failed without them."""
+        hit = _USAGE.search(tail)
+        if first is None or hit is None:
+            self.failed += 1
+            return
+        self.ok += 1
+        self.tokens += int(hit.group(1))
+        self.ttft_ms.append(first * 1e3)
+        self.last_done = time.perf_counter()
+
 
 async def stream_one(h: httpx.AsyncClient, url: str, body: dict, res: StreamResult) -> None:
     t0 = time.perf_counter()
@@ -88,14 +99,7 @@ async def stream_one(h: httpx.AsyncClient, url: str, body: dict, res: StreamResu
     except httpx.HTTPError:
         res.failed += 1
         return
-    hit = _USAGE.search(tail)
-    if first is None or hit is None:
-        res.failed += 1
-        return
-    res.ok += 1
-    res.tokens += int(hit.group(1))
-    res.ttft_ms.append(first * 1e3)
-    res.last_done = time.perf_counter()
+    res.record(first, tail)
 
 
 def _body(model: str, p: list[int], max_tokens: int) -> dict:
@@ -181,14 +185,7 @@ class RawStream:
             if first is None and b'"text"' in chunk:
                 first = time.perf_counter() - t0
             tail = (tail + chunk)[-512:]
-        hit = _USAGE.search(tail)
-        if first is None or hit is None:
-            res.failed += 1
-            return
-        res.ok += 1
-        res.tokens += int(hit.group(1))
-        res.ttft_ms.append(first * 1e3)
-        res.last_done = time.perf_counter()
+        res.record(first, tail)
 
     async def close(self) -> None:
         if self.writer is not None:
