@@ -11,7 +11,8 @@ Who calls what:
 
 `write` blocks until every run has landed (or raises TransferError); asyncio callers run it in a thread
 (`await asyncio.to_thread(t.write, session, runs)`). Mooncake's Python binding (0.3.13) holds the GIL for a
-whole batch call, so MooncakeTransport cuts a write into batches of at most `MAX_BATCH_BYTES`
+whole batch call, so MooncakeTransport cuts a write into batches of at most `MAX_BATCH_BYTES` over TCP
+(64 MiB over RDMA / NVLink, whose calls finish that much sooner)
 (`split_batches`): between them the event loop and the engine thread run, instead of stalling for the
 whole prompt's KV.
 Implementations: MooncakeTransport (libs.kvtransfer.mooncake), InProcessTransport for unit tests.

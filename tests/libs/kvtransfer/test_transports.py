@@ -144,15 +144,17 @@ def test_a_write_larger_than_one_batch_lands_whole(mooncake_pair, monkeypatch) -
     """MooncakeTransport cuts a write into several calls (the binding holds the GIL per call): all land."""
     import libs.kvtransfer.mooncake as mc
 
+    assert mooncake_pair[0].max_batch_bytes == mc.MAX_BATCH_BYTES  # TCP's bound
     real = mc.split_batches
     calls: list[int] = []
 
-    def small(runs, max_bytes=0):
-        out = real(runs, 4096)
+    def counted(runs, max_bytes):
+        out = real(runs, max_bytes)
         calls.append(len(out))
         return out
 
-    monkeypatch.setattr(mc, "split_batches", small)
+    monkeypatch.setattr(mc, "split_batches", counted)
+    monkeypatch.setattr(mooncake_pair[0], "max_batch_bytes", 4096)
     a, b = (Registering(t) for t in mooncake_pair)
     src, dst = make_pools()
     a.register(src.data_ptr(), src.nbytes)
