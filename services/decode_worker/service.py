@@ -2,9 +2,10 @@
 
 Inbox (`proto.subjects.decode_inbox(id)`, union DecodeInbox):
 - ReserveKv (request/reply): allocate pages for a prompt, register the KV handle at the kv-broker.
-- KvReady: the prefill worker wrote the pages; join the request to the running batch and stream its
-  first token at once.
-- DecodeDirect: a short prompt, prefilled here (conditional disaggregation).
+- KvReady: the prefill worker wrote the pages; join the request to the running batch (its first token
+  was streamed by the prefill worker; an older one's is streamed here at once).
+- DecodeDirect: a short prompt, prefilled here (conditional disaggregation), added to the engine in the
+  next step's engine-thread call.
 - PrefillFailed / HandleExpired: free the reservation.
 Plus `Cancel` (broadcast) and admin (stats, slow-down). One loop runs `engine.step()` on the engine
 thread while any request is live and publishes one TokenBatch per (step, gateway).

@@ -7,8 +7,9 @@ geometry at the kv-broker (cached), run the prompt in the next batched forward o
 (prefill_loop.py: prompts that arrive together share forwards, prefix cache reused; its pages stay
 pinned), writing its pages into the handle's pages with the transfer engine as they become final
 (kv_stream.py: a long prompt's earlier chunks travel while its later chunks compute; each write a plan of
-merged contiguous runs, off the engine thread), the rest as soon as its own result is back; then mark the
-handle written, send KvReady (first token) to the decode worker, unpin. Failures send PrefillFailed to the
+merged contiguous runs, off the engine thread), the rest as soon as its own result is back. The first
+token goes to the gateway the moment the prompt's result is back, before the rest of its KV travels; then
+send KvReady (first token, already streamed) to the decode worker, mark the handle written, unpin. Failures send PrefillFailed to the
 decode worker and RequestError to the gateway. `Cancel` drops a queued or running task before its KvReady.
 """
 

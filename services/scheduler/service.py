@@ -2,10 +2,11 @@
 
 Subscriptions: SCHED_SUBMIT in queue group QUEUE_SCHEDULER (replicas share the work; each request is
 answered at once with SubmitReply: admitted, or refused 400 / 429 / 503 / 504), HEARTBEAT (the worker
-view) and CANCEL (drop a queued request). One placement loop walks the queue in FIFO order whenever
-something changes (a submit, a heartbeat, a cancel, a finished placement: an asyncio.Event) or a
-deadline / worker expiry comes due, and stops at the first request that must wait, so a large request
-is not starved by small ones behind it.
+view) and CANCEL (drop a queued request). A submit with nothing queued ahead of it is placed by its own
+handler (its first message leaves with the SubmitReply: no pass of the loop on the TTFT path). Otherwise one
+placement loop walks the queue in FIFO order whenever something changes (a submit, a heartbeat, a cancel, a
+finished placement: an asyncio.Event) or a deadline / worker expiry comes due, and stops at the first
+request that must wait, so a large request is not starved by small ones behind it.
 
 Placing a request: direct -> publish DecodeDirect to the decode worker; disaggregated -> ReserveKv
 request/reply to the decode worker (bounded by reserve_timeout_s and the request's deadline), then
