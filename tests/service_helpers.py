@@ -4,6 +4,9 @@ setup error raises in the test, not in a background task), stop it with a drain.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
 
 
 async def start_service(svc, timeout: float = 10.0, install_signals: bool = False) -> asyncio.Task:
@@ -22,3 +25,16 @@ async def start_service(svc, timeout: float = 10.0, install_signals: bool = Fals
 async def stop_service(svc, task: asyncio.Task, timeout: float = 10.0) -> None:
     svc.request_stop()
     await asyncio.wait_for(task, timeout)
+
+
+@contextlib.asynccontextmanager
+async def engine_held(et, timeout: float = 30.0) -> AsyncIterator[None]:
+    """Keep a worker's engine thread (libs.worker.engine_thread.EngineThread) busy for the block: every
+    engine call made meanwhile queues behind it. Released, and its call awaited, on exit."""
+    hold = threading.Event()
+    busy = asyncio.ensure_future(et.call(hold.wait, timeout))
+    try:
+        yield
+    finally:
+        hold.set()
+        await busy

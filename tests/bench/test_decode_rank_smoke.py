@@ -12,16 +12,22 @@ from tests.libs.kernels.conftest import HAS_CUDA
 pytestmark = pytest.mark.skipif(HAS_CUDA, reason="the GPU runs the real benchmark")
 
 
-def test_rank_engine_builds_local_experts_and_steps_on_the_fused_path():
-    import bench.decode_rank as R
+def _toy_config():
+    """DeepSeek-V3's shape at toy width: one dense layer, one MoE layer of 16 experts (top-4 of 4 groups)."""
     from libs.engine.presets import deepseek_v3_config
 
-    config = deepseek_v3_config(
+    return deepseek_v3_config(
         hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
         first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128,
         n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, vocab_size=600,
         max_position_embeddings=256,
     )  # fmt: skip
+
+
+def test_rank_engine_builds_local_experts_and_steps_on_the_fused_path():
+    import bench.decode_rank as R
+
+    config = _toy_config()
     engine = R.build_engine(
         config, ep=8, physical=16, max_batch=4, max_ctx=64, device="cpu", dtype=torch.float16,
         attention="triton", page_size=16,
@@ -42,15 +48,9 @@ def test_rank_engine_with_the_real_dispatcher_at_world_1_steps():
     import torch.distributed as dist
 
     import bench.decode_rank as R
-    from libs.engine.presets import deepseek_v3_config
     from libs.ep.stepped import SteppedEPHook
 
-    config = deepseek_v3_config(
-        hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
-        first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128,
-        n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, vocab_size=600,
-        max_position_embeddings=256,
-    )  # fmt: skip
+    config = _toy_config()
     try:
         engine = R.build_engine(
             config, ep=8, physical=16, max_batch=4, max_ctx=64, device="cpu", dtype=torch.float16,

@@ -6,7 +6,6 @@ leaves nothing behind."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -19,7 +18,7 @@ from libs.engine.tiny import write_tiny_model
 from proto import messages as m
 from proto import subjects
 from services.decode_worker.service import DecodeWorker, DecodeWorkerSettings
-from tests.service_helpers import start_service, stop_service
+from tests.service_helpers import engine_held, start_service, stop_service
 
 STREAM = subjects.stream("gw-direct-t")
 TOKENS = 4
@@ -95,16 +94,11 @@ async def test_prompts_that_arrive_during_a_step_join_the_next_and_a_refused_one
 ) -> None:
     a, b = [5, 9, 13, 17, 21], [7, 3, 11]
     too_long = list(range(3, 3 + 5000))  # past the model's 4,096 positions: the engine refuses it
-    hold = threading.Event()  # the engine thread is busy: all three wait for the same step call
-    busy = asyncio.ensure_future(rig.worker.et.call(hold.wait, 30))
-    try:
+    async with engine_held(rig.worker.et):  # engine calls made in the block queue behind it
         for rid, prompt in (("a", a), ("long", too_long), ("b", b)):
             await rig.direct(rid, prompt)
         await rig.bus.flush()
         await rig.until(lambda: {"a", "long", "b"} <= set(rig.worker.live), "the three prompts taken in")
-    finally:
-        hold.set()
-        await busy
     await rig.until(lambda: {"a", "b"} <= rig.finished and "long" in rig.errors, "both streams and the error")
     assert rig.errors["long"].code == 400 and "long" not in rig.tokens
     assert rig.tokens["a"] == greedy(model_dir, a) and rig.tokens["b"] == greedy(model_dir, b)
@@ -113,20 +107,15 @@ async def test_prompts_that_arrive_during_a_step_join_the_next_and_a_refused_one
 
 
 async def test_a_cancel_before_the_step_leaves_no_request_and_no_page(rig: Rig) -> None:
-    hold = threading.Event()
-    busy = asyncio.ensure_future(rig.worker.et.call(hold.wait, 30))
-    try:
+    async with engine_held(rig.worker.et):  # engine calls made in the block queue behind it
         await rig.direct("kept", [42, 7])
         await rig.until(lambda: "kept" in rig.worker.live and not rig.worker.direct, "a step call holding it")
-        await rig.direct("gone", [4, 8, 15, 16, 23])  # queued for the next call: that one waits behind `hold`
+        await rig.direct("gone", [4, 8, 15, 16, 23])  # queued for the next call (the engine is held)
         await rig.until(lambda: [a[0] for a in rig.worker.direct] == ["gone"], "the second prompt queued")
         await rig.bus.publish(subjects.CANCEL, m.Cancel(request_id="gone", reason="client gone"))
         await rig.bus.flush()
         await rig.until(lambda: "gone" not in rig.worker.live, "the cancel")
         assert rig.worker.direct == []  # out of the queue before it reached the engine
-    finally:
-        hold.set()
-        await busy
     await rig.until(lambda: "kept" in rig.finished, "the other request to finish")
     assert "gone" not in rig.tokens and "gone" not in rig.errors
     await rig.until(lambda: not rig.worker.live, "no request left")

@@ -16,6 +16,7 @@ from libs.engine import Engine, SamplingParams
 from libs.kvtransfer.base import TransferError
 from proto import messages as m
 from proto import subjects
+from tests.service_helpers import engine_held
 from tests.services.prefill_worker.conftest import DECODE, Rig
 
 PROMPT = [(7 * i + 3) % 900 + 3 for i in range(40)]  # 40 tokens: 3 pages of 16, the last one partial
@@ -182,15 +183,10 @@ async def test_tasks_that_arrive_together_share_forwards_and_each_kv_lands(
         n = -(-len(p) // rig.decode.page_size)
         tasks.append(rig.task(p, list(range(first_page, first_page + n))))
         first_page += n
-    hold = threading.Event()
-    busy = asyncio.ensure_future(rig.worker.et.call(hold.wait, 30))
-    try:
+    async with engine_held(rig.worker.et):  # engine calls made in the block queue behind it
         for t in tasks:
             await rig.send(t)
         await rig.until(lambda: rig.worker.prefills.waiting == len(tasks), "every task at the prefill loop")
-    finally:
-        hold.set()
-        await busy
     ready = {}
     for _ in tasks:
         msg = await rig.next_inbox()
@@ -221,17 +217,12 @@ async def test_the_heartbeat_reports_queued_prompts_and_their_tokens(make_rig) -
     await rig.bus.subscribe(subjects.heartbeat("prefill"), m.Heartbeat, on_beat)
     await rig.bus.flush()
     tasks = [rig.task(PROMPT[:n], [2 * k, 2 * k + 1]) for k, n in enumerate((30, 17, 25))]
-    hold = threading.Event()
-    busy = asyncio.ensure_future(rig.worker.et.call(hold.wait, 30))
-    try:
+    async with engine_held(rig.worker.et):  # engine calls made in the block queue behind it
         for t in tasks:
             await rig.send(t)
         await rig.until(lambda: rig.worker.prefills.waiting == len(tasks), "every task at the prefill loop")
         await rig.worker.heartbeat.beat()
         hb = await asyncio.wait_for(beats.get(), 10)
-    finally:
-        hold.set()
-        await busy
     # queued behind the held thread, or taken into the round that waits for it: not yet computed either way
     assert (hb.waiting_tokens, hb.running + hb.waiting) == (30 + 17 + 25, 3), hb
     for _ in tasks:
