@@ -183,7 +183,9 @@ class Bus:
         hdrs = outgoing_headers(headers)
         await self.nc.publish(subject, self._checked(subject, msg, hdrs), headers=hdrs)
 
-    async def publish_now(self, subject: str, msg: msgspec.Struct, headers: dict[str, str] | None = None) -> None:
+    async def publish_now(
+        self, subject: str, msg: msgspec.Struct, headers: dict[str, str] | None = None
+    ) -> None:
         """publish, and let the connection's writer hand it to the socket before returning (one turn of the
         loop; no server round trip like flush()). For a message that must leave before this task starts
         something that blocks the process, such as a KV write (Mooncake holds the GIL per call)."""

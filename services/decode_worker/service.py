@@ -46,6 +46,10 @@ from services.decode_worker.streams import Live, group_by_stream
 
 log = logging.getLogger("moemesh.decode")
 
+Direct = tuple[
+    str, list[int], SamplingParams
+]  # a direct prompt waiting for the next step: id, prompt, params
+
 
 class DecodeWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     forward_sleep_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # slow-down (off by default)
@@ -60,7 +64,7 @@ class DecodeWorker(WorkerService):
         s = self.settings
         await self.start_engine(m.Role.DECODE)
         self.live: dict[str, Live] = {}
-        self.direct: list[tuple[str, list[int], SamplingParams]] = []  # direct prompts for the next step
+        self.direct: list[Direct] = []  # direct prompts for the next step's engine-thread call
         self.reserved: dict[str, str] = {}  # request id -> handle id (pages reserved, KV not yet joined)
         # Cancelled while reserved: the pages stay until the prefill side answers (KvReady / PrefillFailed)
         # or the lease expires, because a Mooncake write into them may still be landing.
@@ -256,7 +260,7 @@ class DecodeWorker(WorkerService):
         )  # fmt: skip
 
     # --- the step loop ---
-    def _step_once(self, adds: list[tuple[str, list[int], SamplingParams]]) -> tuple[list, bool, dict]:
+    def _step_once(self, adds: list[Direct]) -> tuple[list, bool, dict[str, tuple[int, str]]]:
         """On the engine thread: add the direct prompts queued since the last step, then one step. A prompt
         the engine refuses fails alone (400 for a ValueError, else 500), not the batch."""
         refused: dict[str, tuple[int, str]] = {}
@@ -264,7 +268,9 @@ class DecodeWorker(WorkerService):
             try:
                 self.engine.add_request(rid, prompt, params)
             except Exception as e:
-                refused[rid] = (400, str(e)) if isinstance(e, ValueError) else (500, f"{type(e).__name__}: {e}")
+                refused[rid] = (
+                    (400, str(e)) if isinstance(e, ValueError) else (500, f"{type(e).__name__}: {e}")
+                )
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         return outputs, self.engine.has_unfinished(), refused
 

@@ -9,8 +9,8 @@ pinned), writing its pages into the handle's pages with the transfer engine as t
 (kv_stream.py: a long prompt's earlier chunks travel while its later chunks compute; each write a plan of
 merged contiguous runs, off the engine thread), the rest as soon as its own result is back. The first
 token goes to the gateway the moment the prompt's result is back, before the rest of its KV travels; then
-send KvReady (first token, already streamed) to the decode worker, mark the handle written, unpin. Failures send PrefillFailed to the
-decode worker and RequestError to the gateway. `Cancel` drops a queued or running task before its KvReady.
+KvReady (first token, already streamed) to the decode worker, the handle marked written, unpin. Failures
+send PrefillFailed to the decode worker and RequestError to the gateway. `Cancel` drops a queued or running task before its KvReady.
 """
 
 from __future__ import annotations
@@ -50,10 +50,6 @@ from services.prefill_worker.prefill_loop import PrefillLoop
 
 log = logging.getLogger("moemesh.prefill")
 
-
-
-def _first_logprob(res: PrefillResult) -> m.TokenLogprob:
-    return m.TokenLogprob(res.first_token, 0.0) if res.logprobs is None else to_wire_logprob(res.logprobs)
 
 class Cancelled(Exception):
     """The request was cancelled while its task ran; the decode worker still needs PrefillFailed so it
@@ -257,11 +253,12 @@ class PrefillWorker(WorkerService):
         try:
             res = await self._prefill(task)
             self._check_writable(task)  # a request about to fail does not stream a token first
-            first = _first_logprob(res)
-            # The first token is final once sampled: the gateway streams it now, while the KV travels
-            # (TTFT is not the transfer's and the KvReady hop's). The decode worker does not send it again.
+            lp = res.logprobs
+            first = m.TokenLogprob(res.first_token, 0.0) if lp is None else to_wire_logprob(lp)
+            # The first token is final once sampled: the gateway streams it now, before the KV write (TTFT
+            # is not the transfer's and the KvReady hop's). The decode worker does not send it again.
             delta = m.TokenDelta(rid, [first.token_id], [first] if task.sampling.logprobs else [], offset=0)
-            await self.bus.publish_now(task.stream_subject, m.TokenBatch(deltas=[delta]))  # before the KV write
+            await self.bus.publish_now(task.stream_subject, m.TokenBatch(deltas=[delta]))
             with self.telemetry.span("kv_transfer", kind=SpanKind.CLIENT) as span:
                 t0 = time.perf_counter()
                 late = await stream.finish(res.page_ids)  # what is left once the last chunk ran
