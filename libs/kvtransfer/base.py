@@ -31,7 +31,7 @@ class TransferError(RuntimeError):
     """A transfer engine call failed (engine start, registration, or a write)."""
 
 
-MAX_BATCH_BYTES = 2 << 20  # measured on the CPU box: 8 MiB over Mooncake TCP held the GIL for ~11 ms
+MAX_BATCH_BYTES = 2 << 20  # one 8 MiB Mooncake TCP write held the GIL 5-11 ms here (bench.mesh_floors)
 
 
 def split_batches(runs: Sequence[Run], max_bytes: int = MAX_BATCH_BYTES) -> list[list[Run]]:

@@ -1,0 +1,262 @@
+"""What this machine charges the mesh's parts before any moemesh code runs: the floors under bench.mesh_ttft.
+
+    python -m bench.mesh_floors [--n 300] [--out bench/results/mesh_floors.json]
+
+Not the product's code, on purpose: the libraries the services are built on, measured bare, so the mesh's own
+share of TTFT can be read against them.
+1. HTTP: a bare FastAPI app on uvicorn (its own process, TCP_NODELAY as the gateway binds) answering a
+   streaming POST with one SSE chunk, timed from httpx like bench.mesh_ttft: back to back, and with 10 ms idle
+   before each request (the VM's wake-up cost).
+2. The bus: nats-py request/reply between two processes through a nats-server (one-way ~ half of it).
+3. Mooncake TCP: one 8 MiB write between two processes, and the longest stall of a Python thread running
+   beside it (the binding holds the GIL for the whole call).
+4. The engine: one tiny-model prefill step (5 and 40 tokens) back to back vs after 10 ms idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the handler's annotations here
+from starlette.responses import StreamingResponse
+
+from libs.loadgen.report import write_json
+
+IDLE_S = 0.010
+
+
+def _p50(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _serve_sse(sock: socket.socket) -> None:
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> StreamingResponse:
+        await request.json()
+
+        async def events():
+            yield b'data: {"text":"x"}\n\n'
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    cfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
+    asyncio.run(uvicorn.Server(cfg).serve(sockets=[sock]))
+
+
+def http_floor(n: int) -> dict:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY on accept
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    proc = mp.get_context("spawn").Process(target=_serve_sse, args=(sock,), daemon=True)
+    proc.start()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"model": "m", "prompt": [1, 2, 3, 4, 5], "max_tokens": 1, "stream": True}
+    try:
+        with httpx.Client(timeout=10) as h:
+            deadline = time.monotonic() + 30
+            while True:  # the server is up once it answers
+                try:
+                    h.post(url, json=body)
+                    break
+                except httpx.TransportError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+
+            def one() -> float:
+                t0 = time.perf_counter()
+                with h.stream("POST", url, json=body) as r:
+                    for line in r.iter_lines():
+                        if '"text"' in line:
+                            return (time.perf_counter() - t0) * 1e3
+                raise RuntimeError("no SSE chunk")
+
+            hot = [one() for _ in range(n)]
+            idle = []
+            for _ in range(n):
+                time.sleep(IDLE_S)
+                idle.append(one())
+    finally:
+        proc.terminate()
+        proc.join(5)
+    return {"ttft_p50_ms_back_to_back": _p50(hot), "ttft_p50_ms_after_idle": _p50(idle)}
+
+
+def _echo(url: str, ready: mp.Event, stop: mp.Event) -> None:  # type: ignore[valid-type]
+    import nats
+
+    async def main() -> None:
+        nc = await nats.connect(url)
+
+        async def h(msg) -> None:
+            await nc.publish(msg.reply, msg.data)
+
+        await nc.subscribe("floor.echo", cb=h)
+        await nc.flush()
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        await nc.close()
+
+    asyncio.run(main())
+
+
+def bus_floor(n: int) -> dict:
+    import nats
+
+    from libs.natsd import start_nats_server
+
+    server = start_nats_server(jetstream=False)
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_echo, args=(server.url, ready, stop), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(30):
+            raise RuntimeError("echo process did not start")
+
+        async def rtts() -> list[float]:
+            nc = await nats.connect(server.url)
+            out = []
+            for _ in range(n + 20):
+                t0 = time.perf_counter()
+                await nc.request("floor.echo", b"x" * 100, timeout=2)
+                out.append((time.perf_counter() - t0) * 1e3)
+            await nc.close()
+            return out[20:]
+
+        xs = asyncio.run(rtts())
+    finally:
+        stop.set()
+        proc.join(5)
+        server.stop()
+    return {"request_reply_p50_ms": _p50(xs), "one_way_p50_ms_estimate": _p50(xs) / 2}
+
+
+def _mooncake_peer(q: mp.Queue, stop: mp.Event) -> None:  # type: ignore[valid-type]
+    import torch
+
+    from libs.kvtransfer.mooncake import MooncakeTransport
+
+    t = MooncakeTransport("tcp")
+    buf = torch.zeros(16 << 20, dtype=torch.uint8)
+    t.register(buf.data_ptr(), buf.numel())
+    q.put((t.session_id, buf.data_ptr()))
+    stop.wait()
+
+
+def mooncake_floor() -> dict:
+    import torch
+
+    from libs.kvtransfer.mooncake import MooncakeTransport
+
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_mooncake_peer, args=(q, stop), daemon=True)
+    proc.start()
+    try:
+        session, base = q.get(timeout=60)
+        t = MooncakeTransport("tcp")
+        src = torch.ones(16 << 20, dtype=torch.uint8)
+        t.register(src.data_ptr(), src.numel())
+        engine = t._live_engine()  # one call of 8 MiB: the binding itself, not MooncakeTransport's batching
+
+        def write() -> None:
+            engine.batch_transfer_sync_write(session, [src.data_ptr()], [base], [8 << 20])
+
+        write()
+        t0 = time.perf_counter()
+        write()
+        write_ms = (time.perf_counter() - t0) * 1e3
+        done, gaps = threading.Event(), []
+
+        def writer() -> None:
+            for _ in range(10):
+                write()
+            done.set()
+
+        th = threading.Thread(target=writer)
+        last = time.perf_counter()
+        th.start()
+        while not done.is_set():  # Python work beside the writes: how long is the GIL away at a time
+            sum(range(200))
+            now = time.perf_counter()
+            gaps.append((now - last) * 1e3)
+            last = now
+        th.join()
+        t.close()
+    finally:
+        stop.set()
+        proc.join(10)
+    return {"write_8mib_ms": write_ms, "longest_python_stall_ms_beside_writes": max(gaps)}
+
+
+def engine_floor(n: int) -> dict:
+    import torch
+
+    from libs.engine import Engine, SamplingParams
+    from libs.engine.tiny import write_tiny_model
+
+    torch.set_num_threads(1)
+    model = write_tiny_model(Path(f"/tmp/moemesh-floors-{os.getpid()}"), overwrite=True)
+    engine = Engine.from_pretrained(model, enable_prefix_cache=False)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    out = {}
+    for plen in (5, 40):
+
+        def step(i: int, plen: int = plen) -> float:
+            rid = f"r{plen}-{i}"
+            t0 = time.perf_counter()
+            engine.add_prefill(rid, [(i * 31 + 7 * j) % 1000 + 3 for j in range(plen)], params)
+            engine.step()
+            dt = (time.perf_counter() - t0) * 1e3
+            engine.release(rid)
+            return dt
+
+        for i in range(10):
+            step(i)
+        hot = [step(100 + i) for i in range(n)]
+        idle = []
+        for i in range(n):
+            time.sleep(IDLE_S)
+            idle.append(step(10_000 + i))
+        out[f"prefill_{plen}_tokens"] = {
+            "step_p50_ms_back_to_back": _p50(hot),
+            "step_p50_ms_after_idle": _p50(idle),
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=300, help="samples per measurement")
+    ap.add_argument("--out", default="bench/results/mesh_floors.json")
+    args = ap.parse_args()
+    rec = {"benchmark": "mesh_floors", "machine": platform.node(), "cpus": os.cpu_count(),
+           "command": "python -m bench.mesh_floors " + " ".join(sys.argv[1:]), "load_avg_before": os.getloadavg(),
+           "idle_s": IDLE_S}  # fmt: skip
+    for name, fn in (("http", lambda: http_floor(args.n)), ("bus", lambda: bus_floor(args.n)),
+                     ("mooncake_tcp", mooncake_floor), ("engine", lambda: engine_floor(args.n // 3 or 1))):  # fmt: skip
+        rec[name] = fn()
+        print(name, rec[name], flush=True)
+    rec["load_avg_after"] = os.getloadavg()
+    print(f"wrote {write_json(args.out, rec)}")
+
+
+if __name__ == "__main__":
+    main()
