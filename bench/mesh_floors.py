@@ -9,7 +9,7 @@ share of TTFT can be read against them.
    before each request (the VM's wake-up cost).
 2. The bus: nats-py request/reply between two processes through a nats-server (one-way ~ half of it).
 3. Mooncake TCP: one 8 MiB write between two processes, and the longest stall of a Python thread running
-   beside it (the binding holds the GIL for the whole call).
+   beside it (the binding holds the GIL for part or all of the call).
 4. The engine: one tiny-model prefill step (5 and 40 tokens) back to back vs after 10 ms idle.
 """
 
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -41,7 +41,10 @@ def _p50(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def _serve_sse(sock: socket.socket) -> None:
+def _serve_sse() -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY on accept
+    sock.bind(("127.0.0.1", 0))
+    print(sock.getsockname()[1], flush=True)
     app = FastAPI()
 
     @app.post("/v1/completions")
@@ -58,12 +61,30 @@ def _serve_sse(sock: socket.socket) -> None:
     asyncio.run(uvicorn.Server(cfg).serve(sockets=[sock]))
 
 
+def _peer(role: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """This module as a child process in `role`; returns it and the first line it prints (its address)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.mesh_floors", "--role", role, *args], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line:
+        proc.kill()
+        raise RuntimeError(f"the {role} child printed nothing (exit {proc.wait()})")
+    return proc, line
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def http_floor(n: int) -> dict:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY on accept
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    proc = mp.get_context("spawn").Process(target=_serve_sse, args=(sock,), daemon=True)
-    proc.start()
+    proc, port = _peer("http")
     url = f"http://127.0.0.1:{port}/v1/completions"
     body = {"model": "m", "prompt": [1, 2, 3, 4, 5], "max_tokens": 1, "stream": True}
     try:
@@ -92,12 +113,11 @@ def http_floor(n: int) -> dict:
                 time.sleep(IDLE_S)
                 idle.append(one())
     finally:
-        proc.terminate()
-        proc.join(5)
+        _stop(proc)
     return {"ttft_p50_ms_back_to_back": _p50(hot), "ttft_p50_ms_after_idle": _p50(idle)}
 
 
-def _echo(url: str, ready: mp.Event, stop: mp.Event) -> None:  # type: ignore[valid-type]
+def _echo(url: str) -> None:
     import nats
 
     async def main() -> None:
@@ -108,10 +128,8 @@ def _echo(url: str, ready: mp.Event, stop: mp.Event) -> None:  # type: ignore[va
 
         await nc.subscribe("floor.echo", cb=h)
         await nc.flush()
-        ready.set()
-        while not stop.is_set():
-            await asyncio.sleep(0.05)
-        await nc.close()
+        print("ready", flush=True)
+        await asyncio.Event().wait()  # until terminated
 
     asyncio.run(main())
 
@@ -122,13 +140,8 @@ def bus_floor(n: int) -> dict:
     from libs.natsd import start_nats_server
 
     server = start_nats_server(jetstream=False)
-    ctx = mp.get_context("spawn")
-    ready, stop = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_echo, args=(server.url, ready, stop), daemon=True)
-    proc.start()
+    proc, _ = _peer("echo", server.url)
     try:
-        if not ready.wait(30):
-            raise RuntimeError("echo process did not start")
 
         async def rtts() -> list[float]:
             nc = await nats.connect(server.url)
@@ -142,13 +155,12 @@ def bus_floor(n: int) -> dict:
 
         xs = asyncio.run(rtts())
     finally:
-        stop.set()
-        proc.join(5)
+        _stop(proc)
         server.stop()
     return {"request_reply_p50_ms": _p50(xs), "one_way_p50_ms_estimate": _p50(xs) / 2}
 
 
-def _mooncake_peer(q: mp.Queue, stop: mp.Event) -> None:  # type: ignore[valid-type]
+def _mooncake_peer() -> None:
     import torch
 
     from libs.kvtransfer.mooncake import MooncakeTransport
@@ -156,8 +168,8 @@ def _mooncake_peer(q: mp.Queue, stop: mp.Event) -> None:  # type: ignore[valid-t
     t = MooncakeTransport("tcp")
     buf = torch.zeros(16 << 20, dtype=torch.uint8)
     t.register(buf.data_ptr(), buf.numel())
-    q.put((t.session_id, buf.data_ptr()))
-    stop.wait()
+    print(t.session_id, buf.data_ptr(), flush=True)
+    threading.Event().wait()  # until terminated
 
 
 def mooncake_floor() -> dict:
@@ -165,12 +177,10 @@ def mooncake_floor() -> dict:
 
     from libs.kvtransfer.mooncake import MooncakeTransport
 
-    ctx = mp.get_context("spawn")
-    q, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_mooncake_peer, args=(q, stop), daemon=True)
-    proc.start()
+    proc, line = _peer("mooncake")
     try:
-        session, base = q.get(timeout=60)
+        session, base_s = line.split()
+        base = int(base_s)
         t = MooncakeTransport("tcp")
         src = torch.ones(16 << 20, dtype=torch.uint8)
         t.register(src.data_ptr(), src.numel())
@@ -201,8 +211,7 @@ def mooncake_floor() -> dict:
         th.join()
         t.close()
     finally:
-        stop.set()
-        proc.join(10)
+        _stop(proc)
     return {"write_8mib_ms": write_ms, "longest_python_stall_ms_beside_writes": max(gaps)}
 
 
@@ -246,7 +255,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=300, help="samples per measurement")
     ap.add_argument("--out", default="bench/results/mesh_floors.json")
+    ap.add_argument("--role", nargs="+", help=argparse.SUPPRESS)  # a child process of this benchmark
     args = ap.parse_args()
+    if args.role:
+        role, *rest = args.role
+        {"http": _serve_sse, "echo": _echo, "mooncake": _mooncake_peer}[role](*rest)
+        return
     rec = {"benchmark": "mesh_floors", "machine": platform.node(), "cpus": os.cpu_count(),
            "command": "python -m bench.mesh_floors " + " ".join(sys.argv[1:]), "load_avg_before": os.getloadavg(),
            "idle_s": IDLE_S}  # fmt: skip

@@ -188,7 +188,7 @@ class Bus:
     ) -> None:
         """publish, and let the connection's writer hand it to the socket before returning (one turn of the
         loop; no server round trip like flush()). For a message that must leave before this task starts
-        something that blocks the process, such as a KV write (Mooncake holds the GIL per call)."""
+        something that blocks the process, such as a KV write (Mooncake holds the GIL for part or all of a call)."""
         await self.publish(subject, msg, headers)
         await asyncio.sleep(0)  # nats-py's flusher task was woken by the publish and runs first
 

@@ -10,8 +10,8 @@ Who calls what:
 - both: `close()` on shutdown.
 
 `write` blocks until every run has landed (or raises TransferError); asyncio callers run it in a thread
-(`await asyncio.to_thread(t.write, session, runs)`). Mooncake's Python binding (0.3.13) holds the GIL for a
-whole batch call, so MooncakeTransport cuts a write into batches of at most `MAX_BATCH_BYTES` over TCP
+(`await asyncio.to_thread(t.write, session, runs)`). Mooncake's Python binding (0.3.13) holds the GIL for part
+or all of a batch call, so MooncakeTransport cuts a write into batches of at most `MAX_BATCH_BYTES` over TCP
 (64 MiB over RDMA / NVLink, whose calls finish that much sooner)
 (`split_batches`): between them the event loop and the engine thread run, instead of stalling for the
 whole prompt's KV.
@@ -31,7 +31,7 @@ class TransferError(RuntimeError):
     """A transfer engine call failed (engine start, registration, or a write)."""
 
 
-MAX_BATCH_BYTES = 2 << 20  # one 8 MiB Mooncake TCP write held the GIL 5-11 ms here (bench.mesh_floors)
+MAX_BATCH_BYTES = 2 << 20  # beside one 8 MiB Mooncake TCP write Python stalled 0.5-11 ms here (bench.mesh_floors)
 
 
 def split_batches(runs: Sequence[Run], max_bytes: int = MAX_BATCH_BYTES) -> list[list[Run]]:

@@ -36,9 +36,9 @@ class MooncakeTransport(KvTransport):
         if not hostname:
             raise ValueError("hostname must be the address peers reach this engine at")
         self.protocol = protocol
-        # the binding holds the GIL for a whole call (base.py): bound each call to ~a few ms of transfer at
-        # the protocol's speed (TCP ~1 GB/s here; RDMA / NVLink tens to hundreds of GB/s, where each extra
-        # call would cost more than the GIL it frees)
+        # the binding holds the GIL for part or all of a call (base.py): bound each call to ~a few ms of
+        # transfer at the protocol's speed (TCP ~1 GB/s here; RDMA / NVLink tens to hundreds of GB/s, where
+        # each extra call would cost more than the GIL it frees)
         self.max_batch_bytes = MAX_BATCH_BYTES if protocol == "tcp" else 64 << 20
         self._engine = _load_engine_class()()
         rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
