@@ -24,3 +24,14 @@ if not HAS_CUDA:
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _own_tuning_tables(monkeypatch, tmp_path):
+    """Each test reads and writes GEMM tuning tables in a folder of its own (never the user's cache), and
+    starts from no stored choice."""
+    from libs.kernels import gemm_tuning
+
+    monkeypatch.setenv(gemm_tuning.CACHE_ENV, str(tmp_path / "tuning-cache"))
+    monkeypatch.setattr(gemm_tuning, "SHIPPED_DIR", tmp_path / "tuning-shipped")
+    monkeypatch.setattr(gemm_tuning, "_STORED", None)

@@ -59,11 +59,13 @@ def test_m_bucket():
 
 def test_rows_of_one_bucket_share_one_tuning_and_stay_correct(timed):
     w, ws = _weights(1, 128, 256)  # K = 2 blocks: split_k_for says 1, so only the tile sweep is timed
-    for m, sweeps in ((20, 1), (27, 1), (32, 1), (40, 2)):
+    timings = 0
+    for m, new_bucket in ((20, True), (27, False), (32, False), (40, True)):
         xq, xs = _acts((m, 256), seed=m)
         out = G.fp8_gemm(xq, xs, w[0], ws[0])
         assert _rel(out, G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
-        assert len(timed) == sweeps * len(G._CONFIGS), m
+        timings += len(G.configs_for(m)) if new_bucket else 0
+        assert len(timed) == timings, m
     assert set(G._TRITON_CONFIG) == {(G.DENSE, 32, 128, 256, 1), (G.DENSE, 64, 128, 256, 1)}
     assert all(cfg is G._CONFIGS[-1] for cfg in G._TRITON_CONFIG.values())  # the fake clock's fastest
     assert set(G._KERNEL_CHOICE) == set(G._TRITON_CONFIG)  # no Gluon candidates off SM90: Triton, untimed
@@ -78,7 +80,7 @@ def test_masked_layout_tunes_per_bucket_of_rows_per_expert(timed):
         ref = G.fp8_gemm_reference(xq, xs, w, ws)
         for e, c in enumerate(counts.tolist()):
             assert _rel(out[e, :c], ref[e, :c]) < 1e-2
-    assert len(timed) == len(G._CONFIGS)
+    assert len(timed) == len(G.configs_for(16))
     assert list(G._TRITON_CONFIG) == [(G.MASKED, 16, 128, 256, 2)]
 
 
@@ -105,8 +107,8 @@ def test_fastest_skips_a_failing_candidate(monkeypatch):
 
     monkeypatch.setattr(gemm_tuning, "graph_time", lambda fn: (fn(), {"a": 2.0, "c": 3.0}[ran[-1]])[1])
     cache: dict[tuple, str] = {}
-    assert gemm_tuning.fastest(cache, ("k",), ["a", "b", "c"], run) == "a"
-    assert gemm_tuning.fastest(cache, ("k",), ["a", "b", "c"], run) == "a"
+    assert gemm_tuning.fastest(cache, ("k",), ["a", "b", "c"], run, table="t") == "a"
+    assert gemm_tuning.fastest(cache, ("k",), ["a", "b", "c"], run, table="t") == "a"
     assert ran == ["a", "b", "c"]  # timed once
     assert "out of shared memory" in gemm_tuning.REJECTED[(("k",), "b")]
     assert gemm_tuning.TIMINGS[("k",)] == {"a": 2.0, "b": float("inf"), "c": 3.0}
@@ -144,3 +146,22 @@ def test_every_tuning_candidate_computes_the_gemm(monkeypatch, cfg):
     xq, xs = _acts((40, 256))
     out = G.fp8_gemm(xq, xs, w[0], ws[0])
     assert _rel(out, G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
+
+
+def test_the_sweep_keeps_row_tiles_that_fit_the_bucket():
+    heights = {
+        b: sorted({c.kwargs["BLOCK_M"] for c in G.configs_for(b)})
+        for b in (1, 16, 32, 64, 128, 256, 512, 9999)
+    }
+    assert heights == {
+        1: [16],
+        16: [16],
+        32: [16, 32],
+        64: [16, 32, 64],
+        128: [32, 64, 128],
+        256: [32, 64, 128],
+        512: [64, 128],
+        9999: [64, 128],
+    }
+    assert sum(len(G.configs_for(1 << i)) for i in range(13)) == 56
+    assert all(c in G._CONFIGS for b in heights for c in G.configs_for(b))
