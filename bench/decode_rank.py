@@ -115,7 +115,8 @@ def real_dispatch(model: DeepseekV3ForCausalLM, local: int, max_tokens: int) -> 
         store = Path(tempfile.mkdtemp(prefix="decode-rank-")) / "store"
         cuda = model.device.type == "cuda"
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1,
-                                device_id=model.device if cuda else None)  # fmt: skip
+                                # NCCL's device_id needs an index (torch 2.11 refuses a bare "cuda")
+                                device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None)  # fmt: skip
     dispatcher = FixedDispatcher(
         TorchComm(None, model.device), local, hidden=cfg.hidden_size, top_k=cfg.num_experts_per_tok,
         dtype=model.dtype, max_tokens=max_tokens, fp8=True,
