@@ -52,7 +52,11 @@ def triton_usable(t: torch.Tensor) -> bool:
     return isinstance(_fp8_gemm_body, InterpretedFunction)
 
 
-@triton.jit
+# M (rows; rows per expert in the masked layout) changes with every batch: unspecialized, one compile serves
+# every M (Triton otherwise compiles M == 1, M % 16 == 0 and the rest apart: on the H200 the warm-up's
+# prefills of 1, 2 and 16 tokens each spent ~45 s compiling the candidates again, 4 and 8 ~7 s timing them).
+# M only bounds masks and the tile count here, no address's alignment.
+@triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_body(
     A, AS, B, BS, C, M, N, K, COUNTS, TILE_EXPERT,
     stride_ae, stride_am, stride_se, stride_sm, stride_sk,

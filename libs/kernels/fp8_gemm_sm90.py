@@ -180,7 +180,7 @@ def _tile_two_halves(
     _store_tile(c_ptr, acc1, offs_m, offs_n + 128, m_ok, N, expert, stride_ce, stride_cm, LAYOUT, SPLIT_K)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["M", "a_rows_per_expert"])  # one compile for every M (fp8_gemm's body says why)
 def _fp8_gemm_sm90_kernel(
     a_desc, b_desc, c_ptr, as_ptr, bs_ptr, counts_ptr, tile_expert_ptr,
     M, N, K, a_rows_per_expert,
