@@ -9,7 +9,9 @@ mapped onto the local experts: no dispatch or combine bytes move; that traffic i
 with `add_request` (max_tokens 1) and the engine's batcher packs them into forwards of up to the budget,
 chunking a prompt that does not fit: the MoE takes the grouped FP8 GEMM in the contiguous layout,
 attention the backend's expanded-form prefill. tokens/s counts prompt tokens over the wall time of the
-steps that prefilled them (first tokens sampled, KV left in the pool).
+steps that prefilled them (first tokens sampled, KV left in the pool). Per budget, `breakdown` times one
+more forward by part with bench.part_timer (CUDA events around the MLA blocks, their attention kernel and
+the MoE blocks; "other" is the rest of the step), outside the timed rounds.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from bench.decode_rank import build_engine
 from bench.harness import environment, write_results
+from bench.part_timer import breakdown
 from bench.roofline import prefill_bound
 from libs.engine.presets import deepseek_v3_config
 from libs.engine.sampling import SamplingParams
@@ -50,6 +53,21 @@ def run_budget(engine, budget: int, prompt: int, rounds: int, seed: int) -> dict
             "tokens_per_s_per_gpu": tokens / secs}  # fmt: skip
 
 
+def part_breakdown(engine, budget: int, prompt: int, seed: int) -> dict:
+    """One forward of a budget's worth of prompts under bench.part_timer, outside the timed rounds: ms and
+    share of the step for the MLA blocks (with their attention kernel apart), the MoE blocks and the rest."""
+    rng = random.Random(seed)
+    vocab = engine.config.vocab_size
+    for i in range(max(1, budget // prompt)):
+        ids = [rng.randrange(vocab) for _ in range(prompt)]
+        engine.add_request(f"parts{budget}-{i}", ids, SamplingParams(temperature=0, max_tokens=1))
+    torch.cuda.synchronize()
+    rec = breakdown(engine.step)
+    while engine.has_unfinished():
+        engine.step()
+    return {k: round(v, 4) for k, v in rec.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", default="4096,8192,16384")
@@ -69,6 +87,7 @@ def main() -> None:
     env, backend, records = environment(), engine.runner.backend.name, []
     for b in budgets:
         rec = run_budget(engine, b, a.prompt, a.rounds, seed=b)
+        rec["breakdown"] = part_breakdown(engine, b, a.prompt, seed=b + 1)
         roof = prefill_bound(rec["tokens"], a.prompt, ep=a.ep)
         spec = prefill_bound(rec["tokens"], a.prompt, ep=a.ep, peaks="spec")
         rec.update({
@@ -82,6 +101,9 @@ def main() -> None:
         print(f"budget {b}: {rec['tokens_per_s_per_gpu']:.0f} prefill tok/s/GPU ({rec['tokens']} tokens in "
               f"{rec['seconds']:.2f} s); roofline {rec['roofline_fraction']:.2f} measured peaks, "
               f"{rec['roofline_fraction_spec']:.2f} spec [{backend}, EP emulated]", flush=True)  # fmt: skip
+        parts = rec["breakdown"]
+        print("  one forward of " + ", ".join(f"{p} {parts[p + '_ms']:.1f} ms ({parts[p + '_share']:.0%})"
+              for p in ("attention", "attention_kernel", "moe", "other")), flush=True)  # fmt: skip
     print("wrote", write_results(f"prefill_rank-engine-{backend}", records))
 
 
