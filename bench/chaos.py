@@ -17,12 +17,24 @@ capacity offered by default; see `sent_over_capacity` for what was delivered).
    (429 + Retry-After), whether every admitted request finished, and the RSS of each service process
    (from /proc) at the start, the highest sampled, at the end, and the kernel's high-water mark.
 JSON to bench/results/chaos.json; the table is printed.
+
+On a GPU (issue 18's "one decode worker killed mid-stream" on one H200):
+
+    python -m bench.chaos --device cuda --preset v3-width --faults decode-0 --skip-overload
+
+runs the same mesh with every worker on the GPU (4 processes: 2 prefill + 2 decode, each warming up and
+reading the FP8 GEMM tuning table first), kills decode-0 mid-stream and reports the same row: streams
+completed and migrated, pages left on the workers (from /metrics), the supervisor's restart. `wrong`
+compares with the Engine alone on the same GPU: bf16 sums in another batch can flip a near-tie token, so on
+a GPU it is reported, not required to be 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -30,6 +42,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from libs.chaos.overload import measure_capacity, overload, service_pids
@@ -72,18 +85,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-queue", type=int, default=64, help="each scheduler replica's queue bound")
     p.add_argument("--gateway-max-in-flight", type=int, default=256, help="the gateway's own bound (429)")
     p.add_argument("--skip-faults", action="store_true")
+    p.add_argument("--skip-overload", action="store_true")
+    p.add_argument("--faults", default="", help="comma-separated services to kill (default: the whole table)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--preset", default="", choices=["", "v3-width"], help="write this preset's checkpoint")
     p.add_argument("--out", default="bench/results/chaos.json")
     args = p.parse_args(argv)
 
-    model = Path(args.model) if args.model else write_tiny_model(Path(tempfile.mkdtemp()) / "tiny-v3", seed=0)
+    model = checkpoint(args)
     prompts = chaos_prompts(args.requests)
-    engine = Engine.from_pretrained(model)
+    engine = Engine.from_pretrained(model, device=args.device)
     outs = engine.generate(
         prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     )
     tok = Tokenizer.from_pretrained(model)
     want = [tok.decode(o.token_ids) for o in outs]
     del engine
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()  # the workers load their own copies
     password = os.urandom(8).hex()
     limits = {
         "services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": str(args.max_queue)},
@@ -97,22 +118,53 @@ def main(argv: list[str] | None = None) -> int:
         "supervised by the launcher (restart backoff 0.5 s); decode waiting line 1 for the kill table (requests "
         "wait at the schedulers), 4 for the overload (a mesh of its own)",
     }  # fmt: skip
+    if args.device != "cpu":
+        result["mesh"] += f"; here every worker on {args.device}, model {args.preset or model}"
+    chosen = {f for f in args.faults.split(",") if f}
     if not args.skip_faults:
-        with Mesh(chaos_config(model, None, password=password, extra_env=limits)) as mesh:
+        with start_mesh(model, args.device, password, limits) as mesh:
             print(f"mesh up ({mesh.url}); logs in {mesh.log_dir}", flush=True)
-            result["faults"] = kill_table(mesh, prompts, want, args.max_tokens)
-    limits["services.scheduler"]["MOEMESH_SCHEDULER_MAX_DECODE_WAITING"] = "4"
-    with Mesh(chaos_config(model, None, password=password, extra_env=limits)) as mesh:
-        print(f"overload mesh up ({mesh.url}); logs in {mesh.log_dir}", flush=True)
-        result["overload"] = overload_run(mesh, prompts[0], args.overload_factor, args.overload_seconds)
-    print(json.dumps(result["overload"], indent=1))
+            result["faults"] = kill_table(mesh, prompts, want, args.max_tokens, chosen)
+    if not args.skip_overload:
+        limits["services.scheduler"]["MOEMESH_SCHEDULER_MAX_DECODE_WAITING"] = "4"
+        with start_mesh(model, args.device, password, limits) as mesh:
+            print(f"overload mesh up ({mesh.url}); logs in {mesh.log_dir}", flush=True)
+            result["overload"] = overload_run(mesh, prompts[0], args.overload_factor, args.overload_seconds)
+        print(json.dumps(result["overload"], indent=1))
     print(f"wrote {write_json(args.out, result)}")
     return 0
 
 
-def kill_table(mesh: Mesh, prompts: list[list[int]], want: list[str], max_tokens: int) -> list[dict]:
+def checkpoint(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    folder = Path(tempfile.mkdtemp())
+    if args.preset:
+        from libs.engine.preset_model import write_preset_model
+
+        return write_preset_model(folder / args.preset, args.preset, device=args.device)
+    return write_tiny_model(folder / "tiny-v3", seed=0)
+
+
+@contextlib.contextmanager
+def start_mesh(model: Path, device: str, password: str, limits: dict[str, dict[str, str]]) -> Iterator[Mesh]:
+    """The chaos mesh, on `device`: on a GPU each worker warms up before its first heartbeat (minutes when
+    its FP8 GEMMs are not in the tuning table yet), so the mesh gets `moemesh up`'s CUDA ready timeout."""
+    from libs.cli.up import ready_timeout
+
+    cfg = dataclasses.replace(chaos_config(model, None, password=password, extra_env=limits), device=device)
+    mesh = Mesh(cfg).start(timeout=ready_timeout(None, device))
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def kill_table(
+    mesh: Mesh, prompts: list[list[int]], want: list[str], max_tokens: int, chosen: set[str] = frozenset()
+) -> list[dict]:  # fmt: skip
     rows = []
-    for fault in standard_faults(len(prompts)):
+    for fault in (f for f in standard_faults(len(prompts)) if not chosen or f.killed in chosen):
         row, _ = run_fault(mesh, fault, prompts, want, max_tokens, deadline_s=90.0, leak_timeout_s=15.0)
         rows.append(row.as_dict())
         print(table(rows[-1:]).splitlines()[-1], flush=True)
