@@ -66,7 +66,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         rec: dict[str, Any] = {"benchmark": "tune_gemm", "device": gemm_tuning.device_tag(), "model": model}
         done: list[dict[str, Any]] = []
         rec["stages"] = done
-        t_all = time.perf_counter()
+        t_all, spent0 = time.perf_counter(), dict(gemm_tuning.SPENT)  # this run's share of the process's counts
         for plan in stages(engine, s.engine_kwargs()):
             before, spent = len(gemm_tuning.TIMINGS), gemm_tuning.SPENT["seconds"]
             report = run_warmup(engine, plan)
@@ -76,8 +76,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             done.append({"stage": what, "s": round(report.seconds, 3), "tuning_s": round(tuning, 3), "tuned": tuned})
             print(f"{what:>14}: {report.seconds:7.2f} s ({tuning:.2f} s tuning {tuned} shapes)", flush=True)
     rec["total_s"] = time.perf_counter() - t_all
-    rec["tuned"] = len(gemm_tuning.TIMINGS)
-    rec["tuning_s"], rec["timings"] = gemm_tuning.SPENT["seconds"], gemm_tuning.SPENT["timings"]
+    rec["tuned"] = sum(stage["tuned"] for stage in done)
+    rec["tuning_s"] = gemm_tuning.SPENT["seconds"] - spent0["seconds"]
+    rec["timings"] = gemm_tuning.SPENT["timings"] - spent0["timings"]
     rec["rejected"] = {str(k): v for k, v in gemm_tuning.REJECTED.items()}
     rec["table"] = str(Path(a.table_dir) / f"{gemm_tuning.device_tag()}.json")
     return rec

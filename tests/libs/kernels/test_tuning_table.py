@@ -120,3 +120,18 @@ def test_a_key_where_every_candidate_failed_is_not_stored(monkeypatch, clock):
 
     assert gemm_tuning.fastest({}, KEY, CANDS, fail, table="t") == "slow"  # the first, as before
     assert not _cache_file().exists()
+
+
+def test_a_nested_sweep_is_counted_once_in_the_time_spent(monkeypatch, clock):
+    """The kernel choice times the Triton candidate, whose first launch runs the tile sweep: that sweep's
+    seconds belong to the outer one's, not added twice."""
+    monkeypatch.setattr(gemm_tuning, "SPENT", {"seconds": 0.0, "timings": 0})
+    ticks = iter(range(100))
+    monkeypatch.setattr(gemm_tuning.time, "perf_counter", lambda: float(next(ticks)))
+
+    def outer(c: str) -> None:
+        clock.append(c)
+        gemm_tuning.fastest({}, ("inner", c), CANDS, clock.append, table="inner")
+
+    gemm_tuning.fastest({}, KEY, ["slow", "fast"], outer, table="outer")
+    assert {"seconds": 3.0, "timings": 2 + 2 * len(CANDS)} == gemm_tuning.SPENT  # outer: ticks 0 .. 3
