@@ -177,15 +177,16 @@ class LogitsProcessors:
     # --- internals ---
     def _plan_for(self, rows: list[tuple[int, _State]], seqs: Sequence[Seq]) -> _Plan:
         """The last plan while the batch's processed requests (and which are under min_tokens) are the same."""
-        key = (
-            len(seqs),
-            *((i, seqs[i].rid, len(seqs[i].output_ids) < st.params.min_tokens) for i, st in rows),
-        )
+        under = [len(seqs[i].output_ids) < st.params.min_tokens for i, st in rows]
+        key = (len(seqs), tuple((i, seqs[i].rid, u) for (i, _), u in zip(rows, under, strict=True)))
         if self._plan is not None and self._plan.key == key:
             return self._plan
         v = self.vocab_size
-        min_idx, bias_idx, bias_vals, pen = [], [], [], []
-        for (i, st), (_, _, under_min) in zip(rows, key[1:], strict=True):
+        min_idx: list[int] = []
+        bias_idx: list[int] = []
+        bias_vals: list[float] = []
+        pen: list[tuple[int, int, SamplingParams]] = []
+        for (i, st), under_min in zip(rows, under, strict=True):
             if under_min:
                 min_idx += [i * v + t for t in st.stop_ids]
             bias_idx += [i * v + t for t in st.bias_ids]
