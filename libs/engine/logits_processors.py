@@ -136,7 +136,7 @@ class LogitsProcessors:
         plan = self._plan_for(rows, seqs)
         bitmask = self._fill_bitmask(rows)  # host work first: it overlaps the forward still running
         # the one [S, V] cast (a copy: the raw logits stay for logprobs)
-        out = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        out = (logits.float() if logits.dtype != torch.float32 else logits.clone()).contiguous()
         if bitmask is not None:
             apply_bitmask(out, bitmask.to(out.device, non_blocking=True), plan.grammar_rows, self.vocab_size)
         flat = out.view(-1)
