@@ -95,6 +95,7 @@ class LogitsProcessors:
         self._grammars: Any = None  # libs.engine.grammar.GrammarBackend, built on first use
         self._plan: _Plan | None = None  # the last batch's, dropped whenever a request comes or goes
         self._ones = torch.ones(0, device=self.device)
+        self._host_bitmasks = HostBitmasks(vocab_size, pin=self.device.type == "cuda")
 
     def add(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Register a request (no-op unless it needs processing). ValueError on a bad grammar or bias id."""
@@ -138,7 +139,9 @@ class LogitsProcessors:
         # the one [S, V] cast (a copy: the raw logits stay for logprobs)
         out = (logits.float() if logits.dtype != torch.float32 else logits.clone()).contiguous()
         if bitmask is not None:
-            apply_bitmask(out, bitmask.to(out.device, non_blocking=True), plan.grammar_rows, self.vocab_size)
+            device_bitmask = bitmask.to(out.device, non_blocking=True)
+            self._host_bitmasks.copied()
+            apply_bitmask(out, device_bitmask, plan.grammar_rows, self.vocab_size)
         flat = out.view(-1)
         if plan.min_idx.numel():
             flat.index_fill_(0, plan.min_idx, float("-inf"))
@@ -231,7 +234,39 @@ class LogitsProcessors:
     def _fill_bitmask(self, rows: list[tuple[int, _State]]) -> torch.Tensor | None:
         """The host bitmask [G, ceil(V/32)] int32 of the rows under a grammar, in row order."""
         matchers = [st.matcher for _, st in rows if st.matcher is not None]
-        return self._grammar_backend().fill_bitmask(matchers) if matchers else None
+        if not matchers:
+            return None
+        return self._grammar_backend().fill_bitmask(matchers, out=self._host_bitmasks.take(len(matchers)))
+
+
+class HostBitmasks:
+    """Two host buffers the grammar fills in turn; pinned (CUDA), so a bitmask's copy to the device runs
+    asynchronously instead of staging 4 MB (B=256, V=129,280) through pageable memory on the host. A buffer
+    is refilled only once the copy that read it, two steps back, has finished (in practice it has)."""
+
+    def __init__(self, vocab_size: int, pin: bool) -> None:
+        self.words, self.pin = (vocab_size + 31) // 32, pin
+        self.bufs: list[torch.Tensor | None] = [None, None]
+        self.done: list[Any] = [None, None]  # torch.cuda.Event after the copy that read the buffer
+        self.turn = 0
+
+    def take(self, rows: int) -> torch.Tensor:
+        """The next buffer, [rows, words] int32 (grown to 2x when too small), no longer read by a copy."""
+        self.turn ^= 1
+        if self.done[self.turn] is not None:
+            self.done[self.turn].synchronize()
+            self.done[self.turn] = None
+        buf = self.bufs[self.turn]
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty(max(8, 2 * rows), self.words, dtype=torch.int32)
+            self.bufs[self.turn] = buf = buf.pin_memory() if self.pin else buf
+        return buf[:rows]
+
+    def copied(self) -> None:
+        """Called once the copy of the buffer `take` gave last is queued on the current stream."""
+        if self.pin:
+            self.done[self.turn] = torch.cuda.Event()
+            self.done[self.turn].record()
 
 
 _PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")

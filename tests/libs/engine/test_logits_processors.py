@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from libs.engine import Engine, SamplingParams
-from libs.engine.logits_processors import GuidedSpec, LogitsProcessors, apply_bitmask, unpack_bitmask
+from libs.engine.logits_processors import (
+    GuidedSpec,
+    HostBitmasks,
+    LogitsProcessors,
+    apply_bitmask,
+    unpack_bitmask,
+)
 from libs.engine.tiny import write_tiny_model
 
 V = 50
@@ -149,6 +155,17 @@ def test_bitmask_applies_to_its_rows_only(monkeypatch, xgrammar):
     out = logits[:2].clone()
     apply_bitmask(out, bitmask, [0, 1], V)  # every row: no expansion
     assert out.equal(logits[:2].masked_fill(~allowed, float("-inf")))
+
+
+def test_host_bitmask_buffers_alternate_and_grow():
+    """Two buffers in turn (a copy may still read the other), each grown when a batch outgrows it."""
+    bufs = HostBitmasks(V, pin=False)
+    a, b = bufs.take(3), bufs.take(3)
+    assert a.shape == (3, 2) and a.dtype == torch.int32 and a.data_ptr() != b.data_ptr()
+    assert bufs.take(2).data_ptr() == a.data_ptr() and bufs.take(3).data_ptr() == b.data_ptr()
+    big = bufs.take(40)  # a's turn, too small: a new buffer
+    assert big.shape == (40, 2) and big.data_ptr() != a.data_ptr()
+    assert bufs.take(3).data_ptr() == b.data_ptr() and bufs.take(40).data_ptr() == big.data_ptr()
 
 
 # --- through the engine, on the tiny model with its tokenizer ---
