@@ -66,12 +66,14 @@ class _StandInGrammar:
         words = (V + 31) // 32
         gen = torch.Generator().manual_seed(seed)
         self.bitmask = torch.randint(-(2**31), 2**31 - 1, (batch, words), dtype=torch.int32, generator=gen)
+        if torch.cuda.is_available():  # as the engine's own buffers (logits_processors.HostBitmasks)
+            self.bitmask = self.bitmask.pin_memory()
 
     def matcher(self, spec: GuidedSpec) -> _AnyToken:
         return _AnyToken()
 
-    def fill_bitmask(self, matchers: Any) -> torch.Tensor:
-        return self.bitmask[: len(matchers)]
+    def fill_bitmask(self, matchers: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.bitmask[: len(matchers)]  # its own (pinned) rows: what a fill into `out` leaves there
 
 
 def time_ms(fn: Callable[[], object], device: str, iters: int) -> float:

@@ -57,7 +57,9 @@ class GrammarBackend:
         try:
             match spec.kind:
                 case "json":
-                    return self.compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+                    return self.compiler.compile_json_schema(
+                        spec.value, any_whitespace=False, strict_mode=True
+                    )
                 case "json_object":  # any object, as vLLM compiles it (the builtin grammar allows any value)
                     return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
                 case "regex":
@@ -74,10 +76,12 @@ class GrammarBackend:
     def matcher(self, spec: GuidedSpec) -> Any:
         return xgr.GrammarMatcher(self.compile(spec))
 
-    def fill_bitmask(self, matchers: Sequence[Any]) -> torch.Tensor:
+    def fill_bitmask(self, matchers: Sequence[Any], out: torch.Tensor | None = None) -> torch.Tensor:
         """[G, ceil(V/32)] int32 on the host: row g allows what matchers[g] accepts next (a finished
-        grammar allows only EOS: under ignore_eos the request goes on to max_tokens)."""
-        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        grammar allows only EOS: under ignore_eos the request goes on to max_tokens). out: a host buffer of
+        at least G such rows to fill instead of a new one (pinned, its copy to the GPU is asynchronous)."""
+        g = len(matchers)
+        bitmask = xgr.allocate_token_bitmask(g, self.vocab_size) if out is None else out[:g]
         for g, matcher in enumerate(matchers):
             if matcher.is_terminated():
                 bitmask[g] = self._eos_only

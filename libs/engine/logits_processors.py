@@ -17,6 +17,13 @@ Penalty state lives on the device, one row per penalized request in a slot table
 token counts) and `seen[slot]` (prompt or output token), updated in place by one scatter per step, never
 rebuilt from the history.
 
+Cost per step on a GPU (bench/sampler_cost.py): the logits are cast to float32 once; the grammar bitmask is
+applied packed by xgrammar's kernel; min_tokens and logit_bias are one sparse scatter each over flat
+(row * V + token) indices; the penalties are one fused pass over the penalized rows (libs/kernels/penalties.py).
+The index and parameter tensors of a batch (a `_Plan`) go to the device in two non-blocking copies and are
+kept while the batch's requests (and which of them are under min_tokens) stay the same, so a steady decode
+step builds nothing on the host but its key, and nothing in `apply` or `accept` waits for the device.
+
 Legend: S rows (sequences) of the logits, P penalized rows, G grammar rows, V vocabulary.
 """
 
@@ -41,6 +48,7 @@ from libs.engine.sampling import SamplingParams
 if TYPE_CHECKING:
     from libs.tokenizer import Tokenizer
 
+
 class Seq(Protocol):
     """What the processors read of an engine request."""
 
@@ -51,11 +59,25 @@ class Seq(Protocol):
 @dataclass
 class _State:
     params: SamplingParams
-    stop_ids: list[int]  # masked while under min_tokens
+    stop_ids: list[int]  # masked while under min_tokens (ids inside the vocabulary)
     bias_ids: list[int]
     bias_vals: list[float]
     slot: int = -1  # penalty row, -1 without penalties
     matcher: Any = None  # xgrammar.GrammarMatcher
+
+
+@dataclass
+class _Plan:
+    """A batch's processing as device tensors: flat (row * V + token) indices, penalty rows and parameters."""
+
+    key: tuple
+    min_idx: torch.Tensor  # [M] int64: stop ids of rows under min_tokens
+    bias_idx: torch.Tensor  # [N] int64
+    bias_vals: torch.Tensor  # [N] float32
+    pen_rows: torch.Tensor  # [P] int64 rows of the logits
+    pen_slots: torch.Tensor  # [P] int64 rows of the count table
+    pen_params: torch.Tensor  # [3, P] float32: repetition, frequency, presence
+    grammar_rows: list[int]
 
 
 class LogitsProcessors:
@@ -71,6 +93,9 @@ class LogitsProcessors:
         self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)  # [C, V]
         self._free_slots: list[int] = []
         self._grammars: Any = None  # libs.engine.grammar.GrammarBackend, built on first use
+        self._plan: _Plan | None = None  # the last batch's, dropped whenever a request comes or goes
+        self._ones = torch.ones(0, device=self.device)
+        self._host_bitmasks = HostBitmasks(vocab_size, pin=self.device.type == "cuda")
 
     def add(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Register a request (no-op unless it needs processing). ValueError on a bad grammar or bias id."""
@@ -78,8 +103,11 @@ class LogitsProcessors:
             return
         bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}")
-        stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_ids)
+            raise ValueError(
+                f"logit_bias token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}"
+            )
+        stop_ids = [t for t in list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_ids)
+                    if 0 <= t < self.vocab_size]  # fmt: skip
         bias = [(t, max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(v)))) for t, v in params.logit_bias]
         state = _State(params, stop_ids, [t for t, _ in bias], [v for _, v in bias])
         if params.guided is not None:
@@ -87,36 +115,53 @@ class LogitsProcessors:
         if uses_penalties(params):
             state.slot = self._take_slot()
             ids = torch.tensor([t for t in prompt_ids if 0 <= t < self.vocab_size], dtype=torch.long)
-            self.seen[state.slot, ids.to(self.device)] = True
+            self.seen[state.slot].index_fill_(0, ids.to(self.device, non_blocking=True), True)
         self.states[rid] = state
+        self._plan = None
 
     def remove(self, rid: str) -> None:
         state = self.states.pop(rid, None)
-        if state is not None and state.slot >= 0:
-            self._free_slots.append(state.slot)
+        if state is not None:
+            self._plan = None
+            if state.slot >= 0:
+                self._free_slots.append(state.slot)
 
     def apply(self, logits: torch.Tensor, seqs: Sequence[Seq]) -> torch.Tensor:
-        """[S, V] logits for seqs (row i is seqs[i]) -> processed logits: the input itself when no row
+        """[S, V] logits for seqs (row i is seqs[i]) -> processed float32 logits: the input itself when no row
         needs processing, else a processed copy (the input stays raw for logprobs)."""
         if not self.states:
             return logits
         rows = [(i, st) for i, s in enumerate(seqs) if (st := self.states.get(s.rid)) is not None]
         if not rows:
             return logits
-        mask = self._grammar_mask(rows)  # host work first: it overlaps the forward still running
-        out = logits.float().clone()
-        if mask is not None:
-            out[mask[0]] = out[mask[0]].masked_fill(~mask[1], float("-inf"))
-        self._min_tokens(out, rows, seqs)
-        self._logit_bias(out, rows)
-        self._penalties(out, rows)
+        plan = self._plan_for(rows, seqs)
+        bitmask = self._fill_bitmask(rows)  # host work first: it overlaps the forward still running
+        # the one [S, V] cast (a copy: the raw logits stay for logprobs)
+        out = (logits.float() if logits.dtype != torch.float32 else logits.clone()).contiguous()
+        if bitmask is not None:
+            device_bitmask = bitmask.to(out.device, non_blocking=True)
+            self._host_bitmasks.copied()
+            apply_bitmask(out, device_bitmask, plan.grammar_rows, self.vocab_size)
+        flat = out.view(-1)
+        if plan.min_idx.numel():
+            flat.index_fill_(0, plan.min_idx, float("-inf"))
+        if plan.bias_idx.numel():
+            flat.index_add_(0, plan.bias_idx, plan.bias_vals)
+        if plan.pen_rows.numel():
+            args = (out, plan.pen_rows, plan.pen_slots, self.counts, self.seen, *plan.pen_params)
+            if out.is_cuda:
+                from libs.kernels.penalties import apply_penalties
+
+                apply_penalties(*args)
+            else:
+                penalties_torch(*args)
         return out
 
     def accept(self, seqs: Sequence[Seq], tokens: Sequence[int]) -> None:
         """Record each row's sampled token (counts, grammar state). ValueError if a grammar refuses it."""
         if not self.states:
             return
-        slots, toks = [], []
+        flat = []
         for s, tok in zip(seqs, tokens, strict=True):
             st = self.states.get(s.rid)
             if st is None:
@@ -124,14 +169,47 @@ class LogitsProcessors:
             if st.matcher is not None and not st.matcher.is_terminated() and not st.matcher.accept_token(tok):
                 raise ValueError(f"token {tok} does not follow the request's structured-output grammar")
             if st.slot >= 0 and 0 <= tok < self.vocab_size:
-                slots.append(st.slot)
-                toks.append(tok)
-        if slots:
-            idx = (torch.tensor(slots, device=self.device), torch.tensor(toks, device=self.device))
-            self.counts.index_put_(idx, torch.ones(len(slots), device=self.device), accumulate=True)
-            self.seen[idx] = True
+                flat.append(st.slot * self.vocab_size + tok)
+        if flat:
+            idx = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)
+            if self._ones.numel() < len(flat):
+                self._ones = torch.ones(2 * len(flat), device=self.device)
+            self.counts.view(-1).index_add_(0, idx, self._ones[: len(flat)])
+            self.seen.view(-1).index_fill_(0, idx, True)
 
     # --- internals ---
+    def _plan_for(self, rows: list[tuple[int, _State]], seqs: Sequence[Seq]) -> _Plan:
+        """The last plan while the batch's processed requests (and which are under min_tokens) are the same."""
+        under = [len(seqs[i].output_ids) < st.params.min_tokens for i, st in rows]
+        key = (len(seqs), tuple((i, seqs[i].rid, u) for (i, _), u in zip(rows, under, strict=True)))
+        if self._plan is not None and self._plan.key == key:
+            return self._plan
+        v = self.vocab_size
+        min_idx: list[int] = []
+        bias_idx: list[int] = []
+        bias_vals: list[float] = []
+        pen: list[tuple[int, int, SamplingParams]] = []
+        for (i, st), under_min in zip(rows, under, strict=True):
+            if under_min:
+                min_idx += [i * v + t for t in st.stop_ids]
+            bias_idx += [i * v + t for t in st.bias_ids]
+            bias_vals += st.bias_vals
+            if st.slot >= 0:
+                pen.append((i, st.slot, st.params))
+        ints = torch.tensor(
+            min_idx + bias_idx + [i for i, _, _ in pen] + [s for _, s, _ in pen], dtype=torch.long
+        )
+        floats = torch.tensor(
+            bias_vals + [float(getattr(sp, f)) for f in _PENALTIES for _, _, sp in pen], dtype=torch.float32
+        )
+        ints, floats = (t.to(self.device, non_blocking=True) for t in (ints, floats))
+        m, n, p = len(min_idx), len(bias_idx), len(pen)
+        self._plan = _Plan(
+            key, ints[:m], ints[m : m + n], floats[:n], ints[m + n : m + n + p], ints[m + n + p :],
+            floats[n:].view(3, p), [i for i, st in rows if st.matcher is not None],
+        )  # fmt: skip
+        return self._plan
+
     def _take_slot(self) -> int:
         if not self._free_slots:
             old = self.counts.shape[0]
@@ -153,54 +231,73 @@ class LogitsProcessors:
             self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_ids)
         return self._grammars
 
-    def _grammar_mask(self, rows: list[tuple[int, _State]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(row indices [G], allowed [G, V] on the device) for the rows under a grammar."""
-        gram = [(i, st.matcher) for i, st in rows if st.matcher is not None]
-        if not gram:
+    def _fill_bitmask(self, rows: list[tuple[int, _State]]) -> torch.Tensor | None:
+        """The host bitmask [G, ceil(V/32)] int32 of the rows under a grammar, in row order."""
+        matchers = [st.matcher for _, st in rows if st.matcher is not None]
+        if not matchers:
             return None
-        bitmask = self._grammar_backend().fill_bitmask([mt for _, mt in gram])  # [G, ceil(V/32)] int32
-        return (
-            torch.tensor([i for i, _ in gram], device=self.device),
-            unpack_bitmask(bitmask.to(self.device, non_blocking=True), self.vocab_size),
-        )
+        return self._grammar_backend().fill_bitmask(matchers, out=self._host_bitmasks.take(len(matchers)))
 
-    def _min_tokens(self, out: torch.Tensor, rows: list[tuple[int, _State]], seqs: Sequence[Seq]) -> None:
-        r, t = [], []
-        for i, st in rows:
-            if len(seqs[i].output_ids) < st.params.min_tokens:
-                ids = [x for x in st.stop_ids if 0 <= x < self.vocab_size]
-                r += [i] * len(ids)
-                t += ids
-        if r:
-            out[torch.tensor(r, device=out.device), torch.tensor(t, device=out.device)] = float("-inf")
 
-    def _logit_bias(self, out: torch.Tensor, rows: list[tuple[int, _State]]) -> None:
-        r, t, v = [], [], []
-        for i, st in rows:
-            r += [i] * len(st.bias_ids)
-            t += st.bias_ids
-            v += st.bias_vals
-        if r:
-            dev = out.device
-            idx = (torch.tensor(r, device=dev), torch.tensor(t, device=dev))
-            out.index_put_(idx, torch.tensor(v, dtype=out.dtype, device=dev), accumulate=True)
+class HostBitmasks:
+    """Two host buffers the grammar fills in turn; pinned (CUDA), so a bitmask's copy to the device runs
+    asynchronously instead of staging 4 MB (B=256, V=129,280) through pageable memory on the host. A buffer
+    is refilled only once the copy that read it, two steps back, has finished (in practice it has)."""
 
-    def _penalties(self, out: torch.Tensor, rows: list[tuple[int, _State]]) -> None:
-        pen = [(i, st) for i, st in rows if st.slot >= 0]
-        if not pen:
-            return
-        dev = out.device
-        idx = torch.tensor([i for i, _ in pen], device=dev)
-        slots = torch.tensor([st.slot for _, st in pen], device=dev)
-        rep, freq, pres = (
-            torch.tensor([getattr(st.params, f) for _, st in pen], dtype=out.dtype, device=dev).unsqueeze(1)
-            for f in ("repetition_penalty", "frequency_penalty", "presence_penalty")
-        )
-        sub, counts = out[idx], self.counts[slots]  # [P, V]
-        scale = torch.where(sub > 0, 1.0 / rep, rep)
-        sub = torch.where(self.seen[slots], sub * scale, sub)
-        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
-        out[idx] = sub
+    def __init__(self, vocab_size: int, pin: bool) -> None:
+        self.words, self.pin = (vocab_size + 31) // 32, pin
+        self.bufs: list[torch.Tensor | None] = [None, None]
+        self.done: list[Any] = [None, None]  # torch.cuda.Event after the copy that read the buffer
+        self.turn = 0
+
+    def take(self, rows: int) -> torch.Tensor:
+        """The next buffer, [rows, words] int32 (grown to 2x when too small), no longer read by a copy."""
+        self.turn ^= 1
+        if self.done[self.turn] is not None:
+            self.done[self.turn].synchronize()
+            self.done[self.turn] = None
+        buf = self.bufs[self.turn]
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty(max(8, 2 * rows), self.words, dtype=torch.int32)
+            self.bufs[self.turn] = buf = buf.pin_memory() if self.pin else buf
+        return buf[:rows]
+
+    def copied(self) -> None:
+        """Called once the copy of the buffer `take` gave last is queued on the current stream."""
+        if self.pin:
+            self.done[self.turn] = torch.cuda.Event()
+            self.done[self.turn].record()
+
+
+_PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def apply_bitmask(out: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
+    """-inf in place where the packed bitmask [G, W] (row g for out's row rows[g]) disallows a token: xgrammar's
+    kernel (Triton on CUDA, C++ on the CPU) on the packed words, or unpacked in torch without xgrammar."""
+    s = out.shape[0]
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:
+        idx = torch.tensor(rows).to(out.device, non_blocking=True)
+        out[idx] = out[idx].masked_fill(~unpack_bitmask(bitmask, vocab_size), float("-inf"))
+        return
+    if rows == list(range(s)):
+        apply_token_bitmask_inplace(out, bitmask, vocab_size=vocab_size)
+        return
+    full = torch.full((s, bitmask.shape[1]), -1, dtype=torch.int32, device=out.device)  # xgrammar reads row i
+    full[torch.tensor(rows).to(out.device, non_blocking=True)] = bitmask  # of the bitmask for logits row i
+    apply_token_bitmask_inplace(out, full, vocab_size=vocab_size, indices=rows)
+
+
+def penalties_torch(out, rows, slots, counts, seen, rep, freq, pres) -> None:
+    """libs.kernels.penalties.apply_penalties (same arguments) as torch ops: the CPU's path."""
+    x, c = out[rows], counts[slots]  # [P, V]
+    r = torch.where(seen[slots], rep[:, None], 1.0)
+    x = torch.where(x > 0, x / r, x * r)
+    x -= freq[:, None] * c
+    x -= pres[:, None] * (c > 0)
+    out[rows] = x
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from libs.engine import Engine, SamplingParams
-from libs.engine.logits_processors import GuidedSpec, LogitsProcessors, unpack_bitmask
+from libs.engine.logits_processors import (
+    GuidedSpec,
+    HostBitmasks,
+    LogitsProcessors,
+    apply_bitmask,
+    unpack_bitmask,
+)
 from libs.engine.tiny import write_tiny_model
 
 V = 50
@@ -106,6 +112,60 @@ def test_unpack_bitmask():
     assert allowed.shape == (2, 40)
     assert allowed[0].nonzero().flatten().tolist() == [0, 2]  # token 63 (bit 31 of word 1) is past V
     assert allowed[1].nonzero().flatten().tolist() == list(range(33))
+
+
+def test_a_batch_plan_is_kept_until_the_batch_or_min_tokens_change():
+    """The device tensors of a batch are built once and reused while nothing that shapes them changes; the
+    16-bit logits of the model are processed as their float32 cast."""
+    procs = LogitsProcessors(V, "cpu", [1], None)
+    procs.add("a", [2, 3], SamplingParams(max_tokens=9, min_tokens=2, logit_bias={4: 1.0}))
+    procs.add("b", [5], SamplingParams(max_tokens=9, repetition_penalty=1.5))
+    seqs = [Seq("a"), Seq("x"), Seq("b")]
+    logits = torch.randn(3, V, dtype=torch.bfloat16)
+    out = procs.apply(logits, seqs)
+    plan = procs._plan
+    assert out.dtype == torch.float32 and procs.apply(logits, seqs).equal(out) and procs._plan is plan
+    assert out[0, 1] == float("-inf") and out[1].equal(logits[1].float())
+    assert out[0, 4] == logits[0, 4].float() + 1.0
+    seqs[0].output_ids += [7, 8]  # "a" reaches min_tokens: EOS is allowed again
+    assert procs.apply(logits, seqs)[0, 1] == logits[0, 1].float() and procs._plan is not plan
+    plan = procs._plan
+    procs.accept(seqs, [6, 9, 6])  # counts change on the device; the plan stays
+    assert procs.apply(logits, seqs)[2, 6] != logits[2, 6].float() and procs._plan is plan
+    procs.remove("b")
+    assert procs._plan is None
+    assert procs.apply(logits, seqs)[2].equal(logits[2].float())
+
+
+@pytest.mark.parametrize("xgrammar", [True, False])
+def test_bitmask_applies_to_its_rows_only(monkeypatch, xgrammar):
+    """xgrammar's kernel on the packed words (or, without xgrammar, the unpacked mask) on a subset of rows."""
+    if not xgrammar:
+        monkeypatch.setitem(__import__("sys").modules, "xgrammar", None)  # import fails as if not installed
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, V, generator=g)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (2, 2), dtype=torch.int32, generator=g)
+    out = logits.clone()
+    apply_bitmask(out, bitmask, [1, 3], V)
+    allowed = unpack_bitmask(bitmask, V)
+    for g_row, row in enumerate([1, 3]):
+        want = logits[row].masked_fill(~allowed[g_row], float("-inf"))
+        assert out[row].equal(want)
+    assert out[[0, 2]].equal(logits[[0, 2]])
+    out = logits[:2].clone()
+    apply_bitmask(out, bitmask, [0, 1], V)  # every row: no expansion
+    assert out.equal(logits[:2].masked_fill(~allowed, float("-inf")))
+
+
+def test_host_bitmask_buffers_alternate_and_grow():
+    """Two buffers in turn (a copy may still read the other), each grown when a batch outgrows it."""
+    bufs = HostBitmasks(V, pin=False)
+    a, b = bufs.take(3), bufs.take(3)
+    assert a.shape == (3, 2) and a.dtype == torch.int32 and a.data_ptr() != b.data_ptr()
+    assert bufs.take(2).data_ptr() == a.data_ptr() and bufs.take(3).data_ptr() == b.data_ptr()
+    big = bufs.take(40)  # a's turn, too small: a new buffer
+    assert big.shape == (40, 2) and big.data_ptr() != a.data_ptr()
+    assert bufs.take(3).data_ptr() == b.data_ptr() and bufs.take(40).data_ptr() == big.data_ptr()
 
 
 # --- through the engine, on the tiny model with its tokenizer ---

@@ -3,7 +3,11 @@ forward == the reference's absorbed multi-token chunks, MTPEngine on the paged b
 to the plain engine, and the captured bodies on padded packed inputs == the eager rows; on a GPU, verify
 and draft replayed from CUDA graphs give the eager rows' logits and the plain engine's greedy tokens.
 
-GPU run (the lead batches device runs): `pytest -q -m gpu tests/libs/engine/test_spec_graphs.py`.
+GPU run (the lead batches device runs): `pytest -q -m gpu tests/libs/engine/test_spec_graphs.py`. The GPU
+tests keep the FP8 GEMMs' first-use tuning out (`untimed_gemms`): on the H200 it compiled and graph-timed
+every Triton and Gluon candidate for every GEMM shape and bucket of rows of three tiny models, and the file
+ran past 100 s; the kernels' choice and its timing are test_gemm_tuning's and test_fp8_engine_gpu's subject,
+this file's are the verify/draft graphs.
 """
 
 from __future__ import annotations
@@ -169,6 +173,17 @@ KERNEL_DIMS = dict(
 FUSED_DIMS = KERNEL_DIMS | dict(v_head_dim=128)
 
 
+@pytest.fixture
+def untimed_gemms(monkeypatch):
+    """The FP8 GEMMs take their first candidate (the Triton kernel, its first tile config, no split-K) without
+    compiling and timing the others; fresh choice caches, so no other test sees these choices."""
+    from libs.kernels import fp8_gemm, gemm_tuning
+
+    for name in ("_TRITON_CONFIG", "_KERNEL_CHOICE", "_SPLIT_CHOICE"):
+        monkeypatch.setattr(fp8_gemm, name, {})
+    monkeypatch.setattr(gemm_tuning, "graph_time", lambda fn: 0.0)
+
+
 def _fp8_path(tmp_path, dims):
     return write_tiny_model(tmp_path, seed=7, fp8=True, **(TINY_FP8 | dims))
 
@@ -180,7 +195,7 @@ def _fp8_path(tmp_path, dims):
     [({}, "float32"), (KERNEL_DIMS, "bfloat16"), (FUSED_DIMS, "bfloat16")],
     ids=["tiny-f32", "kernel-bf16", "fused-bf16"],
 )
-def test_verify_and_draft_graphs_equal_the_eager_rows(tmp_path, dims, dtype):
+def test_verify_and_draft_graphs_equal_the_eager_rows(tmp_path, dims, dtype, untimed_gemms):
     path = _fp8_path(tmp_path, dims)
     kw = dict(
         device="cuda", dtype=dtype, page_size=16, num_pages=64, max_num_seqs=4, num_speculative_tokens=2
@@ -208,7 +223,7 @@ def test_verify_and_draft_graphs_equal_the_eager_rows(tmp_path, dims, dtype):
 
 @pytest.mark.gpu
 @gpu
-def test_mtp_engine_with_graphs_gives_the_plain_greedy_tokens(tmp_path):
+def test_mtp_engine_with_graphs_gives_the_plain_greedy_tokens(tmp_path, untimed_gemms):
     path = _fp8_path(tmp_path, {})
     kw = dict(device="cuda", page_size=16, num_pages=64, max_num_seqs=4)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

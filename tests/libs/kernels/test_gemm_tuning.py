@@ -1,6 +1,7 @@
 """First-use GEMM tuning keyed by a bucket of M: one sweep per bucket (not per exact M), the fastest
 candidate kept, failing candidates skipped, outputs unchanged. The GPU timing is faked (graph_time); the
-kernels run under Triton's interpreter on the CPU."""
+kernels run on the GPU where there is one, else under Triton's interpreter on the CPU (the kernel conftest),
+with the Triton kernel's sweep alone (MOEMESH_FP8_GEMM=triton: no Gluon candidates on SM90 either)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from libs.kernels import fp8_gemm as G  # noqa: E402
 from libs.kernels import gemm_tuning  # noqa: E402
 from libs.kernels.quant import quant_fp8_groups  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where Triton runs (the conftest's interpreter)
+
 
 @pytest.fixture
 def timed(monkeypatch) -> list[int]:
@@ -23,6 +26,7 @@ def timed(monkeypatch) -> list[int]:
     monkeypatch.setattr(gemm_tuning, "TIMINGS", {})
     monkeypatch.setattr(gemm_tuning, "REJECTED", {})
     monkeypatch.setattr(G, "_on_gpu", lambda: True)
+    monkeypatch.setenv("MOEMESH_FP8_GEMM", "triton")  # the sweeps below count the Triton candidates only
     calls: list[int] = []
 
     def fake_time(fn) -> float:
@@ -36,11 +40,11 @@ def timed(monkeypatch) -> list[int]:
 def _weights(e, n, k, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(e, n, k, generator=g) * 2).to(G.FP8)
-    return w, torch.rand(e, -(-n // 128), k // 128, generator=g) * 0.02 + 0.005
+    return w.to(DEVICE), (torch.rand(e, -(-n // 128), k // 128, generator=g) * 0.02 + 0.005).to(DEVICE)
 
 
 def _acts(shape, seed=1):
-    return quant_fp8_groups(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)))
+    return quant_fp8_groups(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE))
 
 
 def _rel(a, b):
@@ -73,7 +77,7 @@ def test_rows_of_one_bucket_share_one_tuning_and_stay_correct(timed):
 
 def test_masked_layout_tunes_per_bucket_of_rows_per_expert(timed):
     w, ws = _weights(2, 128, 256)
-    counts = torch.tensor([5, 9], dtype=torch.int32)
+    counts = torch.tensor([5, 9], dtype=torch.int32, device=DEVICE)
     for m_max in (9, 13):
         xq, xs = _acts((2, m_max, 256), seed=m_max)
         out = G.fp8_gemm_masked(xq, xs, w, ws, counts)
