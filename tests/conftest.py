@@ -26,3 +26,16 @@ def nats_server() -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _own_tuning_cache(monkeypatch, tmp_path):
+    """FP8 GEMM tuning choices made in a test (on a GPU, often with a faked clock) go to a folder of the
+    test's own, never the user's cache, where a later benchmark on the same machine would read them; and no
+    test sees another's choices read into memory."""
+    import sys
+
+    monkeypatch.setenv("MOEMESH_TUNING_DIR", str(tmp_path / "tuning-cache"))
+    tuning = sys.modules.get("libs.kernels.gemm_tuning")
+    if tuning is not None:
+        monkeypatch.setattr(tuning, "_STORED", None)

@@ -27,11 +27,10 @@ def device() -> str:
 
 
 @pytest.fixture(autouse=True)
-def _own_tuning_tables(monkeypatch, tmp_path):
-    """Each test reads and writes GEMM tuning tables in a folder of its own (never the user's cache), and
-    starts from no stored choice."""
+def _no_shipped_tuning(monkeypatch, tmp_path):
+    """Kernel tests count and check their own tuning: no shipped table answers for them (tests/conftest.py
+    gives each test its own tuning cache)."""
     from libs.kernels import gemm_tuning
 
-    monkeypatch.setenv(gemm_tuning.CACHE_ENV, str(tmp_path / "tuning-cache"))
     monkeypatch.setattr(gemm_tuning, "SHIPPED_DIR", tmp_path / "tuning-shipped")
     monkeypatch.setattr(gemm_tuning, "_STORED", None)
