@@ -113,9 +113,8 @@ def real_dispatch(model: DeepseekV3ForCausalLM, local: int, max_tokens: int) -> 
     cfg = model.config
     if not dist.is_initialized():
         store = Path(tempfile.mkdtemp(prefix="decode-rank-")) / "store"
-        cuda = model.device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1,
-                                device_id=model.device if cuda else None)  # fmt: skip
+        dist.init_process_group("nccl" if model.device.type == "cuda" else "gloo", init_method=f"file://{store}",
+                                rank=0, world_size=1, device_id=indexed_device(model.device))  # fmt: skip
     dispatcher = FixedDispatcher(
         TorchComm(None, model.device), local, hidden=cfg.hidden_size, top_k=cfg.num_experts_per_tok,
         dtype=model.dtype, max_tokens=max_tokens, fp8=True,
@@ -123,6 +122,14 @@ def real_dispatch(model: DeepseekV3ForCausalLM, local: int, max_tokens: int) -> 
     placement = Placement.uniform(len(moe_layers(model)), local, 1)
     enable_stepped_ep(model, placement, 0, dispatcher, remap=EmulatedEP(local),
                       rows_per_expert_factor=cfg.num_experts_per_tok)  # fmt: skip
+
+
+def indexed_device(device: torch.device) -> torch.device | None:
+    """The `device_id` init_process_group takes: None off CUDA; on CUDA the device with its index (torch 2.11
+    refuses a bare "cuda": "Please use a device_id with index"), the current one when `device` names none."""
+    if device.type != "cuda":
+        return None
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def fill(engine: Engine, b: int, ctx: int, gen: int, seed: int = 0) -> list[str]:
