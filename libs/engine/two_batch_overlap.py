@@ -71,7 +71,7 @@ def split_step(step: StepInputs, s: int) -> tuple[StepInputs, StepInputs]:
     if isinstance(meta, PagedMetadata):
         ext = meta.extend_lens if meta.extend_lens is not None else [1] * meta.seq_lens.shape[0]
         t = sum(ext[:s])
-        parts = [_paged_part(step, meta, slice(0, s), ext[:s]), _paged_part(step, meta, slice(s, None), ext[s:])]
+        parts = [_paged_part(meta, slice(0, s), ext[:s]), _paged_part(meta, slice(s, None), ext[s:])]
     elif isinstance(meta, AttentionMetadata):
         t = int(meta.q_valid[:s].sum())
         parts = [_torch_part(meta, slice(0, s), 0), _torch_part(meta, slice(s, None), t)]
@@ -85,14 +85,16 @@ def split_step(step: StepInputs, s: int) -> tuple[StepInputs, StepInputs]:
     )
 
 
-def _paged_part(step: StepInputs, meta: PagedMetadata, rows: slice, ext: list[int]) -> PagedMetadata:
-    table = meta.page_table[rows]
-    splits = meta.num_splits
-    num_splits = getattr(step.backend, "num_splits", None)
-    if num_splits is not None and step.absorbed:  # split-K chosen for the micro-batch's size (host math)
-        splits = num_splits(table.shape[0], table.shape[1] * meta.page_size)
+def _paged_part(meta: PagedMetadata, rows: slice, ext: list[int]) -> PagedMetadata:
+    """One micro-batch's rows of the paged metadata, with the whole step's split-K count for the Triton MLA
+    decode. Chosen again for half the sequences, it was 2 at B=256 (128 heads: 256 programs of a micro-batch
+    of 128 already fill the 132 SMs twice over, which is all the split aims at), and the H200 micro-benchmark
+    timed B=128 at 2 splits 355 us against 596-618 us for B=256 at 1 (bench/results/kernels-20261130T*):
+    two micro-batches cost ~110 us more per layer than the whole batch, ~6.7 ms per 61-layer step, where at 1
+    split each should take about half the whole batch's time (same programs per SM, no combine pass, no
+    fp32 partials)."""
     return PagedMetadata(
-        table, meta.seq_lens[rows], meta.page_size, splits,
+        meta.page_table[rows], meta.seq_lens[rows], meta.page_size, meta.num_splits,
         None if meta.extend_lens is None else ext, None if meta.kv_lens is None else meta.kv_lens[rows],
     )  # fmt: skip
 

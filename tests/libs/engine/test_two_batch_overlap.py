@@ -200,3 +200,26 @@ def test_emulated_ep_rank_under_cuda_graphs_equal_with_and_without_tbo(batch: in
     for e, r in zip(engines, rids, strict=True):
         for _ in range(3):
             assert sorted(o.rid for o in e.step()) in ([], sorted(r))  # overlapped decode reports one step late
+
+
+def test_micro_batches_keep_the_whole_steps_split_k() -> None:
+    """The Triton MLA decode's split count is the whole step's in both micro-batches, not re-chosen for half
+    the sequences (which doubled it at B=256: two passes each with a combine where one wave did the work)."""
+    from libs.engine.layers.attention_backend import StepInputs
+    from libs.engine.layers.mla import PagedMetadata
+    from libs.engine.two_batch_overlap import split_step
+
+    class Backend:
+        name = "triton"
+
+        def num_splits(self, batch: int, max_kv: int) -> int:
+            return 512 // batch  # more splits for fewer sequences, as choose_num_splits
+
+    b, pages = 256, 40
+    meta = PagedMetadata(torch.zeros(b, pages, dtype=torch.int32), torch.full((b,), 2000, dtype=torch.int32), 64,
+                         Backend().num_splits(b, pages * 64))  # fmt: skip
+    ids = torch.arange(b)
+    step = StepInputs(ids, ids, ids, meta, Backend(), absorbed=True)  # type: ignore[arg-type]
+    a, rest = split_step(step, split_index([1] * b))
+    assert [p.meta.num_splits for p in (a, rest)] == [2, 2]
+    assert [p.meta.seq_lens.shape[0] for p in (a, rest)] == [128, 128] and rest.input_ids[0].item() == 128
