@@ -90,7 +90,8 @@ nvshmem_dir() {  # the nvidia-nvshmem-cu13 package's root (include/, lib/)
 }
 
 nccl_version() {  # $1 NCCL root (include/nccl.h) -> "major.minor.patch", empty when unreadable
-  awk '/^#define NCCL_(MAJOR|MINOR|PATCH) /{v[$2]=$3} END{if (v["NCCL_MAJOR"]!="") print v["NCCL_MAJOR"] "." v["NCCL_MINOR"] "." v["NCCL_PATCH"]}' \
+  awk '/^#define NCCL_(MAJOR|MINOR|PATCH) / { v[$2] = $3 }
+       END { if (v["NCCL_MAJOR"] != "") print v["NCCL_MAJOR"] "." v["NCCL_MINOR"] "." v["NCCL_PATCH"] }' \
     "$1/include/nccl.h" 2>/dev/null
 }
 

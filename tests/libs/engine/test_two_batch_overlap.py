@@ -167,7 +167,9 @@ def test_an_odd_batch_padded_as_its_decode_graph_pads_it_is_equal_with_and_witho
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("batch", [5, 16])
-def test_emulated_ep_rank_under_cuda_graphs_equal_with_and_without_tbo(batch: int, monkeypatch) -> None:
+def test_emulated_ep_rank_under_cuda_graphs_equal_with_and_without_tbo(
+    batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """World 1, the emulated EP rank on the fused path, decode replayed from CUDA graphs (the split forward
     captured, padded batches too), then engine steps with TBO on and off.
 
