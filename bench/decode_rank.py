@@ -24,7 +24,8 @@ host-to-device copies, the captured decode graph, sampling (one-pass Gumbel-max)
 
 `--tbo` runs every step as two overlapped micro-batches (libs.engine.two_batch_overlap; `tbo` in the
 record). With EP emulated there is no dispatch or combine to overlap: it measures what splitting the batch
-costs (half-size GEMMs and attention), not what overlap gains on a real EP group. It needs `--attn triton`.
+costs (half-size GEMMs and attention), not what overlap gains on a real EP group. It needs `--attn triton`
+or `--attn flashinfer` (one FlashInfer wrapper per micro-batch; not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def main() -> None:
     ap.add_argument("--dispatch", choices=["emulated", "real"], default="emulated",
                     help="emulated: picks mapped onto local experts in the fused MoE; real: through the EP "
                     "dispatcher at world 1")  # fmt: skip
-    ap.add_argument("--tbo", action="store_true", help="two-batch overlap (needs --attn triton)")
+    ap.add_argument("--tbo", action="store_true", help="two-batch overlap (needs --attn triton or flashinfer)")
     run(ap.parse_args())
 
 

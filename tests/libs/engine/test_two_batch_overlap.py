@@ -57,9 +57,9 @@ def test_the_schedule_launches_rounds_in_sequential_order_and_overlaps_attention
     assert log.index("b0:D") < log.index("a1:attn") < log.index("b0:C")
 
 
-def test_backends_that_plan_a_whole_forward_are_refused() -> None:
+def test_backends_it_cannot_split_are_refused() -> None:
     class Planned:
-        name = "flashinfer"
+        name = "other"
 
     with pytest.raises(ValueError, match="two-batch overlap"):
         check_backend(Planned())  # type: ignore[arg-type]
@@ -133,7 +133,7 @@ def _padded_step_logits(engine: Engine, rids: list[str], bucket: int) -> torch.T
     padded to `bucket` rows (the padding writes and reads a page no request holds) -> the requests' logits."""
     import numpy as np
 
-    from libs.engine.cuda_graph import DecodeLayout, fill_decode_inputs, static_step
+    from libs.engine.cuda_graph import DecodeLayout, fill_decode_inputs, plan_replay, static_step
 
     reqs = [engine.requests[r] for r in rids]
     held = {p for r in reqs for p in r.pages}
@@ -142,6 +142,7 @@ def _padded_step_logits(engine: Engine, rids: list[str], bucket: int) -> torch.T
     buf = np.zeros(layout.size, dtype=np.int32)
     fill_decode_inputs(buf, layout, [r.tokens[-1] for r in reqs], [r.num_tokens - 1 for r in reqs],
                        [r.pages for r in reqs], engine.page_size, scratch)  # fmt: skip
+    plan_replay(engine.runner.backend, layout, torch.from_numpy(buf), engine.page_size)  # FlashInfer's plans
     step = static_step(torch.from_numpy(buf), layout, engine.page_size, engine.runner.backend)
     with torch.inference_mode():
         return engine.model.compute_logits(engine.model.forward_step(step, engine.kv_pool))[: len(reqs)]
@@ -162,6 +163,62 @@ def test_an_odd_batch_padded_as_its_decode_graph_pads_it_is_equal_with_and_witho
         logits += [_graph_logits(engine, rids), _padded_step_logits(engine, rids, 8)]
         assert engine.model.tbo is None or engine.model.tbo.split_forwards == 2
     assert all(torch.equal(logits[0], other) for other in logits[1:])
+
+
+class FakeFlashInferMLA:
+    """flashinfer_mla.FlashInferMLA's interface over the paged torch decode: run() attends over the page table
+    and lengths of its last plan, and refuses a batch of another size (a micro-batch run on the whole batch's
+    wrapper or on the other micro-batch's)."""
+
+    def __init__(self, device, backend="fa3", workspace_mb=256, *, workspace=None, graph_batch=None, max_pages=0):
+        self.workspace = workspace if workspace is not None else torch.empty(0)
+        self.graph_batch, self.planned = graph_batch, None
+
+    def plan_host(self, seq_lens, page_table, page_size, num_heads, sm_scale, dtype=None) -> None:
+        assert seq_lens.shape[0] == self.graph_batch
+        self.planned = (torch.from_numpy(page_table.copy()), torch.from_numpy(seq_lens.copy()), page_size, sm_scale)
+
+    def plan(self, page_table, seq_lens, page_size, num_heads, sm_scale, dtype=None) -> None:
+        self.planned = (page_table.clone(), seq_lens.clone(), page_size, sm_scale)
+
+    def run(self, q_nope, q_pe, kv_layer, out=None):
+        from libs.engine.layers.mla import PagedMetadata, mla_decode_paged
+
+        assert self.planned is not None
+        table, lens, page_size, scale = self.planned
+        assert q_nope.shape[0] == lens.shape[0], f"a batch of {q_nope.shape[0]} on a plan for {lens.shape[0]}"
+        return mla_decode_paged(q_nope, q_pe, kv_layer, PagedMetadata(table, lens, page_size), scale)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="FlashInfer itself needs the GPU run")
+def test_flashinfer_decode_is_planned_per_micro_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TBO over the FlashInfer backend (its MLA wrapper faked by the paged torch decode, 16 heads so that the
+    backend takes it): the eager split plans a wrapper per micro-batch, a decode graph's inputs (batch 5 padded
+    to 8) get theirs from plan_graph, and the logits are those of TBO off and of the Triton backend."""
+    import bench.decode_rank as R
+    from libs.engine import two_batch_overlap
+    from libs.engine.layers.attention_backend import FlashInferAttention
+    from libs.engine.presets import deepseek_v3_config
+    from libs.kernels import flashinfer_mla
+
+    monkeypatch.setattr(flashinfer_mla, "FlashInferMLA", FakeFlashInferMLA)
+    monkeypatch.setattr(flashinfer_mla, "ragged_prefill_fits", lambda *dims: False)
+    torch.manual_seed(0)
+    config = deepseek_v3_config(**{**FAST, "num_attention_heads": 16, "num_key_value_heads": 16})
+    engine = R.build_engine(config, ep=8, physical=16, max_batch=8, max_ctx=64, device="cpu", dtype=torch.float16,
+                            attention="triton", page_size=16)  # fmt: skip
+    rids = R.fill(engine, 5, ctx=20, gen=4, seed=3)
+    triton = _graph_logits(engine, rids)
+    backend = FlashInferAttention(engine.config, torch.device("cpu"), torch.float16)
+    assert backend.mla is not None
+    engine.runner.backend = backend
+    logits = [_graph_logits(engine, rids)]
+    tbo = two_batch_overlap.enable(engine.model, backend)
+    logits += [_graph_logits(engine, rids), _padded_step_logits(engine, rids, 8)]
+    assert tbo.split_forwards == 2 and list(backend._graph_parts) == [8]
+    assert [p.planned[1].shape[0] for p in backend._eager_parts] == [2, 3]
+    assert [p.planned[1].shape[0] for p in backend._graph_parts[8]] == [4, 4]
+    assert all(torch.equal(triton, other) for other in logits)
 
 
 @pytest.mark.gpu
