@@ -233,8 +233,8 @@ class FlashInferAttention(TritonAttention):
             if parts is None:
                 parts = tuple(self._wrapper(n, page_table.shape[1]) for n in (s, batch - s))
                 self._graph_parts[batch] = parts
-            for mla, rows in zip(parts, (slice(0, s), slice(s, None)), strict=True):
-                mla.plan_host(seq_lens[rows], page_table[rows], page_size, self.num_heads, self.scale, self.dtype)
+            for part, rows in zip(parts, (slice(0, s), slice(s, None)), strict=True):
+                part.plan_host(seq_lens[rows], page_table[rows], page_size, self.num_heads, self.scale, self.dtype)
             self._active, self._parts = parts[0], parts
             return
         mla = self._graph_mla.get(batch)
@@ -270,8 +270,8 @@ class FlashInferAttention(TritonAttention):
             return
         if not self._eager_parts:
             self._eager_parts = (self._wrapper(), self._wrapper())
-        for mla, rows in zip(self._eager_parts, (slice(0, s), slice(s, None)), strict=True):
-            mla.plan(meta.page_table[rows], meta.seq_lens[rows], meta.page_size, self.num_heads, self.scale,
+        for part, rows in zip(self._eager_parts, (slice(0, s), slice(s, None)), strict=True):
+            part.plan(meta.page_table[rows], meta.seq_lens[rows], meta.page_size, self.num_heads, self.scale,
                      self.dtype)  # fmt: skip
         self._parts = self._eager_parts
 
