@@ -24,7 +24,8 @@ host-to-device copies, the captured decode graph, sampling (one-pass Gumbel-max)
 
 `--tbo` runs every step as two overlapped micro-batches (libs.engine.two_batch_overlap; `tbo` in the
 record). With EP emulated there is no dispatch or combine to overlap: it measures what splitting the batch
-costs (half-size GEMMs and attention), not what overlap gains on a real EP group. It needs `--attn triton`.
+costs (half-size GEMMs and attention), not what overlap gains on a real EP group. It needs `--attn triton`
+or `--attn flashinfer` (one FlashInfer wrapper per micro-batch; not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -113,10 +114,8 @@ def real_dispatch(model: DeepseekV3ForCausalLM, local: int, max_tokens: int) -> 
     cfg = model.config
     if not dist.is_initialized():
         store = Path(tempfile.mkdtemp(prefix="decode-rank-")) / "store"
-        cuda = model.device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1,
-                                # NCCL's device_id needs an index (torch 2.11 refuses a bare "cuda")
-                                device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None)  # fmt: skip
+        dist.init_process_group("nccl" if model.device.type == "cuda" else "gloo", init_method=f"file://{store}",
+                                rank=0, world_size=1, device_id=indexed_device(model.device))  # fmt: skip
     dispatcher = FixedDispatcher(
         TorchComm(None, model.device), local, hidden=cfg.hidden_size, top_k=cfg.num_experts_per_tok,
         dtype=model.dtype, max_tokens=max_tokens, fp8=True,
@@ -124,6 +123,14 @@ def real_dispatch(model: DeepseekV3ForCausalLM, local: int, max_tokens: int) -> 
     placement = Placement.uniform(len(moe_layers(model)), local, 1)
     enable_stepped_ep(model, placement, 0, dispatcher, remap=EmulatedEP(local),
                       rows_per_expert_factor=cfg.num_experts_per_tok)  # fmt: skip
+
+
+def indexed_device(device: torch.device) -> torch.device | None:
+    """The `device_id` init_process_group takes: None off CUDA; on CUDA the device with its index (torch 2.11
+    refuses a bare "cuda": "Please use a device_id with index"), the current one when `device` names none."""
+    if device.type != "cuda":
+        return None
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def fill(engine: Engine, b: int, ctx: int, gen: int, seed: int = 0) -> list[str]:
@@ -236,7 +243,7 @@ def main() -> None:
     ap.add_argument("--dispatch", choices=["emulated", "real"], default="emulated",
                     help="emulated: picks mapped onto local experts in the fused MoE; real: through the EP "
                     "dispatcher at world 1")  # fmt: skip
-    ap.add_argument("--tbo", action="store_true", help="two-batch overlap (needs --attn triton)")
+    ap.add_argument("--tbo", action="store_true", help="two-batch overlap (needs --attn triton or flashinfer)")
     run(ap.parse_args())
 
 

@@ -14,6 +14,15 @@
 # NVSHMEM, kernels JIT-compiled at run time, V1's Buffer API removed). `build` tries deep-ep first and,
 # if it fails, deepinfer-ep, so one device call says what builds; libs/ep/dispatch/deepep.py speaks V1,
 # deepep_v2.py V2 (make_dispatcher picks by what the installed deep_ep has).
+# Neither builds on the H200 image (2026-12-01, bench/NOTES-ep.md): deep-ep 1.0.0 for its missing headers
+# (PyPI has no other version; GitHub, where they are, is not reachable from the machines), deepinfer-ep
+# because its README asks NCCL >= 2.32.3 and CUDA >= 13.1 (DeepJIT) while the image has torch's NCCL 2.28.9
+# (nvidia-nccl-cu13, pinned by torch 2.11) and nvcc 13.0: its headers lack the GIN API it uses everywhere
+# (ncclGinRequest_t, ncclGin_StrongVASignalAdd, NCCL_GIN_RESOURCE_SHARING_*: in dispatch and combine, not
+# only Engram, so no define turns it off; 2.29.7's headers lack them too), and a newer libnccl (237 MB in
+# the 2.29.7 wheel) cannot travel in a 64 MiB carry. So `build` checks first and says "unbuildable" with the
+# reason instead of compiling: FORCE=1 compiles anyway; EP_NCCL_ROOT_DIR (include/, lib/) names another
+# NCCL, as deepinfer-ep's own setup reads it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dir=.gpu-pkgs/deep_ep
@@ -80,8 +89,33 @@ nvshmem_dir() {  # the nvidia-nvshmem-cu13 package's root (include/, lib/)
   python3 -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])"
 }
 
-build_one() {  # $1 sdist, $2 label; appends to the log, prints ok/failed
-  local sdist=$1 label=$2 src
+nccl_version() {  # $1 NCCL root (include/nccl.h) -> "major.minor.patch", empty when unreadable
+  awk '/^#define NCCL_(MAJOR|MINOR|PATCH) / { v[$2] = $3 }
+       END { if (v["NCCL_MAJOR"] != "") print v["NCCL_MAJOR"] "." v["NCCL_MINOR"] "." v["NCCL_PATCH"] }' \
+    "$1/include/nccl.h" 2>/dev/null
+}
+
+# why deepinfer-ep cannot build here (README: NCCL >= 2.32.3, CUDA >= 13.1), empty when it can
+deepinfer_blocker() {
+  local root ver cuda
+  root=${EP_NCCL_ROOT_DIR:-$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0])" 2>/dev/null)}
+  ver=$(nccl_version "$root")
+  cuda=$(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
+  echo "NCCL at ${root:-?}: ${ver:-unreadable}; nvcc ${cuda:-missing}" >> "$LOG"
+  # shellcheck disable=SC2086
+  set -- $(echo "${ver:-0.0.0}" | tr . " ")
+  local why=""
+  if [ $(($1 * 10000 + $2 * 100 + $3)) -lt 23203 ]; then
+    why="NCCL ${ver:-unreadable} at ${root:-?} < 2.32.3 (GIN API: ncclGinRequest_t, ncclGin_StrongVASignalAdd)"
+  fi
+  if [ -z "$cuda" ] || [ "$(printf '%s\n13.1\n' "$cuda" | sort -V | head -1)" != 13.1 ]; then
+    why="${why:+$why; }CUDA ${cuda:-none} < 13.1 (DeepJIT)"
+  fi
+  echo "$why"
+}
+
+build_one() {  # $1 sdist, $2 label; appends to the log, prints ok, failed or "unbuildable: why"
+  local sdist=$1 label=$2 src missing="" why=""
   src=$(mktemp -d /tmp/deep_ep_src.XXXX)
   tar xzf "$sdist" -C "$src"
   src=$(ls -d "$src"/*/)
@@ -90,6 +124,13 @@ build_one() {  # $1 sdist, $2 label; appends to the log, prints ok/failed
     missing=$(cd "$src/csrc" && grep -ho '#include "[^"]*"' deep_ep.cpp kernels/*.cu | sort -u | sed 's/#include "\(.*\)"/\1/' \
       | while read -r h; do [ -e "$h" ] || [ -e "kernels/$h" ] || echo "$h"; done | tr '\n' ' ')
     echo "headers the sources include that the sdist lacks: ${missing:-none}" >> "$LOG"
+    [ -n "$missing" ] && why="the sdist lacks the headers its sources include: ${missing% }"
+  fi
+  case "$label" in deepinfer_ep-*) why=$(deepinfer_blocker) ;; esac
+  if [ -n "$why" ] && [ "${FORCE:-0}" != 1 ]; then
+    echo "not compiled (FORCE=1 compiles anyway): $why" >> "$LOG"
+    echo "unbuildable: $why"
+    return
   fi
   if (cd "$src" && timeout "${BUILD_TIMEOUT:-360}" python3 -m pip wheel -v --no-build-isolation --no-deps \
         -w "$WHEELS" .) >> "$LOG" 2>&1; then
@@ -122,11 +163,14 @@ build() {
     start=$(wc -l < "$LOG")
     status=$(build_one "$sdist" "$label")
     err=""
-    if [ "$status" != ok ]; then  # the attempt's first error line, quoted for the note
+    if [ "${status%%:*}" = unbuildable ]; then
+      err=$(echo "${status#unbuildable: }" | sed 's/\\/\\\\/g; s/"/\\"/g')
+      status=unbuildable
+    elif [ "$status" != ok ]; then  # the attempt's first error line, quoted for the note
       err=$(tail -n +"$((start + 1))" "$LOG" | grep -m1 -E "error:|fatal error|Error" | cut -c1-300 \
         | sed 's/\\/\\\\/g; s/"/\\"/g; s/\t/ /g')
     fi
-    results+=("\"$label\": {\"status\": \"$status\", \"first_error\": \"$err\"}")
+    results+=("\"$label\": {\"status\": \"$status\", \"$([ "$status" = unbuildable ] && echo reason || echo first_error)\": \"$err\"}")
     if [ "$status" = ok ]; then built=$label; break; fi
   done
   if [ -n "$built" ]; then

@@ -86,7 +86,7 @@ class Engine:
         if num_pages is None:
             num_pages = default_num_pages(cfg, page_size, max_num_seqs, row_bytes)
         if two_batch_overlap and attention_backend == "auto" and device.type == "cuda":
-            attention_backend = "triton"  # FlashInfer (auto's CUDA choice) plans one forward at a time
+            attention_backend = "triton"  # FlashInfer's per-micro-batch plans have not run on a GPU yet
         graphs = cuda_graphs and decode_graphs_supported(model, attention_backend)
         # decode graphs pad their batch with rows that write one scratch page, past the allocator's pages
         pool_pages = num_pages + 1 if graphs else num_pages

@@ -5,9 +5,10 @@ two_batch_overlap.py and its operations strategy for DeepSeek decode).
 Legend: T tokens, S sequences, D hidden, K experts per token, L layers.
 
 Split (`split_index`, `split_step`): by sequences, a decode batch in half, an extend batch where half its
-tokens are reached. Each micro-batch reads views of the step's inputs and attention metadata (`torch`,
-`triton` backends; FlashInfer plans one wrapper per forward and is refused), so a captured decode graph
-holds the split forward as well.
+tokens are reached. Each micro-batch reads views of the step's inputs and attention metadata, so a captured
+decode graph holds the split forward as well. FlashInfer plans a wrapper per forward: it plans one per
+micro-batch of a decode forward (`plan_micro_batches`, or `plan_graph` before a replay; the metadata's
+`part` names which) and its extend forwards run whole (`splits_extend` False).
 
 Schedule. Each micro-batch's forward is a generator that yields between stages, three per layer:
   0  attention (with its norms) and the router               | 1  dispatch launch, shared experts
@@ -43,7 +44,7 @@ from libs.engine.layers.attention_backend import AttentionBackend, StepInputs
 from libs.engine.layers.mla import AttentionMetadata, PagedMetadata
 
 Stages = Generator[None, None, Any]  # yields between stages, returns the micro-batch's output
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "flashinfer")
 
 
 def split_index(extend_lens: Sequence[int]) -> int:
@@ -71,7 +72,10 @@ def split_step(step: StepInputs, s: int) -> tuple[StepInputs, StepInputs]:
     if isinstance(meta, PagedMetadata):
         ext = meta.extend_lens if meta.extend_lens is not None else [1] * meta.seq_lens.shape[0]
         t = sum(ext[:s])
-        parts = [_paged_part(step, meta, slice(0, s), ext[:s]), _paged_part(step, meta, slice(s, None), ext[s:])]
+        parts = [_paged_part(meta, slice(0, s), ext[:s], 0), _paged_part(meta, slice(s, None), ext[s:], 1)]
+        plan = getattr(step.backend, "plan_micro_batches", None)
+        if plan is not None and step.absorbed:
+            plan(meta, s)
     elif isinstance(meta, AttentionMetadata):
         t = int(meta.q_valid[:s].sum())
         parts = [_torch_part(meta, slice(0, s), 0), _torch_part(meta, slice(s, None), t)]
@@ -85,15 +89,17 @@ def split_step(step: StepInputs, s: int) -> tuple[StepInputs, StepInputs]:
     )
 
 
-def _paged_part(step: StepInputs, meta: PagedMetadata, rows: slice, ext: list[int]) -> PagedMetadata:
-    table = meta.page_table[rows]
-    splits = meta.num_splits
-    num_splits = getattr(step.backend, "num_splits", None)
-    if num_splits is not None and step.absorbed:  # split-K chosen for the micro-batch's size (host math)
-        splits = num_splits(table.shape[0], table.shape[1] * meta.page_size)
+def _paged_part(meta: PagedMetadata, rows: slice, ext: list[int], part: int) -> PagedMetadata:
+    """One micro-batch's rows of the paged metadata, with the whole step's split-K count for the Triton MLA
+    decode. Chosen again for half the sequences, it was 2 at B=256 (128 heads: 256 programs of a micro-batch
+    of 128 already fill the 132 SMs twice over, which is all the split aims at), and the H200 micro-benchmark
+    timed B=128 at 2 splits 355 us against 596-618 us for B=256 at 1 (bench/results/kernels-20261130T*):
+    two micro-batches cost ~110 us more per layer than the whole batch, ~6.7 ms per 61-layer step, where at 1
+    split each should take about half the whole batch's time (same programs per SM, no combine pass, no
+    fp32 partials)."""
     return PagedMetadata(
-        table, meta.seq_lens[rows], meta.page_size, splits,
-        None if meta.extend_lens is None else ext, None if meta.kv_lens is None else meta.kv_lens[rows],
+        meta.page_table[rows], meta.seq_lens[rows], meta.page_size, meta.num_splits,
+        None if meta.extend_lens is None else ext, None if meta.kv_lens is None else meta.kv_lens[rows], part,
     )  # fmt: skip
 
 
@@ -224,7 +230,8 @@ class TwoBatchOverlap:
         n = step.meta.seq_lens.shape[0] if isinstance(step.meta, PagedMetadata) else step.meta.q_index.shape[0]
         ext = getattr(step.meta, "extend_lens", None)
         s = split_index(ext if ext is not None else [1] * n) if n > 1 else n
-        if 0 < s < n:
+        whole = not step.absorbed and not getattr(step.backend, "splits_extend", True)
+        if 0 < s < n and not whole:
             a, b = split_step(step, s)
             self.split_forwards += 1
             ha, hb = run_overlapped(stages(model, a, kv), stages(model, b, kv), self.delta)
@@ -239,8 +246,7 @@ class TwoBatchOverlap:
 def check_backend(backend: AttentionBackend) -> None:
     if backend.name not in BACKENDS:
         raise ValueError(
-            f"two-batch overlap splits the attention metadata of the {BACKENDS} backends; "
-            f"{backend.name!r} plans one forward at a time"
+            f"two-batch overlap splits the attention metadata of the {BACKENDS} backends, not {backend.name!r}"
         )
 
 
@@ -248,6 +254,8 @@ def enable(model, backend: AttentionBackend) -> TwoBatchOverlap:
     """Run every forward of `model` as two overlapped micro-batches (ValueError for a backend it cannot split);
     paired when a MoE layer has an expert-parallel hook (an EP rank)."""
     check_backend(backend)
+    if hasattr(backend, "tbo"):  # FlashInfer: plan a wrapper per micro-batch
+        backend.tbo = True
     paired = any(getattr(layer.mlp, "ep", None) is not None for layer in model.model.layers)
     model.tbo = TwoBatchOverlap(paired)
     return model.tbo

@@ -68,3 +68,14 @@ def test_rank_engine_with_the_real_dispatcher_at_world_1_steps():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_the_process_group_gets_a_cuda_device_with_its_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's init_process_group refuses device_id=torch.device("cuda") ("Please use a device_id with
+    index", the H200 run of --dispatch real): a bare "cuda" becomes the current device."""
+    import bench.decode_rank as R
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert R.indexed_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert R.indexed_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert R.indexed_device(torch.device("cpu")) is None

@@ -13,7 +13,9 @@ written its new latent rows. The CUDA-graph runner (libs/engine/cuda_graph.py) b
   sequence (`mla_extend_sdpa`). Graph-safe.
 - "flashinfer": as "triton", but decode with FlashInfer's MLA kernel and extend with its ragged
   prefill. FlashInfer plans on the host: per eager forward in `prepare`, and for a captured decode graph
-  in `plan_graph` before each replay (one wrapper with fixed index buffers per batch size).
+  in `plan_graph` before each replay (one wrapper with fixed index buffers per batch size). Under two-batch
+  overlap (`tbo` set) a decode forward gets one wrapper per micro-batch, planned the same two ways
+  (`plan_micro_batches` eagerly, `plan_graph` for graphs); extend forwards are not split (`splits_extend`).
 - "auto": "triton" on CUDA, "torch" elsewhere. (FlashInfer is faster for 128-head decode, but its
   graph-vs-eager GPU test failed on the last H200 run, cause not found: it stays opt-in until it passes.)
 
@@ -185,6 +187,7 @@ class FlashInferAttention(TritonAttention):
 
     name = "flashinfer"
     graph_safe = True  # decode graphs: one wrapper per captured batch size, planned before each replay
+    splits_extend = False  # the ragged prefill is planned for the whole forward: TBO runs extend whole
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__(cfg, device, dtype, use_kernel=False)
@@ -199,10 +202,14 @@ class FlashInferAttention(TritonAttention):
         self._kv_index: torch.Tensor | None = None  # [sum K] pool slots of the extend batch's keys
         self._graph_mla: dict[int, flashinfer_mla.FlashInferMLA] = {}  # captured batch size -> its wrapper
         self._active: flashinfer_mla.FlashInferMLA | None = None  # last planned for a graph step (None: eager)
+        self.tbo = False  # two-batch overlap on (two_batch_overlap.enable): decode plans one wrapper per part
+        self._graph_parts: dict[int, tuple[flashinfer_mla.FlashInferMLA, ...]] = {}  # batch -> micro-batches'
+        self._eager_parts: tuple[flashinfer_mla.FlashInferMLA, ...] = ()
+        self._parts: tuple[flashinfer_mla.FlashInferMLA, ...] | None = None  # planned for the current step
 
     def prepare(self, batch: ForwardBatch, page_size: int, absorbed: bool) -> StepInputs:
         step = super().prepare(batch, page_size, absorbed)
-        self._active = None
+        self._active, self._parts = None, None
         meta = step.meta
         assert isinstance(meta, PagedMetadata) and meta.extend_lens is not None and meta.kv_lens is not None
         if absorbed and self.mla is not None:
@@ -220,21 +227,62 @@ class FlashInferAttention(TritonAttention):
         host copies of the step's lengths [B] and page table [B, P] (numpy)."""
         if self.mla is None:
             return
-        from libs.kernels import flashinfer_mla
-
+        s = self._split(batch)
+        if s is not None:  # the captured forward runs two micro-batches: plan theirs, not the whole batch's
+            parts = self._graph_parts.get(batch)
+            if parts is None:
+                parts = tuple(self._wrapper(n, page_table.shape[1]) for n in (s, batch - s))
+                self._graph_parts[batch] = parts
+            for part, rows in zip(parts, (slice(0, s), slice(s, None)), strict=True):
+                part.plan_host(seq_lens[rows], page_table[rows], page_size, self.num_heads, self.scale, self.dtype)
+            self._active, self._parts = parts[0], parts
+            return
         mla = self._graph_mla.get(batch)
         if mla is None:
-            mla = flashinfer_mla.FlashInferMLA(
-                self.device, workspace=self.mla.workspace, graph_batch=batch, max_pages=page_table.shape[1]
-            )
+            mla = self._wrapper(batch, page_table.shape[1])
             self._graph_mla[batch] = mla
         mla.plan_host(seq_lens, page_table, page_size, self.num_heads, self.scale, self.dtype)
-        self._active = mla
+        self._active, self._parts = mla, None
+
+    def _wrapper(self, graph_batch: int | None = None, max_pages: int = 0):
+        """A wrapper sharing the eager one's float workspace (the forwards and micro-batches using them run one
+        after another on the compute stream)."""
+        from libs.kernels import flashinfer_mla
+
+        assert self.mla is not None
+        return flashinfer_mla.FlashInferMLA(
+            self.device, workspace=self.mla.workspace, graph_batch=graph_batch, max_pages=max_pages
+        )
+
+    def _split(self, batch: int) -> int | None:
+        """Micro-batch A's sequences when TBO splits a decode forward of `batch` sequences, else None."""
+        if not self.tbo:
+            return None
+        from libs.engine.two_batch_overlap import split_index
+
+        s = split_index([1] * batch)
+        return s if 0 < s < batch else None
+
+    def plan_micro_batches(self, meta: PagedMetadata, s: int) -> None:
+        """Before TBO runs a decode forward as micro-batches of s and S - s sequences: plan one wrapper for
+        each (eagerly; a graph step's were planned by `plan_graph` before the replay)."""
+        if self.mla is None or self._active is not None:
+            return
+        if not self._eager_parts:
+            self._eager_parts = (self._wrapper(), self._wrapper())
+        for part, rows in zip(self._eager_parts, (slice(0, s), slice(s, None)), strict=True):
+            part.plan(meta.page_table[rows], meta.seq_lens[rows], meta.page_size, self.num_heads, self.scale,
+                     self.dtype)  # fmt: skip
+        self._parts = self._eager_parts
 
     def decode_latent(self, q_latent, q_pe, layer_rows, meta: PagedMetadata) -> torch.Tensor:
         if self.mla is None:
             return mla_decode_paged(q_latent, q_pe, layer_rows, meta, self.scale)
         mla = self._active if self._active is not None else self.mla
+        if meta.part is not None:
+            if self._parts is None:
+                raise RuntimeError("a micro-batch's FlashInfer decode was not planned (plan_micro_batches)")
+            mla = self._parts[meta.part]
         return mla.run(q_latent, q_pe.to(q_latent.dtype), layer_rows)
 
     def extend(self, q_nope, q_pe, layer_rows, weights: MLAWeights, meta: PagedMetadata) -> torch.Tensor:

@@ -135,6 +135,7 @@ class PagedMetadata:
     num_splits: int = 1  # Triton decode: split-K programs per sequence
     extend_lens: list[int] | None = None  # [S] new tokens per sequence (host)
     kv_lens: list[int] | None = None  # [S] host copy of seq_lens
+    part: int | None = None  # two-batch overlap: these are micro-batch 0's or 1's rows (backends planned per part)
 
 
 def gather_pages(layer_rows: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
