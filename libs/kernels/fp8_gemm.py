@@ -16,7 +16,7 @@ On a GPU the dense and masked entry points tune on first use (libs/kernels/gemm_
 kernel's tile config (`_triton_config`), and on SM90 `fp8_gemm_sm90`'s Gluon WGMMA configs and (dense)
 split-K against it (`_choose`, `_measured_split`), each timed from CUDA-graph replays, the fastest kept per
 (layout, bucket of M, N, K, experts); later calls, and CUDA-graph captures after a warm-up, reuse it. The
-contiguous layout always passes its block_m, so it keeps the Triton kernel untuned.
+contiguous layout tunes likewise with its row tile fixed at the block_m its padding used.
 """
 
 from __future__ import annotations
@@ -131,9 +131,22 @@ def configs_for(m: int) -> list[triton.Config]:
     return [c for c in _CONFIGS if low <= c.kwargs["BLOCK_M"] <= top]
 
 
-def tuning_key(layout: int, m: int, n: int, k: int, experts: int) -> tuple[int, int, int, int, int]:
-    """The key of every first-use choice for a GEMM shape: M by its bucket."""
-    return (layout, m_bucket(m), n, k, experts)
+def tuning_key(layout: int, m: int, n: int, k: int, experts: int, block_m: int | None = None) -> tuple[int, ...]:
+    """The key of every first-use choice for a GEMM shape: M by its bucket; a fixed row tile (the contiguous
+    layout's padding) appended."""
+    key = (layout, m_bucket(m), n, k, experts)
+    return key if block_m is None else (*key, block_m)
+
+
+def _tunable(layout: int, block_m: int | None) -> bool:
+    """Dense and masked GEMMs tune their whole tile; the contiguous layout (prefill's MoE, ~60% of a V3
+    prefill's FLOPs) tunes all but the row tile, which its per-expert padding fixes. A dense or masked call
+    that names its block_m keeps the untuned kernel."""
+    return _on_gpu() and (block_m is None or layout == CONTIGUOUS)
+
+
+def _triton_candidates(m: int, block_m: int | None) -> list[triton.Config]:
+    return configs_for(m) if block_m is None else [c for c in _CONFIGS if c.kwargs["BLOCK_M"] == block_m]
 
 
 def _default_block_m(m: int) -> int:
@@ -143,8 +156,8 @@ def _default_block_m(m: int) -> int:
 def _launch(a, a_s, w, w_s, out, m, counts, tile_expert, layout, grid_e, block_m=None):
     """Strides are given for 3-D (expert-major) tensors; 2-D ones are viewed with one expert."""
     a3, s3, w3, ws3, c3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (a, a_s, w, w_s, out))
-    if _on_gpu() and block_m is None:
-        choice = _choose(layout, a3, s3, w3, ws3, c3, m, counts, tile_expert, grid_e)
+    if _tunable(layout, block_m):
+        choice = _choose(layout, a3, s3, w3, ws3, c3, m, counts, tile_expert, grid_e, block_m)
         if choice is not None:  # the Gluon WGMMA kernel measured faster on this shape
             _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, choice)
             return
@@ -161,7 +174,8 @@ def _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, 
         w3.stride(0), w3.stride(1), ws3.stride(0), ws3.stride(1), ws3.stride(2),
         c_es, c3.stride(1),
     )  # fmt: skip
-    if _on_gpu() and block_m is None:
+    candidates = _triton_candidates(m, block_m) if _tunable(layout, block_m) else []
+    if candidates:
 
         def run(cfg: triton.Config) -> None:
             bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
@@ -170,8 +184,8 @@ def _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, 
                 num_stages=cfg.num_stages,
             )  # fmt: skip
 
-        key = tuning_key(layout, m, n, k, grid_e)
-        run(gemm_tuning.fastest(_TRITON_CONFIG, key, configs_for(m), run, table="triton_config"))
+        key = tuning_key(layout, m, n, k, grid_e, block_m)
+        run(gemm_tuning.fastest(_TRITON_CONFIG, key, candidates, run, table="triton_config"))
     else:
         bm = block_m or _default_block_m(m)
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, 128), grid_e)
@@ -203,19 +217,21 @@ def _sm90_candidates(layout, a3, w3, k_blocks) -> list[tuple]:
     return [c for c in fp8_gemm_sm90.CONFIGS if k_blocks % c[4] == 0 and (layout == DENSE or n % c[1] == 0)]
 
 
-def _choose(layout, a3, s3, w3, ws3, c3, m, counts, tile_expert, grid_e):
+def _choose(layout, a3, s3, w3, ws3, c3, m, counts, tile_expert, grid_e, block_m=None):
     """The Triton kernel or the fastest Gluon config for this shape's bucket (timed once per bucket, first
-    use in warm-up, never under graph capture); everything but SM90 keeps the Triton kernel."""
-    key = tuning_key(layout, m, w3.shape[1], w3.shape[2], grid_e)
+    use in warm-up, never under graph capture); everything but SM90 keeps the Triton kernel. A fixed
+    block_m admits only the Gluon configs of that row tile."""
+    key = tuning_key(layout, m, w3.shape[1], w3.shape[2], grid_e, block_m)
     if key not in _KERNEL_CHOICE:
         cands = _sm90_candidates(layout, a3, w3, w3.shape[2] // GROUP)
+        cands = [c for c in cands if block_m is None or c[0] == block_m]
         if not cands:
             _KERNEL_CHOICE[key] = None
             return None
 
         def run(cfg):
             if cfg is None:
-                _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, None)
+                _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, block_m)
             else:
                 _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cfg)
 

@@ -169,3 +169,21 @@ def test_the_sweep_keeps_row_tiles_that_fit_the_bucket():
     }
     assert sum(len(G.configs_for(1 << i)) for i in range(13)) == 56
     assert all(c in G._CONFIGS for b in heights for c in G.configs_for(b))
+
+
+def test_contiguous_layout_tunes_all_but_its_row_tile(timed):
+    """Prefill's grouped GEMM: rows padded per expert to block_m, so only configs of that row tile compete,
+    once per bucket of M (keyed with block_m); padding tiles stay untouched and each tile uses its expert."""
+    w, ws = _weights(3, 128, 256)
+    tile_expert = torch.tensor([2, 2, -1, 0], dtype=torch.int32, device=DEVICE)
+    with_tile_16 = [c for c in G._CONFIGS if c.kwargs["BLOCK_M"] == 16]
+    for seed in (1, 2):
+        xq, xs = _acts((64, 256), seed=seed)
+        out = torch.full((64, 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        G.fp8_gemm_contiguous(xq, xs, w, ws, tile_expert, 16, out=out)
+        ref = G.fp8_gemm_reference(xq, xs, w, ws)
+        for t, e in enumerate(tile_expert.tolist()):
+            rows = slice(16 * t, 16 * (t + 1))
+            assert out[rows].isnan().all() if e < 0 else _rel(out[rows], ref[e, rows]) < 1e-2
+    assert len(timed) == len(with_tile_16)  # the second call reused the bucket's choice
+    assert {(G.CONTIGUOUS, 64, 128, 256, 1, 16): with_tile_16[-1]} == G._TRITON_CONFIG
