@@ -3,6 +3,10 @@ MTP at batch 1, 8 and 32, through the Engine API (scheduling, paging, sampling, 
 
     python -m bench.mtp [--batches 1,8,32 --ks 0,1,2,3 --decode-tokens 64 --temperature 0]
     python -m bench.mtp --gpu [--layers 4 --ctx 1000 --attn triton --batches 1,8,32 --ks 1,2,3]
+    python -m bench.mtp --host [--batches 1,8,32 --ks 1,3 --host-steps 40]
+
+--host: the host time of one MTP step on CPU (time outside forwards, host reads of tensor values) on the
+GPU's row/graph path (bench/mtp_host.py), written to bench/results/mtp-host-<time>.json.
 
 --gpu: draft + verify step time at DeepSeek-V3 width with random FP8 weights (bench/mtp_gpu.py), written
 to bench/results/mtp-gpu-<attn>-<time>.json (or under $OUT).
@@ -124,7 +128,17 @@ def main() -> None:
     ap.add_argument("--attn", choices=["auto", "triton", "flashinfer"], default="triton", help="--gpu")
     ap.add_argument("--warmup", type=int, default=3, help="--gpu: untimed steps (graph captures)")
     ap.add_argument("--iters", type=int, default=10, help="--gpu: timed steps")
+    ap.add_argument("--host", action="store_true", help="host ms per MTP step on CPU (bench/mtp_host.py)")
+    ap.add_argument("--host-steps", type=int, default=40, help="--host: timed steps")
     args = ap.parse_args()
+    if args.host:
+        from bench import mtp_host
+        from bench.harness import write_results
+
+        result = mtp_host.run(args)
+        result["command"] = "python -m bench.mtp --host " + f"--batches {args.batches} --ks {args.ks}"
+        print("wrote", write_results("mtp-host", [result]))
+        return
     if args.gpu:
         from bench import mtp_gpu
 
