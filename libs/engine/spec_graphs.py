@@ -38,6 +38,7 @@ from libs.engine.layers.attention_backend import AttentionBackend, StepInputs, T
 from libs.engine.runner import Chunk
 
 Body = Callable[[StepInputs, torch.Tensor | None], tuple[torch.Tensor, ...]]
+IdsPatch = Callable[[torch.Tensor], object]  # rows' input ids [n] on the device -> written in place
 
 
 def chunk_rows(chunks: Sequence[Chunk]) -> tuple[list[int], list[int], list[list[int]]]:
@@ -102,10 +103,12 @@ class RowGraphRunner:
 
     def run(
         self, tokens: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
-        hidden: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None, patch_ids: IdsPatch | None = None,
     ) -> tuple[torch.Tensor, ...]:  # fmt: skip
         """The body's outputs for n rows ([n, ...] views of the graph's outputs). hidden [n, D]: the rows'
-        hidden input (required iff the runner has hidden_dim). GraphCaptureError: nothing replayed."""
+        hidden input (required iff the runner has hidden_dim). patch_ids: writes token ids the host does
+        not know (drafts still on the device) into the rows' device ids [n] before the replay; `tokens`
+        holds placeholders there. GraphCaptureError: nothing replayed."""
         n = len(tokens)
         b = bucket_for(n, self.sizes)
         if b is None:
@@ -124,6 +127,8 @@ class RowGraphRunner:
         )
         self._plan(g)
         g.packed.copy_(g.staging, non_blocking=True)
+        if patch_ids is not None:
+            patch_ids(g.packed[:n])
         if hidden is not None and g.hidden is not None:
             g.hidden[:n].copy_(hidden)
         g.copied.record()

@@ -30,6 +30,8 @@ Legend: T tokens in a forward, V vocabulary, D hidden, k draft tokens.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,25 +51,73 @@ from libs.engine.outputs import StepOutput
 from libs.engine.request import Request, Status
 from libs.engine.runner import Chunk, build_batch
 from libs.engine.sampling import SamplingParams, TokenLogprob, sample, sampling_probs
-from libs.engine.spec_graphs import RowGraphRunner, chunk_rows, row_chunks
+from libs.engine.spec_graphs import IdsPatch, RowGraphRunner, chunk_rows, row_chunks
 from libs.tokenizer import Tokenizer
 
 log = logging.getLogger("moemesh.engine")
 
 
-@dataclass
+class DraftBatch:
+    """One step's draft tokens, [S, k] int64 on the device (row i: the i-th drafting request's, the tail
+    past its own k unused). The host reads them once, when first needed: with the next verify's argmax in
+    one read where that verify took them on the device (`MTPEngine._verify`), else on their own."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.device_tokens = tokens
+        self.host: list[list[int]] | None = None
+
+    def rows(self) -> list[list[int]]:
+        if self.host is None:
+            self.host = self.device_tokens.tolist()
+        return self.host
+
+
 class Draft:
-    tokens: list[int]
-    probs: torch.Tensor | None  # [k, V] the draft distributions the tokens came from (sampled requests)
+    """A request's draft tokens (a host list, or the first n of row `row` of a DraftBatch) and, for a
+    sampled request, the distributions [k, V] they were drawn from."""
+
+    def __init__(
+        self, tokens: list[int] | None = None, probs: torch.Tensor | None = None, *,
+        batch: DraftBatch | None = None, row: int = 0, n: int = 0,
+    ) -> None:  # fmt: skip
+        if (tokens is None) == (batch is None):
+            raise ValueError("a Draft is a host token list or a row of a DraftBatch")
+        self._tokens, self.probs, self.batch, self.row = tokens, probs, batch, row
+        self.n = len(tokens) if tokens is not None else n
+
+    @property
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            assert self.batch is not None
+            self._tokens = self.batch.rows()[self.row][: self.n]
+        return self._tokens
 
 
 @dataclass
 class Verified:
-    """Target hidden states [m, D] at positions start..start+m-1 whose MTP rows are still to be made."""
+    """Target hidden states src[off:off+m] [m, D] at positions start..start+m-1 whose MTP rows are still
+    to be made."""
 
     req: Request
     start: int
-    hidden: torch.Tensor
+    src: torch.Tensor
+    off: int
+    m: int
+
+
+def gather_rows(verified: Sequence[Verified]) -> torch.Tensor:
+    """The verified hidden states [sum m, D], in order: one index_select where they share a forward."""
+    src = verified[0].src
+    if any(v.src is not src for v in verified):
+        return torch.cat([v.src[v.off : v.off + v.m] for v in verified])
+    rows = [r for v in verified for r in range(v.off, v.off + v.m)]
+    if rows == list(range(src.shape[0])):
+        return src
+    return src.index_select(0, torch.tensor(rows, device=src.device))
+
+
+def _copy_from(src: torch.Tensor) -> IdsPatch:
+    return lambda ids: ids.copy_(src)
 
 
 def accept_greedy(target: list[int], drafted: list[int]) -> list[int]:
@@ -208,7 +258,7 @@ class MTPEngine(Engine):
         hidden = self._target([self._chunk(req, n) for req, n in items])
         last, done, off = [], [], 0
         for req, n in items:
-            verified.append(Verified(req, req.num_computed, hidden[off : off + n]))
+            verified.append(Verified(req, req.num_computed, hidden, off, n))
             req.num_computed += n
             off += n
             if req.num_computed == req.num_tokens:
@@ -223,12 +273,15 @@ class MTPEngine(Engine):
 
     def _verify(self, decode: list[Request], verified: list[Verified]) -> list[StepOutput]:
         drafts = [self._drafts.pop(r.rid, None) for r in decode]
-        chunks = [
-            Chunk(r.tokens[r.num_computed :] + (d.tokens if d else []), r.num_computed, r.pages)
-            for r, d in zip(decode, drafts, strict=True)
-        ]
-        hidden, logits = self._verify_forward(chunks)
-        argmax = logits.argmax(dim=-1).tolist()
+        fed = self._fed_drafts(drafts)
+        chunks = []
+        for r, d in zip(decode, drafts, strict=True):
+            new = r.token_slice(r.num_computed, r.num_tokens - r.num_computed)  # [t_c]
+            if d is not None:  # placeholders where the verify takes the drafts on the device
+                new = new + ([0] * d.n if fed is not None else d.tokens)
+            chunks.append(Chunk(new, r.num_computed, r.pages))
+        hidden, logits = self._verify_forward(chunks, fed)
+        argmax = self._read_argmax(logits, fed)
         outputs, off = [], 0
         for req, draft, chunk in zip(decode, drafts, chunks, strict=True):
             n = len(chunk.tokens)
@@ -239,12 +292,46 @@ class MTPEngine(Engine):
             self.num_verified += 1
             self.num_drafted += n - 1
             self.num_accepted += len(tokens) - 1
-            verified.append(Verified(req, req.num_computed, hidden[off : off + len(tokens)]))
+            verified.append(Verified(req, req.num_computed, hidden, off, len(tokens)))
             req.num_computed += len(tokens)
             lps = token_logprobs(logits[off : off + n], tokens, req.params)
             outputs.append(self._emit(req, tokens, lps))
             off += n
         return outputs
+
+    def _fed_drafts(self, drafts: list[Draft | None]) -> tuple[DraftBatch, torch.Tensor | None] | None:
+        """When the verify rows can take every request's drafts on the device (all k of them, from one
+        DraftBatch not yet read, graphs on): the batch and the index of its rows in decode order (None:
+        all rows in order). The host then reads them with the verify's argmax, one device sync."""
+        if self.verify_graphs is None or not drafts or any(d is None or d.batch is None for d in drafts):
+            return None
+        batch = drafts[0].batch  # type: ignore[union-attr]
+        assert batch is not None
+        if batch.host is not None or batch.device_tokens.shape[1] != self.k:
+            return None
+        if any(d.batch is not batch or d.n != self.k for d in drafts):  # type: ignore[union-attr]
+            return None
+        rows = [d.row for d in drafts]  # type: ignore[union-attr]
+        if rows == list(range(batch.device_tokens.shape[0])):
+            return batch, None
+        return batch, torch.tensor(rows, device=batch.device_tokens.device)
+
+    @staticmethod
+    def _fed_tokens(fed: tuple[DraftBatch, torch.Tensor | None]) -> torch.Tensor:
+        batch, rows = fed
+        return batch.device_tokens if rows is None else batch.device_tokens.index_select(0, rows)
+
+    def _read_argmax(
+        self, logits: torch.Tensor, fed: tuple[DraftBatch, torch.Tensor | None] | None
+    ) -> list[int]:
+        """The target's argmax at every verify row on the host; a fed DraftBatch comes in the same read."""
+        argmax = logits.argmax(dim=-1)
+        if fed is None or fed[0].host is not None:
+            return argmax.tolist()
+        batch, n, k = fed[0], argmax.shape[0], self.k
+        flat = torch.cat([argmax, batch.device_tokens.flatten()]).tolist()
+        batch.host = [flat[i : i + k] for i in range(n, len(flat), k)]
+        return flat[:n]
 
     def _emit(self, req: Request, tokens: list[int], lps: list[TokenLogprob] | None) -> StepOutput:
         """Append tokens one by one through the stop checks; a stop drops the tokens after it."""
@@ -275,58 +362,94 @@ class MTPEngine(Engine):
         live = [v for v in verified if v.req.status is Status.RUNNING and v.req.rid in self.requests]
         if not live:
             return
-        chunks = [
-            Chunk(v.req.tokens[v.start + 1 : v.start + 1 + len(v.hidden)], v.start, v.req.pages) for v in live
-        ]
-        g = self._mtp_forward(chunks, torch.cat([v.hidden for v in live]))
-        ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0) - 1
+        chunks = [Chunk(v.req.token_slice(v.start + 1, v.m), v.start, v.req.pages) for v in live]
+        g = self._mtp_forward(chunks, gather_rows(live))
+        ends = list(itertools.accumulate(len(c.tokens) for c in chunks))
         want = [(i, v.req, self._draft_len(v.req)) for i, v in enumerate(live) if v.req.in_decode]
         want = [(i, r, k) for i, r, k in want if k > 0 and self._room_for_drafts(r, k)]
         if not want:
             return
         reqs, ks = [r for _, r, _ in want], [k for _, _, k in want]
-        g = g[ends[[i for i, _, _ in want]]]  # [S, D]: the state after each request's newest token
-        tokens: list[list[int]] = [[] for _ in reqs]
+        last = [ends[i] - 1 for i, _, _ in want]
+        if last != list(range(g.shape[0])):  # [S, D]: the state after each request's newest token
+            g = g.index_select(0, torch.tensor(last, device=g.device))
+        tokens, probs = self._chain(g, reqs, ks)
+        batch = DraftBatch(tokens)
+        for i, (r, k) in enumerate(zip(reqs, ks, strict=True)):
+            qs = probs[i]
+            self._drafts[r.rid] = Draft(None, torch.stack(qs) if qs else None, batch=batch, row=i, n=k)
+
+    def _chain(
+        self, g: torch.Tensor, reqs: list[Request], ks: list[int]
+    ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """Draft ks[i] tokens per request from the MTP states g [S, D], on the device: each step's tokens
+        feed the next step's rows there (no host read). -> tokens [S, max k] and sampled rows' q's."""
+        out = torch.zeros(len(reqs), max(ks), dtype=torch.long, device=g.device)
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        active = list(range(len(reqs)))
+        active, prev = list(range(len(reqs))), None
         for j in range(max(ks)):
             if j:  # one more position: the last draft as input, the module's own state as "hidden"
                 still = [i for i in active if ks[i] > j]
-                g = g[[active.index(i) for i in still]]
-                active = still
-                steps = [Chunk([tokens[i][-1]], reqs[i].num_tokens - 2 + j, reqs[i].pages) for i in active]
-                g = self._mtp_forward(steps, g)
+                if len(still) < len(active):
+                    keep = torch.tensor([active.index(i) for i in still], device=g.device)
+                    g, prev, active = g.index_select(0, keep), prev.index_select(0, keep), still
+                steps = [Chunk([0], reqs[i].num_tokens - 2 + j, reqs[i].pages) for i in active]
+                g = self._mtp_forward(steps, g, prev)
             logits = self.mtp.compute_logits(g)
-            argmax = logits.argmax(dim=-1).tolist()
+            tok = logits.argmax(dim=-1)
             for row, i in enumerate(active):
-                tok, q = (argmax[row], None) if reqs[i].params.greedy else self._propose(logits[row], reqs[i])
-                tokens[i].append(tok)
-                if q is not None:
+                if not reqs[i].params.greedy:
+                    t, q = self._propose(logits[row], reqs[i])
+                    tok[row : row + 1] = t
                     probs[i].append(q)
-        for r, toks, qs in zip(reqs, tokens, probs, strict=True):
-            self._drafts[r.rid] = Draft(toks, torch.stack(qs) if qs else None)
+            if len(active) == len(reqs):
+                out[:, j] = tok
+            else:
+                out[torch.tensor(active, device=g.device), j] = tok
+            prev = tok
+        return out, probs
 
-    def _mtp_forward(self, chunks: Sequence[Chunk], hidden: torch.Tensor) -> torch.Tensor:
+    def _mtp_forward(
+        self, chunks: Sequence[Chunk], hidden: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Short chunks (what follows a verify) attend in latent space, as the verify does: the expanded
         form would re-expand every cached row of the sequence for a token or two. On the paged backends
-        they run as decode rows, replayed from a CUDA graph where one is captured."""
+        they run as decode rows, replayed from a CUDA graph where one is captured. tokens [T] (device):
+        the input tokens, read on the device (chained drafts); the chunks' tokens are then placeholders."""
         short = max(len(c.tokens) for c in chunks) <= self.k + 1
         if short and self._rows:
-            out = self._replay("draft_graphs", chunks, hidden)
+            patch = None if tokens is None else _copy_from(tokens)
+            out = self._replay("draft_graphs", chunks, hidden, patch)
             if out is not None:
                 return out[0]
             chunks = row_chunks(chunks)
         batch = build_batch(chunks, self.page_size)
         step = self.runner.backend.prepare(batch, self.page_size, short)
+        if tokens is not None:
+            step = dataclasses.replace(step, input_ids=tokens.to(step.input_ids.device, step.input_ids.dtype))
         return self.mtp.draft_step(step, hidden, self.mtp_pool)
 
     # --- verify and draft as decode rows, CUDA graphs (spec_graphs.py) ---
-    def _verify_forward(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's hidden [T, D] and float32 logits [T, V] at every token of the verify chunks."""
+    def _verify_forward(
+        self, chunks: Sequence[Chunk], fed: tuple[DraftBatch, torch.Tensor | None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's hidden [T, D] and float32 logits [T, V] at every token of the verify chunks. fed
+        (`_fed_drafts`): the chunks' drafts are placeholders, their tokens on the device."""
         if self._rows:
-            out = self._replay("verify_graphs", chunks)
+            patch = None
+            if fed is not None:
+                drafts = self._fed_tokens(fed)
+                patch = lambda ids: ids.view(-1, self.k + 1)[:, 1:].copy_(drafts)  # noqa: E731
+            out = self._replay("verify_graphs", chunks, patch_ids=patch)
             if out is not None:
                 return out[0], out[1]
+        if fed is not None:  # no graph ran: the drafts come to the host
+            rows = fed[0].rows()
+            order = range(len(chunks)) if fed[1] is None else fed[1].tolist()
+            chunks = [
+                Chunk(c.tokens[:1] + rows[i], c.start, c.pages) for c, i in zip(chunks, order, strict=True)
+            ]
+        if self._rows:
             hidden = self._target(row_chunks(chunks))  # one-token chunks: the absorbed decode form
         else:
             hidden = self._target(chunks, absorbed=True)
@@ -363,7 +486,9 @@ class MTPEngine(Engine):
         )
         return verify, draft
 
-    def _replay(self, which: str, chunks: Sequence[Chunk], hidden=None) -> tuple[torch.Tensor, ...] | None:
+    def _replay(
+        self, which: str, chunks: Sequence[Chunk], hidden=None, patch_ids: IdsPatch | None = None
+    ) -> tuple[torch.Tensor, ...] | None:
         """The chunks' rows through `which` graphs ("verify_graphs" / "draft_graphs"); None when there are
         none, the rows do not fit, or the capture failed (those graphs are then off for this engine)."""
         runner: RowGraphRunner | None = getattr(self, which)
@@ -373,16 +498,17 @@ class MTPEngine(Engine):
         if not runner.can_run(len(tokens), positions):
             return None
         try:
-            return runner.run(tokens, positions, tables, hidden)
+            return runner.run(tokens, positions, tables, hidden, patch_ids)
         except GraphCaptureError:
             log.warning("MTP %s off for this engine: capture failed", which, exc_info=True)
             setattr(self, which, None)
             return None
 
-    def _propose(self, logits: torch.Tensor, req: Request) -> tuple[int, torch.Tensor]:
-        """A sampled request's draft token from the MTP distribution q (filtered as the target's)."""
+    def _propose(self, logits: torch.Tensor, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sampled request's draft token [1] (on the device) from the MTP distribution q (filtered as
+        the target's)."""
         q = sampling_probs(logits[None], [req.params])[0]
-        return int(torch.multinomial(q, 1, generator=req.generator)), q
+        return torch.multinomial(q, 1, generator=req.generator), q
 
     def _draft_len(self, req: Request) -> int:
         """k, but no draft past max_tokens or the context length."""
