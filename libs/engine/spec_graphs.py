@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from libs.engine.cuda_graph import (
@@ -51,6 +52,41 @@ def chunk_rows(chunks: Sequence[Chunk]) -> tuple[list[int], list[int], list[list
         positions += range(c.start, c.start + len(c.tokens))
         tables += [c.pages] * len(c.tokens)
     return tokens, positions, tables
+
+
+def fill_chunk_inputs(
+    buf: np.ndarray, layout: DecodeLayout, chunks: Sequence[Chunk], page_size: int, scratch_page: int
+) -> int:
+    """`fill_decode_inputs` of `chunk_rows(chunks)`, written chunk by chunk: a chunk's rows share one page
+    table (its last row's; entries past a row's own KV are never read), converted once, not per row.
+    -> n, the rows written (rows n..b-1 are padding)."""
+    ids, pos, slots, lens, table = layout.views(buf)
+    r = 0
+    for c in chunks:
+        m, end = len(c.tokens), c.start + len(c.tokens)
+        need = (end - 1) // page_size + 1
+        if m < 1 or r + m > layout.batch or need > layout.max_pages or len(c.pages) < need:
+            raise ValueError(
+                f"chunk of {m} tokens at {c.start} needs {need} pages; it has {len(c.pages)}, graphs hold "
+                f"{layout.max_pages} pages and {layout.batch} rows ({r} taken)"
+            )
+        if m == 1:  # a one-token chunk: scalar writes beat array ops
+            ids[r], pos[r], lens[r] = c.tokens[0], c.start, end
+            table[r, :need] = c.pages[:need]
+            slots[r] = c.pages[c.start // page_size] * page_size + c.start % page_size
+        else:
+            pages = np.asarray(c.pages[:need], dtype=np.int64)
+            p = np.arange(c.start, end)
+            ids[r : r + m], pos[r : r + m], lens[r : r + m] = c.tokens, p, p + 1
+            table[r : r + m, :need] = pages
+            slots[r : r + m] = pages[p // page_size] * page_size + p % page_size
+        r += m
+    if r < 1:
+        raise ValueError("no rows to fill")
+    ids[r:], pos[r:], lens[r:] = 0, 0, 1
+    slots[r:] = scratch_page * page_size
+    table[r:, 0] = scratch_page
+    return r
 
 
 def row_chunks(chunks: Sequence[Chunk]) -> list[Chunk]:
@@ -101,6 +137,13 @@ class RowGraphRunner:
             return False
         return all(p // self.page_size < self.max_pages for p in positions)
 
+    def can_run_chunks(self, chunks: Sequence[Chunk]) -> bool:
+        """The chunks' rows fit a captured size and the table width."""
+        n = sum(len(c.tokens) for c in chunks)
+        if n < 1 or bucket_for(n, self.sizes) is None:
+            return False
+        return all((c.start + len(c.tokens) - 1) // self.page_size < self.max_pages for c in chunks)
+
     def run(
         self, tokens: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
         hidden: torch.Tensor | None = None, patch_ids: IdsPatch | None = None,
@@ -109,7 +152,26 @@ class RowGraphRunner:
         hidden input (required iff the runner has hidden_dim). patch_ids: writes token ids the host does
         not know (drafts still on the device) into the rows' device ids [n] before the replay; `tokens`
         holds placeholders there. GraphCaptureError: nothing replayed."""
-        n = len(tokens)
+
+        def fill(buf: np.ndarray, layout: DecodeLayout) -> None:
+            fill_decode_inputs(buf, layout, tokens, positions, tables, self.page_size, self.scratch_page)
+
+        return self._run(len(tokens), fill, hidden, patch_ids)
+
+    def run_chunks(
+        self, chunks: Sequence[Chunk], hidden: torch.Tensor | None = None, patch_ids: IdsPatch | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """`run` over `chunk_rows(chunks)`, packed chunk by chunk (`fill_chunk_inputs`)."""
+
+        def fill(buf: np.ndarray, layout: DecodeLayout) -> None:
+            fill_chunk_inputs(buf, layout, chunks, self.page_size, self.scratch_page)
+
+        return self._run(sum(len(c.tokens) for c in chunks), fill, hidden, patch_ids)
+
+    def _run(
+        self, n: int, fill: Callable[[np.ndarray, DecodeLayout], None], hidden: torch.Tensor | None,
+        patch_ids: IdsPatch | None,
+    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
         b = bucket_for(n, self.sizes)
         if b is None:
             raise ValueError(f"{n} rows exceed the largest captured size {self.sizes[-1]}")
@@ -122,9 +184,7 @@ class RowGraphRunner:
             except Exception as e:
                 raise GraphCaptureError(f"capturing {n} rows (bucket {b}) failed: {e!r}") from e
         g.copied.synchronize()  # staging may be rewritten only once its last copy is done
-        fill_decode_inputs(
-            g.staging.numpy(), g.layout, tokens, positions, tables, self.page_size, self.scratch_page
-        )
+        fill(g.staging.numpy(), g.layout)
         self._plan(g)
         g.packed.copy_(g.staging, non_blocking=True)
         if patch_ids is not None:

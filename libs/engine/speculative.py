@@ -51,7 +51,7 @@ from libs.engine.outputs import StepOutput
 from libs.engine.request import Request, Status
 from libs.engine.runner import Chunk, build_batch
 from libs.engine.sampling import SamplingParams, TokenLogprob, sample, sampling_probs
-from libs.engine.spec_graphs import IdsPatch, RowGraphRunner, chunk_rows, row_chunks
+from libs.engine.spec_graphs import IdsPatch, RowGraphRunner, row_chunks
 from libs.tokenizer import Tokenizer
 
 log = logging.getLogger("moemesh.engine")
@@ -387,13 +387,14 @@ class MTPEngine(Engine):
         out = torch.zeros(len(reqs), max(ks), dtype=torch.long, device=g.device)
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active, prev = list(range(len(reqs))), None
+        base = [r.num_tokens - 2 for r in reqs]  # step j writes the MTP row at base + j
         for j in range(max(ks)):
             if j:  # one more position: the last draft as input, the module's own state as "hidden"
                 still = [i for i in active if ks[i] > j]
                 if len(still) < len(active):
                     keep = torch.tensor([active.index(i) for i in still], device=g.device)
                     g, prev, active = g.index_select(0, keep), prev.index_select(0, keep), still
-                steps = [Chunk([0], reqs[i].num_tokens - 2 + j, reqs[i].pages) for i in active]
+                steps = [Chunk([0], base[i] + j, reqs[i].pages) for i in active]
                 g = self._mtp_forward(steps, g, prev)
             logits = self.mtp.compute_logits(g)
             tok = logits.argmax(dim=-1)
@@ -494,11 +495,10 @@ class MTPEngine(Engine):
         runner: RowGraphRunner | None = getattr(self, which)
         if runner is None:
             return None
-        tokens, positions, tables = chunk_rows(chunks)
-        if not runner.can_run(len(tokens), positions):
+        if not runner.can_run_chunks(chunks):
             return None
         try:
-            return runner.run(tokens, positions, tables, hidden, patch_ids)
+            return runner.run_chunks(chunks, hidden, patch_ids)
         except GraphCaptureError:
             log.warning("MTP %s off for this engine: capture failed", which, exc_info=True)
             setattr(self, which, None)
