@@ -384,7 +384,7 @@ class MTPEngine(Engine):
     ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """Draft ks[i] tokens per request from the MTP states g [S, D], on the device: each step's tokens
         feed the next step's rows there (no host read). -> tokens [S, max k] and sampled rows' q's."""
-        out = torch.zeros(len(reqs), max(ks), dtype=torch.long, device=g.device)
+        cols: list[torch.Tensor] = []  # [S] per step
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active, prev = list(range(len(reqs))), None
         base = [r.num_tokens - 2 for r in reqs]  # step j writes the MTP row at base + j
@@ -404,11 +404,13 @@ class MTPEngine(Engine):
                     tok[row : row + 1] = t
                     probs[i].append(q)
             if len(active) == len(reqs):
-                out[:, j] = tok
+                cols.append(tok)
             else:
-                out[torch.tensor(active, device=g.device), j] = tok
+                cols.append(
+                    torch.zeros_like(cols[0]).index_copy_(0, torch.tensor(active, device=g.device), tok)
+                )
             prev = tok
-        return out, probs
+        return torch.stack(cols, dim=1), probs
 
     def _mtp_forward(
         self, chunks: Sequence[Chunk], hidden: torch.Tensor, tokens: torch.Tensor | None = None

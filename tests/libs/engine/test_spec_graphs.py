@@ -44,13 +44,17 @@ def test_chunks_become_one_row_per_token():
     assert chunk_rows([]) == ([], [], [])
 
 
-def test_chunk_fill_packs_what_the_row_fill_packs():
-    """Chunk by chunk == row by row on everything a row reads (its table up to its own KV), padding too."""
+@pytest.mark.parametrize("many", [False, True])
+def test_chunk_fill_packs_what_the_row_fill_packs(many):
+    """Chunk by chunk (few chunks) or whole-array (many) == row by row on everything a row reads (its
+    table up to its own KV), padding too."""
     chunks = [Chunk([7, 8, 9], 6, [3, 4, 5]), Chunk([1], 0, [6]), Chunk([2, 3], 7, [0, 1, 2, 9])]
-    layout = DecodeLayout(8, 4)
+    if many:
+        chunks += [Chunk([40 + i], 4 * i + 1, [20 + j for j in range(i + 1)]) for i in range(6)]
+    layout = DecodeLayout(16, 6)
     rows, chunked = np.full(layout.size, -1, np.int32), np.full(layout.size, -1, np.int32)
     fill_decode_inputs(rows, layout, *chunk_rows(chunks), 4, 11)
-    assert fill_chunk_inputs(chunked, layout, chunks, 4, 11) == 6
+    assert fill_chunk_inputs(chunked, layout, chunks, 4, 11) == len(chunk_rows(chunks)[0])
     *heads, table = layout.views(rows)
     *got_heads, got_table = layout.views(chunked)
     for want, got in zip(heads, got_heads, strict=True):
@@ -58,10 +62,10 @@ def test_chunk_fill_packs_what_the_row_fill_packs():
     for i, p in enumerate(layout.views(rows)[1].tolist()):
         need = p // 4 + 1
         assert got_table[i, :need].tolist() == table[i, :need].tolist()
-    with pytest.raises(ValueError, match="needs 3 pages; it has 2"):
-        fill_chunk_inputs(chunked, layout, [Chunk([1, 2], 7, [0, 1])], 4, 11)
-    with pytest.raises(ValueError, match="8 rows"):
-        fill_chunk_inputs(chunked, layout, [Chunk([1] * 5, 0, [0, 1])] * 2, 4, 11)
+    with pytest.raises(ValueError, match="needs 3 pages, has 2"):
+        fill_chunk_inputs(chunked, layout, chunks[:-1] + [Chunk([1, 2], 7, [0, 1])], 4, 11)
+    with pytest.raises(ValueError, match="20 rows for 16"):
+        fill_chunk_inputs(chunked, layout, [Chunk([1] * 5, 0, [0, 1])] * 4, 4, 11)
 
 
 @pytest.fixture(scope="module")
