@@ -105,6 +105,15 @@ class Verified:
     m: int
 
 
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 index on `device` without a device sync: `torch.tensor(list, device="cuda")` copies from
+    pageable memory and waits for the stream (for the graphs still running); a pinned copy does not."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def gather_rows(verified: Sequence[Verified]) -> torch.Tensor:
     """The verified hidden states [sum m, D], in order: one index_select where they share a forward."""
     src = verified[0].src
@@ -113,7 +122,7 @@ def gather_rows(verified: Sequence[Verified]) -> torch.Tensor:
     rows = [r for v in verified for r in range(v.off, v.off + v.m)]
     if rows == list(range(src.shape[0])):
         return src
-    return src.index_select(0, torch.tensor(rows, device=src.device))
+    return src.index_select(0, device_index(rows, src.device))
 
 
 def _copy_from(src: torch.Tensor) -> IdsPatch:
@@ -314,7 +323,7 @@ class MTPEngine(Engine):
         rows = [d.row for d in drafts]  # type: ignore[union-attr]
         if rows == list(range(batch.device_tokens.shape[0])):
             return batch, None
-        return batch, torch.tensor(rows, device=batch.device_tokens.device)
+        return batch, device_index(rows, batch.device_tokens.device)
 
     @staticmethod
     def _fed_tokens(fed: tuple[DraftBatch, torch.Tensor | None]) -> torch.Tensor:
@@ -372,7 +381,7 @@ class MTPEngine(Engine):
         reqs, ks = [r for _, r, _ in want], [k for _, _, k in want]
         last = [ends[i] - 1 for i, _, _ in want]
         if last != list(range(g.shape[0])):  # [S, D]: the state after each request's newest token
-            g = g.index_select(0, torch.tensor(last, device=g.device))
+            g = g.index_select(0, device_index(last, g.device))
         tokens, probs = self._chain(g, reqs, ks)
         batch = DraftBatch(tokens)
         for i, (r, k) in enumerate(zip(reqs, ks, strict=True)):
@@ -392,7 +401,7 @@ class MTPEngine(Engine):
             if j:  # one more position: the last draft as input, the module's own state as "hidden"
                 still = [i for i in active if ks[i] > j]
                 if len(still) < len(active):
-                    keep = torch.tensor([active.index(i) for i in still], device=g.device)
+                    keep = device_index([active.index(i) for i in still], g.device)
                     g, prev, active = g.index_select(0, keep), prev.index_select(0, keep), still
                 steps = [Chunk([0], base[i] + j, reqs[i].pages) for i in active]
                 g = self._mtp_forward(steps, g, prev)
@@ -406,9 +415,7 @@ class MTPEngine(Engine):
             if len(active) == len(reqs):
                 cols.append(tok)
             else:
-                cols.append(
-                    torch.zeros_like(cols[0]).index_copy_(0, torch.tensor(active, device=g.device), tok)
-                )
+                cols.append(torch.zeros_like(cols[0]).index_copy_(0, device_index(active, g.device), tok))
             prev = tok
         return torch.stack(cols, dim=1), probs
 
