@@ -11,6 +11,8 @@ random tiny model), ignore_eos:
 - `step_ms`: median `step()` wall time; `device_ms`: the part inside forwards (graph replays, eager
   target / MTP forwards, both heads: what a GPU runs); `host_ms` = step_ms - device_ms (median of the
   per-step differences): scheduling, row packing, acceptance, stop checks, draft bookkeeping;
+- `host_cpu_ms`: the same split in this thread's CPU time (steadier than wall time on a shared machine;
+  torch runs one thread here);
 - `host_reads_per_step`: tensor values read on the host outside forwards (`tolist`, `item`, `bool`,
   `int`, `float` of a tensor): on a GPU each waits for the device (a sync).
 
@@ -41,18 +43,19 @@ class Clock:
     """Wall time inside the timed calls (outermost only) and host reads of tensor values outside them."""
 
     def __init__(self) -> None:
-        self.depth, self.device_s, self.reads = 0, 0.0, 0
+        self.depth, self.device_s, self.device_cpu_s, self.reads = 0, 0.0, 0.0, 0
 
     def timed(self, fn: Callable) -> Callable:
         def wrapper(*a, **kw):
             if self.depth:
                 return fn(*a, **kw)
             self.depth += 1
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*a, **kw)
             finally:
                 self.device_s += time.perf_counter() - t0
+                self.device_cpu_s += time.thread_time() - c0
                 self.depth -= 1
 
         return wrapper
@@ -174,22 +177,25 @@ def measure(path: Path, b: int, k: int, steps: int, prompt_len: int) -> dict:
         engine.step()
     for _ in range(3):  # first replays of each bucket
         engine.step()
-    walls, hosts, reads, tokens = [], [], 0, 0
+    walls, hosts, host_cpu, reads, tokens = [], [], [], 0, 0
     with clock.counting_reads():
         for _ in range(steps):
-            clock.device_s, before = 0.0, clock.reads
-            t0 = time.perf_counter()
+            clock.device_s = clock.device_cpu_s = 0.0
+            before = clock.reads
+            t0, c0 = time.perf_counter(), time.thread_time()
             out = engine.step()
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
             walls.append(wall * 1e3)
             hosts.append((wall - clock.device_s) * 1e3)
+            host_cpu.append((cpu - clock.device_cpu_s) * 1e3)
             reads += clock.reads - before
             tokens += sum(len(o.token_ids) for o in out)
     step_ms = statistics.median(walls)
     host_ms = statistics.median(hosts)
     row: dict[str, Any] = {
         "batch": b, "k": k, "step_ms": round(step_ms, 3), "device_ms": round(step_ms - host_ms, 3),
-        "host_ms": round(host_ms, 3), "host_reads_per_step": round(reads / steps, 2),
+        "host_ms": round(host_ms, 3), "host_cpu_ms": round(statistics.median(host_cpu), 3),
+        "host_reads_per_step": round(reads / steps, 2),
         "tokens_per_step": round(tokens / steps / b, 3),
     }  # fmt: skip
     if isinstance(engine, MTPEngine):

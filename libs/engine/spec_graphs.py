@@ -19,12 +19,10 @@ Legend: n rows, b the captured row count (n padded), D hidden, P pages in the ta
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from libs.engine.cuda_graph import (
@@ -53,83 +51,6 @@ def chunk_rows(chunks: Sequence[Chunk]) -> tuple[list[int], list[int], list[list
         positions += range(c.start, c.start + len(c.tokens))
         tables += [c.pages] * len(c.tokens)
     return tokens, positions, tables
-
-
-def fill_chunk_inputs(
-    buf: np.ndarray, layout: DecodeLayout, chunks: Sequence[Chunk], page_size: int, scratch_page: int
-) -> int:
-    """`fill_decode_inputs` of `chunk_rows(chunks)` without a Python step per row: a chunk's rows share
-    one page table (its last row's; entries past a row's own KV are never read); many chunks are packed
-    with whole-array ops, a few chunk by chunk. -> n, the rows written (rows n..b-1 are padding)."""
-    ids, pos, slots, lens, table = layout.views(buf)
-    if 0 < len(chunks) < 8:
-        n = _fill_chunk_by_chunk(ids, pos, slots, lens, table, chunks, layout, page_size)
-    else:
-        n = _fill_all_chunks(ids, pos, slots, lens, table, chunks, layout, page_size)
-    ids[n:], pos[n:], lens[n:] = 0, 0, 1
-    slots[n:] = scratch_page * page_size
-    table[n:, 0] = scratch_page
-    return n
-
-
-def _bad_chunk(i: int, m: int, need: int, have: int, rows: int, layout: DecodeLayout) -> ValueError:
-    return ValueError(
-        f"chunk {i} ({m} tokens) needs {need} pages, has {have}, graphs hold {layout.max_pages}; "
-        f"{rows} rows for {layout.batch}"
-    )
-
-
-def _fill_chunk_by_chunk(ids, pos, slots, lens, table, chunks, layout: DecodeLayout, page_size: int) -> int:
-    r = 0
-    for i, c in enumerate(chunks):
-        m, end = len(c.tokens), c.start + len(c.tokens)
-        k = (end - 1) // page_size + 1
-        if m < 1 or r + m > layout.batch or k > layout.max_pages or len(c.pages) < k:
-            raise _bad_chunk(i, m, k, len(c.pages), r + m, layout)
-        if m == 1:  # scalar writes beat array ops
-            ids[r], pos[r], lens[r] = c.tokens[0], c.start, end
-            table[r, :k] = c.pages[:k]
-            slots[r] = c.pages[c.start // page_size] * page_size + c.start % page_size
-        else:
-            pages = np.asarray(c.pages[:k], dtype=np.int64)
-            p = np.arange(c.start, end)
-            ids[r : r + m], pos[r : r + m], lens[r : r + m] = c.tokens, p, p + 1
-            table[r : r + m, :k] = pages
-            slots[r : r + m] = pages[p // page_size] * page_size + p % page_size
-        r += m
-    return r
-
-
-def _fill_all_chunks(ids, pos, slots, lens, table, chunks, layout: DecodeLayout, page_size: int) -> int:
-    """Whole-array packing: each chunk's pages (need of them) flattened once, rows and table cells indexed."""
-    m = np.fromiter((len(c.tokens) for c in chunks), np.int64, len(chunks))
-    start = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
-    need = (start + m - 1) // page_size + 1
-    have = np.fromiter((len(c.pages) for c in chunks), np.int64, len(chunks))
-    n = int(m.sum())
-    bad = np.flatnonzero((m < 1) | (need > layout.max_pages) | (have < need))
-    if not chunks or n > layout.batch or bad.size:
-        i = int(bad[0]) if bad.size else 0
-        raise (
-            _bad_chunk(i, int(m[i]), int(need[i]), int(have[i]), n, layout)
-            if chunks
-            else ValueError("no rows")
-        )
-    flat = np.fromiter(
-        itertools.chain.from_iterable(c.pages[:k] for c, k in zip(chunks, need.tolist(), strict=True)),
-        np.int64,
-    )
-    first = np.cumsum(need) - need  # each chunk's first page in flat
-    chunk_of = np.repeat(np.arange(len(chunks)), m)  # [n]
-    p = np.arange(n) - np.repeat(np.cumsum(m) - m, m) + start[chunk_of]
-    ids[:n] = np.fromiter(itertools.chain.from_iterable(c.tokens for c in chunks), np.int64, n)
-    pos[:n], lens[:n] = p, p + 1
-    row_need, row_first = need[chunk_of], first[chunk_of]
-    rows = np.repeat(np.arange(n), row_need)
-    cols = np.arange(rows.size) - np.repeat(np.cumsum(row_need) - row_need, row_need)
-    table[rows, cols] = flat[row_first[rows] + cols]
-    slots[:n] = flat[row_first + p // page_size] * page_size + p % page_size
-    return n
 
 
 def row_chunks(chunks: Sequence[Chunk]) -> list[Chunk]:
@@ -180,13 +101,6 @@ class RowGraphRunner:
             return False
         return all(p // self.page_size < self.max_pages for p in positions)
 
-    def can_run_chunks(self, chunks: Sequence[Chunk]) -> bool:
-        """The chunks' rows fit a captured size and the table width."""
-        n = sum(len(c.tokens) for c in chunks)
-        if n < 1 or bucket_for(n, self.sizes) is None:
-            return False
-        return all((c.start + len(c.tokens) - 1) // self.page_size < self.max_pages for c in chunks)
-
     def run(
         self, tokens: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
         hidden: torch.Tensor | None = None, patch_ids: IdsPatch | None = None,
@@ -195,26 +109,7 @@ class RowGraphRunner:
         hidden input (required iff the runner has hidden_dim). patch_ids: writes token ids the host does
         not know (drafts still on the device) into the rows' device ids [n] before the replay; `tokens`
         holds placeholders there. GraphCaptureError: nothing replayed."""
-
-        def fill(buf: np.ndarray, layout: DecodeLayout) -> None:
-            fill_decode_inputs(buf, layout, tokens, positions, tables, self.page_size, self.scratch_page)
-
-        return self._run(len(tokens), fill, hidden, patch_ids)
-
-    def run_chunks(
-        self, chunks: Sequence[Chunk], hidden: torch.Tensor | None = None, patch_ids: IdsPatch | None = None
-    ) -> tuple[torch.Tensor, ...]:
-        """`run` over `chunk_rows(chunks)`, packed chunk by chunk (`fill_chunk_inputs`)."""
-
-        def fill(buf: np.ndarray, layout: DecodeLayout) -> None:
-            fill_chunk_inputs(buf, layout, chunks, self.page_size, self.scratch_page)
-
-        return self._run(sum(len(c.tokens) for c in chunks), fill, hidden, patch_ids)
-
-    def _run(
-        self, n: int, fill: Callable[[np.ndarray, DecodeLayout], None], hidden: torch.Tensor | None,
-        patch_ids: IdsPatch | None,
-    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        n = len(tokens)
         b = bucket_for(n, self.sizes)
         if b is None:
             raise ValueError(f"{n} rows exceed the largest captured size {self.sizes[-1]}")
@@ -227,7 +122,9 @@ class RowGraphRunner:
             except Exception as e:
                 raise GraphCaptureError(f"capturing {n} rows (bucket {b}) failed: {e!r}") from e
         g.copied.synchronize()  # staging may be rewritten only once its last copy is done
-        fill(g.staging.numpy(), g.layout)
+        fill_decode_inputs(
+            g.staging.numpy(), g.layout, tokens, positions, tables, self.page_size, self.scratch_page
+        )
         self._plan(g)
         g.packed.copy_(g.staging, non_blocking=True)
         if patch_ids is not None:

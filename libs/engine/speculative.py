@@ -51,7 +51,7 @@ from libs.engine.outputs import StepOutput
 from libs.engine.request import Request, Status
 from libs.engine.runner import Chunk, build_batch
 from libs.engine.sampling import SamplingParams, TokenLogprob, sample, sampling_probs
-from libs.engine.spec_graphs import IdsPatch, RowGraphRunner, row_chunks
+from libs.engine.spec_graphs import IdsPatch, RowGraphRunner, chunk_rows, row_chunks
 from libs.tokenizer import Tokenizer
 
 log = logging.getLogger("moemesh.engine")
@@ -504,10 +504,11 @@ class MTPEngine(Engine):
         runner: RowGraphRunner | None = getattr(self, which)
         if runner is None:
             return None
-        if not runner.can_run_chunks(chunks):
+        tokens, positions, tables = chunk_rows(chunks)
+        if not runner.can_run(len(tokens), positions):
             return None
         try:
-            return runner.run_chunks(chunks, hidden, patch_ids)
+            return runner.run(tokens, positions, tables, hidden, patch_ids)
         except GraphCaptureError:
             log.warning("MTP %s off for this engine: capture failed", which, exc_info=True)
             setattr(self, which, None)

@@ -22,7 +22,7 @@ from libs.engine.kv_pool import KVPool
 from libs.engine.layers.attention_backend import TorchAttention, TritonAttention
 from libs.engine.loader import load_model
 from libs.engine.runner import Chunk, build_batch
-from libs.engine.spec_graphs import RowGraphRunner, chunk_rows, fill_chunk_inputs, row_chunks
+from libs.engine.spec_graphs import RowGraphRunner, chunk_rows, row_chunks
 from libs.engine.speculative import MTPEngine
 from libs.engine.tiny import write_tiny_model
 
@@ -42,30 +42,6 @@ def test_chunks_become_one_row_per_token():
     assert [(r.tokens, r.start, r.pages) for r in rows[:2]] == [([7], 5, [3, 4]), ([8], 6, [3, 4])]
     assert build_batch(rows, 4).is_decode  # the decode form: one token per "sequence"
     assert chunk_rows([]) == ([], [], [])
-
-
-@pytest.mark.parametrize("many", [False, True])
-def test_chunk_fill_packs_what_the_row_fill_packs(many):
-    """Chunk by chunk (few chunks) or whole-array (many) == row by row on everything a row reads (its
-    table up to its own KV), padding too."""
-    chunks = [Chunk([7, 8, 9], 6, [3, 4, 5]), Chunk([1], 0, [6]), Chunk([2, 3], 7, [0, 1, 2, 9])]
-    if many:
-        chunks += [Chunk([40 + i], 4 * i + 1, [20 + j for j in range(i + 1)]) for i in range(6)]
-    layout = DecodeLayout(16, 6)
-    rows, chunked = np.full(layout.size, -1, np.int32), np.full(layout.size, -1, np.int32)
-    fill_decode_inputs(rows, layout, *chunk_rows(chunks), 4, 11)
-    assert fill_chunk_inputs(chunked, layout, chunks, 4, 11) == len(chunk_rows(chunks)[0])
-    *heads, table = layout.views(rows)
-    *got_heads, got_table = layout.views(chunked)
-    for want, got in zip(heads, got_heads, strict=True):
-        assert want.tolist() == got.tolist()
-    for i, p in enumerate(layout.views(rows)[1].tolist()):
-        need = p // 4 + 1
-        assert got_table[i, :need].tolist() == table[i, :need].tolist()
-    with pytest.raises(ValueError, match="needs 3 pages, has 2"):
-        fill_chunk_inputs(chunked, layout, chunks[:-1] + [Chunk([1, 2], 7, [0, 1])], 4, 11)
-    with pytest.raises(ValueError, match="20 rows for 16"):
-        fill_chunk_inputs(chunked, layout, [Chunk([1] * 5, 0, [0, 1])] * 4, 4, 11)
 
 
 @pytest.fixture(scope="module")
