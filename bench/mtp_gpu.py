@@ -11,6 +11,8 @@ in the pool), contexts of --ctx tokens, greedy. Per (B, k):
   acceptance, the MTP extend over the verified rows and k - 1 chained MTP steps, all replayed from CUDA
   graphs (libs/engine/spec_graphs.py); `verify_graph_ms` / `draft_graph_ms`: the verify graph of B * (k+1)
   rows and one MTP draft graph of B rows replayed alone (CUDA events, median);
+- `syncs_per_step`: synchronizing CUDA calls per step (torch.cuda.set_sync_debug_mode "warn", 4 more
+  steps): the host waits for the device at each;
 - `plain_step_ms`: the plain Engine's decode step at the same B (k 0: decode graph, overlapped);
 - `break_even_tokens_per_step` = step_ms / plain_step_ms: the tokens a step must yield (1 + accepted
   drafts) for MTP to pay off. Random weights accept no drafts, so this is the cost side only; the
@@ -23,6 +25,7 @@ import gc
 import math
 import random
 import time
+import warnings
 from typing import Any, cast
 
 import torch
@@ -93,6 +96,22 @@ def _step_ms(engine: Engine, b: int, warmup: int, iters: int) -> float:
     return sorted(times)[iters // 2]
 
 
+def _syncs_per_step(engine: Engine, steps: int) -> float | None:
+    """Synchronizing CUDA calls per step over `steps` more steps (torch's sync debug mode warns on each
+    one it covers: tolist/item, blocking copies); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return round(sum("synchroniz" in str(w.message).lower() for w in caught) / steps, 2)
+
+
 def _replay_ms(runner, rows: int, iters: int) -> float | None:
     fits = [s for s in runner.captured if s >= rows] if runner is not None else []
     if not fits:
@@ -116,7 +135,12 @@ def measure(
     engine.kv_pool.buffer.normal_()  # as if prompts had been prefilled: attention reads real-looking rows
     _fill(engine, b, ctx, seed=b)
     step = _step_ms(engine, b, warmup, iters)
-    row: dict[str, Any] = {"batch": b, "k": k, "step_ms": round(step, 3)}
+    row: dict[str, Any] = {
+        "batch": b,
+        "k": k,
+        "step_ms": round(step, 3),
+        "syncs_per_step": _syncs_per_step(engine, 4),
+    }
     if isinstance(engine, MTPEngine):
         row["verify_graph_ms"] = _replay_ms(engine.verify_graphs, b * (k + 1), iters)
         row["draft_graph_ms"] = _replay_ms(engine.draft_graphs, b, iters)
