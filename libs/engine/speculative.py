@@ -14,6 +14,11 @@ One engine step, per decoding request with num_computed = c (its newest token t_
    target hidden states and next tokens), which yields d_1 at the last position, then runs k-1
    single-token steps feeding its own hidden state back for d_2..d_k.
 
+The drafts stay on the device between the draft and the next verify (`DraftBatch`): a chained draft step
+takes the previous step's tokens there, the verify rows take them there (graphs on), and they reach the
+host with the verify's argmax in one read, so a greedy step syncs with the device once and returns while
+its draft still runs. Index tensors go to the device from pinned memory (never a stream wait).
+
 Prefill chunks run the target and then the same MTP extend, so the MTP cache covers the prompt. Drafts
 only ever change speed, never output: a request with no drafts (just joined from a PD prefill worker,
 or no free page for the draft rows) verifies only t_c, which is plain decoding.
@@ -395,7 +400,8 @@ class MTPEngine(Engine):
         feed the next step's rows there (no host read). -> tokens [S, max k] and sampled rows' q's."""
         cols: list[torch.Tensor] = []  # [S] per step
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        active, prev = list(range(len(reqs))), None
+        active = list(range(len(reqs)))
+        prev = torch.empty(0, dtype=torch.long, device=g.device)  # the last step's tokens [len(active)]
         base = [r.num_tokens - 2 for r in reqs]  # step j writes the MTP row at base + j
         for j in range(max(ks)):
             if j:  # one more position: the last draft as input, the module's own state as "hidden"

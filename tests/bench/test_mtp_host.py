@@ -6,6 +6,7 @@ bench's --host row."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,9 @@ from libs.engine.speculative import MTPEngine
 from libs.engine.tiny import write_tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 40, 41], list(range(100, 137)), [300]]
-KW = dict(page_size=4, max_prefill_tokens=16, attention_backend="triton", enable_prefix_cache=False)
+KW: dict[str, Any] = dict(
+    page_size=4, max_prefill_tokens=16, attention_backend="triton", enable_prefix_cache=False
+)
 
 
 @pytest.fixture(scope="module")
