@@ -17,7 +17,8 @@ One engine step, per decoding request with num_computed = c (its newest token t_
 The drafts stay on the device between the draft and the next verify (`DraftBatch`): a chained draft step
 takes the previous step's tokens there, the verify rows take them there (graphs on), and they reach the
 host with the verify's argmax in one read, so a greedy step syncs with the device once and returns while
-its draft still runs. Index tensors go to the device from pinned memory (never a stream wait).
+its draft still runs; the MTP extend (3.) is launched before the host's per-request stop checks of 2.
+Index tensors go to the device from pinned memory (never a stream wait).
 
 Prefill chunks run the target and then the same MTP extend, so the MTP cache covers the prompt. Drafts
 only ever change speed, never output: a request with no drafts (just joined from a PD prefill worker,
@@ -108,6 +109,7 @@ class Verified:
     src: torch.Tensor
     off: int
     m: int
+    tokens: list[int] | None = None  # the m tokens after those positions (None: in req.tokens already)
 
 
 def device_index(values: list[int], device: torch.device) -> torch.Tensor:
@@ -258,9 +260,11 @@ class MTPEngine(Engine):
             req.pages += self._alloc(plan.new_pages[req.rid])
         verified: list[Verified] = []
         outputs = self._prefill(prefill, verified) if prefill else []
-        if decode:
-            outputs += self._verify(decode, verified)
-        self._draft(verified)
+        accepted = self._verify(decode, verified) if decode else []
+        extended = self._extend(verified)  # launched before the per-request stop checks run on the host
+        outputs += [self._emit(req, tokens, lps) for req, tokens, lps in accepted]
+        if extended is not None:
+            self._draft(*extended)
         return outputs
 
     def _target(self, chunks: Sequence[Chunk], absorbed: bool = False) -> torch.Tensor:
@@ -285,7 +289,11 @@ class MTPEngine(Engine):
         )
         return [self._accept(r, t, lp) for r, t, lp in zip(done, out.token_ids, out.logprobs, strict=True)]
 
-    def _verify(self, decode: list[Request], verified: list[Verified]) -> list[StepOutput]:
+    def _verify(
+        self, decode: list[Request], verified: list[Verified]
+    ) -> list[tuple[Request, list[int], list[TokenLogprob] | None]]:
+        """Verify the drafts: per request, the tokens to emit (accepted drafts + one) and their logprobs;
+        the caller emits them (`_emit`) once the MTP extend over the verified rows is launched."""
         drafts = [self._drafts.pop(r.rid, None) for r in decode]
         fed = self._fed_drafts(drafts)
         chunks = []
@@ -296,7 +304,7 @@ class MTPEngine(Engine):
             chunks.append(Chunk(new, r.num_computed, r.pages))
         hidden, logits = self._verify_forward(chunks, fed)
         argmax = self._read_argmax(logits, fed)
-        outputs, off = [], 0
+        out, off = [], 0
         for req, draft, chunk in zip(decode, drafts, chunks, strict=True):
             n = len(chunk.tokens)
             if req.params.greedy:  # one argmax for the whole batch, read per request
@@ -306,12 +314,11 @@ class MTPEngine(Engine):
             self.num_verified += 1
             self.num_drafted += n - 1
             self.num_accepted += len(tokens) - 1
-            verified.append(Verified(req, req.num_computed, hidden, off, len(tokens)))
+            verified.append(Verified(req, req.num_computed, hidden, off, len(tokens), tokens))
             req.num_computed += len(tokens)
-            lps = token_logprobs(logits[off : off + n], tokens, req.params)
-            outputs.append(self._emit(req, tokens, lps))
+            out.append((req, tokens, token_logprobs(logits[off : off + n], tokens, req.params)))
             off += n
-        return outputs
+        return out
 
     def _fed_drafts(self, drafts: list[Draft | None]) -> tuple[DraftBatch, torch.Tensor | None] | None:
         """When the verify rows can take every request's drafts on the device (all k of them, from one
@@ -372,14 +379,31 @@ class MTPEngine(Engine):
         super()._release(req)
 
     # --- drafting for the next step ---
-    def _draft(self, verified: list[Verified]) -> None:
+    def _extend(self, verified: list[Verified]) -> tuple[list[Verified], list[Chunk], torch.Tensor] | None:
+        """The MTP module over the verified positions of the live requests (a verified request that a stop
+        check will end still gets its rows: harmless, its pages are freed after them in stream order).
+        -> (those Verified, their chunks, the module's hidden [rows, D]), None when there are none."""
         live = [v for v in verified if v.req.status is Status.RUNNING and v.req.rid in self.requests]
         if not live:
-            return
-        chunks = [Chunk(v.req.token_slice(v.start + 1, v.m), v.start, v.req.pages) for v in live]
-        g = self._mtp_forward(chunks, gather_rows(live))
+            return None
+        chunks = [
+            Chunk(
+                v.tokens if v.tokens is not None else v.req.token_slice(v.start + 1, v.m),
+                v.start,
+                v.req.pages,
+            )
+            for v in live
+        ]
+        return live, chunks, self._mtp_forward(chunks, gather_rows(live))
+
+    def _draft(self, live: list[Verified], chunks: list[Chunk], g: torch.Tensor) -> None:
+        """Draft for the extended requests still decoding after their stop checks."""
         ends = list(itertools.accumulate(len(c.tokens) for c in chunks))
-        want = [(i, v.req, self._draft_len(v.req)) for i, v in enumerate(live) if v.req.in_decode]
+        want = [
+            (i, v.req, self._draft_len(v.req))
+            for i, v in enumerate(live)
+            if v.req.status is Status.RUNNING and v.req.rid in self.requests and v.req.in_decode
+        ]
         want = [(i, r, k) for i, r, k in want if k > 0 and self._room_for_drafts(r, k)]
         if not want:
             return
