@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -49,10 +50,10 @@ def parse_settings(text: str) -> dict[str, dict[str, str]]:
             for svc, module in SERVICES.items():
                 out.setdefault(module, {})[f"MOEMESH_{svc}_{rest[2:]}"] = value
             continue
-        svc = next((s for s in SERVICES if rest.startswith(s + "_")), None)
-        if svc is None:
+        named = next((s for s in SERVICES if rest.startswith(s + "_")), None)
+        if named is None:
             raise ValueError(f"{key}: no service of {sorted(SERVICES)} named after MOEMESH_")
-        out.setdefault(SERVICES[svc], {})[key] = value
+        out.setdefault(SERVICES[named], {})[key] = value
     return out
 
 
@@ -125,7 +126,7 @@ def main() -> None:
             asyncio.run(alternate(a, b, prompts[:10]))  # warm-up
             ta, tb = asyncio.run(alternate(a, b, prompts))
             diff = [y - x for x, y in zip(ta, tb, strict=True)]
-            row = {"prompt_len": n, "a": summary(ta), "b": summary(tb),
+            row: dict[str, Any] = {"prompt_len": n, "a": summary(ta), "b": summary(tb),
                    "b_minus_a_p50_ms": statistics.median(diff), "b_minus_a_mean_ms": statistics.fmean(diff),
                    "b_faster_share": sum(d < 0 for d in diff) / len(diff), "load_avg": os.getloadavg()}  # fmt: skip
             rec["rows"].append(row)

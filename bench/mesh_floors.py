@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -267,7 +268,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.role:
         role, *rest = args.role
-        {"http": _serve_sse, "echo": _echo, "mooncake": _mooncake_peer}[role](*rest)
+        peers: dict[str, Callable[..., None]] = {
+            "http": _serve_sse,
+            "echo": _echo,
+            "mooncake": _mooncake_peer,
+        }
+        peers[role](*rest)
         return
     rec = {"benchmark": "mesh_floors", "machine": platform.node(), "cpus": os.cpu_count(),
            "command": "python -m bench.mesh_floors " + " ".join(sys.argv[1:]), "load_avg_before": os.getloadavg(),
