@@ -8,7 +8,7 @@ side port (`http_port`) stays off by default: the API port serves /health and /m
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
@@ -20,9 +20,6 @@ class GatewaySettings(ServiceSettings, frozen=True, kw_only=True):
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000  # 0: any free port
     model_dir: str = ""  # checkpoint folder: config.json + tokenizer files (no weights needed)
     served_model_name: str = ""  # the `model` clients name; default: the folder's name
-    # asyncio's own loop, not uvloop: starlette/uvicorn streamed ~20% fewer SSE tokens per core on uvloop,
-    # and the gateway's own share of the uvloop TTFT gain was inside the noise (README, Benchmarks)
-    event_loop: Literal["auto", "uvloop", "asyncio"] = "asyncio"
     api_key: str = ""  # when set, `Authorization: Bearer <api_key>` is required on /v1/*
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0  # a whole request, first byte to last
     submit_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # waiting for the scheduler's answer

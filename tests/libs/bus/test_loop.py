@@ -25,11 +25,11 @@ def test_a_bad_choice_is_a_clear_error() -> None:
         loop_kind("tokio")
 
 
-def test_services_default_to_auto_and_the_gateway_to_asyncio() -> None:
+def test_every_service_defaults_to_auto() -> None:
     from libs.bus.settings import ServiceSettings
     from services.gateway.settings import GatewaySettings
     from services.scheduler.service import SchedulerSettings
 
     assert ServiceSettings().event_loop == "auto"
     assert SchedulerSettings().event_loop == "auto"
-    assert GatewaySettings(model_dir="/m").event_loop == "asyncio"
+    assert GatewaySettings(model_dir="/m").event_loop == "auto"
