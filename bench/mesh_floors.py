@@ -1,6 +1,7 @@
 """What this machine charges the mesh's parts before any moemesh code runs: the floors under bench.mesh_ttft.
 
-    python -m bench.mesh_floors [--n 300] [--out bench/results/mesh_floors.json]
+    python -m bench.mesh_floors [--n 300] [--event-loop asyncio|uvloop] [--parts http,bus]
+                                [--out bench/results/mesh_floors.json]
 
 Not the product's code, on purpose: the libraries the services are built on, measured bare, so the mesh's own
 share of TTFT can be read against them.
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -32,16 +34,18 @@ import uvicorn
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handler's annotations here
 from starlette.responses import StreamingResponse
 
+from libs.bus.loop import run as run_loop
 from libs.loadgen.report import write_json
 
 IDLE_S = 0.010
+PARTS = ("http", "bus", "mooncake_tcp", "engine")
 
 
 def _p50(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def _serve_sse() -> None:
+def _serve_sse(loop: str) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY on accept
     sock.bind(("127.0.0.1", 0))
     print(sock.getsockname()[1], flush=True)
@@ -58,7 +62,7 @@ def _serve_sse() -> None:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     cfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
-    asyncio.run(uvicorn.Server(cfg).serve(sockets=[sock]))
+    run_loop(uvicorn.Server(cfg).serve(sockets=[sock]), loop)
 
 
 def _peer(role: str, *args: str) -> tuple[subprocess.Popen, str]:
@@ -83,8 +87,8 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def http_floor(n: int) -> dict:
-    proc, port = _peer("http")
+def http_floor(n: int, loop: str = "asyncio") -> dict:
+    proc, port = _peer("http", loop)
     url = f"http://127.0.0.1:{port}/v1/completions"
     body = {"model": "m", "prompt": [1, 2, 3, 4, 5], "max_tokens": 1, "stream": True}
     try:
@@ -117,7 +121,7 @@ def http_floor(n: int) -> dict:
     return {"ttft_p50_ms_back_to_back": _p50(hot), "ttft_p50_ms_after_idle": _p50(idle)}
 
 
-def _echo(url: str) -> None:
+def _echo(url: str, loop: str) -> None:
     import nats
 
     async def main() -> None:
@@ -131,16 +135,16 @@ def _echo(url: str) -> None:
         print("ready", flush=True)
         await asyncio.Event().wait()  # until terminated
 
-    asyncio.run(main())
+    run_loop(main(), loop)
 
 
-def bus_floor(n: int) -> dict:
+def bus_floor(n: int, loop: str = "asyncio") -> dict:
     import nats
 
     from libs.natsd import start_nats_server
 
     server = start_nats_server(jetstream=False)
-    proc, _ = _peer("echo", server.url)
+    proc, _ = _peer("echo", server.url, loop)
     try:
 
         async def rtts() -> list[float]:
@@ -153,7 +157,7 @@ def bus_floor(n: int) -> dict:
             await nc.close()
             return out[20:]
 
-        xs = asyncio.run(rtts())
+        xs = run_loop(rtts(), loop)
     finally:
         _stop(proc)
         server.stop()
@@ -255,17 +259,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=300, help="samples per measurement")
     ap.add_argument("--out", default="bench/results/mesh_floors.json")
+    ap.add_argument(
+        "--event-loop", default="asyncio", choices=("asyncio", "uvloop"),
+        help="the loop of the HTTP server, the echo peer and the bus client (the services' event_loop)",
+    )  # fmt: skip
     ap.add_argument("--role", nargs="+", help=argparse.SUPPRESS)  # a child process of this benchmark
+    ap.add_argument("--parts", default=",".join(PARTS), help="which floors to measure, comma-separated")
     args = ap.parse_args()
     if args.role:
         role, *rest = args.role
-        {"http": _serve_sse, "echo": _echo, "mooncake": _mooncake_peer}[role](*rest)
+        peers: dict[str, Callable[..., None]] = {
+            "http": _serve_sse,
+            "echo": _echo,
+            "mooncake": _mooncake_peer,
+        }
+        peers[role](*rest)
         return
     rec = {"benchmark": "mesh_floors", "machine": platform.node(), "cpus": os.cpu_count(),
            "command": "python -m bench.mesh_floors " + " ".join(sys.argv[1:]), "load_avg_before": os.getloadavg(),
-           "idle_s": IDLE_S}  # fmt: skip
-    for name, fn in (("http", lambda: http_floor(args.n)), ("bus", lambda: bus_floor(args.n)),
+           "idle_s": IDLE_S, "event_loop": args.event_loop}  # fmt: skip
+    loop = args.event_loop
+    for name, fn in (("http", lambda: http_floor(args.n, loop)), ("bus", lambda: bus_floor(args.n, loop)),
                      ("mooncake_tcp", mooncake_floor), ("engine", lambda: engine_floor(args.n // 3 or 1))):  # fmt: skip
+        if name not in args.parts.split(","):
+            continue
         rec[name] = fn()
         print(name, rec[name], flush=True)
     rec["load_avg_after"] = os.getloadavg()

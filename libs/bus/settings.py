@@ -46,10 +46,10 @@ class ServiceSettings(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     log_level: str = "INFO"
-    # the event loop (libs/bus/loop.py): "auto" takes uvloop when installed. The default stays asyncio's
-    # own: in A/B runs on the shared 2-core box uvloop streamed ~20% fewer SSE tokens per gateway core
-    # (starlette/anyio on it), and its TTFT difference was inside the box's noise (README, Benchmarks)
-    event_loop: Literal["auto", "uvloop", "asyncio"] = "asyncio"
+    # the event loop (libs/bus/loop.py): "auto" takes uvloop when installed, else asyncio's own. With every
+    # service on it the mesh's TTFT fell ~0.3-0.45 ms in paired A/B runs (bench.mesh_ab) and the gateway
+    # streamed no fewer SSE tokens per core (README, Benchmarks)
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     # NATS authentication and TLS (libs.bus.security): user + password or a token; CA to verify the
     # server, client certificate + key for mutual TLS. Secrets print as *** (see __repr__).
     nats_user: str = ""

@@ -299,6 +299,8 @@ class DecodeWorker(WorkerService):
     async def _publish(self, outputs: list) -> None:
         for subject, deltas in group_by_stream(outputs, self.live).items():
             await self.bus.publish(subject, m.TokenBatch(deltas=deltas, worker_id=self.instance_id))
+        if outputs:  # nats-py's flusher writes the batches now, not after the bookkeeping below
+            await asyncio.sleep(0)
         for out in outputs:
             self.m_tokens.inc(len(out.token_ids))
             if out.token_ids:

@@ -16,3 +16,10 @@ def test_every_floor_is_measured() -> None:
     assert mc["write_8mib_ms"] > 0 and mc["longest_python_stall_ms_beside_writes"] > 0
     assert set(eng) == {"prefill_5_tokens", "prefill_40_tokens"}
     assert all(v > 0 for row in eng.values() for v in row.values())
+
+
+def test_http_and_bus_floors_on_uvloop() -> None:
+    http = F.http_floor(3, "uvloop")
+    bus = F.bus_floor(3, "uvloop")
+    assert http["ttft_p50_ms_back_to_back"] > 0 and http["ttft_p50_ms_after_idle"] > 0
+    assert bus["request_reply_p50_ms"] > bus["one_way_p50_ms_estimate"] > 0
