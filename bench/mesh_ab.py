@@ -18,13 +18,13 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.mesh_ttft import pct, prompt_of
+from bench.mesh_ttft import first_token_ms, prompt_of
+from bench.mesh_ttft import summarize as summary
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
 from libs.loadgen.report import write_json
@@ -71,15 +71,7 @@ def mesh_config(model: Path, settings: dict[str, dict[str, str]], direct_thresho
 async def one(h: httpx.AsyncClient, url: str, model: str, prompt: list[int]) -> float:
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
             "ignore_eos": True, "logprobs": 1}  # fmt: skip
-    t0 = time.perf_counter()
-    first = None
-    async with h.stream("POST", f"{url}/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if first is None and line.startswith("data: ") and '"text"' in line:
-                first = (time.perf_counter() - t0) * 1e3
-    if first is None:
-        raise RuntimeError(f"{url}: no token streamed")
-    return first
+    return await first_token_ms(h, url, body)
 
 
 async def alternate(a: Mesh, b: Mesh, prompts: list[list[int]]) -> tuple[list[float], list[float]]:
@@ -92,15 +84,6 @@ async def alternate(a: Mesh, b: Mesh, prompts: list[list[int]]) -> tuple[list[fl
             for mesh, out in order:
                 out.append(await one(h, mesh.url, mesh.model_name, p))
     return ta, tb
-
-
-def summary(xs: list[float]) -> dict:
-    return {
-        "p50_ms": statistics.median(xs),
-        "p99_ms": pct(xs, 99),
-        "mean_ms": statistics.fmean(xs),
-        "n": len(xs),
-    }
 
 
 def main() -> None:

@@ -76,15 +76,22 @@ async def mesh_ttft(url: str, model: str, prompts: list[list[int]]) -> list[floa
                 "ignore_eos": True,
                 "logprobs": 1,  # a chunk per token: no wait for a held-back partial UTF-8 character
             }
-            t0 = time.perf_counter()
-            first = None
-            async with h.stream("POST", f"{url}/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if first is None and line.startswith("data: ") and '"text"' in line:
-                        first = (time.perf_counter() - t0) * 1e3
-            assert first is not None, "no token streamed"
-            out.append(first)
+            out.append(await first_token_ms(h, url, body))
     return out
+
+
+async def first_token_ms(h: httpx.AsyncClient, url: str, body: dict) -> float:
+    """Milliseconds from sending a streaming completion to its first token's SSE chunk (the stream is read
+    to its end); RuntimeError when no token came."""
+    t0 = time.perf_counter()
+    first = None
+    async with h.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: ") and '"text"' in line:
+                first = (time.perf_counter() - t0) * 1e3
+    if first is None:
+        raise RuntimeError(f"{url}: no token streamed")
+    return first
 
 
 async def load(url: str, model: str, clients: int, gen_tokens: int, prompt_len: int) -> dict:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from libs.engine import Engine, SamplingParams
-from libs.engine.cuda_graph import DecodeLayout, capture_sizes, fill_decode_inputs, static_step
+from libs.engine.cuda_graph import capture_sizes
 from libs.engine.spec_graphs import RowGraphRunner, _Graph
 from libs.engine.speculative import MTPEngine
 
@@ -107,22 +107,7 @@ class HostRowRunner(RowGraphRunner):
     clock: Clock
 
     def _capture(self, b: int) -> _Graph:
-        layout = DecodeLayout(b, self.max_pages)
-        hidden = None
-        if self.hidden_dim is not None:
-            hidden = torch.zeros(b, self.hidden_dim, dtype=self.hidden_dtype, device=self.device)
-        g = _Graph(
-            layout, torch.zeros(layout.size, dtype=torch.int32), torch.zeros(layout.size, dtype=torch.int32),
-            hidden, _NoEvent(),  # type: ignore[arg-type]
-        )  # fmt: skip
-        fill_decode_inputs(
-            g.staging.numpy(), layout, [0], [0], [[self.scratch_page]], self.page_size, self.scratch_page
-        )
-        g.packed.copy_(g.staging)
-
-        def step() -> tuple[torch.Tensor, ...]:
-            return self.body(static_step(g.packed, layout, self.page_size, self.backend), g.hidden)
-
+        g, step = self._inputs(b, pin=False, copied=_NoEvent())
         replay = self.clock.timed(_Replay)(step, self.clock)  # the capture: device work, as on a GPU
         g.graph, g.outputs = replay, replay.outputs  # type: ignore[assignment]
         self._graphs[b] = g

@@ -139,27 +139,32 @@ class RowGraphRunner:
     def _plan(self, g: _Graph) -> None:
         plan_replay(self.backend, g.layout, g.staging, self.page_size)
 
-    def _capture(self, b: int) -> _Graph:
+    def _inputs(self, b: int, pin: bool, copied: Any) -> tuple[_Graph, Callable[[], tuple[torch.Tensor, ...]]]:
+        """A graph's static inputs for b rows, filled with one scratch row, and the step it captures."""
         layout = DecodeLayout(b, self.max_pages)
         hidden = None
         if self.hidden_dim is not None:
             hidden = torch.zeros(b, self.hidden_dim, dtype=self.hidden_dtype, device=self.device)
         g = _Graph(
             layout,
-            staging=torch.zeros(layout.size, dtype=torch.int32, pin_memory=True),
+            staging=torch.zeros(layout.size, dtype=torch.int32, pin_memory=pin),
             packed=torch.zeros(layout.size, dtype=torch.int32, device=self.device),
             hidden=hidden,
-            copied=torch.cuda.Event(),
+            copied=copied,
         )
         fill_decode_inputs(
             g.staging.numpy(), layout, [0], [0], [[self.scratch_page]], self.page_size, self.scratch_page
         )
         g.packed.copy_(g.staging)
-        self._plan(g)
 
         def step() -> tuple[torch.Tensor, ...]:
             return self.body(static_step(g.packed, layout, self.page_size, self.backend), g.hidden)
 
+        return g, step
+
+    def _capture(self, b: int) -> _Graph:
+        g, step = self._inputs(b, pin=True, copied=torch.cuda.Event())
+        self._plan(g)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g.graph, g.outputs = capture(step, self._pool)
