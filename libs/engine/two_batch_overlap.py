@@ -32,7 +32,7 @@ two micro-batches, the second empty when there is one sequence, so each MoE laye
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from dataclasses import replace
 from typing import Any
 
@@ -42,27 +42,12 @@ import torch.nn.functional as F
 from libs.engine.layers import fast_path, fp8_linear
 from libs.engine.layers.attention_backend import AttentionBackend, StepInputs
 from libs.engine.layers.mla import AttentionMetadata, PagedMetadata
+from libs.engine.tbo_split import split_index
 
 Stages = Generator[None, None, Any]  # yields between stages, returns the micro-batch's output
 BACKENDS = ("torch", "triton", "flashinfer")
 
 
-def split_index(extend_lens: Sequence[int]) -> int:
-    """Sequences in micro-batch A: half of a decode batch, else the first sequences holding about half the
-    tokens (as SGLang's `_split_array_by_half_sum`). May be 0 or S only when S is 1."""
-    s = len(extend_lens)
-    if s <= 1:
-        return s
-    if all(n == 1 for n in extend_lens):
-        return s // 2
-    total, acc = sum(extend_lens), 0
-    best, best_gap = 1, None
-    for i in range(1, s):
-        acc += extend_lens[i - 1]
-        gap = abs(total - 2 * acc)
-        if best_gap is None or gap < best_gap:
-            best, best_gap = i, gap
-    return best
 
 
 def split_step(step: StepInputs, s: int) -> tuple[StepInputs, StepInputs]:

@@ -258,7 +258,7 @@ class FlashInferAttention(TritonAttention):
         """Micro-batch A's sequences when TBO splits a decode forward of `batch` sequences, else None."""
         if not self.tbo:
             return None
-        from libs.engine.two_batch_overlap import split_index
+        from libs.engine.tbo_split import split_index
 
         s = split_index([1] * batch)
         return s if 0 < s < batch else None
