@@ -2,7 +2,8 @@
 the MLA block, its attention kernel and the MoE block are wrapped, while attached, so that each call is
 bracketed by CUDA events (by wall clock on the CPU, where work runs as it is issued); the model code is not
 touched and nothing is synchronized inside a step. Sum per part after the step; "other" is the step's rest
-(norms, embedding, head, sampling, the host's work between kernels).
+(norms, embedding, head, sampling, the host's work between kernels). For eager forwards (prefill): a step
+replayed from a CUDA graph runs none of these functions, and events recorded during a capture would break it.
 
     with PartTimer(engine) as parts:
         engine.step()
