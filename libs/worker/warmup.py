@@ -27,8 +27,9 @@ FIRST_TOKEN = 3  # prompt ids from here up: clear of the usual special ids, insi
 class WarmupPlan:
     """prefill_lens: one prompt of each length, alone: a forward of every bucket of M up to the worker's
     max_prefill_tokens (its batched prefill steps take any token count up to it). decode_batches: that many
-    one-token prompts together, decoded DECODE_TOKENS - 1 steps: each captured decode graph size (and its
-    masked-layout GEMMs)."""
+    one-token prompts together per copy, decoded DECODE_TOKENS - 1 steps: each captured decode graph size
+    (and its masked-layout GEMMs) on every EP rank (the EP engine places each prompt on the least busy
+    rank, so `copies` x b prompts give each rank b)."""
 
     prefill_lens: tuple[int, ...]
     decode_batches: tuple[int, ...]
@@ -60,7 +61,7 @@ def plan_warmup(
     room = min(context_len - 1, (free_pages // max(copies, 1)) * page_size - 1)
     top = min(max_prefill_tokens, room)
     lens = sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | ({top} if top >= 1 else set()))
-    per_seq = pages_for(1 + DECODE_TOKENS, page_size)
+    per_seq = pages_for(1 + DECODE_TOKENS, page_size) * max(copies, 1)  # free_pages: all ranks' pools
     batches = [b for b in capture_sizes(max_num_seqs) if b * per_seq <= free_pages] if decode else []
     return WarmupPlan(prefill_lens=tuple(lens), decode_batches=tuple(batches), copies=copies)
 
@@ -78,9 +79,8 @@ def run_warmup(engine: EngineLike, plan: WarmupPlan) -> WarmupReport:
         prompts += _generate(engine, batch, prefill_only, f"a prefill of {n} tokens")
     decoding = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
     for b in plan.decode_batches:
-        prompts += _generate(
-            engine, [[FIRST_TOKEN + i % span] for i in range(b)], decoding, f"a decode batch of {b}"
-        )
+        batch = [[FIRST_TOKEN + i % span] for i in range(b * plan.copies)]
+        prompts += _generate(engine, batch, decoding, f"a decode batch of {b}")
     engine.flush_prefix_cache()
     st = engine.stats()
     if st.get("used_pages", 0) or st.get("running", 0) or st.get("waiting", 0):

@@ -86,3 +86,32 @@ def test_a_failing_step_is_named(model_dir: Path) -> None:
         run_warmup(engine, plan)
     engine.flush_prefix_cache()  # the shorter prompts' pages stay cached until then
     assert engine.stats()["used_pages"] == 0  # the failed generate took back what it had
+
+
+class _Recorder:
+    """Just enough of an engine for run_warmup: records each generate call's batch size and tokens."""
+
+    def __init__(self) -> None:
+        self.config = type("C", (), {"vocab_size": 1000})()
+        self.calls: list[tuple[int, int]] = []  # (prompts, max_tokens)
+
+    def generate(self, batch, params):
+        self.calls.append((len(batch), params.max_tokens))
+        return []
+
+    def flush_prefix_cache(self) -> int:
+        return 0
+
+    def stats(self) -> dict[str, int]:
+        return {"used_pages": 0, "running": 0, "waiting": 0}
+
+
+def test_every_ep_rank_gets_each_decode_graph_size() -> None:
+    """An EP worker of 2 ranks (copies=2) sends 2 x b one-token prompts for decode batch b, so the EP engine's
+    least-busy placement gives each rank b, and the pool check counts both ranks' prompts."""
+    plan = plan_warmup(8, 8, page_size=16, free_pages=10, context_len=8192, decode=True, copies=2)
+    assert plan.decode_batches == (1, 2, 4)  # 4 x 2 ranks x 1 page each fits 10 pages, 8 x 2 does not
+    rec = _Recorder()
+    run_warmup(rec, plan)  # type: ignore[arg-type]
+    assert [n for n, t in rec.calls if t == DECODE_TOKENS] == [2, 4, 8]
+    assert [n for n, t in rec.calls if t == 1] == [2] * len(plan.prefill_lens)
