@@ -42,7 +42,7 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from libs.chaos.overload import measure_capacity, overload, service_pids
@@ -161,7 +161,7 @@ def start_mesh(model: Path, device: str, password: str, limits: dict[str, dict[s
 
 
 def kill_table(
-    mesh: Mesh, prompts: list[list[int]], want: list[str], max_tokens: int, chosen: set[str] = frozenset()
+    mesh: Mesh, prompts: list[list[int]], want: list[str], max_tokens: int, chosen: Collection[str] = ()
 ) -> list[dict]:  # fmt: skip
     rows = []
     for fault in (f for f in standard_faults(len(prompts)) if not chosen or f.killed in chosen):

@@ -118,6 +118,20 @@ def _key_text(key: tuple) -> str:
     return ",".join(str(part) for part in key)
 
 
+def _lookup(table: str, key: tuple) -> str | None:
+    """The stored choice for a key; on a miss the cache file is read again first, since another process (the
+    other worker of this GPU) may have tuned the key since this one read it. Only misses read, and each is
+    followed by a sweep of seconds."""
+    text = _key_text(key)
+    hit = stored().get(table, {}).get(text)
+    folder = cache_dir()
+    if hit is None and folder is not None:
+        hit = _read(folder / f"{device_tag()}.json").get(table, {}).get(text)
+        if hit is not None:
+            stored().setdefault(table, {})[text] = hit
+    return hit
+
+
 def remember(table: str, key: tuple, choice: str) -> None:
     """Add one choice to this process's view and to the cache file, merged with what other processes wrote
     there meanwhile (an exclusive lock around read-merge-replace)."""
@@ -146,7 +160,7 @@ def fastest(
     outside CUDA-graph capture (warm-up), never inside it."""
     if key not in cache:
         texts = [str(c) for c in candidates]
-        known = stored().get(table, {}).get(_key_text(key))
+        known = _lookup(table, key)
         if known in texts:
             cache[key] = candidates[texts.index(known)]
             return cache[key]

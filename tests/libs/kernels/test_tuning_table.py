@@ -135,3 +135,18 @@ def test_a_nested_sweep_is_counted_once_in_the_time_spent(monkeypatch, clock):
 
     gemm_tuning.fastest({}, KEY, ["slow", "fast"], outer, table="outer")
     assert {"seconds": 3.0, "timings": 2 + 2 * len(CANDS)} == gemm_tuning.SPENT  # outer: ticks 0 .. 3
+
+
+def test_a_choice_another_process_stored_after_this_one_read_the_table_is_not_tuned_again(monkeypatch, clock):
+    """The prefill and decode workers of one GPU warm up side by side: a key the other one tuned after this
+    process first read the table is found in the file, not timed again."""
+    gemm_tuning.fastest({}, (9,), CANDS, clock.append, table="t")  # this process has read the table
+    env = {**os.environ, gemm_tuning.CACHE_ENV: str(gemm_tuning.cache_dir())}
+    other = (
+        "from libs.kernels import gemm_tuning as g\n"
+        "g.device_tag = lambda: 'Test_GPU-triton-9.9'\n"
+        "g.remember('t', (0, 64, 7168, 1536, 1), 'mid')\n"
+    )
+    subprocess.run([sys.executable, "-c", other], check=True, env=env, cwd=Path(__file__).parents[3])
+    assert gemm_tuning.fastest({}, KEY, CANDS, clock.append, table="t") == "mid"
+    assert clock == CANDS  # only the first key was timed
