@@ -15,10 +15,11 @@ import httpx
 
 @dataclass
 class Outcome:
-    """One streamed request: its text, token count, how it ended and how long it took."""
+    """One streamed request: its text and token ids, token count, how it ended and how long it took."""
 
     index: int
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # from logprobs with return_tokens_as_token_ids
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None  # the error event's message (or the HTTP status) when it failed cleanly
@@ -64,11 +65,14 @@ async def stream_completion(
     client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, deadline_s: float,
     index: int = 0, progress: Progress | None = None,
 ) -> Outcome:  # fmt: skip
-    """One greedy streaming completion (token-id prompt, ignore_eos); never raises."""
+    """One greedy streaming completion (token-id prompt, ignore_eos); never raises. Every token is named by
+    its id (logprobs 0, return_tokens_as_token_ids), so a chunk comes per token even where a token has no
+    text (a preset checkpoint's vocabulary runs past its tiny tokenizer's) and outputs compare by id."""
     out = Outcome(index)
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-        "ignore_eos": True, "stream_options": {"include_usage": True},
+        "ignore_eos": True, "stream_options": {"include_usage": True}, "logprobs": 0,
+        "return_tokens_as_token_ids": True,
     }  # fmt: skip
     t0 = time.monotonic()
     try:
@@ -103,6 +107,8 @@ def _take(out: Outcome, line: str, progress: Progress | None) -> None:
         out.completion_tokens = obj["usage"]["completion_tokens"]
     for choice in obj.get("choices", []):
         out.text += choice.get("text") or ""
+        named = (choice.get("logprobs") or {}).get("tokens") or []
+        out.token_ids += [int(t.removeprefix("token_id:")) for t in named]
         out.finish_reason = choice.get("finish_reason") or out.finish_reason
         out.chunks += 1
         if progress is not None:

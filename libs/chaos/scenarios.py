@@ -66,7 +66,7 @@ class _Strike:
 
 
 def run_fault(
-    mesh: Mesh, fault: Fault, prompts: Sequence[list[int]], want: Sequence[str], max_tokens: int, *,
+    mesh: Mesh, fault: Fault, prompts: Sequence[list[int]], want: Sequence[list[int]] | None, max_tokens: int, *,
     deadline_s: float, leak_timeout_s: float, back_timeout_s: float = 90.0,
 ) -> tuple[FaultResult, dict[str, int]]:  # fmt: skip
     """One scenario; returns the row and what each worker still holds (request pages + live)."""

@@ -20,7 +20,6 @@ from libs.chaos import FaultResult, metric_total, stream_many
 from libs.chaos.scenarios import chaos_config, chaos_prompts, run_fault, standard_faults
 from libs.engine import Engine, SamplingParams
 from libs.launch.mesh import Mesh
-from libs.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e
 
@@ -40,17 +39,16 @@ def chaos_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.fixture(scope="module")
-def want(tiny_model: Path) -> list[str]:
+def want(tiny_model: Path) -> list[list[int]]:
     engine = Engine.from_pretrained(tiny_model)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    tok = Tokenizer.from_pretrained(tiny_model)
-    return [tok.decode(o.token_ids) for o in outs]
+    return [o.token_ids for o in outs]
 
 
 FAULTS = {f.killed: f for f in standard_faults(N_REQUESTS)}
 
 
-def run(mesh: Mesh, want: list[str], killed: str) -> FaultResult:
+def run(mesh: Mesh, want: list[list[int]], killed: str) -> FaultResult:
     """One standard fault (libs.chaos.scenarios) while every prompt streams, with the checks every
     scenario shares."""
     result, left = run_fault(
@@ -75,30 +73,32 @@ def launcher_restarts(mesh: Mesh, service: str, want: int, timeout: float = 10.0
     return got
 
 
-def test_kill_a_decode_worker_mid_stream_migrates_its_requests(chaos_mesh: Mesh, want: list[str]) -> None:
+def test_kill_a_decode_worker_mid_stream_migrates_its_requests(
+    chaos_mesh: Mesh, want: list[list[int]]
+) -> None:
     r = run(chaos_mesh, want, "decode-0")
     assert r.migrated >= 1, r
     assert launcher_restarts(chaos_mesh, "decode-0", 1) == 1
 
 
-def test_kill_a_prefill_worker(chaos_mesh: Mesh, want: list[str]) -> None:
+def test_kill_a_prefill_worker(chaos_mesh: Mesh, want: list[list[int]]) -> None:
     run(chaos_mesh, want, "prefill-1")
 
 
-def test_kill_a_scheduler_replica(chaos_mesh: Mesh, want: list[str]) -> None:
+def test_kill_a_scheduler_replica(chaos_mesh: Mesh, want: list[list[int]]) -> None:
     r = run(chaos_mesh, want, "scheduler-0")
     # the requests queued at the dead replica are re-submitted to the other one
     assert r.migrated >= 1, r
 
 
-def test_kill_the_kv_broker(chaos_mesh: Mesh, want: list[str]) -> None:
+def test_kill_the_kv_broker(chaos_mesh: Mesh, want: list[list[int]]) -> None:
     run(chaos_mesh, want, "kv-broker")
 
 
-def test_kill_the_nats_server_then_new_requests_succeed(chaos_mesh: Mesh, want: list[str]) -> None:
+def test_kill_the_nats_server_then_new_requests_succeed(chaos_mesh: Mesh, want: list[list[int]]) -> None:
     run(chaos_mesh, want, "nats-server")
     fresh = asyncio.run(stream_many(chaos_mesh.url, chaos_mesh.model_name, PROMPTS[:8], MAX_TOKENS))
-    assert [o.text for o in fresh] == want[:8], [o.error for o in fresh]
+    assert [o.token_ids for o in fresh] == want[:8], [o.error for o in fresh]
     assert launcher_restarts(chaos_mesh, "nats-server", 1) == 1
 
 
