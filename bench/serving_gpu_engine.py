@@ -19,8 +19,10 @@ from libs.worker.warmup import plan_warmup, run_warmup
 
 
 def greedy(engine: Engine, prompts: Sequence[list[int]], max_tokens: int) -> list[list[int]]:
+    """One prompt at a time, as serving_gpu sends them through the mesh: on a GPU the batch a request
+    shares picks the GEMM kernels (per bucket of rows), so a batch of three would not be comparable."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in engine.generate([list(p) for p in prompts], params)]
+    return [engine.generate([list(p)], params)[0].token_ids for p in prompts]
 
 
 def _sync(engine: Engine) -> None:

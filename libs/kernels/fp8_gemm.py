@@ -89,7 +89,7 @@ def _fp8_gemm_body(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         kb0 = 0
         kb1 = tl.cdiv(K, BLOCK_K)
-        if SPLIT_K > 1:  # this program sums one slice of K; slices meet in C (fp32) by atomic adds
+        if SPLIT_K > 1:  # this program sums one slice of K into its own fp32 plane of C (summed after)
             per = tl.cdiv(kb1, SPLIT_K)
             kb0 = tl.program_id(2) * per
             kb1 = tl.minimum(kb0 + per, kb1)
@@ -104,8 +104,9 @@ def _fp8_gemm_body(
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         c_ptrs = C + expert * stride_ce + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-        if SPLIT_K > 1:
-            tl.atomic_add(c_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
+        if SPLIT_K > 1:  # dense only: stride_ce steps between the slices' planes
+            c_ptrs += tl.program_id(2).to(tl.int64) * stride_ce
+            tl.store(c_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
         else:
             tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -289,24 +290,25 @@ def _measured_split(xq, xs, w, w_s, out) -> int:
 
 
 def _fp8_gemm_split_k(xq, xs, w, w_s, out, split: int) -> None:
+    """K in `split` slices, each program writing its slice's fp32 partial to its own plane, the planes summed
+    by torch in a fixed order: deterministic, where atomic adds into one fp32 C summed three or more slices
+    in whatever order they finished (greedy tokens then differed run to run on near-tied logits)."""
     m, k = xq.shape
     n = w.shape[0]
-    acc = torch.zeros(m, n, dtype=torch.float32, device=xq.device)
+    acc = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)  # every element written
     cfg = _split_sm90_config(xq, w, split)
     if cfg is not None:
-        _launch_sm90(
-            xq[None], xs[None], w[None], w_s[None], acc[None], m, xs, xs, DENSE, 1, cfg, split_k=split
-        )
-        out.copy_(acc)
+        _launch_sm90(xq[None], xs[None], w[None], w_s[None], acc, m, xs, xs, DENSE, 1, cfg, split_k=split)
+        torch.sum(acc, 0, out=out) if out.dtype == torch.float32 else out.copy_(acc.sum(0))
         return
     grid = (triton.cdiv(m, 64) * triton.cdiv(n, 128), 1, split)
     _fp8_gemm_body[grid](
         xq, xs, w, w_s, acc, m, n, k, xs, xs,
         0, xq.stride(0), 0, xs.stride(0), xs.stride(1), 0, w.stride(0), 0, w_s.stride(0), w_s.stride(1),
-        0, acc.stride(0), LAYOUT=DENSE, BLOCK_M=64, BLOCK_N=128, BLOCK_K=GROUP, SPLIT_K=split,
+        acc.stride(0), acc.stride(1), LAYOUT=DENSE, BLOCK_M=64, BLOCK_N=128, BLOCK_K=GROUP, SPLIT_K=split,
         num_warps=4, num_stages=4,
     )  # fmt: skip
-    out.copy_(acc)
+    torch.sum(acc, 0, out=out) if out.dtype == torch.float32 else out.copy_(acc.sum(0))
 
 
 def _split_sm90_config(xq, w, split: int):

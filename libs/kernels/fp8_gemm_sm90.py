@@ -95,7 +95,7 @@ def _promote(acc, part, scale, BLOCK_N: gl.constexpr):
 def _tile_origin(expert, off_m, off_n, N, K, a_rows_per_expert, LAYOUT: gl.constexpr, SPLIT_K: gl.constexpr):
     """TMA row of the tile's A rows (experts' row blocks stacked for MASKED) and of its weight rows (experts'
     [N, K] weights stacked), and the K blocks this program sums: all of them, or its slice under split-K
-    (slices meet in C, fp32, by atomic adds)."""
+    (each slice's partial goes to its own fp32 plane of C, summed after)."""
     a_row = off_m
     if LAYOUT == 1:
         a_row = expert * a_rows_per_expert + off_m
@@ -116,8 +116,8 @@ def _store_tile(c_ptr, acc, offs_m, offs_n, m_ok, N, expert, stride_ce, stride_c
         c_row += expert.to(gl.int64) * stride_ce
     c_ptrs = c_ptr + c_row[:, None] + offs_n[None, :]
     mask = m_ok[:, None] & (offs_n < N)[None, :]
-    if SPLIT_K > 1:
-        gl.atomic_add(c_ptrs, acc, mask=mask, sem="relaxed")
+    if SPLIT_K > 1:  # dense only: stride_ce steps between the slices' planes
+        gl.store(c_ptrs + gl.program_id(2).to(gl.int64) * stride_ce, acc, mask=mask)
     else:
         gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
@@ -308,7 +308,7 @@ def launch(a2, a_s, w2, w_s, out, m, n, k, counts, tile_expert, layout, grid_e, 
     per_expert_rows = layout == MASKED
     _fp8_gemm_sm90_kernel[grid](
         a_desc, b_desc, out, a_s, w_s, counts, tile_expert, m, n, k, a_rows_per_expert,
-        out.stride(0) if per_expert_rows else 0, out.stride(1),
+        out.stride(0) if per_expert_rows or split_k > 1 else 0, out.stride(1),
         a_s.stride(0) if per_expert_rows else 0, a_s.stride(1), a_s.stride(2),
         w_s.stride(0), w_s.stride(1), w_s.stride(2),
         LAYOUT=layout, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUFFERS=buffers, SPLIT_K=split_k, OVERLAP=unroll > 1, UNROLL=unroll,

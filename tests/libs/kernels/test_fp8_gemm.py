@@ -102,6 +102,34 @@ def test_split_k_sums_every_slice(device):
         assert _rel(G.fp8_gemm(xq, xs, w[0], ws[0], split_k=split), ref) < 1e-2
 
 
+def test_split_k_slices_sum_in_a_fixed_order(device):
+    """Each slice's partial lands in its own plane and the planes are summed in order: the result is the
+    sum of the K slices' own GEMMs, also where the last slice is empty (8 K blocks in 5 slices of 2)."""
+    xq, xs = _acts((20, 1024), device)
+    w, ws = _weights(1, 256, 1024, device)
+    for split in (3, 5):
+        per = -(-8 // split) * 128
+        parts = [
+            G.fp8_gemm(xq[:, k0 : k0 + per], xs[:, k0 // 128 : (k0 + per) // 128], w[0][:, k0 : k0 + per],
+                       ws[0][:, k0 // 128 : (k0 + per) // 128], out_dtype=torch.float32)
+            for k0 in range(0, 1024, per)
+        ]  # fmt: skip
+        want = torch.stack(parts + [torch.zeros_like(parts[0])] * (split - len(parts))).sum(0)
+        got = G.fp8_gemm(xq, xs, w[0], ws[0], out_dtype=torch.float32, split_k=split)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (split, (got - want).abs().max())
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="atomic order varies only on a GPU")
+def test_split_k_is_deterministic_on_the_gpu():
+    """Many slices of a decode-sized GEMM, run again and again: bitwise the same every time (atomic adds
+    into one fp32 C were not, and greedy tokens of the random-weight test model followed)."""
+    xq, xs = _acts((4, 7168), "cuda")
+    w, ws = _weights(1, 2112, 7168, "cuda")
+    for split in (4, 7, 14):
+        first = G.fp8_gemm(xq, xs, w[0], ws[0], split_k=split)
+        assert all(torch.equal(G.fp8_gemm(xq, xs, w[0], ws[0], split_k=split), first) for _ in range(30)), split
+
+
 def test_split_k_choice():
     assert G.split_k_for(256, 4096, 7168) > 1
     assert G.split_k_for(4096, 24576, 1536) == 1
