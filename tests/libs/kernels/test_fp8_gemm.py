@@ -126,8 +126,8 @@ def test_split_k_is_deterministic_on_the_gpu():
     xq, xs = _acts((4, 7168), "cuda")
     w, ws = _weights(1, 2112, 7168, "cuda")
     for split in (4, 7, 14):
-        first = G.fp8_gemm(xq, xs, w[0], ws[0], split_k=split)
-        assert all(torch.equal(G.fp8_gemm(xq, xs, w[0], ws[0], split_k=split), first) for _ in range(30)), split
+        runs = [G.fp8_gemm(xq, xs, w[0], ws[0], split_k=split) for _ in range(30)]
+        assert all(torch.equal(r, runs[0]) for r in runs), split
 
 
 def test_split_k_choice():
