@@ -111,12 +111,12 @@ def test_split_k_slices_sum_in_a_fixed_order(device):
         per = -(-8 // split) * 128
         parts = [
             G.fp8_gemm(xq[:, k0 : k0 + per], xs[:, k0 // 128 : (k0 + per) // 128], w[0][:, k0 : k0 + per],
-                       ws[0][:, k0 // 128 : (k0 + per) // 128], out_dtype=torch.float32)
+                       ws[0][:, k0 // 128 : (k0 + per) // 128], out_dtype=torch.float32, split_k=1)
             for k0 in range(0, 1024, per)
         ]  # fmt: skip
         want = torch.stack(parts + [torch.zeros_like(parts[0])] * (split - len(parts))).sum(0)
         got = G.fp8_gemm(xq, xs, w[0], ws[0], out_dtype=torch.float32, split_k=split)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (split, (got - want).abs().max())
+        assert _rel(got, want) < 1e-5, split  # the slices' own GEMMs may tile K blocks in another order
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="atomic order varies only on a GPU")
