@@ -39,6 +39,8 @@ from typing import Any
 from bench.serving_gpu_mesh import (
     MeshProcess,
     Settings,
+    decode_counters,
+    decode_worker_steps,
     greedy_through_mesh,
     kv_transfer,
     run_slowdown_bench,
@@ -139,9 +141,10 @@ def serve(model_dir: Path, s: Settings, choice: str, logs: Path, rec: dict[str, 
         try:
             rec["transport"] = transport
             rec["kv_transfer"] = kv_transfer(mesh, s)
-            t0 = time.monotonic()
+            t0, before = time.monotonic(), decode_counters(mesh)
             rec["bench"] = run_slowdown_bench(mesh, s, logs / "bench.json")
             rec["timings"]["bench_s"] = time.monotonic() - t0
+            rec["decode_worker_steps"] = decode_worker_steps(before, decode_counters(mesh))
         finally:
             mesh.stop()
         return

@@ -226,6 +226,25 @@ def warmup_seconds(mesh: MeshProcess) -> dict[str, float]:
     return {w: _metric(mesh.metrics(w), "moemesh_worker_warmup_seconds") for w in ("prefill-0", "decode-0")}
 
 
+def decode_counters(mesh: MeshProcess) -> dict[str, float]:
+    """decode-0's step histogram and token counter: a difference of two readings says how long its engine
+    steps took as the worker saw them (thread hand-off included), to set beside the Engine's step."""
+    text = mesh.metrics("decode-0")
+    return {
+        "step_s": _metric(text, "moemesh_decode_step_seconds_sum"),
+        "steps": _metric(text, "moemesh_decode_step_seconds_count"),
+        "tokens": _metric(text, "moemesh_decode_tokens_total"),
+    }
+
+
+def decode_worker_steps(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    steps = after["steps"] - before["steps"]
+    return {
+        "steps": steps, "tokens": after["tokens"] - before["tokens"],
+        "step_ms_mean": 1000 * (after["step_s"] - before["step_s"]) / steps if steps else None,
+    }  # fmt: skip
+
+
 def transfer_counters(mesh: MeshProcess) -> tuple[float, float, float]:
     text = mesh.metrics("prefill-0")
     return (

@@ -49,6 +49,9 @@ def test_smoke_run_writes_a_complete_record(tmp_path: Path) -> None:
     assert rec["kv_transfer_GBps"] > 0
     assert rec["timings"]["warmup_s"] == {"prefill-0": 0.0, "decode-0": 0.0}  # auto: off on the CPU
     assert set(rec["ttft_ms"]) >= {"median", "p90", "p99"} and rec["itl_ms"]["count"] > 0
+    # decode-0's steps over the bench phase: the slowed and the baseline run's tokens, all but each first one
+    steps = rec["decode_worker_steps"]
+    assert steps["steps"] > 0 and steps["step_ms_mean"] > 0 and steps["tokens"] >= 2 * 4 * (12 - 1)
 
 
 def test_a_failed_attempt_can_ask_every_service_for_its_stacks(tmp_path: Path) -> None:
