@@ -45,7 +45,7 @@ say "libcudart from: ${cudart:-not found}"
 say "Debian libraries taken from the bundle (missing here): $(ls "$syslib" | grep -v -- '-> ' | tr '\n' ' ')"
 still=$(ldd "$engine_so" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' ')
 [ -n "$still" ] && say "mooncake/engine.so still lacks: $still"
-python3 -c "import mooncake.engine, fastapi, nats, msgspec, xgrammar, opentelemetry.sdk" >>"$log" 2>&1 \
+python3 -c "import mooncake.engine, fastapi, nats, msgspec, xgrammar, opentelemetry.sdk, uvloop, httptools" >>"$log" 2>&1 \
   && say "imports: ok" || say "imports: FAILED (see gpu_mesh.log)"
 left=$(( ${BUDGET:-570} - ($(date +%s) - start) ))
 say "setup took $(( $(date +%s) - start )) s; serving_gpu gets $left s"
