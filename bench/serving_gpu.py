@@ -64,6 +64,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slowdown-ms", type=float, default=0.0, help="default 500 (smoke: 150)")
     ap.add_argument("--transport", default="auto", choices=["auto", "tcp", "nvlink_intra"])
     ap.add_argument(
+        "--gateways", type=int, default=0,
+        help="gateway processes on the API port (default 2 on CUDA: one streams ~20-50k tok/s; smoke 1)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--client-procs", type=int, default=0,
+        help="moemesh bench client processes (default 4 on CUDA, where one httpx client process streamed "
+        "13.2k tok/s, 1 / its ~76 us per token; smoke 1)",
+    )  # fmt: skip
+    ap.add_argument(
         "--budget-s", type=float, default=0.0, help="whole run's time limit; default 520 (smoke: 240)"
     )
     ap.add_argument("--output", default="", help="record path (default: $OUT or bench/results)")
@@ -84,6 +93,8 @@ def settings(a: argparse.Namespace) -> Settings:
         max_prefill_tokens=2048 if smoke else 16384, greedy_lens=(40, 300) if smoke else (100, 600, 2000),
         greedy_tokens=6 if smoke else 16, deadline=time.monotonic() + (a.budget_s or (240 if smoke else 520)),
         engine_reserve_s=40 if smoke else (5 if a.engine_from else 150),
+        gateways=a.gateways or (2 if a.device == "cuda" and not smoke else 1),
+        client_procs=a.client_procs or (4 if a.device == "cuda" and not smoke else 1),
     )  # fmt: skip
 
 
@@ -204,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rec: dict[str, Any] = {
         "benchmark": "serving_gpu", "command": "python -m bench.serving_gpu " + " ".join(argv or sys.argv[1:]),
         "device": device_name(a.device), "concurrency": s.concurrency, "input_len": s.input_len,
+        "gateways": s.gateways, "client_procs": s.client_procs,
         "output_len": s.output_len, "slowdown_ms": s.slowdown_ms, "timings": {}, "transport_failures": {},
         "errors": [],
     }  # fmt: skip

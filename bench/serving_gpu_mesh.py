@@ -40,6 +40,8 @@ class Settings:
     greedy_tokens: int
     deadline: float  # time.monotonic() by which the whole run ends
     engine_reserve_s: float = 150.0  # kept back from the mesh phases for the Engine reference
+    gateways: int = 1  # `moemesh up --gateways`: gateway processes on the one API port
+    client_procs: int = 1  # `moemesh bench --client-procs`: load-generator processes
 
     def left(self, reserve: float = 0.0) -> float:
         return max(1.0, self.deadline - time.monotonic() - reserve)
@@ -81,7 +83,7 @@ class Settings:
             "--random-range-ratio", "1", "--max-concurrency", n, "--slowdown-ms", f"{self.slowdown_ms:g}",
             "--release-at-batch", n, "--seed", str(BENCH_SEED), "--warmup-requests", "1", "--disable-progress",
             "--output-file", str(out),
-        ]  # fmt: skip
+        ] + (["--client-procs", str(self.client_procs)] if self.client_procs > 1 else [])  # fmt: skip
 
     def bench_prompts(self, model_dir: Path) -> list[list[int]]:
         """The slow-down run's prompts exactly as `moemesh bench` builds them (its seed + 1)."""
@@ -115,7 +117,7 @@ class MeshProcess:
             "--dtype", self.s.dtype, "--transfer-protocol", self.transport, "--log-dir", str(self.log_dir),
             "--restart-limit", "0",  # a worker that cannot start ends the attempt at once
             "--ready-timeout", f"{self.s.left(self.s.engine_reserve_s):.0f}",  # loading + JIT on a GPU
-        ]  # fmt: skip
+        ] + (["--gateways", str(self.s.gateways)] if self.s.gateways > 1 else [])  # fmt: skip
         self.proc = subprocess.Popen(
             argv, env={**os.environ, **self.s.env(self.transport)}, stdout=up_log.open("w"),
             stderr=subprocess.STDOUT, start_new_session=True,
