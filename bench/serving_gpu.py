@@ -77,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--output", default="", help="record path (default: $OUT or bench/results)")
     ap.add_argument(
+        "--engine-reserve-s", type=float, default=-1.0,
+        help="seconds of the budget kept for the Engine phase (default 150 on a GPU, 40 smoke, 5 with --engine-from)",
+    )  # fmt: skip
+    ap.add_argument(
         "--engine-from", default="",
         help="take the Engine-alone phase (numbers and greedy ids) from an earlier record of the same preset, "
         "device and settings instead of running it (device time is scarce); the record names it",
@@ -92,7 +96,9 @@ def settings(a: argparse.Namespace) -> Settings:
         output_len=a.output_len or (12 if smoke else 100), slowdown_ms=a.slowdown_ms or (150 if smoke else 500),
         max_prefill_tokens=2048 if smoke else 16384, greedy_lens=(40, 300) if smoke else (100, 600, 2000),
         greedy_tokens=6 if smoke else 16, deadline=time.monotonic() + (a.budget_s or (240 if smoke else 520)),
-        engine_reserve_s=40 if smoke else (5 if a.engine_from else 150),
+        engine_reserve_s=(
+            a.engine_reserve_s if a.engine_reserve_s >= 0 else 40 if smoke else 5 if a.engine_from else 150
+        ),
         gateways=a.gateways or (2 if a.device == "cuda" and not smoke else 1),
         client_procs=a.client_procs or (4 if a.device == "cuda" and not smoke else 1),
     )  # fmt: skip
