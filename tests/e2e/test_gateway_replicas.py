@@ -98,14 +98,15 @@ def test_a_killed_replica_ends_only_its_streams_and_comes_back_on_the_same_port(
     two_gateways: Mesh, want: list[str]
 ) -> None:
     mesh = two_gateways
-    before, restarts = received(mesh), mesh.sup.restarts("gateway-1")
+    # gateway-0: it was started on port 0 and bound the port first, so its restart must be pinned to it
+    before, restarts = received(mesh), mesh.sup.restarts("gateway-0")
     struck: dict[str, float] = {}
 
     async def strike(progress: Progress) -> None:
         assert await progress.wait(N, 2, timeout=60), "the streams never got going"
         struck["finished"] = progress.finished()
-        struck["on_1"] = (await asyncio.to_thread(received, mesh))[1] - before[1]
-        await asyncio.to_thread(mesh.sup.kill, "gateway-1")
+        struck["on_0"] = (await asyncio.to_thread(received, mesh))[0] - before[0]
+        await asyncio.to_thread(mesh.sup.kill, "gateway-0")
 
     outs = asyncio.run(
         stream_many(mesh.url, mesh.model_name, PROMPTS, MAX_TOKENS, deadline_s=60, fault=strike)
@@ -113,15 +114,15 @@ def test_a_killed_replica_ends_only_its_streams_and_comes_back_on_the_same_port(
     assert struck["finished"] == 0, struck  # it struck while every stream was running
     ok = [o for o in outs if o.ok]
     assert not any(o.hung for o in outs)
-    assert 0 < struck["on_1"] == N - len(ok), (struck, [o.error for o in outs])  # only the dead one's
+    assert 0 < struck["on_0"] == N - len(ok), (struck, [o.error for o in outs])  # only the dead one's
     assert all(o.text == want[o.index] for o in ok)  # the survivor's streams finished undisturbed
 
-    mesh.wait_restarted("gateway-1", restarts + 1, timeout=60)
+    mesh.wait_restarted("gateway-0", restarts + 1, timeout=60)
     deadline = time.monotonic() + 60
-    while side_ready(mesh, "gateway-1") is None:  # it must hear a decode worker and a scheduler first
-        assert time.monotonic() < deadline, f"gateway-1 restarted but not ready; logs in {mesh.log_dir}"
+    while side_ready(mesh, "gateway-0") is None:  # it must hear a decode worker and a scheduler first
+        assert time.monotonic() < deadline, f"gateway-0 restarted but not ready; logs in {mesh.log_dir}"
         time.sleep(0.1)  # another process comes up: poll its /ready
-    assert read_ports(mesh.ports_file("gateway-1"))["api"] == mesh.port  # type: ignore[index]
+    assert read_ports(mesh.ports_file("gateway-0"))["api"] == mesh.port  # type: ignore[index]
     before = received(mesh)
     outs = asyncio.run(stream_many(mesh.url, mesh.model_name, PROMPTS, MAX_TOKENS))
     assert [o.text for o in outs] == want, [o.error for o in outs]
