@@ -4,6 +4,7 @@ by bench/sim_host.py), the real kv-broker, scheduler, gateway and nats-server as
     python -m bench.mesh_scale [--decode 48 --prefill 8 --hosts 8] [--rates 5,10,20,40,80,160,320]
                                [--step-s 8] [--prompt-len 256 --shared 128 --max-tokens 32]
                                [--flood 2000] [--stream-clients 256 --stream-decode 8 --stream-prefill 2]
+                               [--gateways 1]
 
 1. Open-loop Poisson load, stepped up until something saturates (under 90% of the requests sent
    complete, the backlog outlives the step by half, or TTFT p50 grows tenfold): after an idle window
@@ -13,7 +14,8 @@ by bench/sim_host.py), the real kv-broker, scheduler, gateway and nats-server as
 2. Scheduler placements: `--flood` submits straight to the scheduler (max_tokens=1, prefix scoring on)
    with every worker and modeled GPUs `--flood-speed` times faster.
 3. The gateway streaming test: `--stream-clients` concurrent clients streaming closed-loop against a
-   smaller mesh (`--stream-decode` fuller decode workers), so the gateway is what is measured.
+   smaller mesh (`--stream-decode` fuller decode workers), so the gateway is what is measured;
+   `--gateways N` replicas share its port (their cores are summed, their tokens listed per replica).
 Then a projection of gateways and schedulers for 364k tokens/s from the per-core rates. The machine's
 load average goes in the JSON (bench/results/mesh_scale.json) with a plot (mesh_scale.png).
 """
@@ -147,15 +149,22 @@ def load_steps(mesh: ScaleMesh, args: argparse.Namespace, prefill_ms: float, idl
     return rows
 
 
+def gateway_tokens(mesh: ScaleMesh) -> list[float]:
+    """Output tokens each gateway replica streamed so far (its own /metrics)."""
+    return [counter_total(u, "moemesh_gateway_generation_tokens_total") for u in mesh.gateway_metrics_urls()]
+
+
 def streaming_test(mesh: ScaleMesh, args: argparse.Namespace) -> dict:
-    probe = Probe(mesh)
+    probe, tokens0 = Probe(mesh), gateway_tokens(mesh)
     loop_fn = closed_loop_raw if args.stream_client == "raw" else closed_loop
     res, wall = asyncio.run(
         loop_fn(mesh.url, mesh.model_name, args.stream_clients, args.stream_tokens, 32, 1)
     )
     d = probe.delta()
-    gw = d["cpu_cores"]["gateway"]
+    per_gw = [b - a for a, b in zip(tokens0, gateway_tokens(mesh), strict=True)]
+    gw = sum(v for k, v in d["cpu_cores"].items() if k == "gateway" or k.startswith("gateway-"))
     out = {"clients": args.stream_clients, "client": args.stream_client, "sim_speed": args.stream_sim_speed or args.sim_speed,
+           "gateways": mesh.cfg.gateways, "tokens_per_gateway": per_gw,
            "max_tokens": args.stream_tokens, "completed": res.ok,
            "failed": res.failed, "tokens": res.tokens, "wall_s": wall, "tokens_per_s": res.tokens / wall,
            "gateway_cores": gw, "tokens_per_s_per_gateway_core": res.tokens / wall / max(gw, 1e-9),
@@ -244,6 +253,7 @@ def main() -> None:
     ap.add_argument("--stream-tokens", type=int, default=256)
     ap.add_argument("--stream-decode", type=int, default=8, help="decode workers in the streaming test")
     ap.add_argument("--stream-prefill", type=int, default=2, help="prefill workers in the streaming test")
+    ap.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the API port")
     ap.add_argument("--flood-speed", type=float, default=10.0, help="sim speed during the placement flood")
     ap.add_argument("--flood", type=int, default=2000, help="submits in the placement test (0: skip)")
     ap.add_argument("--flood-in-flight", type=int, default=256)
@@ -254,6 +264,7 @@ def main() -> None:
     fields = {"engine": "sim", "transfer_protocol": "skip", "sim_speed": args.sim_speed, "num_pages": 16384,
               "max_num_seqs": 256, "heartbeat_interval_ms": args.heartbeat_ms}  # fmt: skip
     cfg = MeshConfig(model_dir=model, port=0, prefill_workers=args.prefill, decode_workers=args.decode,
+                     gateways=args.gateways,
                      log_dir=Path(f"/tmp/moemesh-scale-logs-{os.getpid()}"),
                      extra_env={"services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": "4096",
                                                        "MOEMESH_SCHEDULER_HEARTBEAT_INTERVAL_MS": str(args.heartbeat_ms)}})  # fmt: skip

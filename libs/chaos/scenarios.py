@@ -70,8 +70,11 @@ def run_fault(
     deadline_s: float, leak_timeout_s: float, back_timeout_s: float = 90.0,
 ) -> tuple[FaultResult, dict[str, int]]:  # fmt: skip
     """One scenario; returns the row and what each worker still holds (request pages + live)."""
-    metrics = mesh.url + "/metrics"
-    before = metric_total(metrics, MIGRATIONS)
+
+    def migrations() -> float:  # every gateway replica's own count
+        return sum(metric_total(url, MIGRATIONS) for url in mesh.gateway_metrics_urls())
+
+    before = migrations()
     restarts = mesh.sup.restarts(fault.killed)
     seen = _Strike()
 
@@ -92,7 +95,7 @@ def run_fault(
     left = asyncio.run(
         wait_for_no_leaks(mesh.nats_url, workers(mesh), leak_timeout_s, mesh.connect_options())
     )
-    migrated = int(metric_total(metrics, MIGRATIONS) - before)
+    migrated = int(migrations() - before)
     leaked = sum(v for v in left.values() if v > 0)
     row = summarize(fault.killed, outcomes, want, max_tokens, migrated, leaked)
     row.finished_before_strike = seen.finished_before

@@ -5,13 +5,18 @@ the nats-server included (same port, same JetStream store).
 `moemesh up`, the e2e tests and the chaos benchmark all run the mesh through this class, so a fault
 test exercises the supervision users get. Readiness is observed, not assumed: the mesh is up when every
 worker not given up on has sent a heartbeat (it loaded its model and registered its KV pool at the
-kv-broker), every scheduler replica has sent its heartbeat (its subscriptions are live) and the
+kv-broker), every scheduler replica has sent its heartbeat (its subscriptions are live) and every
 gateway's /ready answers 200 (it heard a decode worker and a scheduler; /health where no decode worker
 is started). `start(hold=...)` leaves named services unstarted, for `release(name)` to start later.
 
 Ports are never picked in advance: nats-server picks its own (libs.natsd), and every service binds its
 side port (and the gateway its API port, unless one is configured) to port 0 and writes what it got to a
 ports file in the log folder (libs.bus.ports), which `side_port()` and the gateway's `url` read.
+
+Gateways (`gateways` N > 1, as vLLM's --api-server-count): N processes "gateway-<i>" listen on the one
+API port with SO_REUSEPORT (the kernel spreads connections over them), each with its own bus id, token
+stream and side port (/metrics, /ready). With port 0, gateway-0 starts first and the others bind the
+port it got; from then on a restarted replica binds that port again, so `url` never changes.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class MeshConfig:
     prefill_workers: int = 1
     decode_workers: int = 1
     schedulers: int = 1  # replicas in one queue group; names "scheduler" (one) or "scheduler-<i>"
+    # gateway processes sharing the API port (SO_REUSEPORT); names "gateway" (one) or "gateway-<i>"
+    gateways: int = 1
     served_model_name: str = ""
     transfer_protocol: str = "tcp"
     device: str = "cpu"
@@ -63,7 +70,8 @@ class MeshConfig:
     def __repr__(self) -> str:  # NatsAuth's repr masks its secrets
         return (
             f"MeshConfig(model_dir={str(self.model_dir)!r}, prefill={self.prefill_workers}, "
-            f"decode={self.decode_workers}, schedulers={self.schedulers}, nats_auth={self.nats_auth!r})"
+            f"decode={self.decode_workers}, schedulers={self.schedulers}, gateways={self.gateways}, "
+            f"nats_auth={self.nats_auth!r})"
         )
 
 
@@ -103,20 +111,21 @@ class Mesh:
         )
         return [f"{p}-{i}" for i in range(n)]
 
+    def _spec(self, name: str, module: str, prefix: str, **fields: object) -> ServiceSpec:
+        c = self.cfg
+        env = {"MOEMESH_NATS_URL": self.nats_url, "MOEMESH_LOG_LEVEL": "INFO"}
+        env.update(c.nats_auth.client_env() if c.nats_auth else {})
+        if module != "services.gateway" or c.gateways > 1:  # one gateway: /health, /metrics on its API port
+            fields = {"http_host": c.host, "http_port": -1, **fields}  # -1: any free port
+        fields = {"ports_file": self.ports_file(name), **fields}
+        env.update({f"{prefix}{k.upper()}": str(v) for k, v in fields.items()})
+        env.update(c.extra_env.get(module, {}))
+        return ServiceSpec(name, module, env, ports_file=self.ports_file(name))
+
     def specs(self) -> list[ServiceSpec]:
         c = self.cfg
         model = str(Path(c.model_dir).resolve())
-
-        def spec(name: str, module: str, prefix: str, **fields: object) -> ServiceSpec:
-            env = {"MOEMESH_NATS_URL": self.nats_url, "MOEMESH_LOG_LEVEL": "INFO"}
-            env.update(c.nats_auth.client_env() if c.nats_auth else {})
-            if module != "services.gateway":  # the gateway serves /health and /metrics on its API port
-                fields = {"http_host": c.host, "http_port": -1, **fields}  # -1: any free port
-            fields = {"ports_file": self.ports_file(name), **fields}
-            env.update({f"{prefix}{k.upper()}": str(v) for k, v in fields.items()})
-            env.update(c.extra_env.get(module, {}))
-            return ServiceSpec(name, module, env, ports_file=self.ports_file(name))
-
+        spec = self._spec
         worker = dict(
             model_dir=model,
             served_model_name=self.model_name,
@@ -138,18 +147,17 @@ class Mesh:
             spec(w, "services.decode_worker", "MOEMESH_DECODE_WORKER_", instance_id=w, **worker)
             for w in self.worker_ids(m.Role.DECODE)
         ]
-        out.append(
-            spec(
-                "gateway",
-                "services.gateway",
-                "MOEMESH_GATEWAY_",
-                host=c.host,
-                port=self.port,
-                model_dir=model,
-                served_model_name=self.model_name,
-            )
-        )
-        return out
+        return out + [self.gateway_spec(name) for name in self.gateway_names()]
+
+    def gateway_spec(self, name: str) -> ServiceSpec:
+        """One gateway replica on `self.port` (0 until the first one bound it). Its bus id stays random
+        per process (tokens come back on `mesh.stream.<id>`, so a restarted replica never gets its previous
+        life's streams); replicas share the API port by SO_REUSEPORT and each has a side port."""
+        reuse = {"reuse_port": "true"} if self.cfg.gateways > 1 else {}
+        return self._spec(
+            name, "services.gateway", "MOEMESH_GATEWAY_", host=self.cfg.host, port=self.port,
+            model_dir=str(Path(self.cfg.model_dir).resolve()), served_model_name=self.model_name, **reuse,
+        )  # fmt: skip
 
     def ports_file(self, service: str) -> Path:
         return self.log_dir / "ports" / f"{service}.json"
@@ -175,6 +183,20 @@ class Mesh:
     def scheduler_names(self) -> list[str]:
         n = self.cfg.schedulers
         return ["scheduler"] if n == 1 else [f"scheduler-{i}" for i in range(n)]
+
+    def gateway_names(self) -> list[str]:
+        n = self.cfg.gateways
+        return ["gateway"] if n == 1 else [f"gateway-{i}" for i in range(n)]
+
+    def _pin_port(self, port: int) -> None:
+        """The API port the first gateway bound: the other replicas bind it too, and a restarted replica
+        binds it again (not another free port), so `url` stays the mesh's one URL."""
+        self.port = port
+        for name in self.gateway_names():
+            if name in self._held:
+                self._held[name] = self.gateway_spec(name)
+            elif name in self.sup.procs:
+                self.sup.respec(name, self.gateway_spec(name))
 
     def _start_nats(self, port: int) -> None:
         """The first start picks the port (the server binds it); the supervisor restarts the server on
@@ -212,8 +234,8 @@ class Mesh:
     def start(self, timeout: float = 120.0, hold: Collection[str] = ()) -> Mesh:
         """Start nats-server and every service, and wait until the mesh is ready (module docstring);
         the services named in `hold` ("decode-0", ...) are not started: `release` starts them."""
-        if self.cfg.schedulers < 1:
-            raise ValueError(f"schedulers must be >= 1, got {self.cfg.schedulers}")
+        if self.cfg.schedulers < 1 or self.cfg.gateways < 1:
+            raise ValueError(f"schedulers and gateways must be >= 1: {self.cfg!r}")
         try:
             self._start_nats(self.cfg.nats_port)
             self._loop = SupervisionLoop(
@@ -224,16 +246,28 @@ class Mesh:
             unknown = set(hold) - {s.name for s in specs}
             if unknown:
                 raise ValueError(f"hold: no services {sorted(unknown)} in this mesh")
+            first, *rest = self.gateway_names()
+            later = rest if self.port == 0 else []  # they bind the port the first one got
+            if first in hold and later:
+                raise ValueError(f"hold: {first} binds the API port the other gateways share")
             for s in specs:
-                if s.name in hold:
-                    self._held[s.name] = s
-                else:
-                    self.sup.start(s)
+                if s.name not in later:
+                    self._start_or_hold(s, hold)
+            if later:
+                self._pin_port(self.ports(first, timeout)["api"])
+                for name in later:
+                    self._start_or_hold(self.gateway_spec(name), hold)
             asyncio.run(self._wait_ready(timeout))
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_or_hold(self, spec: ServiceSpec, hold: Collection[str]) -> None:
+        if spec.name in hold:
+            self._held[spec.name] = spec
+        else:
+            self.sup.start(spec)
 
     def release(self, name: str) -> None:
         """Start a service that `start(hold=...)` left out (no wait: the caller observes it)."""
@@ -242,8 +276,8 @@ class Mesh:
     def check_serviceable(self) -> None:
         """Raise when what was given up on leaves nothing that can serve a request."""
         gone = set(self.sup.given_up())
-        lost = [n for n in (NATS, "kv-broker", "gateway") if n in gone]
-        for group in (self.scheduler_names(), self.worker_ids(m.Role.DECODE)):
+        lost = [n for n in (NATS, "kv-broker") if n in gone]
+        for group in (self.scheduler_names(), self.worker_ids(m.Role.DECODE), self.gateway_names()):
             if set(group) <= gone:
                 lost += group
         if lost:
@@ -275,14 +309,15 @@ class Mesh:
         try:
             while True:
                 self.check_serviceable()
-                if (ports := read_ports(self.ports_file("gateway"))) is not None:
-                    self.port = ports["api"]
-                if want - set(self.sup.given_up()) <= seen and ports is not None and self._gateway_healthy():
+                first = self.ports_file(self.gateway_names()[0])
+                if self.port == 0 and (ports := read_ports(first)) is not None:
+                    self._pin_port(ports["api"])
+                if want - set(self.sup.given_up()) <= seen and self._gateways_healthy():
                     return
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"mesh not ready after {timeout:.0f}s: heard {sorted(seen)} of {sorted(want)}, "
-                        f"gateway healthy={self._gateway_healthy()}; logs in {self.log_dir}"
+                        f"gateways healthy={self._gateways_healthy()}; logs in {self.log_dir}"
                     )
                 await asyncio.sleep(0.1)  # readiness poll of child processes; each check is a real condition
         finally:
@@ -293,19 +328,32 @@ class Mesh:
         return self.cfg.nats_auth.client_options() if self.cfg.nats_auth else {}
 
     def metrics_url(self, service: str) -> str:
-        """Prometheus endpoint of one service ("gateway", "scheduler", "prefill-0", ...)."""
-        if service == "gateway":
+        """Prometheus endpoint of one service ("gateway", "gateway-1", "scheduler", "prefill-0", ...)."""
+        if service == "gateway" and self.cfg.gateways == 1:
             return f"{self.url}/metrics"
+        if service == "gateway":
+            raise ValueError(f"{self.cfg.gateways} gateways share the API port: ask {self.gateway_names()}")
         return f"http://{self.cfg.host}:{self.side_port(service)}/metrics"
 
-    def _gateway_healthy(self) -> bool:
+    def gateway_metrics_urls(self) -> list[str]:
+        """Every gateway replica's Prometheus endpoint (their counters add up to the mesh's)."""
+        return [self.metrics_url(name) for name in self.gateway_names()]
+
+    def _gateway_base(self, name: str) -> str | None:
+        """Where this replica alone answers: the API port for one gateway, else its side port."""
+        if self.cfg.gateways == 1:
+            return self.url if self.port else None
+        ports = read_ports(self.ports_file(name))
+        return None if ports is None else f"http://{self.cfg.host}:{ports['http']}"
+
+    def _gateways_healthy(self) -> bool:
+        """Every gateway started and not given up on answers /ready (/health where no decode worker is
+        started), and the API port is known."""
         decode_started = set(self.worker_ids(m.Role.DECODE)) - set(self._held)
         path = "/ready" if decode_started else "/health"
-        try:
-            with urllib.request.urlopen(f"{self.url}{path}", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        skip = set(self._held) | set(self.sup.given_up())
+        bases = [self._gateway_base(n) for n in self.gateway_names() if n not in skip]
+        return self.port != 0 and bool(bases) and all(b is not None and _answers_200(b + path) for b in bases)
 
     def stop(self) -> None:
         """Drain and stop every service, then the nats-server (they drain over it)."""
@@ -325,6 +373,14 @@ class Mesh:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _answers_200(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
 def _accepts(host: str, port: int) -> bool:

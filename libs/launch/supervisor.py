@@ -109,6 +109,14 @@ class Supervisor:
             self.records[spec.name] = rp.ServiceRecord(since=time.monotonic())
             return sp
 
+    def respec(self, name: str, spec: ServiceSpec) -> None:
+        """Restarts of `name` run `spec` from now on (e.g. a gateway pinned to the port it first bound);
+        the running process is left as it is."""
+        with self._lock:
+            if spec.name != name:
+                raise ValueError(f"respec: {spec.name} is not {name}")
+            self.procs[name].spec = spec
+
     def _launch(self, spec: ServiceSpec) -> ServiceProcess:
         log_path = self.log_dir / f"{spec.name}.log"
         if spec.ports_file is not None:  # a previous life's ports are not this one's

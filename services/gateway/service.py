@@ -40,15 +40,21 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A bound TCP socket whose `proto` is IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted
-    sockets of such a listener, and without it every response pays Nagle + delayed ACK (~40 ms)."""
+    sockets of such a listener, and without it every response pays Nagle + delayed ACK (~40 ms).
+    With `reuse_port`, SO_REUSEPORT: other gateway processes (of this user) bind the same port, and the
+    kernel spreads incoming connections over every listener."""
     family, kind, proto, _, addr = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            if not hasattr(socket, "SO_REUSEPORT"):
+                raise OSError("reuse_port: this platform has no SO_REUSEPORT")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(addr)
     except OSError:
         sock.close()
@@ -89,7 +95,8 @@ class Gateway(Service):
         ctx = GatewayContext(
             s, self.tokenizer, self.info, mesh, self.metrics, self.healthy, readiness=self.readiness.check
         )
-        sock = _bind(s.host, s.port)  # bind errors surface here, clearly, not as uvicorn's sys.exit
+        # bind errors surface here, clearly, not as uvicorn's sys.exit
+        sock = _bind(s.host, s.port, s.reuse_port)
         self.port = sock.getsockname()[1]
         app = create_app(ctx)
         await watch_launchers(self.bus, self.registry)  # services up/restarting/given up (launcher.py)
@@ -118,6 +125,10 @@ class Gateway(Service):
         if self.mesh is not None:
             await self.mesh.liveness.on_scheduler(msg)
         await self.readiness.observe(msg)
+
+    def not_ready_reason(self) -> str | None:
+        """The side port's /ready (replicas sharing an API port) says what the API's /ready says."""
+        return self.readiness.check().reason
 
     def bound_ports(self) -> dict[str, int]:
         ports = super().bound_ports()

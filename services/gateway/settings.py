@@ -2,7 +2,8 @@
 
 The gateway's id on the bus is `instance_id` (random per process unless set): tokens for this
 gateway arrive on `mesh.stream.<instance_id>`, so two gateways must never share one. The Service
-side port (`http_port`) stays off by default: the API port serves /health and /metrics itself.
+side port (`http_port`) stays off by default: the API port serves /health and /metrics itself; replicas
+sharing one API port (`reuse_port`) turn it on, so each one's /metrics and /ready can be asked directly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from libs.bus.settings import ServiceSettings
 class GatewaySettings(ServiceSettings, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000  # 0: any free port
+    # bind the API port with SO_REUSEPORT (Linux): several gateway processes listen on one port and the
+    # kernel spreads new connections over them (`moemesh up --gateways N`); every one of them must set it
+    reuse_port: bool = False
     model_dir: str = ""  # checkpoint folder: config.json + tokenizer files (no weights needed)
     served_model_name: str = ""  # the `model` clients name; default: the folder's name
     api_key: str = ""  # when set, `Authorization: Bearer <api_key>` is required on /v1/*

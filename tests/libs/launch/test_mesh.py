@@ -1,6 +1,7 @@
 import asyncio
 
 import nats
+import pytest
 
 from libs.launch.mesh import Mesh, MeshConfig
 from libs.launch.natsauth import NatsAuth
@@ -55,3 +56,29 @@ def test_a_restart_never_reads_the_previous_lifes_ports(tmp_path):
     sup.start(ServiceSpec("svc", "sysconfig", ports_file=ports))  # a module that exits at once
     assert read_ports(ports) is None
     sup.stop_all()
+
+
+def _specs(tmp_path, gateways: int, port: int = 0) -> dict:
+    from types import SimpleNamespace
+
+    mesh = Mesh(MeshConfig(model_dir=tmp_path, log_dir=tmp_path / "logs", port=port, gateways=gateways))
+    mesh.nats = SimpleNamespace(url="nats://127.0.0.1:1")  # type: ignore[assignment]  # specs only read its url
+    return {s.name: s for s in mesh.specs() if s.module == "services.gateway"}
+
+
+def test_one_gateway_keeps_its_name_and_api_port_only(tmp_path):
+    (gw,) = _specs(tmp_path, 1).values()
+    assert gw.name == "gateway" and gw.env["MOEMESH_GATEWAY_PORT"] == "0"
+    assert "MOEMESH_GATEWAY_REUSE_PORT" not in gw.env and "MOEMESH_GATEWAY_HTTP_PORT" not in gw.env
+
+
+def test_gateway_replicas_share_the_api_port_and_each_has_a_side_port(tmp_path):
+    specs = _specs(tmp_path, 3, port=8123)
+    assert list(specs) == ["gateway-0", "gateway-1", "gateway-2"]
+    for name, s in specs.items():
+        assert s.env["MOEMESH_GATEWAY_PORT"] == "8123" and s.env["MOEMESH_GATEWAY_REUSE_PORT"] == "true"
+        assert s.env["MOEMESH_GATEWAY_HTTP_PORT"] == "-1"  # /metrics and /ready of this replica alone
+        assert "MOEMESH_GATEWAY_INSTANCE_ID" not in s.env  # random per process: never a dead one's stream
+        assert s.ports_file == tmp_path / "logs" / "ports" / f"{name}.json"
+    with pytest.raises(ValueError, match="gateway-0"):
+        Mesh(MeshConfig(model_dir=tmp_path, log_dir=tmp_path / "l2", gateways=2)).metrics_url("gateway")

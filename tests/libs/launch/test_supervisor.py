@@ -4,6 +4,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from libs.launch.restart_policy import RestartPolicy, State
 from libs.launch.supervisor import ServiceSpec, Supervisor
 
@@ -53,6 +55,22 @@ def test_a_killed_service_comes_back_as_a_new_process(tmp_path: Path) -> None:
     finally:
         sup.stop_all(grace_s=5)
     assert sup.poll() == []  # stopping is not a crash: nothing restarts
+
+
+def test_a_restart_runs_the_spec_given_by_respec(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path, FAST)
+    sup.start(spec("svc", "import time; print('life 1', flush=True); time.sleep(60)"))
+    try:
+        poll_until(sup, lambda: "life 1" in sup.procs["svc"].log_tail())
+        sup.respec("svc", spec("svc", "import time; print('life 2', flush=True); time.sleep(60)"))
+        assert sup.procs["svc"].alive  # the running process is left as it is
+        sup.kill("svc")
+        poll_until(sup, lambda: sup.restarts("svc") == 1 and "life 2" in sup.procs["svc"].log_tail())
+        assert (tmp_path / "svc.log").read_text().count("life 1") == 1
+        with pytest.raises(ValueError, match="other"):
+            sup.respec("svc", spec("other", "pass"))
+    finally:
+        sup.stop_all(grace_s=5)
 
 
 def test_stop_all_stops_the_last_group_after_the_others(tmp_path: Path) -> None:

@@ -101,6 +101,23 @@ def test_runs_alone_and_stops_on_sigterm(nats_server: str, model_dir: Path, tmp_
     assert "draining" in (tmp_path / "gateway.log").read_text()
 
 
+def test_reuse_port_lets_replicas_bind_one_port_and_only_then() -> None:
+    from services.gateway.service import _bind
+
+    first = _bind("127.0.0.1", 0, reuse_port=True)
+    first.listen()  # uvicorn listens; a bound socket that does not conflicts with less
+    port = first.getsockname()[1]
+    try:
+        second = _bind("127.0.0.1", port, reuse_port=True)  # a second replica on the same port
+        second.listen()
+        assert second.getsockname()[1] == port
+        second.close()
+        with pytest.raises(OSError):  # a gateway without reuse_port still refuses a taken port
+            _bind("127.0.0.1", port)
+    finally:
+        first.close()
+
+
 def test_refuses_to_start_without_a_model_dir() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOEMESH_")}
     r = subprocess.run(
