@@ -49,11 +49,13 @@ CLIENTS = ("raw", "httpx")
 
 @dataclass(frozen=True)
 class Clients:
-    """How the load is sent: the client kind (None: raw for http://, httpx for https://) and how many
-    processes share the requests (procs.py)."""
+    """How the load is sent: the client kind (None: raw for http://, httpx for https://), how many
+    processes share the requests (procs.py), and the event loop of client processes (libs.bus.loop:
+    "auto" is uvloop where installed; the CLI runs its own loop on it too)."""
 
     kind: str | None = None
     procs: int = 1
+    event_loop: str = "auto"
 
     def resolve(self, base_url: str) -> str:
         """The client kind for this server, or a clear error."""
@@ -133,7 +135,7 @@ async def run_split(
     (now, once the children are ready, when None)."""
     shares = deal(requests, arrival_times(len(requests), load.request_rate, load.seed), load.max_concurrency,
                   clients.procs)  # fmt: skip
-    async with ClientProcs(ep, clients.resolve(ep.base_url), shares) as children:
+    async with ClientProcs(ep, clients.resolve(ep.base_url), clients.event_loop, shares) as children:
         t0 = time.monotonic() if t0 is None else t0
         return await children.run(t0, on_done), t0
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from libs.bus import loop
 from libs.loadgen.client import Endpoint, run_clock
 from libs.loadgen.datasets import BenchRequest
 from libs.loadgen.stats import RequestRecord
@@ -46,6 +47,7 @@ class Share(msgspec.Struct, frozen=True):
     extra_body: dict[str, Any]
     chunk_logprobs: bool
     client: str
+    event_loop: str
     max_concurrency: int | None
     items: list[Item]
 
@@ -69,8 +71,10 @@ def deal(
 class ClientProcs:
     """The children of one run (an async context manager: they are stopped on the way out)."""
 
-    def __init__(self, ep: Endpoint, client: str, shares: list[tuple[int | None, list[Item]]]) -> None:
-        self.ep, self.client, self.shares = ep, client, shares
+    def __init__(
+        self, ep: Endpoint, client: str, event_loop: str, shares: list[tuple[int | None, list[Item]]]
+    ) -> None:
+        self.ep, self.client, self.event_loop, self.shares = ep, client, event_loop, shares
         self.procs: list[asyncio.subprocess.Process] = []
         self.dir = tempfile.TemporaryDirectory(prefix="moemesh-bench-")
 
@@ -79,7 +83,7 @@ class ClientProcs:
             for k, (limit, items) in enumerate(self.shares):
                 ep = self.ep
                 share = Share(ep.base_url, ep.backend, ep.model, ep.api_key, ep.extra_body, ep.chunk_logprobs,
-                              self.client, limit, items)  # fmt: skip
+                              self.client, self.event_loop, limit, items)  # fmt: skip
                 spec = Path(self.dir.name) / f"share-{k}.json"
                 spec.write_bytes(msgspec.json.encode(share))
                 self.procs.append(
@@ -172,7 +176,7 @@ def main(argv: Sequence[str]) -> int:
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     t0, start = (float(x) for x in sys.stdin.readline().split())
-    records = asyncio.run(_child(share, t0, start))
+    records = loop.run(_child(share, t0, start), share.event_loop)
     Path(out).write_bytes(msgspec.json.encode(records))
     return 0
 
