@@ -171,7 +171,7 @@ class _FirstTextAndTail:
 class RawStream:
     """One keep-alive connection of libs.loadgen's lean HTTP/1.1 client (raw_client: httptools, no HTTP
     library) that keeps only what the benchmark needs (time of the first text chunk, the usage line), so
-    the load generator costs a few microseconds per chunk where httpx costs ~70 on this box and competes
+    the load generator costs a fraction of httpx's ~70 us per chunk on this box and competes
     with the gateway for the same two cores. Like wrk or h2load, it does not parse events (`moemesh bench`
     does, with the same client)."""
 

@@ -1,7 +1,8 @@
 """A lean streaming client for http:// servers: HTTP/1.1 on keep-alive asyncio connections, no HTTP library.
 
-httpx costs ~75 us of CPU per streamed SSE event (h11, httpcore, anyio and a coroutine hop per line), which
-caps one client process near 13k events/s: below what one GPU decodes. Here each connection is an
+httpx costs ~80 us of CPU per streamed SSE event (h11, httpcore, anyio and a coroutine hop per line), which
+caps one client process near 12k events/s: below what one GPU decodes. This client costs about a quarter of
+that (bench/loadgen_cost.py), a third of it the kernel's socket read. Here each connection is an
 asyncio Protocol whose bytes go straight into httptools (llhttp, the parser under uvicorn: status line,
 headers, chunked transfer decoding); the body is cut into SSE lines in place, each `data:` event decoded
 with msgspec.json and judged by `client.parse_chunk`, so a record is what `client.send` would have made
