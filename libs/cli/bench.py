@@ -65,6 +65,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--release-at-batch", type=int, default=64, help="slow-down experiment: release at this batch"
     )
+    _add_client_args(p)
+    p.add_argument("--disable-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    """How the load is sent: which client, how many client processes, which event loop."""
     p.add_argument(
         "--client",
         default=None,
@@ -84,10 +91,8 @@ def add_parser(subparsers: Any) -> None:
         "--event-loop",
         default="auto",
         choices=["auto", "uvloop", "asyncio"],
-        help="the client processes' event loop (auto: uvloop where installed; it halves httpx's cost)",
+        help="the client processes' event loop (auto: uvloop where installed)",
     )
-    p.add_argument("--disable-progress", action="store_true")
-    p.set_defaults(func=run)
 
 
 def _sweep(text: str) -> list[int]:
