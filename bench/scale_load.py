@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from libs.bus import Bus
+from libs.loadgen.raw_client import RawClient
 from proto import messages as m
 from proto import subjects
 
@@ -151,46 +152,42 @@ async def closed_loop(
         return res, time.perf_counter() - t0
 
 
+class _FirstTextAndTail:
+    """What closed_loop_raw keeps of a stream: when the first text chunk came, and the last 512 bytes."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0, self.status, self.tail = t0, 0, b""
+        self.first: float | None = None
+
+    def on_status(self, status: int) -> None:
+        self.status = status
+
+    def on_body(self, data: bytes) -> None:
+        if self.first is None and b'"text"' in data:
+            self.first = time.perf_counter() - self.t0
+        self.tail = (self.tail + data)[-512:]
+
+
 class RawStream:
-    """A lean HTTP/1.1 streaming client on one keep-alive connection (asyncio streams, no HTTP library): it
-    reads the chunked SSE body and keeps only what the benchmark needs (time of the first text chunk, the
-    usage line), so the load generator costs a few microseconds per chunk where httpx costs ~70 on this box
-    and competes with the gateway for the same two cores. Like wrk or h2load, it does not parse events."""
+    """One keep-alive connection of libs.loadgen's lean HTTP/1.1 client (raw_client: httptools, no HTTP
+    library) that keeps only what the benchmark needs (time of the first text chunk, the usage line), so
+    the load generator costs a fraction of httpx's ~70 us per chunk on this box and competes
+    with the gateway for the same two cores. Like wrk or h2load, it does not parse events (`moemesh bench`
+    does, with the same client)."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        self.client = RawClient(f"http://{host}:{port}", keep=1)
 
     async def post(self, path: str, body: dict, res: StreamResult) -> None:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        assert self.reader is not None
-        data = json.dumps(body).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\n\r\n").encode()  # fmt: skip
-        t0 = time.perf_counter()
-        self.writer.write(head + data)
-        headers = await self.reader.readuntil(b"\r\n\r\n")
-        if not headers.startswith(b"HTTP/1.1 200") or b"chunked" not in headers.lower():
+        sink = _FirstTextAndTail(time.perf_counter())
+        await self.client.post(path, json.dumps(body).encode(), {}, sink)
+        if sink.status != 200:
             res.failed += 1
-            await self.close()
             return
-        first, tail = None, b""
-        while True:
-            size = int((await self.reader.readuntil(b"\r\n"))[:-2], 16)
-            chunk = await self.reader.readexactly(size + 2)
-            if size == 0:
-                break
-            if first is None and b'"text"' in chunk:
-                first = time.perf_counter() - t0
-            tail = (tail + chunk)[-512:]
-        res.record(first, tail)
+        res.record(sink.first, sink.tail)
 
     async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        await self.client.aclose()
 
 
 async def closed_loop_raw(
@@ -207,7 +204,7 @@ async def closed_loop_raw(
                 await conns[c].post(
                     "/v1/completions", _body(model, prompt(prompt_len, c * 1000 + r), max_tokens), res
                 )
-            except (OSError, asyncio.IncompleteReadError, ValueError):
+            except (OSError, ValueError):
                 res.failed += 1
                 await conns[c].close()
 

@@ -2,7 +2,8 @@
 
 One run, a concurrency sweep (`--sweep 1,8,32,64`), or the slow-down experiment
 (`--slowdown-ms X --release-at-batch N`, moemesh gateways with admin enabled). Prints the summary,
-writes JSON (`--output-file`) and PNG plots (`--plot-dir`).
+writes JSON (`--output-file`) and PNG plots (`--plot-dir`). `--client raw|httpx` picks the streaming
+client, `--client-procs N` splits the requests over N client processes (libs/loadgen/procs.py).
 """
 
 from __future__ import annotations
@@ -64,8 +65,34 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--release-at-batch", type=int, default=64, help="slow-down experiment: release at this batch"
     )
+    _add_client_args(p)
     p.add_argument("--disable-progress", action="store_true")
     p.set_defaults(func=run)
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    """How the load is sent: which client, how many client processes, which event loop."""
+    p.add_argument(
+        "--client",
+        default=None,
+        choices=["raw", "httpx"],
+        help="streaming client: raw (lean HTTP/1.1, ~20 us of CPU per streamed event on a 2-core VM; http:// "
+        "only) or httpx (~80 us; https://). Default: raw for http://, httpx for https://",
+    )
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="split the requests over this many client processes, merged into one result; raise it when "
+        "one process cannot keep up (tok/s x CPU per token near one core: ~40k tok/s raw, ~12k httpx on a "
+        "2-core VM), one per idle core at most",
+    )
+    p.add_argument(
+        "--event-loop",
+        default="auto",
+        choices=["auto", "uvloop", "asyncio"],
+        help="the client processes' event loop (auto: uvloop where installed)",
+    )
 
 
 def _sweep(text: str) -> list[int]:
@@ -135,15 +162,26 @@ def _endpoint(args: argparse.Namespace) -> Any:
     return ep
 
 
+def _clients(args: argparse.Namespace) -> Any:
+    from libs.bus.loop import loop_kind
+    from libs.loadgen.benchmark import Clients
+
+    clients = Clients(args.client, args.client_procs, args.event_loop)
+    clients.resolve(args.base_url)  # a wrong pairing fails before anything is built or sent
+    loop_kind(args.event_loop)
+    return clients
+
+
 def run(args: argparse.Namespace) -> int:
     from libs.loadgen.benchmark import LoadConfig
 
     if args.slowdown_ms < 0:
         raise ValueError(f"--slowdown-ms must be >= 0, got {args.slowdown_ms}")
+    clients = _clients(args)
     requests = build_requests(args)
     ep = _endpoint(args)
     if args.slowdown_ms > 0:
-        return _run_slowdown(args, ep, requests)
+        return _run_slowdown(args, ep, requests, clients)
     concurrencies: list[int | None] = list(_sweep(args.sweep)) if args.sweep else [args.max_concurrency]
     runs = []
     for i, c in enumerate(concurrencies):
@@ -153,16 +191,17 @@ def run(args: argparse.Namespace) -> int:
         if i:
             requests = build_requests(argparse.Namespace(**{**vars(args), "seed": seed}))
         load = LoadConfig(c, args.request_rate, args.warmup_requests, seed, not args.disable_progress)
-        runs.append(_one_run(ep, requests, load, f"concurrency {c}" if args.sweep else "bench"))
+        runs.append(_one_run(ep, requests, load, f"concurrency {c}" if args.sweep else "bench", clients))
     _write(args, runs, bool(args.sweep))
     return 0 if all(r.summary["completed"] for r in runs) else 1
 
 
-def _one_run(ep: Any, requests: list, load: Any, label: str) -> Any:
+def _one_run(ep: Any, requests: list, load: Any, label: str, clients: Any) -> Any:
+    from libs.bus import loop
     from libs.loadgen.benchmark import run_benchmark
     from libs.loadgen.report import format_summary
 
-    run = asyncio.run(run_benchmark(ep, requests, load, label))
+    run = loop.run(run_benchmark(ep, requests, load, label, clients), clients.event_loop)
     print(format_summary(run.summary, f"Serving Benchmark Result ({label})"), flush=True)
     if run.summary["failed"]:
         first = next(r for r in run.records if not r.ok)
@@ -190,7 +229,8 @@ def _write(args: argparse.Namespace, runs: list, sweep: bool) -> None:
             print(f"plot: {plots.sweep(points, d / 'sweep.png', title)}")
 
 
-def _run_slowdown(args: argparse.Namespace, ep: Any, requests: list) -> int:
+def _run_slowdown(args: argparse.Namespace, ep: Any, requests: list, clients: Any) -> int:
+    from libs.bus import loop
     from libs.loadgen import slowdown
     from libs.loadgen.report import provenance, write_json
 
@@ -200,7 +240,7 @@ def _run_slowdown(args: argparse.Namespace, ep: Any, requests: list) -> int:
     # The slowed run gets other prompts of the same shape (the next seed), so that it does not find the
     # baseline's prompts in the prefix cache; a JSONL file's prompts serve both runs.
     other = build_requests(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
-    result = asyncio.run(slowdown.slowdown_experiment(ep, requests, other, cfg))
+    result = loop.run(slowdown.slowdown_experiment(ep, requests, other, cfg, clients), clients.event_loop)
     print(format_slowdown(result), flush=True)
     if args.output_file:
         print(f"results: {write_json(args.output_file, provenance() | slowdown.to_json(result))}")

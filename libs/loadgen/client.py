@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -118,7 +118,7 @@ def parse_chunk(data: dict[str, Any], chat: bool) -> Chunk:
     return Chunk(tokens=tokens, usage=usage)
 
 
-def _finish(rec: RequestRecord, usage: dict[str, Any] | None, now: float) -> None:
+def finish_record(rec: RequestRecord, usage: dict[str, Any] | None, now: float) -> None:
     rec.end = now
     if usage:
         rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
@@ -159,14 +159,43 @@ async def send(
                     usage = chunk.usage or usage
     except (httpx.HTTPError, ValueError) as e:
         rec.error = f"{type(e).__name__}: {e}"
-    _finish(rec, usage, clock())
+    finish_record(rec, usage, clock())
     return rec
 
 
-def perf_clock(t0: float | None = None) -> Callable[[], float]:
-    """A clock of seconds since t0 (now by default) on time.perf_counter."""
-    base = time.perf_counter() if t0 is None else t0
-    return lambda: time.perf_counter() - base
+def run_clock(t0: float | None = None) -> Callable[[], float]:
+    """A clock of seconds since t0 (now by default) on time.monotonic: CLOCK_MONOTONIC on Linux, one
+    clock for every process of the machine, so client processes' records line up with the parent's."""
+    base = time.monotonic() if t0 is None else t0
+    return lambda: time.monotonic() - base
+
+
+class StreamClient(Protocol):
+    """What the load loop sends through: `send` streams one request into a RequestRecord (never raising
+    for a failed request); `aclose` ends the connections. Kinds: `HttpxClient`, `raw_client.RawClient`."""
+
+    async def send(
+        self, ep: Endpoint, req: BenchRequest, index: int, clock: Callable[[], float]
+    ) -> RequestRecord: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HttpxClient:
+    """`send` over one pooled httpx client: https://, HTTP/1.1 or anything the raw client does not speak.
+    No read timeout (a slowed server may pause for long); a connect timeout so a wrong URL fails fast."""
+
+    def __init__(self, connections: int) -> None:
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits)
+
+    async def send(
+        self, ep: Endpoint, req: BenchRequest, index: int, clock: Callable[[], float]
+    ) -> RequestRecord:
+        return await send(self.client, ep, req, index, clock)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
 
 
 async def first_model(client: httpx.AsyncClient, base_url: str, api_key: str = "") -> str:

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 
-from libs.loadgen.benchmark import LoadConfig, http_client, run_load, warm_up
-from libs.loadgen.client import Endpoint, perf_clock
+from libs.loadgen.benchmark import Clients, LoadConfig, http_client, open_client, run_load, run_split, warm_up
+from libs.loadgen.client import Endpoint, run_clock
 from libs.loadgen.datasets import BenchRequest
 from libs.loadgen.stats import RequestRecord, aggregate_rate, decode_rate, summarize
 
@@ -155,28 +156,37 @@ def decode_phase(records: Sequence[RequestRecord]) -> dict[str, Any]:
 
 
 async def run_phase(
-    ep: Endpoint, requests: Sequence[BenchRequest], cfg: SlowdownConfig | None
+    ep: Endpoint, requests: Sequence[BenchRequest], cfg: SlowdownConfig | None, clients: Clients = Clients()
 ) -> dict[str, Any]:
-    """Send every request at once and watch the decode batch; with cfg, under slow-down until release."""
+    """Send every request at once and watch the decode batch; with cfg, under slow-down until release.
+    With client processes, this process keeps the admin calls and the release; the children only send."""
     ep = replace(ep, chunk_logprobs=True)  # exact tokens per chunk: the window counts tokens, not chunks
-    async with http_client(len(requests) + 2) as client:
-        admin = AdminApi(client, ep)
+    kind = clients.resolve(ep.base_url)
+    load_cfg = LoadConfig(max_concurrency=None, request_rate=math.inf, warmup_requests=0, progress=False)
+    async with http_client(4) as admin_client:
+        admin = AdminApi(admin_client, ep)
         await admin.load()  # fails clearly when admin is off, before anything is sent
-        await warm_up(client, ep, requests[0], 1)
-        clock = perf_clock()
-        load_cfg = LoadConfig(max_concurrency=None, request_rate=math.inf, warmup_requests=0, progress=False)
+        client = open_client(kind, ep.base_url, len(requests))
         load: asyncio.Task | None = None
         try:
+            await warm_up(client, ep, requests[0], 1)
+            t0 = time.monotonic()
+            clock = run_clock(t0)
             if cfg is not None:
                 await admin.set_slowdown(cfg.slowdown_ms)
-            load = asyncio.create_task(run_load(client, ep, requests, load_cfg, clock))
+            if clients.procs > 1:
+                load = asyncio.create_task(_split_records(ep, requests, load_cfg, clients, t0))
+            else:
+                load = asyncio.create_task(run_load(client, ep, requests, load_cfg, clock))
             watch = await _watch(admin, load, clock, cfg)
             records = await load
         finally:
             if load is not None:
                 load.cancel()  # a no-op once it finished; stops the requests when watching failed
+                await asyncio.gather(load, return_exceptions=True)  # children stopped before the release
             if cfg is not None:
                 await admin.set_slowdown(0)  # never leave the server slowed, whatever happened
+            await client.aclose()
         duration = clock()
     out: dict[str, Any] = {
         "summary": summarize(records, duration),
@@ -200,17 +210,25 @@ async def run_phase(
     }
 
 
+async def _split_records(
+    ep: Endpoint, requests: Sequence[BenchRequest], load: LoadConfig, clients: Clients, t0: float
+) -> list[RequestRecord]:
+    records, _ = await run_split(ep, requests, load, clients, t0)
+    return records
+
+
 async def slowdown_experiment(
     ep: Endpoint,
     baseline_requests: Sequence[BenchRequest],
     slowed_requests: Sequence[BenchRequest],
     cfg: SlowdownConfig,
+    clients: Clients = Clients(),
 ) -> dict[str, Any]:
     """Baseline (no slow-down) then the slowed run; the ratio compares decode at full batch with the
     baseline's decode phase (first to last token). Give the two runs different prompts of the same
     shape: with the same ones, the second run's prefill would be served from the prefix cache."""
-    baseline = await run_phase(ep, baseline_requests, None)
-    slowed = await run_phase(ep, slowed_requests, cfg)
+    baseline = await run_phase(ep, baseline_requests, None, clients)
+    slowed = await run_phase(ep, slowed_requests, cfg, clients)
     full = slowed["full_batch"]["tokens_per_s"]
     base = baseline["decode_phase"]["tokens_per_s"]
     config = {"base_url": ep.base_url, "model": ep.model, "num_prompts": len(slowed_requests)}

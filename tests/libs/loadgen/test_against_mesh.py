@@ -13,6 +13,7 @@ import pytest
 from libs.cli.main import main
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
+from libs.loadgen.benchmark import Clients
 from libs.loadgen.client import Endpoint
 from libs.loadgen.datasets import random_requests
 from libs.loadgen.slowdown import SlowdownConfig, slowdown_experiment
@@ -33,16 +34,21 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         yield m
 
 
-def test_cli_run_writes_results_whose_counts_match_the_dataset(mesh: Mesh, tmp_path: Path) -> None:
+@pytest.mark.parametrize("client", [[], ["--client", "httpx"], ["--client-procs", "2"]], ids=str)
+def test_cli_run_writes_results_whose_counts_match_the_dataset(
+    mesh: Mesh, tmp_path: Path, client: list[str]
+) -> None:
+    """The same result with the raw client (the default for http://), httpx, or two client processes."""
     out = tmp_path / "result.json"
     argv = [
-        "bench", "--base-url", mesh.url, "--num-prompts", "8", "--random-input-len", "32",
+        "bench", *client, "--base-url", mesh.url, "--num-prompts", "8", "--random-input-len", "32",
         "--random-output-len", "6", "--random-range-ratio", "0.5", "--max-concurrency", "4",
-        "--random-vocab-size", "1000", "--seed", "5", "--output-file", str(out), "--plot-dir", str(tmp_path),
-        "--disable-progress",
+        "--random-vocab-size", "1000", "--seed", "5", "--output-file", str(out), "--disable-progress",
+        *([] if client else ["--plot-dir", str(tmp_path)]),  # plotting is the same whatever sent
     ]  # fmt: skip
     assert main(argv) == 0
     data = json.loads(out.read_text())
+    assert data["config"]["max_concurrency"] == 4 and [r["index"] for r in data["requests"]] == list(range(8))
     want = random_requests(8, 32, 6, 0.5, vocab_size=1000, seed=5)
     s, reqs = data["summary"], data["requests"]
     assert data["config"]["model"] == mesh.model_name  # the first of /v1/models
@@ -52,19 +58,22 @@ def test_cli_run_writes_results_whose_counts_match_the_dataset(mesh: Mesh, tmp_p
     assert s["total_output_tokens"] == sum(w.output_len for w in want)
     assert 0 < s["concurrency"] <= 4.0 + 1e-9
     assert s["ttft_ms"]["count"] == 8 and s["ttft_ms"]["median"] > 0
-    assert (tmp_path / "latency_cdf.png").stat().st_size > 10_000
+    assert client or (tmp_path / "latency_cdf.png").stat().st_size > 10_000
 
 
 async def test_slowdown_fills_the_decode_batch_before_release(mesh: Mesh) -> None:
     # 300-token prompts go through the prefill worker (longer than the direct-prefill threshold) while
-    # the decode worker is held back, as in the seed's method.
+    # the decode worker is held back, as in the seed's method. Two client processes send the requests;
+    # this one watches the batch and releases: their chunk times and its release share one clock.
     base, reqs = (random_requests(6, 300, 24, vocab_size=1000, seed=s) for s in (0, 1))
     result = await slowdown_experiment(
         Endpoint(mesh.url, model=mesh.model_name),
         base,
         reqs,
         SlowdownConfig(slowdown_ms=300, release_at_batch=6),
+        Clients(procs=2),
     )
+    assert [r.index for r in result["slowdown"]["records"]] == list(range(6))
     slowed = result["slowdown"]
     assert (slowed["release_reason"], slowed["batch_at_release"]) == ("target", 6)
     assert slowed["finished_before_release"] == 0
