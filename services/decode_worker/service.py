@@ -274,26 +274,40 @@ class DecodeWorker(WorkerService):
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         return outputs, self.engine.has_unfinished(), refused
 
+    def _start_step(self) -> tuple[asyncio.Future, float]:
+        """Hand the engine thread the next step (with the direct prompts queued since the last one)."""
+        adds, self.direct = self.direct, []
+        return asyncio.ensure_future(self.et.call(self._step_once, adds)), time.perf_counter()
+
     async def _step_loop(self) -> None:
+        """Steps back to back while requests run. Step N+1 starts on the engine thread as soon as step N
+        returned, and step N's tokens are published meanwhile: the event loop's share of a step (grouping,
+        encoding, publishing, bookkeeping) overlaps the engine's, which on a GPU is mostly waiting for the
+        device, instead of adding to every step. Under a slow-down each step waits for its sleep first."""
+        running: tuple[asyncio.Future, float] | None = None
         while True:
-            await self.work.wait()
-            if self.forward_sleep_ms:  # slow-down; a new setting (e.g. off) ends the wait at once
-                self.slowdown_changed.clear()
-                await wait_event(self.slowdown_changed, self.forward_sleep_ms / 1000)
-            t0 = time.perf_counter()
-            adds, self.direct = self.direct, []
+            if running is None:
+                await self.work.wait()
+                if self.forward_sleep_ms:  # slow-down; a new setting (e.g. off) ends the wait at once
+                    self.slowdown_changed.clear()
+                    await wait_event(self.slowdown_changed, self.forward_sleep_ms / 1000)
+                running = self._start_step()
+            step, t0 = running
+            running = None
             try:
-                outputs, more, refused = await self.et.call(self._step_once, adds)
+                outputs, more, refused = await step
             except Exception as e:  # a failed step fails its batch, never the worker
                 log.exception("engine step failed")
                 await self._fail_all(500, f"decode step failed: {e}")
                 continue
             self.m_step.observe(time.perf_counter() - t0)
+            if (more or self.direct) and not self.forward_sleep_ms:
+                running = self._start_step()
             for rid, (code, why) in refused.items():
                 if (live := self.live.get(rid)) is not None:
                     await self._error(live.stream_subject, rid, code, why)
             await self._publish(outputs)
-            if not more and not self.direct:
+            if running is None and not more and not self.direct:
                 self.work.clear()
 
     async def _publish(self, outputs: list) -> None:
