@@ -315,8 +315,9 @@ class DecodeWorker(WorkerService):
             await self.bus.publish(subject, m.TokenBatch(deltas=deltas, worker_id=self.instance_id))
         if outputs:  # nats-py's flusher writes the batches now, not after the bookkeeping below
             await asyncio.sleep(0)
+        if outputs:
+            self.m_tokens.inc(sum(len(out.token_ids) for out in outputs))  # one locked update per step
         for out in outputs:
-            self.m_tokens.inc(len(out.token_ids))
             if out.token_ids:
                 self.tracker.first_token(out.rid)
             if out.finished and (live := self.live.pop(out.rid, None)) is not None:
