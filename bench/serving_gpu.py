@@ -36,6 +36,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from bench.pyspy import Profile
 from bench.serving_gpu_mesh import (
     MeshProcess,
     Settings,
@@ -76,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--budget-s", type=float, default=0.0, help="whole run's time limit; default 520 (smoke: 240)"
     )
     ap.add_argument("--output", default="", help="record path (default: $OUT or bench/results)")
+    ap.add_argument(
+        "--profile", action="store_true",
+        help="py-spy the decode worker and a gateway during the bench phase (bench/pyspy.py): each thread's "
+        "hottest functions in the record, the raw samples beside it",
+    )  # fmt: skip
     ap.add_argument(
         "--engine-reserve-s", type=float, default=-1.0,
         help="seconds of the budget kept for the Engine phase (default 150 on a GPU, 40 smoke, 5 with --engine-from)",
@@ -139,7 +145,21 @@ def transports(s: Settings, choice: str) -> list[str]:
     return ["nvlink_intra", "tcp"] if s.device == "cuda" else ["tcp"]
 
 
-def serve(model_dir: Path, s: Settings, choice: str, logs: Path, rec: dict[str, Any]) -> None:
+def start_profiles(mesh: MeshProcess, out_dir: Path) -> dict[str, Profile]:
+    """py-spy on decode-0 and on one gateway for the bench phase (bench/pyspy.py)."""
+    profiles = {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, module in (("decode-0", "services.decode_worker"), ("gateway", "services.gateway")):
+        pid = mesh.service_pid(module)
+        if pid is not None:
+            profiles[name] = Profile.start(pid, out_dir / f"{name}.pyspy.txt")
+    return profiles
+
+
+def serve(
+    model_dir: Path, s: Settings, choice: str, logs: Path, rec: dict[str, Any], profile: bool = False,
+    out_dir: Path | None = None,
+) -> None:  # fmt: skip
     """Phases 2-4 on the first transport whose mesh starts and serves the greedy prompts."""
     for transport in transports(s, choice):
         mesh = MeshProcess(model_dir, s, transport, logs / transport)
@@ -158,10 +178,13 @@ def serve(model_dir: Path, s: Settings, choice: str, logs: Path, rec: dict[str, 
         try:
             rec["transport"] = transport
             rec["kv_transfer"] = kv_transfer(mesh, s)
+            profiles = start_profiles(mesh, out_dir or logs) if profile else {}
             t0, before = time.monotonic(), decode_counters(mesh)
             rec["bench"] = run_slowdown_bench(mesh, s, logs / "bench.json")
             rec["timings"]["bench_s"] = time.monotonic() - t0
             rec["decode_worker_steps"] = decode_worker_steps(before, decode_counters(mesh))
+            if profiles:
+                rec["profile"] = {name: p.stop() for name, p in profiles.items()}
         finally:
             mesh.stop()
         return
@@ -229,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         rec["model"] = write_model(a, tmp)
         print(f"model: {rec['model']}", flush=True)
-        for phase in (lambda: serve(Path(rec["model"]["dir"]), s, a.transport, tmp / "logs", rec),
+        model_dir = Path(rec["model"]["dir"])
+        for phase in (lambda: serve(model_dir, s, a.transport, tmp / "logs", rec, a.profile, path.parent),
                       lambda: reference(Path(rec["model"]["dir"]), s, rec, a.engine_from)):  # fmt: skip
             try:
                 phase()

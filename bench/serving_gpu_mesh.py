@@ -172,6 +172,14 @@ class MeshProcess:
                 pids.append(int(stat.parent.name))
         return pids
 
+    def service_pid(self, module: str) -> int | None:
+        """The first service process running `python -m <module>` (e.g. services.decode_worker)."""
+        for pid in self.service_pids():
+            with contextlib.suppress(OSError):
+                if module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                    return pid
+        return None
+
     def dump_stacks(self, wait_s: float = 5.0) -> int:
         """Ask every service for its threads' Python stacks (SIGUSR1: libs.bus.service registers faulthandler;
         they land in each service's log), before a failed attempt is stopped; -> how many dumped."""

