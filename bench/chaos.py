@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         "command": shlex.join(["python", "-m", "bench.chaos", *(sys.argv[1:] if argv is None else argv)]),
         "environment": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "mesh": "2 prefill + 2 decode workers, 2 schedulers, kv-broker, gateway, nats (user/password); tiny "
-        "model on CPU; decode forward_sleep_ms 25, 64 KV pages per decode worker, lease 4 s; every service "
+        "mesh": "2 prefill + 2 decode workers, 2 schedulers, kv-broker, gateway, nats (user/password); "
+        f"{'tiny model on CPU' if args.device == 'cpu' else 'see below'}; decode forward_sleep_ms 25, 64 KV pages per decode worker, lease 4 s; every service "
         "supervised by the launcher (restart backoff 0.5 s); decode waiting line 1 for the kill table (requests "
         "wait at the schedulers), 4 for the overload (a mesh of its own)",
     }  # fmt: skip
