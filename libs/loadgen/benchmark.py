@@ -19,11 +19,11 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from libs.loadgen.client import Endpoint, HttpxClient, StreamClient, run_clock
+from libs.loadgen.client import Endpoint, StreamClient, run_clock
 from libs.loadgen.datasets import BenchRequest
 from libs.loadgen.procs import ClientProcs, deal
-from libs.loadgen.raw_client import RawClient
 from libs.loadgen.schedule import arrival_times
+from libs.loadgen.sending import open_client, stream_items
 from libs.loadgen.stats import RequestRecord, summarize
 
 
@@ -74,38 +74,6 @@ def http_client(connections: int) -> httpx.AsyncClient:
     wrong URL fails fast, no read timeout (a slowed server may pause for long)."""
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits)
-
-
-def open_client(kind: str, base_url: str, connections: int) -> StreamClient:
-    if kind == "raw":
-        return RawClient(base_url, keep=connections)
-    return HttpxClient(connections)
-
-
-async def stream_items(
-    client: StreamClient,
-    ep: Endpoint,
-    items: Sequence[tuple[int, float, BenchRequest]],
-    max_concurrency: int | None,
-    clock: Callable[[], float],
-    start: float,
-    on_done: Callable[[RequestRecord], None] | None = None,
-) -> list[RequestRecord]:
-    """Send each (index, arrival offset, request) at clock time start + offset, at most max_concurrency
-    at once; records in the order of `items`."""
-    slots = asyncio.Semaphore(max_concurrency or len(items) or 1)
-
-    async def one(i: int, arrival: float, req: BenchRequest) -> RequestRecord:
-        delay = start + arrival - clock()
-        if delay > 0:
-            await asyncio.sleep(delay)  # the arrival schedule itself, not a wait for a condition
-        async with slots:
-            rec = await client.send(ep, req, i, clock)
-        if on_done is not None:
-            on_done(rec)
-        return rec
-
-    return list(await asyncio.gather(*(one(*item) for item in items)))
 
 
 async def run_load(

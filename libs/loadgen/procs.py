@@ -26,6 +26,7 @@ import msgspec
 from libs.bus import loop
 from libs.loadgen.client import Endpoint, run_clock
 from libs.loadgen.datasets import BenchRequest
+from libs.loadgen.sending import open_client, stream_items
 from libs.loadgen.stats import RequestRecord
 
 
@@ -150,8 +151,6 @@ class ClientProcs:
 
 
 async def _child(share: Share, t0: float, start: float) -> list[RequestRecord]:
-    from libs.loadgen.benchmark import open_client, stream_items
-
     ep = Endpoint(share.base_url, share.backend, share.model, share.api_key, share.extra_body,
                   share.chunk_logprobs)  # fmt: skip
     clock = run_clock(t0)

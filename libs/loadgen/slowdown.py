@@ -21,9 +21,10 @@ from typing import Any
 
 import httpx
 
-from libs.loadgen.benchmark import Clients, LoadConfig, http_client, open_client, run_load, run_split, warm_up
+from libs.loadgen.benchmark import Clients, LoadConfig, http_client, run_load, run_split, warm_up
 from libs.loadgen.client import Endpoint, run_clock
 from libs.loadgen.datasets import BenchRequest
+from libs.loadgen.sending import open_client
 from libs.loadgen.stats import RequestRecord, aggregate_rate, decode_rate, summarize
 
 

@@ -46,3 +46,11 @@ def assert_no_leaks(mesh: Mesh, timeout: float = 35.0) -> None:
     workers = [(r, w) for r in (Role.PREFILL, Role.DECODE) for w in mesh.worker_ids(r)]
     left = asyncio.run(wait_for_no_leaks(mesh.nats_url, workers, timeout, mesh.connect_options()))
     assert all(v == 0 for v in left.values()), f"request pages / live requests left after the tests: {left}"
+
+
+def workers_env(settings: dict[str, str]) -> dict[str, dict[str, str]]:
+    """MeshConfig.extra_env entries giving the prefill and the decode workers the same settings."""
+    return {
+        "services.prefill_worker": {f"MOEMESH_PREFILL_WORKER_{k}": v for k, v in settings.items()},
+        "services.decode_worker": {f"MOEMESH_DECODE_WORKER_{k}": v for k, v in settings.items()},
+    }

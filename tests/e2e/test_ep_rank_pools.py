@@ -17,7 +17,7 @@ from libs.chaos import metric_total
 from libs.engine import Engine
 from libs.launch.mesh import Mesh, MeshConfig
 from libs.tokenizer import Tokenizer
-from tests.e2e.conftest import DIRECT_THRESHOLD, assert_no_leaks
+from tests.e2e.conftest import DIRECT_THRESHOLD, assert_no_leaks, workers_env
 from tests.e2e.test_ep_mesh import greedy_text, prompt_of
 
 pytestmark = pytest.mark.e2e
@@ -34,8 +34,7 @@ def rank_pool_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
         log_dir=tmp_path_factory.mktemp("ep-rank-pools-logs"),
         extra_env={
             "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(DIRECT_THRESHOLD)},
-            "services.prefill_worker": {f"MOEMESH_PREFILL_WORKER_{k}": v for k, v in per_rank.items()},
-            "services.decode_worker": {f"MOEMESH_DECODE_WORKER_{k}": v for k, v in per_rank.items()},
+            **workers_env(per_rank),
         },
     )
     with Mesh(cfg) as m:

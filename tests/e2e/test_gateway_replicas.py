@@ -24,7 +24,7 @@ from libs.engine import SamplingParams
 from libs.launch.mesh import Mesh, MeshConfig
 from libs.launch.restart_policy import RestartPolicy
 from libs.sim import SimEngine
-from tests.e2e.conftest import assert_no_leaks
+from tests.e2e.conftest import assert_no_leaks, workers_env
 
 pytestmark = pytest.mark.e2e
 
@@ -42,8 +42,7 @@ def two_gateways(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         restart=RestartPolicy(backoff_s=0.2),
         extra_env={
             "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": "12"},
-            "services.prefill_worker": {f"MOEMESH_PREFILL_WORKER_{k}": v for k, v in worker.items()},
-            "services.decode_worker": {f"MOEMESH_DECODE_WORKER_{k}": v for k, v in worker.items()},
+            **workers_env(worker),
         },
     )  # fmt: skip
     with Mesh(cfg) as m:

@@ -17,7 +17,7 @@ from libs.chaos import metric_total
 from libs.engine import SamplingParams
 from libs.launch.mesh import Mesh, MeshConfig
 from libs.sim import SimEngine
-from tests.e2e.conftest import assert_no_leaks
+from tests.e2e.conftest import assert_no_leaks, workers_env
 
 pytestmark = pytest.mark.e2e
 DIRECT_THRESHOLD = 8
@@ -34,8 +34,7 @@ def sim_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 "MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(DIRECT_THRESHOLD),
                 "MOEMESH_SCHEDULER_OVERLAP_PREFILL": "true",  # PrefillStart alongside ReserveKv
             },
-            "services.prefill_worker": {f"MOEMESH_PREFILL_WORKER_{k}": v for k, v in worker.items()},
-            "services.decode_worker": {f"MOEMESH_DECODE_WORKER_{k}": v for k, v in worker.items()},
+            **workers_env(worker),
         },
     )  # fmt: skip
     with Mesh(cfg) as m:

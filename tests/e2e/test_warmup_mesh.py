@@ -13,7 +13,7 @@ import pytest
 from libs.chaos import metric_total
 from libs.engine import Engine, SamplingParams
 from libs.launch.mesh import Mesh, MeshConfig
-from tests.e2e.conftest import DIRECT_THRESHOLD, assert_no_leaks
+from tests.e2e.conftest import DIRECT_THRESHOLD, assert_no_leaks, workers_env
 
 pytestmark = pytest.mark.e2e
 
@@ -27,8 +27,7 @@ def warm_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         model_dir=tiny_model, port=0, log_dir=tmp_path_factory.mktemp("warm-mesh-logs"),
         extra_env={
             "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(DIRECT_THRESHOLD)},
-            "services.prefill_worker": {f"MOEMESH_PREFILL_WORKER_{k}": v for k, v in on.items()},
-            "services.decode_worker": {f"MOEMESH_DECODE_WORKER_{k}": v for k, v in on.items()},
+            **workers_env(on),
         },
     )  # fmt: skip
     with Mesh(cfg) as m:
