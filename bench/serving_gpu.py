@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"model: {rec['model']}", flush=True)
         model_dir = Path(rec["model"]["dir"])
         for phase in (lambda: serve(model_dir, s, a.transport, tmp / "logs", rec, a.profile, path.parent),
-                      lambda: reference(Path(rec["model"]["dir"]), s, rec, a.engine_from)):  # fmt: skip
+                      lambda: reference(model_dir, s, rec, a.engine_from)):  # fmt: skip
             try:
                 phase()
             except Exception as e:  # noqa: BLE001 - the record says which phase failed and why

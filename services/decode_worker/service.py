@@ -315,7 +315,6 @@ class DecodeWorker(WorkerService):
             await self.bus.publish(subject, m.TokenBatch(deltas=deltas, worker_id=self.instance_id))
         if outputs:  # nats-py's flusher writes the batches now, not after the bookkeeping below
             await asyncio.sleep(0)
-        if outputs:
             self.m_tokens.inc(sum(len(out.token_ids) for out in outputs))  # one locked update per step
         for out in outputs:
             if out.token_ids:
