@@ -53,6 +53,9 @@ Direct = tuple[
 
 class DecodeWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     forward_sleep_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # slow-down (off by default)
+    # start each step before publishing the previous one's tokens (off: publish, then step; SGLang's
+    # --disable-overlap-schedule is the like switch for its scheduler)
+    overlap_publish: bool = True
 
 
 class DecodeWorker(WorkerService):
@@ -283,7 +286,8 @@ class DecodeWorker(WorkerService):
         """Steps back to back while requests run. Step N+1 starts on the engine thread as soon as step N
         returned, and step N's tokens are published meanwhile: the event loop's share of a step (grouping,
         encoding, publishing, bookkeeping) overlaps the engine's, which on a GPU is mostly waiting for the
-        device, instead of adding to every step. Under a slow-down each step waits for its sleep first."""
+        device, instead of adding to every step. Under a slow-down, or with overlap_publish off, each step
+        starts after the previous one's tokens are out (and its sleep)."""
         running: tuple[asyncio.Future, float] | None = None
         while True:
             if running is None:
@@ -301,7 +305,7 @@ class DecodeWorker(WorkerService):
                 await self._fail_all(500, f"decode step failed: {e}")
                 continue
             self.m_step.observe(time.perf_counter() - t0)
-            if (more or self.direct) and not self.forward_sleep_ms:
+            if self.settings.overlap_publish and (more or self.direct) and not self.forward_sleep_ms:
                 running = self._start_step()
             for rid, (code, why) in refused.items():
                 if (live := self.live.get(rid)) is not None:

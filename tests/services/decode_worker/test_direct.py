@@ -6,6 +6,7 @@ leaves nothing behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -67,26 +68,41 @@ class Rig:
         await self.bus.publish(subjects.decode_inbox(self.worker.instance_id), msg)
 
 
-@pytest.fixture
-async def rig(private_nats_url: str, model_dir: Path) -> AsyncIterator[Rig]:
-    bus = await Bus.connect(private_nats_url, "decode-direct-test")
+@contextlib.asynccontextmanager
+async def running_rig(nats_url: str, model_dir: Path, **settings: object) -> AsyncIterator[Rig]:
+    """A decode worker on the tiny model (a fake kv-broker that says yes), and the test's stream."""
+    bus = await Bus.connect(nats_url, "decode-direct-test")
 
     async def on_broker(msg: m.BrokerRequest) -> m.BrokerReply:
         return m.BrokerReply(ok=True)
 
     await bus.subscribe(subjects.BROKER, m.BrokerRequest, on_broker, concurrent=True)
-    settings = DecodeWorkerSettings(
-        nats_url=private_nats_url, instance_id=f"decode-{uuid.uuid4().hex[:8]}", model_dir=str(model_dir),
-        transfer_protocol="inprocess", heartbeat_interval_ms=60_000, enable_prefix_cache=False,
-    )  # fmt: skip
-    worker = DecodeWorker(settings)
+    worker = DecodeWorker(
+        DecodeWorkerSettings(
+            nats_url=nats_url,
+            instance_id=f"decode-{uuid.uuid4().hex[:8]}",
+            model_dir=str(model_dir),
+            transfer_protocol="inprocess",
+            heartbeat_interval_ms=60_000,
+            enable_prefix_cache=False,
+            **settings,
+        )  # fmt: skip
+    )
     task = await start_service(worker, timeout=120)
     r = Rig(bus, worker)
     await bus.subscribe(STREAM, m.StreamMessage, r.on_stream)
     await bus.flush()
-    yield r
-    await stop_service(worker, task, timeout=30)
-    await bus.close()
+    try:
+        yield r
+    finally:
+        await stop_service(worker, task, timeout=30)
+        await bus.close()
+
+
+@pytest.fixture
+async def rig(private_nats_url: str, model_dir: Path) -> AsyncIterator[Rig]:
+    async with running_rig(private_nats_url, model_dir) as r:
+        yield r
 
 
 async def test_prompts_that_arrive_during_a_step_join_the_next_and_a_refused_one_fails_alone(
@@ -159,3 +175,29 @@ async def test_the_next_step_runs_while_the_last_ones_tokens_are_published(rig: 
     await rig.until(lambda: "piped" in rig.finished, "the stream to finish")
     assert waits_failed == [], f"publishes that waited in vain for the next step: {waits_failed}"
     assert rig.tokens["piped"] == greedy(model_dir, prompt) and len(started) >= TOKENS
+
+
+async def test_with_overlap_publish_off_each_step_follows_the_last_ones_publish(
+    private_nats_url: str, model_dir: Path
+) -> None:
+    """The switch back: every step after the first starts only once the step before it was published."""
+    async with running_rig(private_nats_url, model_dir, overlap_publish=False) as r:
+        worker = r.worker
+        events: list[str] = []  # "step" from the engine thread, "published" from the loop
+        step_once, publish = worker._step_once, worker._publish
+
+        def step(adds: list) -> tuple:
+            events.append("step")
+            return step_once(adds)
+
+        async def published(outputs: list) -> None:
+            await publish(outputs)
+            events.append("published")
+
+        worker._step_once = step  # type: ignore[method-assign]
+        worker._publish = published  # type: ignore[method-assign]
+        prompt = [5, 9, 13, 17, 21]
+        await r.direct("serial", prompt)
+        await r.until(lambda: "serial" in r.finished, "the stream to finish")
+        assert r.tokens["serial"] == greedy(model_dir, prompt)
+        assert len(events) >= 2 * TOKENS and events == ["step", "published"] * (len(events) // 2), events
