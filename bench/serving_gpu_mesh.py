@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ class Settings:
     engine_reserve_s: float = 150.0  # kept back from the mesh phases for the Engine reference
     gateways: int = 1  # `moemesh up --gateways`: gateway processes on the one API port
     client_procs: int = 1  # `moemesh bench --client-procs`: load-generator processes
+    extra_env: dict[str, str] = field(default_factory=dict)  # more MOEMESH_* settings for every service
 
     def left(self, reserve: float = 0.0) -> float:
         return max(1.0, self.deadline - time.monotonic() - reserve)
@@ -73,7 +74,7 @@ class Settings:
         }
         if transport == "nvlink_intra":
             env["MC_INTRANODE_NVLINK"] = "1"
-        return env
+        return {**env, **self.extra_env}
 
     def bench_argv(self, url: str, model_dir: Path, out: Path) -> list[str]:
         n = str(self.concurrency)

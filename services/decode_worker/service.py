@@ -53,9 +53,10 @@ Direct = tuple[
 
 class DecodeWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     forward_sleep_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # slow-down (off by default)
-    # start each step before publishing the previous one's tokens (off: publish, then step; SGLang's
-    # --disable-overlap-schedule is the like switch for its scheduler)
-    overlap_publish: bool = True
+    # start each step before publishing the previous one's tokens (default off: publish, then step). Paired
+    # runs with sim workers on the 2-core VM showed no difference beyond their noise (bench.sim_decode);
+    # a GPU run decides the default.
+    overlap_publish: bool = False
 
 
 class DecodeWorker(WorkerService):
@@ -283,11 +284,11 @@ class DecodeWorker(WorkerService):
         return asyncio.ensure_future(self.et.call(self._step_once, adds)), time.perf_counter()
 
     async def _step_loop(self) -> None:
-        """Steps back to back while requests run. Step N+1 starts on the engine thread as soon as step N
-        returned, and step N's tokens are published meanwhile: the event loop's share of a step (grouping,
-        encoding, publishing, bookkeeping) overlaps the engine's, which on a GPU is mostly waiting for the
-        device, instead of adding to every step. Under a slow-down, or with overlap_publish off, each step
-        starts after the previous one's tokens are out (and its sleep)."""
+        """Steps back to back while requests run, each step's tokens published before the next starts.
+        With overlap_publish, step N+1 starts on the engine thread as soon as step N returned and step N's
+        tokens are published meanwhile, so the event loop's share of a step (grouping, encoding, publishing,
+        bookkeeping) can overlap the engine's waits on the device. Under a slow-down each step waits for
+        its sleep first."""
         running: tuple[asyncio.Future, float] | None = None
         while True:
             if running is None:

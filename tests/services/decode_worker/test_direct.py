@@ -138,50 +138,55 @@ async def test_a_cancel_before_the_step_leaves_no_request_and_no_page(rig: Rig) 
     assert rig.worker.engine.stats()["used_pages"] == 0 and rig.worker.engine.stats()["running"] == 0
 
 
-async def test_the_next_step_runs_while_the_last_ones_tokens_are_published(rig: Rig, model_dir: Path) -> None:
+async def test_with_overlap_publish_the_next_step_runs_while_the_last_ones_tokens_are_published(
+    private_nats_url: str, model_dir: Path
+) -> None:
     """Each publish of tokens that are not the last waits until the engine thread has started the next
     step: the loop must start step N+1 before it publishes step N (a loop that publishes first would
     wait here for a step it has not started). The stream is still the Engine's, in order."""
-    worker, loop = rig.worker, asyncio.get_running_loop()
-    step_once, publish = worker._step_once, worker._publish
-    started: list[int] = []
-    waits_failed: list[int] = []
-    moved = asyncio.Event()
+    async with running_rig(private_nats_url, model_dir, overlap_publish=True) as rig:
+        worker, loop = rig.worker, asyncio.get_running_loop()
+        step_once, publish = worker._step_once, worker._publish
+        started: list[int] = []
+        waits_failed: list[int] = []
+        moved = asyncio.Event()
 
-    def step(adds: list) -> tuple:
-        started.append(len(started))
-        loop.call_soon_threadsafe(moved.set)
-        return step_once(adds)
+        def step(adds: list) -> tuple:
+            started.append(len(started))
+            loop.call_soon_threadsafe(moved.set)
+            return step_once(adds)
 
-    published = [0]
+        published = [0]
 
-    async def publish_after_next_step(outputs: list) -> None:
-        want = published[0] + 2  # these are step i's outputs (publishes go in step order): step i+1 started
-        published[0] += 1
-        if outputs and not all(o.finished for o in outputs):
-            try:
-                async with asyncio.timeout(10):
-                    while len(started) < want:
-                        moved.clear()
-                        await moved.wait()
-            except TimeoutError:
-                waits_failed.append(want)
-        await publish(outputs)
+        async def publish_after_next_step(outputs: list) -> None:
+            # these are step i's outputs (publishes go in step order): wait for step i+1 to start
+            want = published[0] + 2
+            published[0] += 1
+            if outputs and not all(o.finished for o in outputs):
+                try:
+                    async with asyncio.timeout(10):
+                        while len(started) < want:
+                            moved.clear()
+                            await moved.wait()
+                except TimeoutError:
+                    waits_failed.append(want)
+            await publish(outputs)
 
-    worker._step_once = step  # type: ignore[method-assign]
-    worker._publish = publish_after_next_step  # type: ignore[method-assign]
-    prompt = [5, 9, 13, 17, 21]
-    await rig.direct("piped", prompt)
-    await rig.until(lambda: "piped" in rig.finished, "the stream to finish")
-    assert waits_failed == [], f"publishes that waited in vain for the next step: {waits_failed}"
-    assert rig.tokens["piped"] == greedy(model_dir, prompt) and len(started) >= TOKENS
+        worker._step_once = step  # type: ignore[method-assign]
+        worker._publish = publish_after_next_step  # type: ignore[method-assign]
+        prompt = [5, 9, 13, 17, 21]
+        await rig.direct("piped", prompt)
+        await rig.until(lambda: "piped" in rig.finished, "the stream to finish")
+        assert waits_failed == [], f"publishes that waited in vain for the next step: {waits_failed}"
+        assert rig.tokens["piped"] == greedy(model_dir, prompt) and len(started) >= TOKENS
 
 
-async def test_with_overlap_publish_off_each_step_follows_the_last_ones_publish(
+async def test_by_default_each_step_follows_the_last_ones_publish(
     private_nats_url: str, model_dir: Path
 ) -> None:
-    """The switch back: every step after the first starts only once the step before it was published."""
-    async with running_rig(private_nats_url, model_dir, overlap_publish=False) as r:
+    """overlap_publish off (the default): every step after the first starts only once the step before it
+    was published."""
+    async with running_rig(private_nats_url, model_dir) as r:
         worker = r.worker
         events: list[str] = []  # "step" from the engine thread, "published" from the loop
         step_once, publish = worker._step_once, worker._publish
