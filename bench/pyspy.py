@@ -46,6 +46,12 @@ def summarize(raw: str, top: int = 25) -> dict[str, Any]:
     }
 
 
+def executable() -> str | None:
+    """py-spy on PATH, else beside this Python (a venv's, when its bin/ is not on PATH)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if beside.is_file() else None)
+
+
 @dataclass
 class Profile:
     proc: subprocess.Popen | None
@@ -54,8 +60,7 @@ class Profile:
 
     @classmethod
     def start(cls, pid: int, out: Path, rate: int = 200, max_s: int = 600) -> Profile:
-        beside = Path(sys.executable).parent / "py-spy"  # a venv's, when its bin/ is not on PATH
-        exe = shutil.which("py-spy") or (str(beside) if beside.is_file() else None)
+        exe = executable()
         if exe is None:
             return cls(None, out, "py-spy is not installed")
         argv = [exe, "record", "-p", str(pid), "-r", str(rate), "-d", str(max_s), "-f", "raw", "-o", str(out)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.pyspy import Profile, summarize
+from bench.pyspy import Profile, executable, summarize
 
 RAW = """\
 thread (1): MainThread;main (app.py:10);loop (app.py:20);step (engine.py:5) 6
@@ -36,11 +36,7 @@ def test_without_py_spy_the_profile_says_why(tmp_path: Path, monkeypatch: pytest
     assert Profile.start(1, tmp_path / "x.txt").stop() == {"error": "py-spy is not installed"}
 
 
-def _py_spy() -> bool:
-    return shutil.which("py-spy") is not None or (Path(sys.executable).parent / "py-spy").is_file()
-
-
-@pytest.mark.skipif(not _py_spy(), reason="py-spy is not installed")
+@pytest.mark.skipif(executable() is None, reason="py-spy is not installed")
 def test_a_busy_process_shows_its_hot_function(tmp_path: Path) -> None:
     code = "def hot():\n    while True:\n        sum(range(1000))\nhot()\n"
     busy = subprocess.Popen([sys.executable, "-c", code])

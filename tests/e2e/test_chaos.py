@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.chaos import reference
 from libs.chaos import FaultResult, metric_total, stream_many
 from libs.chaos.scenarios import chaos_config, chaos_prompts, run_fault, standard_faults
-from libs.engine import Engine, SamplingParams
 from libs.launch.mesh import Mesh
 
 pytestmark = pytest.mark.e2e
@@ -40,9 +40,7 @@ def chaos_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture(scope="module")
 def want(tiny_model: Path) -> list[list[int]]:
-    engine = Engine.from_pretrained(tiny_model)
-    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    return [o.token_ids for o in outs]
+    return reference(tiny_model, PROMPTS, MAX_TOKENS)
 
 
 FAULTS = {f.killed: f for f in standard_faults(N_REQUESTS)}
