@@ -22,9 +22,11 @@ _LINE = re.compile(r":\d+\)$")  # a frame's line number: frames fold per functio
 
 
 def summarize(raw: str, top: int = 25) -> dict[str, Any]:
-    """py-spy's raw (collapsed) output -> per thread: samples, and the functions on the most stacks
-    (inclusive share of that thread's samples, each function counted once per stack)."""
+    """py-spy's raw (collapsed) output -> per thread: samples, the functions on the most stacks (`top`:
+    inclusive share of that thread's samples, each function counted once per stack), and the functions
+    the samples were in (`self`: exclusive share, the innermost frame)."""
     per_thread: dict[str, Counter[str]] = {}
+    leaves: dict[str, Counter[str]] = {}
     samples: Counter[str] = Counter()
     for line in raw.splitlines():
         stack, _, count = line.rstrip().rpartition(" ")
@@ -37,10 +39,13 @@ def summarize(raw: str, top: int = 25) -> dict[str, Any]:
         funcs = per_thread.setdefault(thread, Counter())
         for f in seen:
             funcs[f] += n
+        if frames:
+            leaves.setdefault(thread, Counter())[_LINE.sub(")", frames[-1])] += n
     return {
         thread: {
             "samples": samples[thread],
             "top": [(f, round(c / samples[thread], 4)) for f, c in funcs.most_common(top)],
+            "self": [(f, round(c / samples[thread], 4)) for f, c in leaves.get(thread, Counter()).most_common(top)],
         }
         for thread, funcs in per_thread.items()
     }

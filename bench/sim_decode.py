@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.serving_gpu import start_profiles
 from bench.serving_gpu_mesh import (
     MeshProcess,
     Settings,
@@ -43,18 +44,22 @@ def settings_of(text: str) -> dict[str, str]:
     return out
 
 
-def one_run(model: Path, s: Settings, logs: Path) -> dict[str, Any]:
-    """The mesh, one slow-down bench, the mesh stopped."""
+def one_run(model: Path, s: Settings, logs: Path, profile: Path | None = None) -> dict[str, Any]:
+    """The mesh, one slow-down bench (py-spy on decode-0 and a gateway during it, with `profile`), the mesh
+    stopped."""
     mesh = MeshProcess(model, s, "tcp", logs)
     mesh.start()
     try:
+        profiles = start_profiles(mesh, profile) if profile is not None else {}
         before = decode_counters(mesh)
         r = run_slowdown_bench(mesh, s, logs / "bench.json")
         steps = decode_worker_steps(before, decode_counters(mesh))
+        summaries = {name: p.stop() for name, p in profiles.items()}
     finally:
         mesh.stop()
-    return {"full_batch_tok_s": r["full_batch_tok_s"], "full_batch_itl_ms": r["full_batch_itl_ms"],
-            "completed": r["completed"], "failed": r["failed"], "decode_worker_steps": steps}  # fmt: skip
+    out = {"full_batch_tok_s": r["full_batch_tok_s"], "full_batch_itl_ms": r["full_batch_itl_ms"],
+           "completed": r["completed"], "failed": r["failed"], "decode_worker_steps": steps}  # fmt: skip
+    return out | ({"profile": summaries} if profile is not None else {})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -66,6 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--input-len", type=int, default=2000)
     ap.add_argument("--output-len", type=int, default=100)
     ap.add_argument("--sim-speed", type=float, default=9.0, help="9: ~5.6 ms per step at 256 x 2,050 tokens")
+    ap.add_argument("--profile", metavar="DIR", help="py-spy on decode-0 and a gateway in each run; raw files in DIR")
     ap.add_argument("--output", default=str(Path(__file__).parent / "results" / "sim_decode.json"))
     a = ap.parse_args(argv)
     sides = {"A": settings_of(a.a), "B": settings_of(a.b)}
@@ -90,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     greedy_tokens=1, deadline=time.monotonic() + 600, engine_reserve_s=0,
                     extra_env={**sim, **sides[side]},
                 )  # fmt: skip
-                run = one_run(model, s, Path(tmp) / f"logs-{i}-{side}")
+                prof = Path(a.profile) / f"{i}{side}" if a.profile else None
+                run = one_run(model, s, Path(tmp) / f"logs-{i}-{side}", prof)
                 rec["runs"].append({"pair": i, "side": side, "load_avg": os.getloadavg(), **run})
                 print(f"pair {i} {side}: {run['full_batch_tok_s']:,.0f} tok/s, ITL median "
                       f"{run['full_batch_itl_ms']['median']:.2f} ms", flush=True)  # fmt: skip

@@ -30,8 +30,10 @@ BACKENDS = ("openai", "openai-chat")
 class Endpoint:
     """Where and how to send: base URL (without /v1), backend, model, key, extra body fields.
 
-    `chunk_logprobs` asks for logprobs (completions: 0 alternatives; chat: true) only so that each
-    chunk names its tokens: exact per-chunk token counts, at the cost of the server computing them.
+    `chunk_usage` asks for `stream_options.continuous_usage_stats` (vLLM's and SGLang's field): every
+    chunk carries the usage so far, so each chunk's token count is exact at no cost to the model.
+    `chunk_logprobs` asks for logprobs (completions: 0 alternatives; chat: true) for the same purpose,
+    at the cost of the server computing them (and of its fast sampling path, which logprobs turn off).
     """
 
     base_url: str
@@ -40,6 +42,7 @@ class Endpoint:
     api_key: str = ""
     extra_body: dict[str, Any] = field(default_factory=dict)
     chunk_logprobs: bool = False
+    chunk_usage: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -66,7 +69,7 @@ def request_body(ep: Endpoint, req: BenchRequest) -> dict[str, Any]:
         "max_tokens": req.output_len,
         "temperature": 0.0,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, **({"continuous_usage_stats": True} if ep.chunk_usage else {})},
         "ignore_eos": True,
     }
     if ep.chat:
@@ -85,11 +88,14 @@ def request_body(ep: Endpoint, req: BenchRequest) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Chunk:
-    """What one SSE event means for timing: tokens it carried (0: no content), usage, error."""
+    """What one SSE event means for timing: tokens it carried (0: no content), usage, error; `so_far`:
+    the completion tokens streamed up to and including this chunk, where the server says (continuous
+    usage stats on a chunk with choices)."""
 
     tokens: int = 0
     usage: dict[str, Any] | None = None
     error: str = ""
+    so_far: int | None = None
 
 
 def _logprob_tokens(choice: dict[str, Any], chat: bool) -> int | None:
@@ -102,7 +108,8 @@ def _logprob_tokens(choice: dict[str, Any], chat: bool) -> int | None:
 
 def parse_chunk(data: dict[str, Any], chat: bool) -> Chunk:
     """One decoded `data:` event. Content tokens: the logprob entries when present, else 1 for a
-    chunk with text (a role-only or finish-only chunk carries none)."""
+    chunk with text (a role-only or finish-only chunk carries none). A chunk with choices and usage
+    (continuous usage stats) also reports the server's count so far (`record_chunk` prefers it)."""
     if "error" in data:
         err = data["error"]
         return Chunk(error=str(err.get("message", err) if isinstance(err, dict) else err))
@@ -115,7 +122,22 @@ def parse_chunk(data: dict[str, Any], chat: bool) -> Chunk:
             continue
         text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
         tokens += 1 if text else 0
-    return Chunk(tokens=tokens, usage=usage)
+    so_far = usage.get("completion_tokens") if usage is not None and data.get("choices") else None
+    return Chunk(tokens=tokens, usage=usage, so_far=so_far if isinstance(so_far, int) else None)
+
+
+def record_chunk(rec: RequestRecord, chunk: Chunk, now: float) -> None:
+    """One event into the record: its error, and its tokens at `now` (the server's count since the last
+    chunk where it gives one, which also counts tokens whose text an earlier chunk held back)."""
+    if chunk.error:
+        rec.error = chunk.error
+    tokens = chunk.tokens
+    if chunk.so_far is not None:
+        tokens = chunk.so_far - rec.completion_tokens  # completion_tokens: the running count until the end
+        rec.completion_tokens = chunk.so_far
+    if tokens > 0:
+        rec.chunk_times.append(now)
+        rec.chunk_tokens.append(tokens)
 
 
 def finish_record(rec: RequestRecord, usage: dict[str, Any] | None, now: float) -> None:
@@ -150,12 +172,7 @@ async def send(
                     if payload == "[DONE]":
                         break
                     chunk = parse_chunk(json.loads(payload), ep.chat)
-                    now = clock()
-                    if chunk.error:
-                        rec.error = chunk.error
-                    if chunk.tokens:
-                        rec.chunk_times.append(now)
-                        rec.chunk_tokens.append(chunk.tokens)
+                    record_chunk(rec, chunk, clock())
                     usage = chunk.usage or usage
     except (httpx.HTTPError, ValueError) as e:
         rec.error = f"{type(e).__name__}: {e}"

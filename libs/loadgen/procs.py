@@ -47,6 +47,7 @@ class Share(msgspec.Struct, frozen=True):
     api_key: str
     extra_body: dict[str, Any]
     chunk_logprobs: bool
+    chunk_usage: bool
     client: str
     event_loop: str
     max_concurrency: int | None
@@ -84,7 +85,7 @@ class ClientProcs:
             for k, (limit, items) in enumerate(self.shares):
                 ep = self.ep
                 share = Share(ep.base_url, ep.backend, ep.model, ep.api_key, ep.extra_body, ep.chunk_logprobs,
-                              self.client, self.event_loop, limit, items)  # fmt: skip
+                              ep.chunk_usage, self.client, self.event_loop, limit, items)  # fmt: skip
                 spec = Path(self.dir.name) / f"share-{k}.json"
                 spec.write_bytes(msgspec.json.encode(share))
                 self.procs.append(
@@ -152,7 +153,7 @@ class ClientProcs:
 
 async def _child(share: Share, t0: float, start: float) -> list[RequestRecord]:
     ep = Endpoint(share.base_url, share.backend, share.model, share.api_key, share.extra_body,
-                  share.chunk_logprobs)  # fmt: skip
+                  share.chunk_logprobs, share.chunk_usage)  # fmt: skip
     clock = run_clock(t0)
     items = [
         (it.index, it.arrival_s, BenchRequest(it.prompt, it.input_len, it.output_len)) for it in share.items

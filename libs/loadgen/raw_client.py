@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import httptools
 import msgspec
 
-from libs.loadgen.client import Endpoint, finish_record, parse_chunk, request_body
+from libs.loadgen.client import Endpoint, finish_record, parse_chunk, record_chunk, request_body
 from libs.loadgen.datasets import BenchRequest
 from libs.loadgen.stats import RequestRecord
 
@@ -156,12 +156,7 @@ class SseRecorder:
         except (ValueError, TypeError, AttributeError) as e:
             self.rec.error = f"{type(e).__name__}: {e}"
             return True
-        now = self.clock()
-        if chunk.error:
-            self.rec.error = chunk.error
-        if chunk.tokens:
-            self.rec.chunk_times.append(now)
-            self.rec.chunk_tokens.append(chunk.tokens)
+        record_chunk(self.rec, chunk, self.clock())
         self.usage = chunk.usage or self.usage
         return False
 

@@ -161,7 +161,9 @@ async def run_phase(
 ) -> dict[str, Any]:
     """Send every request at once and watch the decode batch; with cfg, under slow-down until release.
     With client processes, this process keeps the admin calls and the release; the children only send."""
-    ep = replace(ep, chunk_logprobs=True)  # exact tokens per chunk: the window counts tokens, not chunks
+    # exact tokens per chunk (the window counts tokens, not chunks) from the usage on every chunk; not
+    # logprobs, which cost the server their computation and turn its fast sampling path off
+    ep = replace(ep, chunk_usage=True)
     kind = clients.resolve(ep.base_url)
     load_cfg = LoadConfig(max_concurrency=None, request_rate=math.inf, warmup_requests=0, progress=False)
     async with http_client(4) as admin_client:

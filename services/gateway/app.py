@@ -157,18 +157,26 @@ class _SSEResponse(StreamingResponse):
             self._done(CLIENT_GONE)  # no-op when the stream already counted itself
 
 
+def _so_far(gen: Generation, chunk: dict) -> dict:
+    """With `stream_options.continuous_usage_stats` (vLLM's, and SGLang's), every chunk carries the
+    request's usage so far: clients count the tokens of each chunk exactly without asking for logprobs."""
+    if gen.plan.continuous_usage:
+        chunk["usage"] = gen.usage().as_dict()
+    return chunk
+
+
 def _chunk(gen: Generation, chat: bool, index: int, text: str, step_lp: Any, finish: str | None) -> dict:
     usage_field = gen.plan.include_usage
     if chat:
         delta = {"content": text} if text or finish is None else {}
-        return fmt.chat_chunk(
+        return _so_far(gen, fmt.chat_chunk(
             gen.id, gen.created, gen.model, index, delta, logprobs=step_lp, finish_reason=finish,
             with_usage_field=usage_field,
-        )  # fmt: skip
-    return fmt.completion_chunk(
+        ))  # fmt: skip
+    return _so_far(gen, fmt.completion_chunk(
         gen.id, gen.created, gen.model, index, text, logprobs=step_lp, finish_reason=finish,
         with_usage_field=usage_field,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) -> AsyncIterator[bytes]:
@@ -180,18 +188,13 @@ async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) 
                 role = {"role": "assistant", "content": ""}
                 for out in gen.outputs:
                     first = fmt.chat_chunk(
-                        gen.id,
-                        gen.created,
-                        gen.model,
-                        out.index,
-                        role,
-                        with_usage_field=gen.plan.include_usage,
+                        gen.id, gen.created, gen.model, out.index, role, with_usage_field=gen.plan.include_usage
                     )
-                    yield fmt.sse(first)
+                    yield fmt.sse(_so_far(gen, first))
             plan = gen.plan.tools if chat else None
             parsers = {o.index: tool_parser.ToolStream(plan) for o in gen.outputs} if plan is not None else {}
             # the common chunk (text only: no logprobs, not the last) as precomputed bytes around the text
-            frames = {} if parsers or gen.plan.logprobs else {
+            frames = {} if parsers or gen.plan.logprobs or gen.plan.continuous_usage else {
                 o.index: fmt.text_frame(_chunk(gen, chat, o.index, fmt.TEXT_MARK, None, None)) for o in gen.outputs
             }  # fmt: skip
             async for out, step in gen.steps():
@@ -200,10 +203,10 @@ async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) 
                 elif out.index in parsers:
                     delta, finish = tool_parser.stream_step(parsers[out.index], step.text, step.finish_reason)
                     if delta or step.logprobs or step.done:
-                        pending.append(fmt.sse(fmt.chat_chunk(
+                        pending.append(fmt.sse(_so_far(gen, fmt.chat_chunk(
                             gen.id, gen.created, gen.model, out.index, delta or {}, logprobs=step.logprobs,
                             finish_reason=finish, with_usage_field=gen.plan.include_usage,
-                        )))  # fmt: skip
+                        ))))  # fmt: skip
                 elif step.text or step.logprobs or step.done:
                     pending.append(fmt.sse(_chunk(gen, chat, out.index, step.text, step.logprobs, step.finish_reason)))
                 if pending and gen.queue.empty():

@@ -63,8 +63,14 @@ class Plan:
     top_logprobs: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage in every chunk
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)
     tools: ToolPlan | None = None  # chat with tools: how to render them and read calls out of the output
+
+
+def _continuous_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    o = req.stream_options
+    return bool(req.stream and o and o.include_usage and o.continuous_usage_stats)
 
 
 def _max_tokens(
@@ -160,6 +166,7 @@ def _plan(
         top_logprobs=lp[1],
         stream=req.stream,
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
+        continuous_usage=_continuous_usage(req),
         tokens_as_ids=req.return_tokens_as_token_ids,
         tools=tools,
     )

@@ -28,6 +28,8 @@ def test_summary_shares_are_per_thread_and_count_a_function_once_per_stack() -> 
     assert top["main (app.py)"] == 1.0 and top["loop (app.py)"] == 0.9 and top["step (engine.py)"] == 0.6
     assert top["recurse (app.py)"] == 0.1  # on one stack twice: counted once
     assert dict(eng["top"]) == {"run (thread.py)": 1.0, "forward (model.py)": 1.0}
+    assert dict(main["self"]) == {"step (engine.py)": 0.6, "publish (bus.py)": 0.3, "recurse (app.py)": 0.1}
+    assert dict(eng["self"]) == {"forward (model.py)": 1.0}
 
 
 def test_without_py_spy_the_profile_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

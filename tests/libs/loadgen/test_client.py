@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from libs.loadgen.client import Endpoint, parse_chunk, request_body
+from libs.loadgen.client import Endpoint, parse_chunk, record_chunk, request_body
 from libs.loadgen.datasets import BenchRequest
+from libs.loadgen.stats import RequestRecord
 from libs.loadgen.slowdown import SlowdownConfig, release_reason
 
 
@@ -58,6 +59,30 @@ def test_chat_chunks_role_delta_content_and_usage() -> None:
     assert parse_chunk(lp, chat=True).tokens == 2
     usage = parse_chunk({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}, chat=True)
     assert (usage.tokens, usage.usage) == (0, {"prompt_tokens": 3, "completion_tokens": 4})
+
+
+def test_continuous_usage_counts_each_chunk_by_the_servers_count_so_far() -> None:
+    body = request_body(Endpoint("http://h", chunk_usage=True), BenchRequest([1], 1, 3))
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert "logprobs" not in body
+    rec = RequestRecord(index=0, start=0.0)
+
+    def chunk(text: str, so_far: int) -> dict:
+        return {"choices": [{"text": text}], "usage": {"prompt_tokens": 2, "completion_tokens": so_far}}
+
+    events = [
+        chunk("", 0),  # nothing generated yet (a chat stream's role chunk)
+        chunk("ab", 2),  # a token whose text was held back (an incomplete UTF-8 sequence) and the next one
+        chunk("c", 3),
+        {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}},  # the final usage chunk
+    ]
+    for t, e in enumerate(events):
+        record_chunk(rec, parse_chunk(e, chat=False), float(t))
+    assert (rec.chunk_times, rec.chunk_tokens) == ([1.0, 2.0], [2, 1])
+    plain = RequestRecord(index=1, start=0.0)  # without the server's count: 1 per chunk with text
+    for t, e in enumerate(events):
+        record_chunk(plain, parse_chunk({k: v for k, v in e.items() if k != "usage"}, chat=False), float(t))
+    assert plain.chunk_tokens == [1, 1]
 
 
 def test_error_events_are_reported() -> None:

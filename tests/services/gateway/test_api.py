@@ -80,6 +80,35 @@ async def test_chat_streaming_with_usage(
     assert len({c.id for c in chunks}) == 1
 
 
+@pytest.mark.parametrize("chat", [True, False])
+async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(
+    client: openai.AsyncOpenAI, fake_mesh: FakeMesh, tokenizer: Tokenizer, chat: bool
+) -> None:
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens streamed so far."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    if chat:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_completion_tokens=100, stream=True, stream_options=opts  # type: ignore[arg-type]
+        )
+    else:
+        stream = await client.completions.create(
+            model=MODEL, prompt="hello", max_tokens=100, stream=True, stream_options=opts  # type: ignore[arg-type]
+        )
+    chunks = [c async for c in stream]
+    n_out = len(tokenizer.encode(TEXT, add_special_tokens=False)) + 1
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert counts == sorted(counts) and counts[-1] == n_out
+    assert len(set(counts)) >= 4, "the count grows chunk by chunk"
+    prompt = chunks[-1].usage.prompt_tokens if chunks[-1].usage else None
+    assert all(c.usage.prompt_tokens == prompt for c in chunks if c.usage is not None)
+    assert chunks[-1].choices == []  # the usage chunk still ends the stream
+    plain = await client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=5, stream=True, stream_options={"include_usage": True}
+    )
+    assert all(c.usage is None for c in [c async for c in plain][:-1]), "off unless asked for"
+
+
 async def test_completions_several_prompts_and_n(
     client: openai.AsyncOpenAI, fake_mesh: FakeMesh, tokenizer: Tokenizer
 ) -> None:
