@@ -156,14 +156,18 @@ def decode_phase(records: Sequence[RequestRecord]) -> dict[str, Any]:
     return {"from_s": lo, "to_s": hi, "tokens_per_s": aggregate_rate(records, lo, hi)}
 
 
+def slowdown_endpoint(ep: Endpoint) -> Endpoint:
+    """Exact tokens per chunk (the window counts tokens, not chunks) from the usage on every chunk, not
+    from logprobs, which cost the server their computation and turn its fast decode path off."""
+    return replace(ep, chunk_usage=True, chunk_logprobs=False)
+
+
 async def run_phase(
     ep: Endpoint, requests: Sequence[BenchRequest], cfg: SlowdownConfig | None, clients: Clients = Clients()
 ) -> dict[str, Any]:
     """Send every request at once and watch the decode batch; with cfg, under slow-down until release.
     With client processes, this process keeps the admin calls and the release; the children only send."""
-    # exact tokens per chunk (the window counts tokens, not chunks) from the usage on every chunk; not
-    # logprobs, which cost the server their computation and turn its fast sampling path off
-    ep = replace(ep, chunk_usage=True)
+    ep = slowdown_endpoint(ep)
     kind = clients.resolve(ep.base_url)
     load_cfg = LoadConfig(max_concurrency=None, request_rate=math.inf, warmup_requests=0, progress=False)
     async with http_client(4) as admin_client:
