@@ -9,8 +9,9 @@ reads step N's tokens and runs the per-request accounting. `Engine.step()` there
 one call later than it was computed; the first overlapped call reports nothing.
 
 It runs only in the steady state it is for: every running request decoding on a captured graph, no
-waiting request, sampling the one-pass kernel does exactly (greedy or temperature alone, no logprobs, no
-penalties, bias, min_tokens or grammar: logits processors need each step's tokens on the host),
+waiting request, sampling the one-pass kernel does exactly (greedy or temperature alone; logprobs of the
+chosen token, which the kernel computes in the same pass, but no top alternatives; no penalties, bias,
+min_tokens or grammar: logits processors need each step's tokens on the host),
 and no request that certainly ends with its in-flight token (max_tokens) is fed again. Anything else
 (a join, a finish, a prefill chunk, a preemption) first drains the in-flight step and lets the plain
 step run. A request that ends on a stop token while its next step is in flight had one extra KV row
@@ -28,7 +29,7 @@ import torch
 from libs.engine.batcher import pages_for
 from libs.engine.outputs import StepOutput
 from libs.engine.request import Request
-from libs.engine.sampling import one_pass_ok, one_pass_sample
+from libs.engine.sampling import chosen_logprobs, one_pass_ok, one_pass_sample
 
 
 @dataclass
@@ -37,6 +38,7 @@ class InFlight:
     tokens: torch.Tensor  # [n] int64 on the device: what the step sampled
     host: torch.Tensor  # [n] int64 pinned: its copy, valid once `done` has passed
     done: torch.cuda.Event
+    logprobs: torch.Tensor | None = None  # [n] float32 pinned: the chosen tokens' logprobs, where asked
 
 
 class OverlapDecoder:
@@ -75,14 +77,18 @@ class OverlapDecoder:
         if logits is None:  # graphs turned off (a capture failed): nothing was launched
             return None
         keys = [(r.seed, p + 1) for r, p in zip(reqs, positions, strict=True)]  # the sampled token's position
-        sampled = one_pass_sample(logits, [r.params for r in reqs], keys)
+        sampled, lps = one_pass_sample(logits, [r.params for r in reqs], keys)
         host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
         host.copy_(sampled, non_blocking=True)
+        host_lps = None
+        if lps is not None:
+            host_lps = torch.empty(lps.shape, dtype=lps.dtype, pin_memory=True)
+            host_lps.copy_(lps, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         for r in reqs:
             r.num_computed += 1
-        self.inflight = InFlight(list(reqs), sampled, host, done)
+        self.inflight = InFlight(list(reqs), sampled, host, done, host_lps)
         return self._read(prev) if prev is not None else []
 
     def drain(self) -> list[StepOutput]:
@@ -94,8 +100,10 @@ class OverlapDecoder:
         e = self.engine
         step.done.synchronize()
         outs = []
-        for r, token in zip(step.reqs, step.host.tolist(), strict=True):
+        tokens = step.host.tolist()
+        lps = chosen_logprobs(tokens, step.logprobs.tolist() if step.logprobs is not None else None, [r.params for r in step.reqs])
+        for r, token, lp in zip(step.reqs, tokens, lps, strict=True):
             if e.requests.get(r.rid) is not r or r.finished:
                 continue  # aborted, or ended by the token before this one: its extra token is dropped
-            outs.append(e._accept(r, token, None))
+            outs.append(e._accept(r, token, lp))
         return outs

@@ -192,11 +192,24 @@ class SampleOutput:
 
 
 def one_pass_ok(p: SamplingParams) -> bool:
-    """Rows the one-pass Gumbel-max kernel samples exactly: greedy, or a temperature alone (no top-k/p,
-    min-p or logprobs)."""
-    if p.wants_logprobs:
+    """Rows the one-pass Gumbel-max kernel samples exactly: greedy, or a temperature alone (no top-k/p or
+    min-p). Logprobs of the chosen token alone come from the same pass, unless logits processing runs
+    (logprobs report the logits before it); top alternatives do not."""
+    if p.wants_logprobs and (p.num_top_logprobs or p.needs_processing):
         return False
     return p.greedy or (p.top_k in (0, -1) and p.top_p >= 1 and p.min_p <= 0)
+
+
+def chosen_logprobs(
+    tokens: list[int], logprobs: list[float] | None, params: Sequence[SamplingParams]
+) -> list[TokenLogprob | None]:
+    """The one-pass rows' logprobs as the exact sampler reports them (no alternatives): rows that want them."""
+    if logprobs is None:
+        return [None] * len(params)
+    return [
+        TokenLogprob(t, lp) if p.wants_logprobs else None
+        for t, lp, p in zip(tokens, logprobs, params, strict=True)
+    ]
 
 
 def sample(
@@ -222,11 +235,13 @@ def sample(
     if keys is not None and logits.is_cuda:
         fast = [i for i, p in enumerate(params) if one_pass_ok(p)]
         if len(fast) == len(params):
-            return SampleOutput(one_pass_sample(logits, params, keys).tolist(), [None] * len(params))
+            ids, lps = one_pass_sample(logits, params, keys)
+            token_list = ids.tolist()
+            return SampleOutput(token_list, chosen_logprobs(token_list, lps.tolist() if lps is not None else None, params))
         if fast:
             tokens = _exact(logits, params, generators)
             idx = torch.tensor(fast, device=logits.device)
-            picked = one_pass_sample(logits[idx], [params[i] for i in fast], [keys[i] for i in fast])
+            picked, _ = one_pass_sample(logits[idx], [params[i] for i in fast], [keys[i] for i in fast])
             tokens[idx] = picked
             token_list = tokens.tolist()
             return SampleOutput(token_list, _logprobs(raw, token_list, params))
@@ -235,8 +250,11 @@ def sample(
     return SampleOutput(token_list, _logprobs(raw, token_list, params))
 
 
-def one_pass_sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[tuple[int, int]]):
-    """[S] int64 token ids on the device, rows that `one_pass_ok` only (no host sync)."""
+def one_pass_sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[tuple[int, int]]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([S] int64 token ids, [S] float32 chosen-token logprobs or None when no row wants them), both on the
+    device, for rows that `one_pass_ok` only (no host sync)."""
     from libs.kernels.gumbel import gumbel_sample
 
     host = torch.tensor(
@@ -244,7 +262,9 @@ def one_pass_sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys
         dtype=torch.float64,
     )
     dev = host.to(logits.device, non_blocking=True)
-    return gumbel_sample(logits.contiguous(), dev[:, 0].float(), dev[:, 1].long(), dev[:, 2].long())
+    lps = torch.empty(len(params), dtype=torch.float32, device=logits.device) if any(p.wants_logprobs for p in params) else None
+    ids = gumbel_sample(logits.contiguous(), dev[:, 0].float(), dev[:, 1].long(), dev[:, 2].long(), logprobs=lps)
+    return ids, lps
 
 
 def _exact(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]):

@@ -4,8 +4,8 @@ captured decode step replayed at the next position draws fresh noise and a seede
 tokens whatever shares its batch. Temperature 0 is greedy (ties to the lowest id, as torch.argmax).
 
 Replaces the ~10 torch kernels (cast, rand, log, neg, log, neg, div, add, argmax) a decode step otherwise
-spends on a [B, V] fp32 copy of the logits. Only bench.decode_rank uses it today; the engine samples with
-libs.engine.sampling.
+spends on a [B, V] fp32 copy of the logits, and, when asked, the chosen token's logprob in the same pass
+(no log_softmax copy). libs.engine.sampling's one-pass rows and the overlapped decode use it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ _SEED_MIX = 1000003  # seed * this + position: distinct Philox keys per (request
 
 @triton.jit
 def _gumbel_sample_kernel(
-    LOGITS, TEMPS, SEEDS, POS, OUT, V, stride_l, BLOCK: tl.constexpr, MIX: tl.constexpr
+    LOGITS, TEMPS, SEEDS, POS, OUT, LOGP, V, stride_l, BLOCK: tl.constexpr, MIX: tl.constexpr,
+    WANT_LP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     temp = tl.load(TEMPS + row)
@@ -28,19 +29,35 @@ def _gumbel_sample_kernel(
     offs = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_id = tl.full([BLOCK], 0, tl.int32)
+    best_x = tl.full([BLOCK], float("-inf"), tl.float32)  # the raw logit of each lane's best
+    run_max = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane: online log-sum-exp of the raw logits
+    run_sum = tl.zeros([BLOCK], tl.float32)
     for start in range(0, V, BLOCK):
         v = start + offs
         ok = v < V
-        score = tl.load(base + v, mask=ok, other=float("-inf")).to(tl.float32)
+        x = tl.load(base + v, mask=ok, other=float("-inf")).to(tl.float32)
+        score = x
         if temp > 0:
             u = tl.rand(key, v)
-            score = score / temp - tl.log(-tl.log(u))
+            score = x / temp - tl.log(-tl.log(u))
         score = tl.where(ok, score, float("-inf"))
         better = score > best  # strict: the earliest block keeps a tie
         best_id = tl.where(better, v, best_id)
         best = tl.where(better, score, best)
+        if WANT_LP:
+            best_x = tl.where(better, x, best_x)
+            new_max = tl.maximum(run_max, x)
+            safe = tl.where(new_max == float("-inf"), 0.0, new_max)  # a lane with nothing yet: no inf - inf
+            run_sum = run_sum * tl.exp(run_max - safe) + tl.exp(x - safe)
+            run_max = new_max
     top = tl.max(best, 0)
-    tl.store(OUT + row, tl.min(tl.where(best == top, best_id, V), 0))
+    chosen = tl.min(tl.where(best == top, best_id, V), 0)
+    tl.store(OUT + row, chosen)
+    if WANT_LP:
+        m = tl.max(run_max, 0)
+        lse = m + tl.log(tl.sum(run_sum * tl.exp(run_max - m), 0))
+        x_chosen = tl.max(tl.where((best == top) & (best_id == chosen), best_x, float("-inf")), 0)
+        tl.store(LOGP + row, x_chosen - lse)
 
 
 def gumbel_sample(
@@ -49,18 +66,24 @@ def gumbel_sample(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     out: torch.Tensor | None = None,
+    logprobs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [B, V] (any float dtype, contiguous rows), temperatures [B] f32 (0: greedy), seeds [B] and
-    positions [B] integers -> token ids [B] (int64 unless `out` says otherwise)."""
+    positions [B] integers -> token ids [B] (int64 unless `out` says otherwise). With `logprobs` (a [B]
+    float32 tensor) the same pass also writes each chosen token's log-probability under the raw logits
+    (log_softmax before temperature, what OpenAI's `logprobs` reports), by an online log-sum-exp."""
     b, v = logits.shape
     if logits.stride(-1) != 1:
         raise ValueError("logits need a contiguous last dimension")
     if not (temperatures.shape == seeds.shape == positions.shape == (b,)):
         raise ValueError(f"temperatures, seeds and positions must each be [{b}]")
+    if logprobs is not None and (logprobs.shape != (b,) or logprobs.dtype != torch.float32):
+        raise ValueError(f"logprobs must be a float32 tensor of shape [{b}]")
     out = out if out is not None else torch.empty(b, dtype=torch.int64, device=logits.device)
     if b:
         _gumbel_sample_kernel[(b,)](
-            logits, temperatures, seeds, positions, out, v, logits.stride(0),
-            BLOCK=min(4096, triton.next_power_of_2(v)), MIX=_SEED_MIX, num_warps=8,
+            logits, temperatures, seeds, positions, out, logprobs if logprobs is not None else out, v,
+            logits.stride(0), BLOCK=min(4096, triton.next_power_of_2(v)), MIX=_SEED_MIX,
+            WANT_LP=logprobs is not None, num_warps=8,
         )  # fmt: skip
     return out

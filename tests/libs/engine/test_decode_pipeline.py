@@ -72,3 +72,29 @@ def test_abort_while_a_step_is_in_flight_drops_its_token_and_pages(ckpt):
     assert len(got["r0"]) < 12 and all(len(got[f"r{i}"]) == 12 for i in range(1, 4))
     st = engine.stats()
     assert st["used_pages"] == st["cached_pages"] and st["running"] == 0
+
+
+def test_chosen_token_logprobs_ride_the_overlapped_steps(ckpt):
+    """Logprobs of the chosen token come from the one-pass kernel, so such requests overlap too, with the
+    plain step's tokens and logprobs (within the kernel's fp32 log-sum-exp)."""
+    params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=10, ignore_eos=True, logprobs=True)
+              for i in range(len(PROMPTS))]  # fmt: skip
+    plain_engine, fast_engine = _engine(ckpt, overlap=False), _engine(ckpt, overlap=True)
+    runs = []
+    for engine in (plain_engine, fast_engine):
+        lps: dict[str, list[float]] = {}
+        for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
+            engine.add_request(f"r{i}", p, sp)
+        overlapped = 0
+        while engine.has_unfinished():
+            overlapped += engine._overlap is not None and engine._overlap.inflight is not None
+            for out in engine.step():
+                assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+                lps.setdefault(out.rid, []).extend(lp.logprob for lp in out.logprobs)
+        runs.append((lps, overlapped))
+    (plain, _), (fast, overlapped) = runs
+    assert overlapped > 0, "the logprob requests took the overlapped path"
+    assert plain.keys() == fast.keys()
+    for rid in plain:
+        assert len(plain[rid]) == len(fast[rid]) == 10
+        assert max(abs(a - b) for a, b in zip(plain[rid], fast[rid], strict=True)) < 0.05

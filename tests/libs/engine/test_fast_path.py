@@ -166,4 +166,29 @@ def test_one_pass_sampler_rows():
     assert not one_pass_ok(SamplingParams(temperature=0.7, top_p=0.9))
     assert not one_pass_ok(SamplingParams(temperature=0.7, top_k=20))
     assert not one_pass_ok(SamplingParams(temperature=0.7, min_p=0.1))
-    assert not one_pass_ok(SamplingParams(temperature=0, logprobs=True))
+    assert one_pass_ok(SamplingParams(temperature=0, logprobs=True))  # the chosen token's: same pass
+    assert one_pass_ok(SamplingParams(temperature=0.7, logprobs=True, seed=1))
+    assert not one_pass_ok(SamplingParams(temperature=0, logprobs=True, top_logprobs=2))  # alternatives
+    assert not one_pass_ok(SamplingParams(temperature=0, logprobs=3))
+    assert not one_pass_ok(SamplingParams(temperature=0, logprobs=True, presence_penalty=0.5))  # raw != sampled
+
+
+def test_one_pass_logprobs_are_the_exact_samplers():
+    """The one-pass rows' logprobs (the kernel's online log-sum-exp) equal the exact sampler's
+    log_softmax at the same tokens, and rows that do not ask get none."""
+    from libs.engine.sampling import _logprobs, chosen_logprobs, one_pass_sample
+
+    logits = (torch.randn(4, 3000) * 2).to(torch.bfloat16).to(DEVICE)
+    params = [SamplingParams(temperature=0, logprobs=True), SamplingParams(temperature=0.8, logprobs=True),
+              SamplingParams(temperature=0.8), SamplingParams(temperature=0)]  # fmt: skip
+    assert all(one_pass_ok(p) for p in params)
+    ids, lps = one_pass_sample(logits, params, [(i, 5) for i in range(4)])
+    assert lps is not None
+    tokens = ids.tolist()
+    got = chosen_logprobs(tokens, lps.tolist(), params)
+    want = _logprobs(logits, tokens, params)
+    assert got[2] is None and got[3] is None and want[2] is None
+    for g, w in zip(got[:2], want[:2], strict=True):
+        assert g is not None and w is not None
+        assert (g.token_id, g.top) == (w.token_id, w.top) and abs(g.logprob - w.logprob) < 1e-4
+    assert one_pass_sample(logits[2:], params[2:], [(2, 5), (3, 5)])[1] is None  # nobody asked: no logprob work

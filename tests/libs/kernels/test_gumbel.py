@@ -52,6 +52,21 @@ def test_noise_is_keyed_by_seed_and_position(device):
     assert alone.item() == a[5].item()
 
 
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_logprobs_of_the_chosen_tokens_in_the_same_pass(device, temp):
+    logits = (torch.randn(5, 5000) * 3).to(torch.bfloat16)
+    logits[1, 4999] = 40.0  # the best in the last, partial block
+    logits[2, :4096] = float("-inf")  # a whole block of the kernel's loop masked out
+    lp = torch.empty(5, dtype=torch.float32, device=device)
+    ids = gumbel_sample(logits.to(device), *_inputs(5, device, temp), logprobs=lp)
+    plain = gumbel_sample(logits.to(device), *_inputs(5, device, temp))
+    assert torch.equal(ids, plain), "asking for logprobs does not change the draws"
+    want = logits.float().log_softmax(-1).gather(1, ids.cpu()[:, None])[:, 0]
+    torch.testing.assert_close(lp.cpu(), want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="logprobs must be"):
+        gumbel_sample(logits.to(device), *_inputs(5, device, temp), logprobs=lp[:4])
+
+
 def test_rejects_mismatched_shapes(device):
     with pytest.raises(ValueError, match=r"must each be \[4\]"):
         gumbel_sample(torch.zeros(4, 10, device=device), *_inputs(3, device, 1.0))

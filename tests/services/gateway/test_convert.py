@@ -223,14 +223,16 @@ def test_model_info_from_config(tmp_path: Path) -> None:
         ModelInfo.from_dir(tmp_path / "missing", "x")
 
 
-@pytest.mark.parametrize("counting", ["chunk_usage", "chunk_logprobs"])
+@pytest.mark.parametrize(
+    ("counting", "fast"), [("chunk_usage", True), ("chunk_logprobs", True), ("top_logprobs", False)]
+)
 def test_what_the_slowdown_bench_sends_takes_the_engines_fast_decode_path(
-    tokenizer: Tokenizer, info: ModelInfo, counting: str
+    tokenizer: Tokenizer, info: ModelInfo, counting: str, fast: bool
 ) -> None:
     """`moemesh bench --slowdown-ms` must measure the decode path the Engine-alone comparison runs: its
-    requests (continuous usage, not logprobs) reach the engine as one-pass sampling with no logits
-    processing, the condition of overlapped decode (libs/engine/decode_pipeline.py). Asking for logprobs,
-    as the bench did before, does not."""
+    requests (continuous usage) reach the engine as one-pass sampling with no logits processing, the
+    condition of overlapped decode (libs/engine/decode_pipeline.py). The chosen token's logprob (what the
+    bench asked before) now comes from the same pass; top alternatives still take the exact sampler."""
     from libs.engine.sampling import one_pass_ok
     from libs.loadgen.client import Endpoint, request_body
     from libs.loadgen.datasets import BenchRequest
@@ -238,11 +240,12 @@ def test_what_the_slowdown_bench_sends_takes_the_engines_fast_decode_path(
     from libs.worker.wire import to_params
 
     ep = slowdown_endpoint(Endpoint("http://h", model="m"))
-    if counting == "chunk_logprobs":
-        ep = Endpoint("http://h", model="m", chunk_logprobs=True)
+    if counting != "chunk_usage":
+        extra = {"logprobs": 2} if counting == "top_logprobs" else {}
+        ep = Endpoint("http://h", model="m", chunk_logprobs=True, extra_body=extra)
     body = request_body(ep, BenchRequest([5, 6, 7], 3, 100))
     plan = plan_completion(CompletionRequest.model_validate(body), tokenizer, info)
     params = to_params(plan.choices[0].sampling)
-    fast = one_pass_ok(params) and not params.needs_processing
-    assert fast == (counting == "chunk_usage")
+    assert (one_pass_ok(params) and not params.needs_processing) == fast
+    assert params.wants_logprobs == (counting != "chunk_usage")
     assert plan.continuous_usage == (counting == "chunk_usage")
