@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 from prometheus_client import Gauge
 
@@ -34,6 +35,7 @@ class WorkerService(Service):
     async def start_engine(self, role: m.Role) -> None:
         s = self.settings
         subjects.check_token(self.instance_id)
+        sys.setswitchinterval(s.gil_switch_interval_ms / 1000)  # the event loop beside the engine thread
         self.startup_stage = "loading the model"  # /ready says so (503) meanwhile
         self.engine = await asyncio.to_thread(load_engine, s)
         self.et = EngineThread(self.engine)

@@ -30,6 +30,10 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     # torch intra-op threads on CPU; several worker processes share a host's cores (0: torch's default)
     torch_threads: Annotated[int, msgspec.Meta(ge=0)] = 1
     heartbeat_interval_ms: Annotated[int, msgspec.Meta(ge=10)] = 250
+    # Python's GIL switch interval in this process (sys.setswitchinterval): the engine thread's host work
+    # holds the GIL while the event loop waits to answer the bus, up to this long per hand-back (Python's
+    # default is 5 ms; bench/gil_switch.py measures what it costs an event loop beside a busy thread)
+    gil_switch_interval_ms: Annotated[float, msgspec.Meta(gt=0, le=100)] = 0.5
     broker_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     # expert parallelism (libs/ep): ep_size rank processes, each with its own requests and KV (DP attention)
     # and 1/ep_size of the routed experts; 1 runs the engine in this process, as before

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -206,3 +207,15 @@ async def test_by_default_each_step_follows_the_last_ones_publish(
         await r.until(lambda: "serial" in r.finished, "the stream to finish")
         assert r.tokens["serial"] == greedy(model_dir, prompt)
         assert len(events) >= 2 * TOKENS and events == ["step", "published"] * (len(events) // 2), events
+
+
+async def test_the_worker_sets_its_gil_switch_interval(private_nats_url: str, model_dir: Path) -> None:
+    """The engine thread's host work must not hold the event loop off for Python's default 5 ms per GIL
+    hand-back: the worker process runs with its setting (default 0.5 ms)."""
+    before = sys.getswitchinterval()
+    try:
+        async with running_rig(private_nats_url, model_dir, gil_switch_interval_ms=0.7):
+            assert sys.getswitchinterval() == pytest.approx(0.0007)
+    finally:
+        sys.setswitchinterval(before)
+    assert DecodeWorkerSettings(model_dir=str(model_dir)).gil_switch_interval_ms == 0.5
