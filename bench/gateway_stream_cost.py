@@ -5,7 +5,7 @@ ChoiceOutput.feed with the incremental detokenizer, chunk formatting). Not measu
 (nats-py, msgspec decode of the batch), Starlette/uvicorn's send and the socket write, which
 bench.mesh_scale's streaming test includes.
 
-    python -m bench.gateway_stream_cost [--requests 256 --tokens 256] [--chat]
+    python -m bench.gateway_stream_cost [--requests 256 --tokens 256] [--chat] [--continuous-usage]
 
 One token per delta, every request advanced once per round (a decode step's batch); prints CPU
 microseconds per token (process time, the best of --repeat runs: the box is shared).
@@ -47,7 +47,7 @@ class _Mesh:
 async def run(tok: Tokenizer, info: ModelInfo, args: argparse.Namespace) -> float:
     metrics, tokens, mesh = GatewayMetrics(), TokenText(tok), _Mesh()
     body = {"model": info.name, "max_tokens": args.tokens, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream_options": {"include_usage": True, "continuous_usage_stats": args.continuous_usage}}  # fmt: skip
     if args.chat:
         plan = plan_chat(
             ChatCompletionRequest.model_validate({**body, "messages": [{"role": "user", "content": "hi"}]}),
@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument(
         "--random-ids", action="store_true", help="random token ids (as the sim engine's) instead of text"
     )
+    ap.add_argument("--continuous-usage", action="store_true", help="usage in every chunk (moemesh bench's slow-down)")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     model = write_tiny_model(Path("/tmp/moemesh-bench-gwcost"), overwrite=True)
@@ -104,7 +105,8 @@ def main() -> None:
     info = ModelInfo.from_dir(model, "tiny")
     us = min(asyncio.run(run(tok, info, args)) for _ in range(args.repeat))
     print(json.dumps({"us_per_token": us, "tokens_per_cpu_s": 1e6 / us, "requests": args.requests,
-                      "tokens": args.tokens, "chat": args.chat, "random_ids": args.random_ids}))  # fmt: skip
+                      "tokens": args.tokens, "chat": args.chat, "random_ids": args.random_ids,
+                      "continuous_usage": args.continuous_usage}))  # fmt: skip
 
 
 if __name__ == "__main__":
