@@ -218,6 +218,9 @@ def summarize(rec: dict[str, Any]) -> None:
     rec["output_tok_s"] = served
     rec["engine_output_tok_s"] = alone
     rec["served_over_engine"] = served / alone if served and alone else None
+    # both sides' requests (equal since 2026-12-02: the slow-down run asked logprobs before)
+    rec["requests"] = ("greedy, ignore_eos; the mesh's streamed with stream_options.continuous_usage_stats "
+                       "(no logprobs), the Engine's in process")  # fmt: skip
     # TTFT from the run without slow-down (the slowed run's includes the hold), ITL at full batch
     rec["ttft_ms"], rec["itl_ms"] = bench.get("baseline_ttft_ms"), bench.get("full_batch_itl_ms")
     rec["kv_transfer_GBps"] = (rec.get("kv_transfer") or {}).get("GBps")
