@@ -239,8 +239,7 @@ class SchedulerService(Service):
         decision, too, goes by prompt length alone."""
         if self.prefix is None or self.config.prefix_weight == 0:
             return {}
-        page_sizes = {w.hb.page_size for w in self.workers.live(self.heard_clock())}
-        return await self.prefix.hits(submit.prompt_ids, page_sizes)
+        return await self.prefix.hits(submit.prompt_ids, self.workers.page_sizes(self.heard_clock()))
 
     def _note_prefix(self, s: m.Submit, prefill_worker: str) -> None:
         """Until its KV events arrive, this placement counts as the prompt cached on that worker."""
