@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 
 from libs.bus import Bus
 from libs.loadgen.raw_client import RawClient
+from libs.telemetry.context import DEADLINE, now_ms
 from proto import Decoder, encode, subjects
 from proto import messages as m
 
@@ -304,10 +305,10 @@ async def submit_flood_lean(
 ) -> dict:
     """submit_flood without the bus layer's per-request cost in the load generator: Submits encoded
     beforehand (flood_payloads, with `stream` as their stream subject) published on SCHED_SUBMIT with a
-    reply subject each (what Bus.request sends, minus the deadline header, which the scheduler does not
-    carry onward), replies and stream messages handled in plain callbacks, and the next submit sent when
-    one ends (no task, future or timer per request). A submit ends ok when its finished delta arrives,
-    failed on a refusal or RequestError; any still open after `timeout_s` count as failed."""
+    reply subject and a deadline header each (what Bus.request sends, so the scheduler reads what a
+    gateway's submit gives it), replies and stream messages handled in plain callbacks, and the next
+    submit sent when one ends (no task, future or timer per request). A submit ends ok when its finished
+    delta arrives, failed on a refusal or RequestError; any still open after `timeout_s` count as failed."""
     state, total = _Flood(payloads), len(payloads)
     nc = await nats.connect(nats_url, name="mesh-scale-flood", max_reconnect_attempts=0)
     inbox = nc.new_inbox()
@@ -319,7 +320,8 @@ async def submit_flood_lean(
             i = state.sent
             state.sent += 1
             state.open.add(i)
-            await nc.publish(subjects.SCHED_SUBMIT, state.payloads[i], reply=f"{inbox}.{i}")
+            deadline = {DEADLINE: str(now_ms() + 30_000)}  # the old client's Bus.request timeout
+            await nc.publish(subjects.SCHED_SUBMIT, state.payloads[i], reply=f"{inbox}.{i}", headers=deadline)
 
     async def ended(i: int, ok: bool) -> None:
         if state.end(i, ok):
