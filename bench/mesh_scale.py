@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -289,7 +290,7 @@ def main() -> None:
     timing = StepTimeModel(speed=args.sim_speed)
     prefill_ms = timing.forward_ms([args.prompt_len - args.shared], [args.prompt_len])
     results: dict = {
-        "benchmark": "mesh_scale", "command": "python -m bench.mesh_scale " + " ".join(sys.argv[1:]),
+        "benchmark": "mesh_scale", "command": "python -m bench.mesh_scale " + shlex.join(sys.argv[1:]),
         "cpus": os.cpu_count(), "load_avg_before": os.getloadavg(), "log_dir": str(cfg.log_dir),
         "note": "shared 2-core VM (other engineers' jobs running): every rate here is pessimistic",
         "workers": {"decode": args.decode, "prefill": args.prefill, "hosts": args.hosts, **fields},
