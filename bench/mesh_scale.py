@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -37,9 +38,11 @@ from bench.scale_load import (
     closed_loop_raw,
     counter_total,
     cpu_seconds,
+    flood_payloads,
     pct,
     poisson,
     submit_flood,
+    submit_flood_lean,
     varz,
 )
 from libs.engine.tiny import write_tiny_model
@@ -47,6 +50,7 @@ from libs.launch.mesh import Mesh, MeshConfig
 from libs.launch.supervisor import ServiceSpec
 from libs.loadgen.report import write_json
 from libs.sim import StepTimeModel
+from proto import subjects
 
 TARGET_TOKENS_S = 364_000  # 48 decode GPUs x 7,583 tokens/s (the seed's deployment)
 WORKER_MODULES = ("services.prefill_worker", "services.decode_worker")
@@ -126,7 +130,7 @@ def idle_window(mesh: ScaleMesh, seconds: float = 3.0) -> dict:
 
 def load_steps(mesh: ScaleMesh, args: argparse.Namespace, prefill_ms: float, idle: dict) -> list[dict]:
     rows: list[dict] = []
-    for k, rate in enumerate(float(r) for r in args.rates.split(",")):
+    for k, rate in enumerate(float(r) for r in args.rates.split(",") if r.strip()):
         probe = Probe(mesh)
         res, wall = asyncio.run(poisson(mesh.url, mesh.model_name, rate, args.step_s, args.prompt_len,
                                         args.max_tokens, args.shared, seed=k + 1))  # fmt: skip
@@ -174,10 +178,17 @@ def streaming_test(mesh: ScaleMesh, args: argparse.Namespace) -> dict:
 
 
 def flood_test(mesh: ScaleMesh, args: argparse.Namespace) -> dict:
-    probe = Probe(mesh)
-    res = asyncio.run(
-        submit_flood(mesh.nats_url, mesh.model_name, args.flood_in_flight, args.flood, args.prompt_len)
-    )
+    if args.flood_client == "lean":  # Submits encoded before the measured window
+        stream = subjects.stream("scale-flood")
+        payloads = flood_payloads(mesh.model_name, args.flood, args.prompt_len, stream)
+        probe = Probe(mesh)
+        res = asyncio.run(submit_flood_lean(mesh.nats_url, payloads, stream, args.flood_in_flight))
+    else:
+        probe = Probe(mesh)
+        res = asyncio.run(
+            submit_flood(mesh.nats_url, mesh.model_name, args.flood_in_flight, args.flood, args.prompt_len)
+        )
+    res["prompt_len"] = args.prompt_len
     d = probe.delta()
     sc = d["cpu_cores"]["scheduler"]
     out = {**res, **d, "placements_per_scheduler_core": d["placements_per_s"] / max(sc, 1e-9),
@@ -230,7 +241,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=48)
     ap.add_argument("--prefill", type=int, default=8)
     ap.add_argument("--hosts", type=int, default=8, help="processes hosting the simulated workers")
-    ap.add_argument("--rates", default="5,10,20,40,80,160,320")
+    ap.add_argument("--rates", default="5,10,20,40,80,160,320", help="Poisson load steps ('': none)")
     ap.add_argument("--step-s", type=float, default=8.0)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--shared", type=int, default=128, help="leading prompt tokens every request shares")
@@ -257,6 +268,14 @@ def main() -> None:
     ap.add_argument("--flood-speed", type=float, default=10.0, help="sim speed during the placement flood")
     ap.add_argument("--flood", type=int, default=2000, help="submits in the placement test (0: skip)")
     ap.add_argument("--flood-in-flight", type=int, default=256)
+    ap.add_argument(
+        "--flood-client",
+        choices=("lean", "bus"),
+        default="lean",
+        help="flood load generator: pre-encoded submits on the raw NATS client (lean), or Bus.request per "
+        "submit with a task each (bus, the load generator of the records before 2026-12-02)",
+    )
+    ap.add_argument("--flood-hosts", type=int, default=0, help="sim host processes in the flood (0: --hosts)")
     ap.add_argument("--heartbeat-ms", type=int, default=250, help="worker and scheduler heartbeat interval")
     ap.add_argument("--out", default="bench/results/mesh_scale.json")
     args = ap.parse_args()
@@ -271,7 +290,7 @@ def main() -> None:
     timing = StepTimeModel(speed=args.sim_speed)
     prefill_ms = timing.forward_ms([args.prompt_len - args.shared], [args.prompt_len])
     results: dict = {
-        "benchmark": "mesh_scale", "command": "python -m bench.mesh_scale " + " ".join(sys.argv[1:]),
+        "benchmark": "mesh_scale", "command": "python -m bench.mesh_scale " + shlex.join(sys.argv[1:]),
         "cpus": os.cpu_count(), "load_avg_before": os.getloadavg(), "log_dir": str(cfg.log_dir),
         "note": "shared 2-core VM (other engineers' jobs running): every rate here is pessimistic",
         "workers": {"decode": args.decode, "prefill": args.prefill, "hosts": args.hosts, **fields},
@@ -279,16 +298,23 @@ def main() -> None:
                      "modeled_prefill_ms": prefill_ms},
     }  # fmt: skip
     t0 = time.perf_counter()
-    with ScaleMesh(cfg, args.hosts, fields) as mesh:
-        results["startup_s"] = time.perf_counter() - t0
-        results["idle"] = idle = idle_window(mesh)
-        print(json.dumps({"idle_bus_per_s": idle["bus_per_s"], "idle_cpu": idle["cpu_cores"]}), flush=True)
-        results["steps"] = load_steps(mesh, args, prefill_ms, idle)
-        deaths = {"load_steps": deaths_in_logs(cfg.log_dir)}  # counted before the mesh stops
+    results["steps"], deaths = [], {}
+    if args.rates.strip():
+        with ScaleMesh(cfg, args.hosts, fields) as mesh:
+            results["startup_s"] = time.perf_counter() - t0
+            results["idle"] = idle = idle_window(mesh)
+            print(
+                json.dumps({"idle_bus_per_s": idle["bus_per_s"], "idle_cpu": idle["cpu_cores"]}), flush=True
+            )
+            results["steps"] = load_steps(mesh, args, prefill_ms, idle)
+            deaths["load_steps"] = deaths_in_logs(cfg.log_dir)  # counted before the mesh stops
     seen = deaths_in_logs(cfg.log_dir)  # the logs are appended to: count each phase from here
     if args.flood:  # every worker, fast modeled GPUs: the scheduler is what is measured
-        with ScaleMesh(cfg, args.hosts, {**fields, "sim_speed": args.flood_speed}) as mesh:
-            results["placements"] = flood_test(mesh, args)
+        hosts = args.flood_hosts or args.hosts
+        with ScaleMesh(cfg, hosts, {**fields, "sim_speed": args.flood_speed}) as mesh:
+            idle = idle_window(mesh, 2.0)  # what this mesh costs with no requests, for comparison
+            results["placements"] = {**flood_test(mesh, args), "hosts": hosts,
+                                     "idle_cpu_cores": idle["cpu_cores"]}  # fmt: skip
             deaths["flood"] = deaths_in_logs(cfg.log_dir) - seen
         seen = deaths_in_logs(cfg.log_dir)
     if args.stream_clients:  # fewer, fuller decode workers: the gateway is what is measured
@@ -304,7 +330,8 @@ def main() -> None:
         results["projection"] = projection(results["streaming"], results["placements"], args.max_tokens)
     results["load_avg_after"] = os.getloadavg()
     out = write_json(args.out, results)
-    plot(results["steps"], Path(out).with_suffix(".png"))
+    if results["steps"]:
+        plot(results["steps"], Path(out).with_suffix(".png"))
     print(f"wrote {out}")
 
 

@@ -5,6 +5,7 @@ Prometheus counters."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -15,11 +16,14 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import httpx
+import nats
+from nats.aio.msg import Msg
 
 from libs.bus import Bus
 from libs.loadgen.raw_client import RawClient
+from libs.telemetry.context import DEADLINE, now_ms
+from proto import Decoder, encode, subjects
 from proto import messages as m
-from proto import subjects
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
@@ -258,3 +262,95 @@ async def submit_flood(nats_url: str, model: str, in_flight: int, total: int, pr
     wall = time.perf_counter() - t0
     await bus.close()
     return {**outcome, "wall_s": wall, "in_flight": in_flight, "prompt_len": prompt_len}
+
+
+@dataclass
+class _Flood:
+    """State of submit_flood_lean: the next submit to send and how each one ended."""
+
+    payloads: list[bytes]
+    ok: int = 0
+    failed: int = 0
+    sent: int = 0
+    open: set[int] = field(default_factory=set)
+
+    def end(self, i: int, ok: bool) -> bool:
+        """Submit `i` ended (finished delta, error, refusal); False if it had already ended."""
+        if i not in self.open:
+            return False
+        self.open.discard(i)
+        if ok:
+            self.ok += 1
+        else:
+            self.failed += 1
+        return True
+
+
+def flood_payloads(model: str, total: int, prompt_len: int, stream: str) -> list[bytes]:
+    """`total` encoded Submits (max_tokens=1, `prompt_len // 2` shared leading tokens, the rest distinct
+    per request), built before a flood starts so the load generator's time goes to the bus."""
+    sampling = m.Sampling(max_tokens=1, temperature=0, ignore_eos=True)
+    out = []
+    for i in range(total):
+        ids = prompt(prompt_len, i % 10_000, prompt_len // 2)
+        s = m.Submit(
+            request_id=f"flood-{i}", model=model, prompt_ids=ids, sampling=sampling, stream_subject=stream
+        )
+        out.append(encode(s))
+    return out
+
+
+async def submit_flood_lean(
+    nats_url: str, payloads: list[bytes], stream: str, in_flight: int, timeout_s: float = 120.0
+) -> dict:
+    """submit_flood without the bus layer's per-request cost in the load generator: Submits encoded
+    beforehand (flood_payloads, with `stream` as their stream subject) published on SCHED_SUBMIT with a
+    reply subject and a deadline header each (what Bus.request sends, so the scheduler reads what a
+    gateway's submit gives it), replies and stream messages handled in plain callbacks, and the next
+    submit sent when one ends (no task, future or timer per request). A submit ends ok when its finished
+    delta arrives, failed on a refusal or RequestError; any still open after `timeout_s` count as failed."""
+    state, total = _Flood(payloads), len(payloads)
+    nc = await nats.connect(nats_url, name="mesh-scale-flood", max_reconnect_attempts=0)
+    inbox = nc.new_inbox()
+    replies, events = Decoder(m.SubmitReply | m.Rejected), Decoder(m.StreamMessage)
+    done = asyncio.get_running_loop().create_future()
+
+    async def send_next() -> None:
+        while state.sent < total and len(state.open) < in_flight:
+            i = state.sent
+            state.sent += 1
+            state.open.add(i)
+            deadline = {DEADLINE: str(now_ms() + 30_000)}  # the old client's Bus.request timeout
+            await nc.publish(subjects.SCHED_SUBMIT, state.payloads[i], reply=f"{inbox}.{i}", headers=deadline)
+
+    async def ended(i: int, ok: bool) -> None:
+        if state.end(i, ok):
+            if state.ok + state.failed == total and not done.done():
+                done.set_result(None)
+            await send_next()
+
+    async def on_reply(msg: Msg) -> None:
+        r = replies.decode(msg.data)
+        if not (isinstance(r, m.SubmitReply) and r.ok):
+            await ended(int(msg.subject.rsplit(".", 1)[1]), False)
+
+    async def on_stream(msg: Msg) -> None:
+        match events.decode(msg.data):
+            case m.TokenBatch(deltas=deltas):
+                for d in deltas:
+                    if d.finish != m.FinishReason.NONE:
+                        await ended(int(d.request_id.rsplit("-", 1)[1]), True)
+            case m.RequestError(request_id=rid):
+                await ended(int(rid.rsplit("-", 1)[1]), False)
+
+    await nc.subscribe(f"{inbox}.*", cb=on_reply)
+    await nc.subscribe(stream, cb=on_stream)
+    await nc.flush()
+    t0 = time.perf_counter()
+    await send_next()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(done), timeout_s)
+    wall = time.perf_counter() - t0
+    state.failed += len(state.open) + (total - state.sent)
+    await nc.close()
+    return {"ok": state.ok, "failed": state.failed, "wall_s": wall, "in_flight": in_flight, "client": "lean"}

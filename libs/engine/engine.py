@@ -390,7 +390,7 @@ class Engine:
 
     # --- internals: request lifecycle ---
     def _new_request(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
-        prompt = [int(t) for t in prompt_ids]
+        prompt = list(map(int, prompt_ids))
         req = Request(rid, prompt, params, make_generator(params.seed, self.kv_pool.buffer.device))
         req.seed = params.seed if params.seed is not None else secrets.randbits(47)
         req.stopper = StopChecker(params, self.eos_ids, self.tokenizer, prompt)

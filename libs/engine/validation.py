@@ -29,6 +29,16 @@ def check_token(token: object, limits: Limits, what: str) -> int:
     return token
 
 
+def _plain_ids(prompt_ids: object, vocab: int) -> list[int] | None:
+    """A copy of `prompt_ids` when it is a list of plain ints (no bools, no tensors) all in 0..vocab-1,
+    checked at C speed; None otherwise (check_token then says what is wrong)."""
+    if type(prompt_ids) is not list or not prompt_ids:
+        return None
+    if set(map(type, prompt_ids)) != {int} or min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        return None
+    return list(prompt_ids)
+
+
 def check_prompt(prompt_ids: object, params: SamplingParams | None, limits: Limits, what: str) -> list[int]:
     """The prompt as a list of ints, or ValueError: empty, not token ids, out of vocab, too long for the
     context (prompt + max_tokens) or for the whole KV pool."""
@@ -38,7 +48,9 @@ def check_prompt(prompt_ids: object, params: SamplingParams | None, limits: Limi
         raise ValueError(f"{what}: prompt must be a list of token ids, got {type(prompt_ids).__name__}")
     if len(prompt_ids) == 0:
         raise ValueError(f"{what}: prompt is empty")
-    ids = [check_token(t, limits, what) for t in prompt_ids]
+    ids = _plain_ids(prompt_ids, limits.vocab_size)  # a decoded message's list: no call per token
+    if ids is None:
+        ids = [check_token(t, limits, what) for t in prompt_ids]
     max_tokens = params.max_tokens if params is not None else 0
     total = len(ids) + max_tokens
     if total > limits.context_len:

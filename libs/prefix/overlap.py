@@ -8,16 +8,21 @@ from collections.abc import Iterable, Mapping, Sequence
 
 def leading(hashes: Sequence[int], holds: Mapping[int, Iterable[str]]) -> dict[str, int]:
     """Holder -> how many of `hashes`, from the first, it holds (holders of none left out). `holds`
-    maps a block hash to its holders (a set, or a dict keyed by holder)."""
+    maps a block hash to its holders (a set, or a dict keyed by holder).
+
+    One set intersection per block, and the holders that drop out are looked at only when some do (a
+    shared prefix held by every worker costs no per-holder work until the prompts diverge)."""
     out: dict[str, int] = {}
-    alive: set[str] | None = None
-    for i, h in enumerate(hashes):
-        owners = set(holds.get(h, ()))
-        still = owners if alive is None else alive & owners
-        for w in (alive or set()) - still:
-            out[w] = i
-        alive = still
-        if not alive:
-            return out
-    out.update((w, len(hashes)) for w in alive or ())
+    if not hashes or not (first := holds.get(hashes[0])):
+        return out
+    alive = set(first)
+    for i in range(1, len(hashes)):
+        owners = holds.get(hashes[i])
+        still = alive.intersection(owners) if owners else set()
+        if len(still) < len(alive):  # a subset: fewer means some holders' runs end at block i
+            out.update(dict.fromkeys(alive.difference(still), i))
+            if not still:
+                return out
+            alive = still
+    out.update(dict.fromkeys(alive, len(hashes)))
     return out

@@ -141,6 +141,9 @@ class WorkerTable:
         self.dead_after_intervals = dead_after_intervals
         self._workers: dict[str, WorkerState] = {}
         self._expiry: dict[str, float] = {}  # worker id -> when it is dead if unheard (same keys)
+        # live() of the last call, valid from the time it was computed until its earliest expiry, unless
+        # a heartbeat, a departure or an expiry changes the table first: (from, until, workers, page sizes)
+        self._live: tuple[float, float, tuple[WorkerState, ...], frozenset[int]] | None = None
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -160,10 +163,12 @@ class WorkerTable:
             )
         s = self._workers[hb.worker_id] = WorkerState(hb=hb, last_seen=now)
         self._expiry[hb.worker_id] = s.expires_at(self.dead_after_intervals)
+        self._live = None
 
     def gone(self, worker_id: str) -> bool:
         """Forget a worker at once (graceful shutdown); True if it was known."""
         self._expiry.pop(worker_id, None)
+        self._live = None
         return self._workers.pop(worker_id, None) is not None
 
     def expire(self, now: float) -> list[str]:
@@ -171,12 +176,30 @@ class WorkerTable:
         dead = [w for w, t in self._expiry.items() if now > t]
         for w in dead:
             del self._workers[w], self._expiry[w]
+        if dead:
+            self._live = None
         return dead
 
-    def live(self, now: float) -> list[WorkerState]:
+    def live(self, now: float) -> tuple[WorkerState, ...]:
         """Workers alive at `now` (draining ones included; the policy decides what they may take)."""
-        ws, exp = self._workers, self._expiry  # expiries computed once per heartbeat, not per placement
-        return [ws[w] for w, t in exp.items() if now <= t]
+        return self._live_at(now)[2]
+
+    def page_sizes(self, now: float) -> frozenset[int]:
+        """The page sizes of the workers alive at `now` (the prefix lookup hashes a prompt for each)."""
+        return self._live_at(now)[3]
+
+    def _live_at(self, now: float) -> tuple[float, float, tuple[WorkerState, ...], frozenset[int]]:
+        """The live set, computed again only when the table changed or a member's expiry passed (a
+        worker already dead at `since` stays dead later), not per placement."""
+        c = self._live
+        if c is not None and c[0] <= now <= c[1]:
+            return c
+        ws, exp = self._workers, self._expiry
+        live = [(w, t) for w, t in exp.items() if now <= t]
+        members = tuple(ws[w] for w, _ in live)
+        until = min((t for _, t in live), default=math.inf)
+        self._live = c = (now, until, members, frozenset(s.hb.page_size for s in members))
+        return c
 
     def next_expiry(self) -> float | None:
         """When the next worker would be declared dead if it stays silent (to wake a waiting loop)."""

@@ -113,14 +113,24 @@ class PrefixClient:
             hashes = self._hashes(prompt_ids, page_size)
             if not hashes:
                 continue
-            found = {w: n * page_size for w, n in self.recent.overlap(hashes, self.clock()).items()}
+            recent = self.recent.overlap(hashes, self.clock())
             if self.replica is not None:
                 self._local.inc()
-                indexed = {w: n * page_size for w, n in self.replica.index.overlap(hashes).items()}
+                blocks = self.replica.index.overlap(hashes)  # a fresh dict: merged into in place
+                for wid, n in recent.items():
+                    if n > blocks.get(wid, 0):
+                        blocks[wid] = n
+                found = {wid: n * page_size for wid, n in blocks.items()}
             else:
-                indexed = await self._ask_broker(page_size, hashes)
-            for wid, n in (*found.items(), *indexed.items()):
-                out[wid] = max(out.get(wid, 0), n)
+                found = await self._ask_broker(page_size, hashes)
+                for wid, n in recent.items():
+                    found[wid] = max(found.get(wid, 0), n * page_size)
+            if not out:
+                out = found
+                continue
+            for wid, n in found.items():
+                if n > out.get(wid, 0):
+                    out[wid] = n
         return out
 
     async def _ask_broker(self, page_size: int, hashes: list[int]) -> dict[str, int]:

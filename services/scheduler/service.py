@@ -239,8 +239,7 @@ class SchedulerService(Service):
         decision, too, goes by prompt length alone."""
         if self.prefix is None or self.config.prefix_weight == 0:
             return {}
-        page_sizes = {w.hb.page_size for w in self.workers.live(self.heard_clock())}
-        return await self.prefix.hits(submit.prompt_ids, page_sizes)
+        return await self.prefix.hits(submit.prompt_ids, self.workers.page_sizes(self.heard_clock()))
 
     def _note_prefix(self, s: m.Submit, prefill_worker: str) -> None:
         """Until its KV events arrive, this placement counts as the prompt cached on that worker."""
@@ -380,9 +379,11 @@ class SchedulerService(Service):
     async def _place(self, e: Entry, plan: Plan) -> None:
         s = e.submit
         queued_s = max(0.0, self.clock() - e.admitted_at)
-        attrs = {**span_attrs.submit(s), "moemesh.placement": plan.kind.value, "moemesh.decode_worker": plan.decode,
-                 "moemesh.prefill_worker": plan.prefill or "", "moemesh.queue_seconds": queued_s,
-                 "moemesh.attempt": e.attempts + 1}  # fmt: skip
+        attrs = None  # built only for a tracer: a placement without tracing makes no dicts for it
+        if self.telemetry.enabled:
+            attrs = {**span_attrs.submit(s), "moemesh.placement": plan.kind.value, "moemesh.decode_worker": plan.decode,
+                     "moemesh.prefill_worker": plan.prefill or "", "moemesh.queue_seconds": queued_s,
+                     "moemesh.attempt": e.attempts + 1}  # fmt: skip
         with self.telemetry.span(
             "scheduler.place", parent=e.traceparent, kind=SpanKind.CONSUMER, attributes=attrs,
             start_time_ns=time.time_ns() - int(queued_s * 1e9),  # the span covers the wait in the queue

@@ -103,3 +103,28 @@ def test_the_raw_load_generator_counts_what_the_gateway_streamed(sim_mesh: Mesh)
 
     bad = asyncio.run(refused())
     assert (bad.ok, bad.failed, bad.tokens) == (0, 1, 0)
+
+
+def test_the_lean_submit_flood_counts_real_placements(sim_mesh: Mesh) -> None:
+    """bench.scale_load's flood client straight to the scheduler: each submit ends ok only on its finished
+    delta, and the scheduler counts one placement for each; a refused submit (unknown model) is failed
+    at its SubmitReply, without waiting for the timeout."""
+    import asyncio
+
+    from bench.scale_load import flood_payloads, submit_flood_lean
+    from proto import subjects
+
+    url, stream = sim_mesh.metrics_url("scheduler"), subjects.stream("test-flood")
+    before = metric_total(url, "moemesh_scheduler_placements_total")
+    payloads = flood_payloads(sim_mesh.model_name, 12, 32, stream)
+    res = asyncio.run(submit_flood_lean(sim_mesh.nats_url, payloads, stream, in_flight=5, timeout_s=60))
+    assert (res["ok"], res["failed"]) == (12, 0)
+    deadline = time.monotonic() + 10  # counted as the placement's last message leaves: read it settled
+    while (placed := metric_total(url, "moemesh_scheduler_placements_total") - before) < 12:
+        assert time.monotonic() < deadline, f"the scheduler counted {placed} placements of 12"
+        time.sleep(0.05)  # polls the scheduler's metrics: the condition lives in another process
+    assert placed == 12
+    bad = flood_payloads("no-such-model", 3, 32, stream)
+    t0 = time.monotonic()
+    res = asyncio.run(submit_flood_lean(sim_mesh.nats_url, bad, stream, in_flight=2, timeout_s=60))
+    assert (res["ok"], res["failed"]) == (0, 3) and time.monotonic() - t0 < 30

@@ -257,6 +257,28 @@ def test_worker_dies_after_dead_after_intervals_of_silence() -> None:
     assert isinstance(decide(table, now=12.0), Plan)
 
 
+def test_live_set_is_reused_only_while_nothing_changed() -> None:
+    """live() and page_sizes() are kept between calls; every change shows at once, and a worker's
+    expiry passing, too, as the uncached scan would see it at any reading of the clock."""
+    table = make_workers(
+        make_heartbeat("d0", interval_ms=500), make_heartbeat("p0", Role.PREFILL, page_size=32), now=10.0
+    )
+    ids = lambda now: [w.worker_id for w in table.live(now)]  # noqa: E731
+    assert ids(10.0) == ["d0", "p0"] and table.live(10.2) is table.live(10.0)
+    assert table.page_sizes(10.0) == {16, 32}
+    assert ids(11.6) == ["p0"] and table.page_sizes(11.6) == {32}  # d0 silent past 1.5 s
+    assert ids(11.0) == ["d0", "p0"]  # an earlier reading: computed again, not the later set
+    table.observe(make_heartbeat("d0", interval_ms=500, running=3), now=11.0)
+    (d0,) = [w for w in table.live(11.2) if w.worker_id == "d0"]
+    assert d0.hb.running == 3  # the new heartbeat's state, not the cached one
+    table.note_placement("d0", pages=2)
+    assert table.live(11.3)[0].inflight == 1  # placements update the members in place
+    assert table.gone("p0") and ids(11.3) == ["d0"] and table.page_sizes(11.3) == {16}
+    table.observe(make_heartbeat("p1", Role.PREFILL, interval_ms=500), now=11.4)
+    assert ids(11.4) == ["d0", "p1"]
+    assert table.expire(13.0) == ["d0", "p1"] and ids(13.0) == [] and table.page_sizes(13.0) == frozenset()
+
+
 def test_worker_gone_is_forgotten_at_once() -> None:
     table = make_workers()
     assert table.gone("d0") and not table.gone("d0")
