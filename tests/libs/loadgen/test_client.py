@@ -6,8 +6,8 @@ import pytest
 
 from libs.loadgen.client import Endpoint, parse_chunk, record_chunk, request_body
 from libs.loadgen.datasets import BenchRequest
-from libs.loadgen.stats import RequestRecord
 from libs.loadgen.slowdown import SlowdownConfig, release_reason
+from libs.loadgen.stats import RequestRecord
 
 
 def test_completion_body_streams_with_usage_and_holds_the_output_length() -> None:
