@@ -3,8 +3,8 @@
 Subscriptions: SCHED_SUBMIT in queue group QUEUE_SCHEDULER (replicas share the work; each request is
 answered at once with SubmitReply: admitted, or refused 400 / 429 / 503 / 504), HEARTBEAT (the worker
 view) and CANCEL (drop a queued request). A submit with nothing queued ahead of it is placed by its own
-handler (a direct placement's DecodeDirect leaves ahead of the SubmitReply, a reservation's ReserveKv with it:
-no pass of the loop on the TTFT path). Otherwise one
+handler (its DecodeDirect or ReserveKv leaves ahead of the SubmitReply: no pass of the loop on the TTFT
+path). Otherwise one
 placement loop walks the queue in FIFO order whenever something changes (a submit, a heartbeat, a cancel, a
 finished placement: an asyncio.Event) or a deadline / worker expiry comes due, and stops at the first
 request that must wait, so a large request is not starved by small ones behind it.
@@ -278,14 +278,15 @@ class SchedulerService(Service):
             return self._refuse(s.request_id, m.ErrorCode.BAD_REQUEST, str(e))
         if first and isinstance(decision, Plan) and self.queue.head() is entry:
             # Placed now, a pass of the placement loop (and a second prefix lookup and decision) earlier
-            # than it would otherwise. A direct placement is publishes only, so it is done here and its
-            # DecodeDirect leaves ahead of this reply; a reservation waits for its answer in a task, and its
-            # ReserveKv goes out in the same write as this reply.
+            # than it would otherwise, and its first message leaves ahead of this reply (the reply is off
+            # the TTFT path, the placement is on it). A direct placement is publishes only, so it is done
+            # here; a reservation waits for its answer in a task, which sends its ReserveKv during the yield.
             if decision.kind is PlanKind.DIRECT:
                 self._take(entry, decision)
                 await self._place(entry, decision)
             else:
                 self._start_placement(entry, decision)
+                await asyncio.sleep(0)
         else:
             self.wake()
         self._update_gauges()
