@@ -209,7 +209,8 @@ class DecodeWorker(WorkerService):
 
     async def start_direct(self, msg: m.DecodeDirect) -> None:
         """Queue the prompt for the next step: it is added to the engine in the same engine-thread call
-        as that step (one thread hand-off before its first token, not two)."""
+        as that step (one thread hand-off before its first token, not two). When the step loop is idle that
+        call is queued here, before the handler returns."""
         rid = msg.request_id
         self.tracker.start(
             rid, "direct", span_attrs.decode_start(msg.prompt_ids, msg.sampling, self.settings.model_name)
