@@ -32,6 +32,16 @@ class EngineThread:
             if self.after_call is not None:
                 self.after_call()
 
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """`call` without the coroutine: fn is queued for the engine thread before this returns (a task that
+        awaits `call` queues it only once the task first runs, a pass of the event loop later). The future
+        gets the result; after_call runs when it is done."""
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+        if self.after_call is not None:
+            after = self.after_call
+            fut.add_done_callback(lambda _: after())
+        return fut
+
     def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """fn on the engine thread, waited for by the calling thread (never the engine thread itself, nor
         the event loop: a transfer thread that must act where the engine's memory is)."""

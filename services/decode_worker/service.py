@@ -78,6 +78,8 @@ class DecodeWorker(WorkerService):
         self.forward_sleep_ms = s.forward_sleep_ms
         self.slowdown_changed = asyncio.Event()
         self.work = asyncio.Event()
+        self._awaiting_work = False  # the step loop waits in work.wait()
+        self._kicked: tuple[asyncio.Future, float] | None = None  # started by start_direct, for the loop
         self.guard = ReservationGuard(self.bus, self.cancelled.add)  # prefill deaths, lease expiry
         await self.guard.start()
         self.leases = (
@@ -207,7 +209,8 @@ class DecodeWorker(WorkerService):
 
     async def start_direct(self, msg: m.DecodeDirect) -> None:
         """Queue the prompt for the next step: it is added to the engine in the same engine-thread call
-        as that step (one thread hand-off before its first token, not two)."""
+        as that step (one thread hand-off before its first token, not two). When the step loop is idle that
+        call is queued here, before the handler returns."""
         rid = msg.request_id
         self.tracker.start(
             rid, "direct", span_attrs.decode_start(msg.prompt_ids, msg.sampling, self.settings.model_name)
@@ -220,6 +223,10 @@ class DecodeWorker(WorkerService):
         self.live[rid] = Live(msg.stream_subject, len(msg.prompt_ids))
         self.direct.append((rid, msg.prompt_ids, params))
         self.work.set()
+        if self._awaiting_work and self._kicked is None and not self.forward_sleep_ms:
+            # The loop is idle: the engine thread gets the prompt now, not after a pass of the event loop
+            # that wakes the step loop (which takes this step as its own).
+            self._kicked = self._start_step()
 
     async def _expire_unanswered(self) -> None:
         """A reservation past its backstop ends as if the broker had sent HandleExpired."""
@@ -281,7 +288,7 @@ class DecodeWorker(WorkerService):
     def _start_step(self) -> tuple[asyncio.Future, float]:
         """Hand the engine thread the next step (with the direct prompts queued since the last one)."""
         adds, self.direct = self.direct, []
-        return asyncio.ensure_future(self.et.call(self._step_once, adds)), time.perf_counter()
+        return self.et.submit(self._step_once, adds), time.perf_counter()
 
     async def _step_loop(self) -> None:
         """Steps back to back while requests run, each step's tokens published before the next starts.
@@ -292,7 +299,13 @@ class DecodeWorker(WorkerService):
         running: tuple[asyncio.Future, float] | None = None
         while True:
             if running is None:
-                await self.work.wait()
+                self._awaiting_work = True
+                try:
+                    await self.work.wait()
+                finally:
+                    self._awaiting_work = False
+                running, self._kicked = self._kicked, None
+            if running is None:
                 if self.forward_sleep_ms:  # slow-down; a new setting (e.g. off) ends the wait at once
                     self.slowdown_changed.clear()
                     await wait_event(self.slowdown_changed, self.forward_sleep_ms / 1000)

@@ -3,7 +3,8 @@
 Subscriptions: SCHED_SUBMIT in queue group QUEUE_SCHEDULER (replicas share the work; each request is
 answered at once with SubmitReply: admitted, or refused 400 / 429 / 503 / 504), HEARTBEAT (the worker
 view) and CANCEL (drop a queued request). A submit with nothing queued ahead of it is placed by its own
-handler (its first message leaves with the SubmitReply: no pass of the loop on the TTFT path). Otherwise one
+handler (its DecodeDirect or ReserveKv leaves ahead of the SubmitReply: no pass of the loop on the TTFT
+path). Otherwise one
 placement loop walks the queue in FIFO order whenever something changes (a submit, a heartbeat, a cancel, a
 finished placement: an asyncio.Event) or a deadline / worker expiry comes due, and stops at the first
 request that must wait, so a large request is not starved by small ones behind it.
@@ -275,9 +276,16 @@ class SchedulerService(Service):
         except DuplicateRequest as e:
             return self._refuse(s.request_id, m.ErrorCode.BAD_REQUEST, str(e))
         if first and isinstance(decision, Plan) and self.queue.head() is entry:
-            # Placed now: its first message goes out in the same write as this reply, a pass of the
-            # placement loop (and a second prefix lookup and decision) later than it would otherwise.
-            self._start_placement(entry, decision)
+            # Placed now, a pass of the placement loop (and a second prefix lookup and decision) earlier
+            # than it would otherwise, and its first message leaves ahead of this reply (the reply is off
+            # the TTFT path, the placement is on it). A direct placement is publishes only, so it is done
+            # here; a reservation waits for its answer in a task, which sends its ReserveKv during the yield.
+            if decision.kind is PlanKind.DIRECT:
+                self._take(entry, decision)
+                await self._place(entry, decision)
+            else:
+                self._start_placement(entry, decision)
+                await asyncio.sleep(0)
         else:
             self.wake()
         self._update_gauges()
@@ -365,13 +373,17 @@ class SchedulerService(Service):
             self._start_placement(e, decision)
         self._update_gauges()
 
-    def _start_placement(self, e: Entry, plan: Plan) -> None:
-        """Take the entry out of line and send it (a task: a reservation waits for its reply)."""
+    def _take(self, e: Entry, plan: Plan) -> None:
+        """Take the entry out of line and count the placement on its workers (before it is sent)."""
         self.queue.start(e.request_id)
         self.workers.note_placement(plan.decode, plan.decode_pages)
         if plan.prefill is not None:
             self.workers.note_placement(plan.prefill, tokens=plan.uncached)
             self._note_prefix(e.submit, plan.prefill)
+
+    def _start_placement(self, e: Entry, plan: Plan) -> None:
+        """Take the entry out of line and send it (a task: a reservation waits for its reply)."""
+        self._take(e, plan)
         task = asyncio.create_task(self._place(e, plan))
         self._placements.add(task)
         task.add_done_callback(self._placements.discard)

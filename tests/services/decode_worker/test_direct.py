@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -121,6 +122,33 @@ async def test_prompts_that_arrive_during_a_step_join_the_next_and_a_refused_one
     assert rig.tokens["a"] == greedy(model_dir, a) and rig.tokens["b"] == greedy(model_dir, b)
     await rig.until(lambda: not rig.worker.live, "no request left")
     assert rig.worker.engine.stats()["used_pages"] == 0
+
+
+async def test_an_idle_worker_hands_a_direct_prompt_to_the_engine_thread_from_the_handler(
+    rig: Rig, model_dir: Path
+) -> None:
+    """The step starts while the event loop is held right after the inbox handler returns: the handler
+    queued it on the engine thread itself (a step loop woken through the event loop would not start it)."""
+    worker = rig.worker
+    step_once, started = worker._step_once, threading.Event()
+
+    def step(adds: list) -> tuple:
+        if adds:
+            started.set()
+        return step_once(adds)
+
+    worker._step_once = step  # type: ignore[method-assign]
+    await rig.until(lambda: worker._awaiting_work, "the step loop to wait for work")
+    prompt = [5, 9, 13, 17, 21]
+    sampling = m.Sampling(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    await worker.on_inbox(
+        m.DecodeDirect(request_id="now", prompt_ids=prompt, sampling=sampling, stream_subject=STREAM)
+    )
+    assert started.wait(10), "the engine thread did not start the step while the event loop was held"
+    await rig.until(lambda: "now" in rig.finished, "the stream to finish")
+    assert rig.tokens["now"] == greedy(model_dir, prompt)
+    await rig.until(lambda: not worker.live, "no request left")
+    assert worker.engine.stats()["used_pages"] == 0
 
 
 async def test_a_cancel_before_the_step_leaves_no_request_and_no_page(rig: Rig) -> None:

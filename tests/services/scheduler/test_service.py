@@ -155,6 +155,29 @@ async def test_a_submit_with_nothing_queued_is_placed_by_its_own_handler(start) 
     assert h.svc.queue.depth == 0
 
 
+@pytest.mark.parametrize("prompt_len", [20, 100], ids=["direct", "reservation"])
+async def test_a_placement_made_by_the_submit_handler_leaves_before_its_reply(start, prompt_len: int) -> None:
+    """The DecodeDirect (short prompt) or the ReserveKv (long one) is handed to the connection before the
+    SubmitReply: the reply is off the TTFT path, the decode worker's message is on it."""
+    h = await start(direct_prefill_threshold=32)
+    d = await h.decode("d0")
+    await h.prefill("p0")
+    nc, sent = h.svc.bus.nc, []
+    publish = nc.publish
+
+    async def recording(subject: str, *args: object, **kwargs: object) -> None:
+        sent.append(subject)
+        await publish(subject, *args, **kwargs)  # type: ignore[arg-type]
+
+    nc.publish = recording  # type: ignore[method-assign]
+    try:
+        assert (await h.submit("first", prompt_len=prompt_len)).ok
+    finally:
+        del nc.publish  # the class's method again
+    kept = [s for s in sent if s == subjects.decode_inbox(d.worker_id) or s.startswith("_INBOX.")]
+    assert kept[:1] == [subjects.decode_inbox(d.worker_id)] and len(kept) >= 2, sent
+
+
 async def test_a_submit_behind_a_waiting_request_keeps_its_place(start) -> None:
     """FIFO: a small request that would fit does not pass a large one waiting for pages."""
     h = await start(direct_prefill_threshold=32)
