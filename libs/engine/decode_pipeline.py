@@ -101,7 +101,7 @@ class OverlapDecoder:
         step.done.synchronize()
         outs = []
         tokens = step.host.tolist()
-        lps = chosen_logprobs(tokens, step.logprobs.tolist() if step.logprobs is not None else None, [r.params for r in step.reqs])
+        lps = chosen_logprobs(tokens, step.logprobs, [r.params for r in step.reqs])
         for r, token, lp in zip(step.reqs, tokens, lps, strict=True):
             if e.requests.get(r.rid) is not r or r.finished:
                 continue  # aborted, or ended by the token before this one: its extra token is dropped

@@ -201,14 +201,15 @@ def one_pass_ok(p: SamplingParams) -> bool:
 
 
 def chosen_logprobs(
-    tokens: list[int], logprobs: list[float] | None, params: Sequence[SamplingParams]
+    tokens: list[int], logprobs: torch.Tensor | None, params: Sequence[SamplingParams]
 ) -> list[TokenLogprob | None]:
-    """The one-pass rows' logprobs as the exact sampler reports them (no alternatives): rows that want them."""
+    """The one-pass rows' logprobs (`one_pass_sample`'s, None when no row asked) as the exact sampler reports
+    them, without alternatives, for the rows that want them."""
     if logprobs is None:
         return [None] * len(params)
     return [
         TokenLogprob(t, lp) if p.wants_logprobs else None
-        for t, lp, p in zip(tokens, logprobs, params, strict=True)
+        for t, lp, p in zip(tokens, logprobs.tolist(), params, strict=True)
     ]
 
 
@@ -237,7 +238,7 @@ def sample(
         if len(fast) == len(params):
             ids, lps = one_pass_sample(logits, params, keys)
             token_list = ids.tolist()
-            return SampleOutput(token_list, chosen_logprobs(token_list, lps.tolist() if lps is not None else None, params))
+            return SampleOutput(token_list, chosen_logprobs(token_list, lps, params))
         if fast:
             tokens = _exact(logits, params, generators)
             idx = torch.tensor(fast, device=logits.device)

@@ -33,7 +33,7 @@ class Endpoint:
     `chunk_usage` asks for `stream_options.continuous_usage_stats` (vLLM's and SGLang's field): every
     chunk carries the usage so far, so each chunk's token count is exact at no cost to the model.
     `chunk_logprobs` asks for logprobs (completions: 0 alternatives; chat: true) for the same purpose,
-    at the cost of the server computing them (and of its fast sampling path, which logprobs turn off).
+    at the cost of the server computing them.
     """
 
     base_url: str

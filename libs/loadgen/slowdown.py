@@ -158,7 +158,8 @@ def decode_phase(records: Sequence[RequestRecord]) -> dict[str, Any]:
 
 def slowdown_endpoint(ep: Endpoint) -> Endpoint:
     """Exact tokens per chunk (the window counts tokens, not chunks) from the usage on every chunk, not
-    from logprobs, which cost the server their computation and turn its fast decode path off."""
+    from logprobs, which cost the server their computation (and, in an engine that computes them apart from
+    sampling, as this one did before 2026-12-02, its fast decode path)."""
     return replace(ep, chunk_usage=True, chunk_logprobs=False)
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from bench import gil_switch
 
 
 def test_records_round_trips_per_interval_and_restores_the_interval(tmp_path: Path) -> None:
-    import sys
-
     before = sys.getswitchinterval()
     rec = gil_switch.main(["--intervals-ms", "2,0.2", "--pings", "20", "--output", str(tmp_path / "g.json")])
     assert sys.getswitchinterval() == before

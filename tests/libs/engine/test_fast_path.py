@@ -185,7 +185,7 @@ def test_one_pass_logprobs_are_the_exact_samplers():
     ids, lps = one_pass_sample(logits, params, [(i, 5) for i in range(4)])
     assert lps is not None
     tokens = ids.tolist()
-    got = chosen_logprobs(tokens, lps.tolist(), params)
+    got = chosen_logprobs(tokens, lps, params)
     want = _logprobs(logits, tokens, params)
     assert got[2] is None and got[3] is None and want[2] is None
     for g, w in zip(got[:2], want[:2], strict=True):
