@@ -273,6 +273,7 @@ class _Flood:
     failed: int = 0
     sent: int = 0
     open: set[int] = field(default_factory=set)
+    errors: list[str] = field(default_factory=list)  # why each failed one failed
 
     def end(self, i: int, ok: bool) -> bool:
         """Submit `i` ended (finished delta, error, refusal); False if it had already ended."""
@@ -323,8 +324,10 @@ async def submit_flood_lean(
             deadline = {DEADLINE: str(now_ms() + 30_000)}  # the old client's Bus.request timeout
             await nc.publish(subjects.SCHED_SUBMIT, state.payloads[i], reply=f"{inbox}.{i}", headers=deadline)
 
-    async def ended(i: int, ok: bool) -> None:
+    async def ended(i: int, ok: bool, why: str = "") -> None:
         if state.end(i, ok):
+            if not ok:
+                state.errors.append(f"submit {i}: {why}")
             if state.ok + state.failed == total and not done.done():
                 done.set_result(None)
             await send_next()
@@ -332,7 +335,7 @@ async def submit_flood_lean(
     async def on_reply(msg: Msg) -> None:
         r = replies.decode(msg.data)
         if not (isinstance(r, m.SubmitReply) and r.ok):
-            await ended(int(msg.subject.rsplit(".", 1)[1]), False)
+            await ended(int(msg.subject.rsplit(".", 1)[1]), False, f"refused: {r}")
 
     async def on_stream(msg: Msg) -> None:
         match events.decode(msg.data):
@@ -340,8 +343,8 @@ async def submit_flood_lean(
                 for d in deltas:
                     if d.finish != m.FinishReason.NONE:
                         await ended(int(d.request_id.rsplit("-", 1)[1]), True)
-            case m.RequestError(request_id=rid):
-                await ended(int(rid.rsplit("-", 1)[1]), False)
+            case m.RequestError(request_id=rid, code=code, message=message):
+                await ended(int(rid.rsplit("-", 1)[1]), False, f"error {code}: {message}")
 
     await nc.subscribe(f"{inbox}.*", cb=on_reply)
     await nc.subscribe(stream, cb=on_stream)
@@ -352,5 +355,7 @@ async def submit_flood_lean(
         await asyncio.wait_for(asyncio.shield(done), timeout_s)
     wall = time.perf_counter() - t0
     state.failed += len(state.open) + (total - state.sent)
+    state.errors += [f"submit {i}: still open after {timeout_s:g} s" for i in sorted(state.open)]
     await nc.close()
-    return {"ok": state.ok, "failed": state.failed, "wall_s": wall, "in_flight": in_flight, "client": "lean"}
+    return {"ok": state.ok, "failed": state.failed, "wall_s": wall, "in_flight": in_flight, "client": "lean",
+            "errors": state.errors[:20]}  # fmt: skip

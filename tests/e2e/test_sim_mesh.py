@@ -118,7 +118,11 @@ def test_the_lean_submit_flood_counts_real_placements(sim_mesh: Mesh) -> None:
     before = metric_total(url, "moemesh_scheduler_placements_total")
     payloads = flood_payloads(sim_mesh.model_name, 12, 32, stream)
     res = asyncio.run(submit_flood_lean(sim_mesh.nats_url, payloads, stream, in_flight=5, timeout_s=60))
-    assert (res["ok"], res["failed"]) == (12, 0)
+    # A 503 after placement (a worker the loaded CI box made miss its heartbeats, a lease run out) is what
+    # a gateway migrates; this client does not, so it is allowed here, and still counts as a placement.
+    # Refusals, other errors and submits left open fail the test.
+    retryable = [e for e in res["errors"] if ": error 503:" in e]
+    assert (res["ok"] + len(retryable), res["failed"]) == (12, len(retryable)), res["errors"]
     deadline = time.monotonic() + 10  # counted as the placement's last message leaves: read it settled
     while (placed := metric_total(url, "moemesh_scheduler_placements_total") - before) < 12:
         assert time.monotonic() < deadline, f"the scheduler counted {placed} placements of 12"
