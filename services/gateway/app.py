@@ -207,7 +207,9 @@ async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) 
                             gen.id, gen.created, gen.model, out.index, delta or {}, logprobs=step.logprobs,
                             finish_reason=finish, with_usage_field=gen.plan.include_usage,
                         ))))  # fmt: skip
-                elif step.text or step.logprobs or step.done:
+                elif step.text or step.logprobs or step.done or (step.tokens and gen.plan.continuous_usage):
+                    # with continuous usage, a step of tokens without text (held back, or ids past the
+                    # tokenizer's vocab) still sends its chunk: the usage in it counts them (vLLM's completions)
                     pending.append(fmt.sse(_chunk(gen, chat, out.index, step.text, step.logprobs, step.finish_reason)))
                 if pending and gen.queue.empty():
                     yield b"".join(pending)

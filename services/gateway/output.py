@@ -68,6 +68,7 @@ class Step:
     logprobs: list[LogprobEntry] | None = None
     finish_reason: str | None = None
     cancel: bool = False  # ended by a stop string before the worker finished: send Cancel
+    tokens: int = 0  # output tokens the delta added (text may be empty: held back, or ids past the tokenizer)
 
     @property
     def done(self) -> bool:
@@ -118,6 +119,7 @@ class ChoiceOutput:
             return Step()
         for k, token_id in enumerate(delta.token_ids):
             self.completion_tokens += 1
+            step.tokens += 1
             offset = self._detok_len
             # A model's vocab may be padded past the tokenizer's; such an id has no text.
             piece = self.detok.add(token_id) if token_id < self.tokens.vocab_size else ""

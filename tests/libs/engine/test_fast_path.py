@@ -148,9 +148,20 @@ def test_fast_path_logits_are_as_close_to_float32_as_the_plain_path(tmp_path):
 
 def test_fast_path_greedy_tokens_equal_the_plain_path_under_continuous_batching(ckpt):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    plain = _engine(ckpt, fast=False, damp=True).generate(PROMPTS, params)
-    fast = _engine(ckpt, fast=True, damp=True).generate(PROMPTS, params)
-    assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
+    plain_engine, fast_engine = _engine(ckpt, fast=False, damp=True), _engine(ckpt, fast=True, damp=True)
+    plain, fast = plain_engine.generate(PROMPTS, params), fast_engine.generate(PROMPTS, params)
+    for prompt, f, p in zip(PROMPTS, fast, plain, strict=True):
+        split = next((k for k, (a, b) in enumerate(zip(f.token_ids, p.token_ids)) if a != b), None)
+        if split is None:
+            assert f.token_ids == p.token_ids
+            continue
+        # a split is a near-tie only: at that position the two paths' logits differ by more than the plain
+        # path's gap between the two tokens (the H200 once split at the 6th token of 3x6)
+        ctx = prompt + p.token_ids[:split]
+        lp, lf = plain_engine.prefill_logits(ctx)[-1], fast_engine.prefill_logits(ctx)[-1]
+        gap = (lp[p.token_ids[split]] - lp[f.token_ids[split]]).item()
+        assert gap <= (lf - lp).abs().max().item(), (split, gap, f.token_ids, p.token_ids)
+    assert sum(f.token_ids == p.token_ids for f, p in zip(fast, plain)) >= len(PROMPTS) - 1
 
 
 def test_fast_path_stays_off_where_the_model_cannot_take_it(ckpt, tmp_path):

@@ -49,6 +49,7 @@ class FakeMesh:
     cached_tokens: int = 3
     admit_first: int | None = None  # "tokens"/"forever": admit this many submits, refuse the rest
     text: str = TEXT  # what "tokens" mode streams
+    ids: list[int] | None = None  # token ids to stream instead of the text's (say, ids past the tokenizer's vocab)
     submits: list[Submit] = field(default_factory=list)
     cancels: dict[str, Cancel] = field(default_factory=dict)
     _cancel_seen: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -61,7 +62,7 @@ class FakeMesh:
         await self.bus.flush()
 
     def script(self) -> list[int]:
-        return self.tokenizer.encode(self.text, add_special_tokens=False)
+        return self.ids if self.ids is not None else self.tokenizer.encode(self.text, add_special_tokens=False)
 
     async def _on_submit(self, s: Submit) -> SubmitReply | None:
         async with self._submit_seen:

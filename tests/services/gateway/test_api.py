@@ -109,6 +109,27 @@ async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(
     assert all(c.usage is None for c in [c async for c in plain][:-1]), "off unless asked for"
 
 
+async def test_continuous_usage_sends_a_chunk_for_tokens_without_text(
+    client: openai.AsyncOpenAI, fake_mesh: FakeMesh, tokenizer: Tokenizer
+) -> None:
+    """A model's vocab padded past the tokenizer's (the GPU test checkpoints) streams ids with no text: with
+    continuous usage each step still sends its chunk, so a client sees tokens arrive as they are made (vLLM's
+    completions do); without it, chunks carry text only."""
+    fake_mesh.ids = [tokenizer.vocab_size + k for k in range(12)]  # 6 steps of 2 ids, none with text
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    stream = await client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=12, stream=True, stream_options=opts  # type: ignore[arg-type]
+    )
+    chunks = [c async for c in stream]
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert counts == [2, 4, 6, 8, 10, 12]
+    assert all(c.choices[0].text == "" for c in chunks if c.choices)
+    plain = await client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=12, stream=True, stream_options={"include_usage": True}
+    )
+    assert [c.choices[0].finish_reason for c in [c async for c in plain] if c.choices] == ["length"]
+
+
 async def test_completions_several_prompts_and_n(
     client: openai.AsyncOpenAI, fake_mesh: FakeMesh, tokenizer: Tokenizer
 ) -> None:
