@@ -241,10 +241,12 @@ def decode_counters(mesh: MeshProcess) -> dict[str, float]:
     """decode-0's step histogram and token counter: a difference of two readings says how long its engine
     steps took as the worker saw them (thread hand-off included), to set beside the Engine's step."""
     text = mesh.metrics("decode-0")
+    buckets = re.findall(r'^moemesh_decode_step_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)
     return {
         "step_s": _metric(text, "moemesh_decode_step_seconds_sum"),
         "steps": _metric(text, "moemesh_decode_step_seconds_count"),
         "tokens": _metric(text, "moemesh_decode_tokens_total"),
+        **{f"le_{le}": float(n) for le, n in buckets},  # cumulative step counts at or under `le` seconds
     }
 
 
@@ -253,6 +255,7 @@ def decode_worker_steps(before: dict[str, float], after: dict[str, float]) -> di
     return {
         "steps": steps, "tokens": after["tokens"] - before["tokens"],
         "step_ms_mean": 1000 * (after["step_s"] - before["step_s"]) / steps if steps else None,
+        "steps_at_or_under_s": {k[3:]: after[k] - before.get(k, 0.0) for k in after if k.startswith("le_")},
     }  # fmt: skip
 
 

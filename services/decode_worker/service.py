@@ -45,6 +45,11 @@ from services.decode_worker.guard import LeaseBackstop, ReservationGuard
 from services.decode_worker.streams import Live, group_by_stream
 
 log = logging.getLogger("moemesh.decode")
+# decode steps take milliseconds: Prometheus' default buckets (5, 10, 25 ms ...) would hide a slow step's share
+STEP_BUCKETS_S = (
+    0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
 
 Direct = tuple[
     str, list[int], SamplingParams
@@ -102,7 +107,10 @@ class DecodeWorker(WorkerService):
     def _metrics(self) -> None:
         r = self.registry
         self.m_tokens = Counter("moemesh_decode_tokens_total", "tokens generated", registry=r)
-        self.m_step = Histogram("moemesh_decode_step_seconds", "engine step time", registry=r)
+        self.m_step = Histogram(
+            "moemesh_decode_step_seconds", "engine step time, hand-off to the engine thread included",
+            buckets=STEP_BUCKETS_S, registry=r,
+        )  # fmt: skip
         self.m_batch = Gauge("moemesh_decode_running", "requests in the running batch", registry=r)
         self.m_waiting = Gauge("moemesh_decode_waiting", "requests waiting to join the batch", registry=r)
         self.m_free = Gauge("moemesh_kv_pages_free", "free KV pages", registry=r)
