@@ -41,6 +41,7 @@ from bench.serving_gpu_mesh import (
     MeshProcess,
     Settings,
     decode_counters,
+    decode_worker_full_batch,
     decode_worker_steps,
     greedy_through_mesh,
     kv_transfer,
@@ -183,6 +184,7 @@ def serve(
             rec["bench"] = run_slowdown_bench(mesh, s, logs / "bench.json")
             rec["timings"]["bench_s"] = time.monotonic() - t0
             rec["decode_worker_steps"] = decode_worker_steps(before, decode_counters(mesh))
+            rec["decode_worker_full_batch"] = decode_worker_full_batch(mesh, s.concurrency)
             if profiles:
                 rec["profile"] = {name: p.stop() for name, p in profiles.items()}
         finally:

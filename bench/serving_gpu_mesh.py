@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 
 from libs.launch.supervisor import stop_group
+from libs.loadgen.slowdown import FULL_BATCH_SHARE
+from libs.worker import step_trace
 
 MOEMESH = [sys.executable, "-m", "libs.cli.main"]
 BENCH_SEED = 1
@@ -110,6 +112,11 @@ class MeshProcess:
         self.url = ""
         self.model = ""
 
+    @property
+    def step_trace(self) -> Path:
+        """The decode workers' step timelines: decode-steps-<instance id>.jsonl here (libs/worker/step_trace.py)."""
+        return self.log_dir / "decode-steps.jsonl"
+
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         up_log = self.log_dir / "up.log"
@@ -120,7 +127,8 @@ class MeshProcess:
             "--ready-timeout", f"{self.s.left(self.s.engine_reserve_s):.0f}",  # loading + JIT on a GPU
         ] + (["--gateways", str(self.s.gateways)] if self.s.gateways > 1 else [])  # fmt: skip
         self.proc = subprocess.Popen(
-            argv, env={**os.environ, **self.s.env(self.transport)}, stdout=up_log.open("w"),
+            argv, env={**os.environ, **self.s.env(self.transport), "MOEMESH_DECODE_WORKER_STEP_TRACE": str(self.step_trace)},
+            stdout=up_log.open("w"),
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + self.s.left(self.s.engine_reserve_s)
@@ -248,6 +256,15 @@ def decode_counters(mesh: MeshProcess) -> dict[str, float]:
         "tokens": _metric(text, "moemesh_decode_tokens_total"),
         **{f"le_{le}": float(n) for le, n in buckets},  # cumulative step counts at or under `le` seconds
     }
+
+
+def decode_worker_full_batch(mesh: MeshProcess, concurrency: int) -> dict[str, Any]:
+    """From decode-0's step trace: its own tokens/s and where a step's time went over the full batch after
+    the slow-down's release (steps of at least FULL_BATCH_SHARE of the batch), beside what the clients saw."""
+    traces = sorted(mesh.step_trace.parent.glob(f"{mesh.step_trace.stem}-*{mesh.step_trace.suffix}"))
+    if not traces:
+        return {"note": "no step trace written"}
+    return step_trace.full_batch(step_trace.load(traces[0]), math.ceil(FULL_BATCH_SHARE * concurrency))
 
 
 def decode_worker_steps(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:

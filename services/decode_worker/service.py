@@ -38,6 +38,7 @@ from libs.worker.rank_pools import handle_place
 from libs.worker.service import WorkerService
 from libs.worker.settings import WorkerSettings
 from libs.worker.startup import register_engine_metrics
+from libs.worker.step_trace import StepTrace
 from libs.worker.wire import to_params
 from proto import messages as m
 from proto import subjects
@@ -49,7 +50,7 @@ log = logging.getLogger("moemesh.decode")
 STEP_BUCKETS_S = (
     0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
     0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)
+)  # fmt: skip
 
 Direct = tuple[
     str, list[int], SamplingParams
@@ -62,6 +63,8 @@ class DecodeWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     # runs with sim workers on the 2-core VM showed no difference beyond their noise (bench.sim_decode);
     # a GPU run decides the default.
     overlap_publish: bool = False
+    # each step's timeline as JSON lines in <stem>-<instance id><suffix> of this path (libs/worker/step_trace.py)
+    step_trace: str = ""
 
 
 class DecodeWorker(WorkerService):
@@ -85,6 +88,8 @@ class DecodeWorker(WorkerService):
         self.work = asyncio.Event()
         self._awaiting_work = False  # the step loop waits in work.wait()
         self._kicked: tuple[asyncio.Future, float] | None = None  # started by start_direct, for the loop
+        self.trace = StepTrace.for_worker(s.step_trace, self.instance_id) if s.step_trace else None
+        self._engine_span = (0.0, 0.0)  # the last step's (start, end) on the engine thread, for the trace
         self.guard = ReservationGuard(self.bus, self.cancelled.add)  # prefill deaths, lease expiry
         await self.guard.start()
         self.leases = (
@@ -290,7 +295,9 @@ class DecodeWorker(WorkerService):
                 refused[rid] = (
                     (400, str(e)) if isinstance(e, ValueError) else (500, f"{type(e).__name__}: {e}")
                 )
+        t_in = time.perf_counter()
         outputs = self.engine.step() if self.engine.has_unfinished() else []
+        self._engine_span = (t_in, time.perf_counter())
         return outputs, self.engine.has_unfinished(), refused
 
     def _start_step(self) -> tuple[asyncio.Future, float]:
@@ -326,15 +333,22 @@ class DecodeWorker(WorkerService):
                 log.exception("engine step failed")
                 await self._fail_all(500, f"decode step failed: {e}")
                 continue
-            self.m_step.observe(time.perf_counter() - t0)
+            seen = time.perf_counter()
+            self.m_step.observe(seen - t0)
+            span, sleep_ms = self._engine_span, self.forward_sleep_ms
             if self.settings.overlap_publish and (more or self.direct) and not self.forward_sleep_ms:
                 running = self._start_step()
             for rid, (code, why) in refused.items():
                 if (live := self.live.get(rid)) is not None:
                     await self._error(live.stream_subject, rid, code, why)
             await self._publish(outputs)
+            if self.trace is not None:
+                tokens = sum(len(o.token_ids) for o in outputs)
+                self.trace.add(t0, *span, seen, time.perf_counter(), len(outputs), tokens, sleep_ms)
             if running is None and not more and not self.direct:
                 self.work.clear()
+                if self.trace is not None:
+                    self.trace.flush()  # idle: the rows so far are on disk for whoever reads them
 
     async def _publish(self, outputs: list) -> None:
         for subject, deltas in group_by_stream(outputs, self.live).items():

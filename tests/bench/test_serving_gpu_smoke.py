@@ -52,6 +52,10 @@ def test_smoke_run_writes_a_complete_record(tmp_path: Path) -> None:
     # decode-0's steps over the bench phase: the slowed and the baseline run's tokens, all but each first one
     steps = rec["decode_worker_steps"]
     assert steps["steps"] > 0 and steps["step_ms_mean"] > 0 and steps["tokens"] >= 2 * 4 * (12 - 1)
+    # decode-0's own step trace over the full batch after the release (libs/worker/step_trace.py)
+    full = rec["decode_worker_full_batch"]
+    assert full["steps"] >= 2 and full["tokens_per_s"] > 0, full
+    assert full["engine_step_ms"]["median"] > 0 and full["publish_ms"]["median"] >= 0
 
 
 def test_a_failed_attempt_can_ask_every_service_for_its_stacks(tmp_path: Path) -> None:
