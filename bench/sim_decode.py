@@ -25,6 +25,7 @@ from bench.serving_gpu_mesh import (
     MeshProcess,
     Settings,
     decode_counters,
+    decode_worker_full_batch,
     decode_worker_steps,
     run_slowdown_bench,
 )
@@ -54,11 +55,13 @@ def one_run(model: Path, s: Settings, logs: Path, profile: Path | None = None) -
         before = decode_counters(mesh)
         r = run_slowdown_bench(mesh, s, logs / "bench.json")
         steps = decode_worker_steps(before, decode_counters(mesh))
+        worker = decode_worker_full_batch(mesh, s.concurrency)
         summaries = {name: p.stop() for name, p in profiles.items()}
     finally:
         mesh.stop()
     out = {"full_batch_tok_s": r["full_batch_tok_s"], "full_batch_itl_ms": r["full_batch_itl_ms"],
-           "completed": r["completed"], "failed": r["failed"], "decode_worker_steps": steps}  # fmt: skip
+           "completed": r["completed"], "failed": r["failed"], "decode_worker_steps": steps,
+           "decode_worker_full_batch": worker}  # fmt: skip
     return out | ({"profile": summaries} if profile is not None else {})
 
 
@@ -99,8 +102,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 prof = Path(a.profile) / f"{i}{side}" if a.profile else None
                 run = one_run(model, s, Path(tmp) / f"logs-{i}-{side}", prof)
                 rec["runs"].append({"pair": i, "side": side, "load_avg": os.getloadavg(), **run})
+                w = run["decode_worker_full_batch"]
+                idle = (w.get("engine_idle_ms") or {}).get("median", float("nan"))
                 print(f"pair {i} {side}: {run['full_batch_tok_s']:,.0f} tok/s, ITL median "
-                      f"{run['full_batch_itl_ms']['median']:.2f} ms", flush=True)  # fmt: skip
+                      f"{run['full_batch_itl_ms']['median']:.2f} ms; decode-0 itself {w.get('tokens_per_s') or 0:,.0f} "
+                      f"tok/s, engine idle between steps {idle:.2f} ms", flush=True)  # fmt: skip
     write_json(a.output, rec)
     print(f"modeled step {step_ms:.2f} ms ({rec['modeled_tok_s']:,.0f} tok/s); wrote {a.output}")
     return rec
