@@ -151,7 +151,7 @@ def test_fast_path_greedy_tokens_equal_the_plain_path_under_continuous_batching(
     plain_engine, fast_engine = _engine(ckpt, fast=False, damp=True), _engine(ckpt, fast=True, damp=True)
     plain, fast = plain_engine.generate(PROMPTS, params), fast_engine.generate(PROMPTS, params)
     for prompt, f, p in zip(PROMPTS, fast, plain, strict=True):
-        split = next((k for k, (a, b) in enumerate(zip(f.token_ids, p.token_ids)) if a != b), None)
+        split = next((k for k, (a, b) in enumerate(zip(f.token_ids, p.token_ids, strict=True)) if a != b), None)
         if split is None:
             assert f.token_ids == p.token_ids
             continue
@@ -161,7 +161,7 @@ def test_fast_path_greedy_tokens_equal_the_plain_path_under_continuous_batching(
         lp, lf = plain_engine.prefill_logits(ctx)[-1], fast_engine.prefill_logits(ctx)[-1]
         gap = (lp[p.token_ids[split]] - lp[f.token_ids[split]]).item()
         assert gap <= (lf - lp).abs().max().item(), (split, gap, f.token_ids, p.token_ids)
-    assert sum(f.token_ids == p.token_ids for f, p in zip(fast, plain)) >= len(PROMPTS) - 1
+    assert sum(f.token_ids == p.token_ids for f, p in zip(fast, plain, strict=True)) >= len(PROMPTS) - 1
 
 
 def test_fast_path_stays_off_where_the_model_cannot_take_it(ckpt, tmp_path):
