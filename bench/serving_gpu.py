@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +39,7 @@ from typing import Any
 
 from bench.pyspy import Profile
 from bench.serving_gpu_mesh import (
+    BENCH_SEED,
     MeshProcess,
     Settings,
     decode_counters,
@@ -86,6 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--engine-reserve-s", type=float, default=-1.0,
         help="seconds of the budget kept for the Engine phase (default 150 on a GPU, 40 smoke, 5 with --engine-from)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--repeats", type=int, default=1,
+        help="slow-down runs against the one mesh, each with other prompts (as the budget allows): "
+        "`served_over_engine` is their median, each run in `bench_repeats` (a 0.4 s full-batch window swings "
+        "by +-0.07 between runs)",
     )  # fmt: skip
     ap.add_argument(
         "--engine-from", default="",
@@ -157,9 +165,18 @@ def start_profiles(mesh: MeshProcess, out_dir: Path) -> dict[str, Profile]:
     return profiles
 
 
+def repeat_of(bench: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
+    """One slow-down run's numbers for `bench_repeats`."""
+    return {
+        "full_batch_tok_s": bench.get("full_batch_tok_s"), "full_batch_window_s": bench.get("full_batch_window_s"),
+        "full_batch_itl_ms": bench.get("full_batch_itl_ms"), "completed": bench.get("completed"),
+        "failed": bench.get("failed"), "decode_worker_full_batch": worker,
+    }  # fmt: skip
+
+
 def serve(
     model_dir: Path, s: Settings, choice: str, logs: Path, rec: dict[str, Any], profile: bool = False,
-    out_dir: Path | None = None,
+    out_dir: Path | None = None, repeats: int = 1,
 ) -> None:  # fmt: skip
     """Phases 2-4 on the first transport whose mesh starts and serves the greedy prompts."""
     for transport in transports(s, choice):
@@ -187,6 +204,14 @@ def serve(
             rec["decode_worker_full_batch"] = decode_worker_full_batch(mesh, s.concurrency)
             if profiles:
                 rec["profile"] = {name: p.stop() for name, p in profiles.items()}
+            rec["bench_repeats"] = [repeat_of(rec["bench"], rec["decode_worker_full_batch"])]
+            per_run = rec["timings"]["bench_s"]
+            for k in range(1, repeats):  # the same mesh, other prompts: one setting's spread, cheaply
+                if s.left(s.engine_reserve_s) < 1.3 * per_run:
+                    rec["repeats_skipped"] = f"{repeats - k} of {repeats}: the budget ran out"
+                    break
+                again = run_slowdown_bench(mesh, s, logs / f"bench-{k}.json", seed=BENCH_SEED + 1000 * k)
+                rec["bench_repeats"].append(repeat_of(again, decode_worker_full_batch(mesh, s.concurrency)))
         finally:
             mesh.stop()
         return
@@ -216,7 +241,11 @@ def reference(model_dir: Path, s: Settings, rec: dict[str, Any], engine_from: st
 def summarize(rec: dict[str, Any]) -> None:
     """The headline fields, from what the phases recorded."""
     bench, engine = rec.get("bench") or {}, rec.get("engine") or {}
-    served, alone = bench.get("full_batch_tok_s"), engine.get("full_batch_tok_s")
+    runs = [r["full_batch_tok_s"] for r in rec.get("bench_repeats") or [] if r.get("full_batch_tok_s")]
+    served = statistics.median(runs) if runs else bench.get("full_batch_tok_s")
+    alone = engine.get("full_batch_tok_s")
+    if alone and runs:
+        rec["served_over_engine_runs"] = [r / alone for r in runs]
     rec["output_tok_s"] = served
     rec["engine_output_tok_s"] = alone
     rec["served_over_engine"] = served / alone if served and alone else None
@@ -258,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rec["model"] = write_model(a, tmp)
         print(f"model: {rec['model']}", flush=True)
         model_dir = Path(rec["model"]["dir"])
-        for phase in (lambda: serve(model_dir, s, a.transport, tmp / "logs", rec, a.profile, path.parent),
+        for phase in (lambda: serve(model_dir, s, a.transport, tmp / "logs", rec, a.profile, path.parent, a.repeats),
                       lambda: reference(model_dir, s, rec, a.engine_from)):  # fmt: skip
             try:
                 phase()

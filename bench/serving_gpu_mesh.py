@@ -78,13 +78,13 @@ class Settings:
             env["MC_INTRANODE_NVLINK"] = "1"
         return {**env, **self.extra_env}
 
-    def bench_argv(self, url: str, model_dir: Path, out: Path) -> list[str]:
+    def bench_argv(self, url: str, model_dir: Path, out: Path, seed: int = BENCH_SEED) -> list[str]:
         n = str(self.concurrency)
         return [
             "bench", "--base-url", url, "--tokenizer", str(model_dir), "--num-prompts", n,
             "--random-input-len", str(self.input_len), "--random-output-len", str(self.output_len),
             "--random-range-ratio", "1", "--max-concurrency", n, "--slowdown-ms", f"{self.slowdown_ms:g}",
-            "--release-at-batch", n, "--seed", str(BENCH_SEED), "--warmup-requests", "1", "--disable-progress",
+            "--release-at-batch", n, "--seed", str(seed), "--warmup-requests", "1", "--disable-progress",
             "--output-file", str(out),
         ] + (["--client-procs", str(self.client_procs)] if self.client_procs > 1 else [])  # fmt: skip
 
@@ -303,10 +303,10 @@ def kv_transfer(mesh: MeshProcess, s: Settings) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run_slowdown_bench(mesh: MeshProcess, s: Settings, out: Path) -> dict[str, Any]:
+def run_slowdown_bench(mesh: MeshProcess, s: Settings, out: Path, seed: int = BENCH_SEED) -> dict[str, Any]:
     """`moemesh bench`'s slow-down experiment against the mesh; its headline numbers (the full file stays
-    in the log folder)."""
-    argv = [*MOEMESH, *s.bench_argv(mesh.url, mesh.model_dir, out)]
+    in the log folder). Another seed draws other prompts (of the same lengths): no prefix-cache hits."""
+    argv = [*MOEMESH, *s.bench_argv(mesh.url, mesh.model_dir, out, seed)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=s.left(s.engine_reserve_s))
     if not out.is_file():
         raise RuntimeError(f"moemesh bench wrote no results (rc {done.returncode}): {done.stderr[-2000:]}")
