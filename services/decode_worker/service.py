@@ -240,6 +240,7 @@ class DecodeWorker(WorkerService):
             # The loop is idle: the engine thread gets the prompt now, not after a pass of the event loop
             # that wakes the step loop (which takes this step as its own).
             self._kicked = self._start_step()
+            self.work.set()  # the loop takes the kicked step as its own
 
     async def _expire_unanswered(self) -> None:
         """A reservation past its backstop ends as if the broker had sent HandleExpired."""
@@ -303,6 +304,10 @@ class DecodeWorker(WorkerService):
     def _start_step(self) -> tuple[asyncio.Future, float]:
         """Hand the engine thread the next step (with the direct prompts queued since the last one)."""
         adds, self.direct = self.direct, []
+        # Every wake-up so far is this step's: what woke the loop was added on the engine thread (or is in
+        # `adds`) before this call, which runs after it. A wake-up from now on (a KvReady joining while the
+        # step runs) stays set for the next pass, whatever this step says of the work left.
+        self.work.clear()
         return self.et.submit(self._step_once, adds), time.perf_counter()
 
     async def _step_loop(self) -> None:
@@ -345,10 +350,10 @@ class DecodeWorker(WorkerService):
             if self.trace is not None:
                 tokens = sum(len(o.token_ids) for o in outputs)
                 self.trace.add(t0, *span, seen, time.perf_counter(), len(outputs), tokens, sleep_ms)
-            if running is None and not more and not self.direct:
-                self.work.clear()
-                if self.trace is not None:
-                    self.trace.flush()  # idle: the rows so far are on disk for whoever reads them
+            if running is None and (more or self.direct):
+                self.work.set()
+            elif running is None and self.trace is not None and not self.work.is_set():
+                self.trace.flush()  # idle: the rows so far are on disk for whoever reads them
 
     async def _publish(self, outputs: list) -> None:
         for subject, deltas in group_by_stream(outputs, self.live).items():
@@ -370,7 +375,6 @@ class DecodeWorker(WorkerService):
                 await self.et.call(self.engine.abort, rid)
             await self._error(live.stream_subject, rid, code, message)
         self.live.clear()
-        self.work.clear()
 
     async def _error(self, subject: str, rid: str, code: int, message: str) -> None:
         self.live.pop(rid, None)

@@ -21,6 +21,7 @@ from libs.engine.tiny import write_tiny_model
 from proto import messages as m
 from proto import subjects
 from services.decode_worker.service import DecodeWorker, DecodeWorkerSettings
+from services.decode_worker.streams import Live
 from tests.service_helpers import engine_held, start_service, stop_service
 
 STREAM = subjects.stream("gw-direct-t")
@@ -247,3 +248,44 @@ async def test_the_worker_sets_its_gil_switch_interval(private_nats_url: str, mo
     finally:
         sys.setswitchinterval(before)
     assert DecodeWorkerSettings(model_dir=str(model_dir)).gil_switch_interval_ms == 0.5
+
+
+async def test_a_request_that_joins_while_the_last_step_runs_is_stepped(rig: Rig, model_dir: Path) -> None:
+    """The lost wake-up behind a flaky e2e test: a request joins (added on the engine thread, then the step
+    loop woken, as KvReady does) while the only running request's last step runs. That step said "nothing
+    more"; a loop that then cleared its wake-up left the new request waiting until some other request came."""
+    worker = rig.worker
+    step_once, publish = worker._step_once, worker._publish
+    running, release, publish_held = threading.Event(), threading.Event(), asyncio.Event()
+
+    def step(adds: list) -> tuple:
+        if adds:  # the step of "alone", the worker's only request
+            running.set()
+            assert release.wait(30)
+        return step_once(adds)
+
+    async def held_publish(outputs: list) -> None:
+        await publish_held.wait()  # the loop's end of step comes after the join below
+        await publish(outputs)
+
+    worker._step_once = step  # type: ignore[method-assign]
+    worker._publish = held_publish  # type: ignore[method-assign]
+    one = m.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
+    await worker.on_inbox(
+        m.DecodeDirect(request_id="alone", prompt_ids=[5, 9, 13], sampling=one, stream_subject=STREAM)
+    )
+    assert await asyncio.to_thread(running.wait, 30)
+    prompt = [7, 3, 11, 2]
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def join() -> None:  # queued on the engine thread behind the running step, as KvReady's add is
+        await worker.et.call(worker.engine.add_request, "joined", prompt, params)
+        worker.live["joined"] = Live(STREAM, len(prompt))
+        worker.work.set()
+
+    joining = asyncio.create_task(join())
+    release.set()
+    await joining
+    publish_held.set()
+    await rig.until(lambda: {"alone", "joined"} <= rig.finished, "both streams to finish")
+    assert rig.tokens["joined"] == greedy(model_dir, prompt)
