@@ -152,8 +152,7 @@ def test_fast_path_greedy_tokens_equal_the_plain_path_under_continuous_batching(
     plain, fast = plain_engine.generate(PROMPTS, params), fast_engine.generate(PROMPTS, params)
     for prompt, f, p in zip(PROMPTS, fast, plain, strict=True):
         split = next((k for k, (a, b) in enumerate(zip(f.token_ids, p.token_ids, strict=True)) if a != b), None)
-        if split is None:
-            assert f.token_ids == p.token_ids
+        if split is None:  # equal (the zip is strict: both have max_tokens)
             continue
         # a split is a near-tie only: at that position the two paths' logits differ by more than the plain
         # path's gap between the two tokens (the H200 once split at the 6th token of 3x6)
