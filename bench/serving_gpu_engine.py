@@ -5,6 +5,7 @@ the workers' start-up warm-up (libs/worker/warmup.py), so both sides are timed w
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Sequence
@@ -30,9 +31,31 @@ def _sync(engine: Engine) -> None:
         torch.cuda.synchronize(engine.model.device)
 
 
+class GcWatch:
+    """Python's garbage collections while on: (generation, ms) of each, from gc.callbacks."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seen.append((info["generation"], round(1000 * (time.perf_counter() - self._t0), 3)))
+
+    def __enter__(self) -> GcWatch:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
 def full_batch_decode(engine: Engine, prompts: Sequence[list[int]], output_len: int) -> dict[str, Any]:
     """Every prompt at once (greedy, ignore_eos); tokens/s over the steps after each request produced its
-    first token and before fewer than FULL_BATCH_SHARE of them still run, and the whole run's rate."""
+    first token and before fewer than FULL_BATCH_SHARE of them still run, and the whole run's rate; each
+    window step's outputs and milliseconds, and the garbage collections of the window."""
     n = len(prompts)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -42,7 +65,8 @@ def full_batch_decode(engine: Engine, prompts: Sequence[list[int]], output_len: 
     finished, total = 0, 0
     t0 = time.perf_counter()
     full_from: float | None = None
-    window_tokens, window_end, steps = 0, 0.0, []
+    window_tokens, window_end, steps, outputs = 0, 0.0, [], []
+    gcs = GcWatch()
     while engine.has_unfinished():
         before = time.perf_counter()
         outs = engine.step()
@@ -55,9 +79,15 @@ def full_batch_decode(engine: Engine, prompts: Sequence[list[int]], output_len: 
         if in_window:
             window_tokens, window_end = window_tokens + produced, now
             steps.append(now - before)
+            outputs.append(len(outs))
+        elif full_from is not None and gcs in gc.callbacks:
+            gcs.__exit__()
         if full_from is None and len(started) == n:
             _sync(engine)
             full_from = time.perf_counter()
+            gcs.__enter__()
+    if gcs in gc.callbacks:
+        gcs.__exit__()
     _sync(engine)
     duration = time.perf_counter() - t0
     window = (window_end - full_from) if full_from is not None and window_end > full_from else 0.0
@@ -70,6 +100,8 @@ def full_batch_decode(engine: Engine, prompts: Sequence[list[int]], output_len: 
         "full_batch_window_s": window,
         "full_batch_steps": len(steps),
         "step_ms_median": 1000 * sorted(steps)[len(steps) // 2] if steps else None,
+        "window_steps": {"outputs": outputs, "ms": [round(1000 * x, 2) for x in steps]},
+        "window_gc": [list(g) for g in gcs.seen],
     }
 
 

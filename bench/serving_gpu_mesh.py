@@ -264,7 +264,9 @@ def decode_worker_full_batch(mesh: MeshProcess, concurrency: int) -> dict[str, A
     traces = sorted(mesh.step_trace.parent.glob(f"{mesh.step_trace.stem}-*{mesh.step_trace.suffix}"))
     if not traces:
         return {"note": "no step trace written"}
-    return step_trace.full_batch(step_trace.load(traces[0]), math.ceil(FULL_BATCH_SHARE * concurrency))
+    rows = step_trace.load(traces[0])
+    summary = step_trace.full_batch(rows, math.ceil(FULL_BATCH_SHARE * concurrency))
+    return summary | {"after_release": step_trace.series(rows)}
 
 
 def decode_worker_steps(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:

@@ -28,6 +28,7 @@ import torch
 
 from libs.engine.batcher import pages_for
 from libs.engine.outputs import StepOutput
+from libs.engine.pages import OutOfPagesError
 from libs.engine.request import Request
 from libs.engine.sampling import chosen_logprobs, one_pass_ok, one_pass_sample
 
@@ -53,23 +54,34 @@ class OverlapDecoder:
         reqs = e.running
         if e.waiting or e._pending or not reqs:
             return None
-        if prev is not None and (len(prev.reqs) != len(reqs) or any(a is not b for a, b in zip(prev.reqs, reqs))):  # noqa: B905
+        if prev is not None and (
+            len(prev.reqs) != len(reqs) or any(a is not b for a, b in zip(prev.reqs, reqs, strict=False))
+        ):
             return None
         ahead = 1 if prev is not None else 0  # tokens sampled but not read yet
         for r in reqs:
-            if not one_pass_ok(r.params) or r.params.needs_processing or len(r.output_ids) + ahead >= r.params.max_tokens:
+            if (
+                not one_pass_ok(r.params)
+                or r.params.needs_processing
+                or len(r.output_ids) + ahead >= r.params.max_tokens
+            ):
                 return None
             if r.num_computed != r.num_tokens - 1 + ahead:
                 return None  # not a plain decode row (a prefill chunk is due)
         positions = [r.num_computed for r in reqs]
         if not e.runner.can_graph_decode(len(reqs), positions):
             return None
-        need = [max(0, pages_for(p + 1, e.page_size) - len(r.pages)) for r, p in zip(reqs, positions, strict=True)]
-        if sum(need) > e.allocator.num_free:
-            return None
-        for r, n in zip(reqs, need, strict=True):
-            if n:
-                r.pages += e._alloc(n)
+        need = [
+            max(0, pages_for(p + 1, e.page_size) - len(r.pages)) for r, p in zip(reqs, positions, strict=True)
+        ]
+        if sum(need) > e._available_pages():  # free or evictable: a full pool's cache gives way here as in
+            return None  # the plain step (pages it evicts are no in-flight request's: those are locked)
+        try:
+            for r, n in zip(reqs, need, strict=True):
+                if n:
+                    r.pages += e._alloc(n)
+        except OutOfPagesError:  # the cache freed less than it counted (pages shared elsewhere): pages
+            return None  # given so far stay with their requests, which need them next anyway
         tokens = [r.output_ids[-1] for r in reqs] if prev is None else [0] * len(reqs)
         logits = e.runner.decode_graph(
             tokens, positions, [r.pages for r in reqs], token_src=prev.tokens if prev is not None else None

@@ -63,6 +63,20 @@ def _ms(xs: Sequence[float]) -> dict[str, float] | None:
     }  # fmt: skip
 
 
+def series(rows: Sequence[dict[str, float]], limit: int = 800) -> dict[str, list[float]]:
+    """The steps after the last slow-down sleep (at most `limit`), one list per quantity, ms to 0.01: to see
+    which steps were slow and what they carried, beside `full_batch`'s summary."""
+    slept = [i for i, r in enumerate(rows) if r["sleep_ms"]]
+    rows = list(rows[slept[-1] + 1 :] if slept else rows)[:limit]
+    ms = lambda x: round(1000 * x, 2)  # noqa: E731
+    return {
+        "outputs": [int(r["outputs"]) for r in rows],
+        "interval_ms": [ms(b["published"] - a["published"]) for a, b in zip(rows, rows[1:], strict=False)],
+        "engine_ms": [ms(r["engine_out"] - r["engine_in"]) for r in rows],
+        "idle_ms": [ms(b["engine_in"] - a["engine_out"]) for a, b in zip(rows, rows[1:], strict=False)],
+    }
+
+
 def full_batch(rows: Sequence[dict[str, float]], min_outputs: int) -> dict[str, Any]:
     """After the last slow-down sleep (the seed's release; the whole trace when none slept), the longest run
     of consecutive steps that each gave at least `min_outputs` outputs: the worker's own tokens/s there (first
