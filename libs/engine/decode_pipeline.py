@@ -8,15 +8,18 @@ them), samples it with the one-pass kernel, starts the copy of its tokens to the
 reads step N's tokens and runs the per-request accounting. `Engine.step()` therefore reports each token
 one call later than it was computed; the first overlapped call reports nothing.
 
-It runs only in the steady state it is for: every running request decoding on a captured graph, no
-waiting request, sampling the one-pass kernel does exactly (greedy or temperature alone; logprobs of the
-chosen token, which the kernel computes in the same pass, but no top alternatives; no penalties, bias,
-min_tokens or grammar: logits processors need each step's tokens on the host),
-and no request that certainly ends with its in-flight token (max_tokens) is fed again. Anything else
-(a join, a finish, a prefill chunk, a preemption) first drains the in-flight step and lets the plain
-step run. A request that ends on a stop token while its next step is in flight had one extra KV row
-computed into its own pages; that token is dropped, and the pages are only reused by work launched
-after it on the same stream.
+It runs in the steady state it is for: every running request decoding on a captured graph, no waiting
+request, sampling the one-pass kernel does exactly (greedy or temperature alone; logprobs of the chosen
+token, which the kernel computes in the same pass, but no top alternatives; no penalties, bias, min_tokens
+or grammar: logits processors need each step's tokens on the host). The batch may change between steps
+without leaving it: a request that certainly ends with its in-flight token (max_tokens) is not fed again,
+one that ended or was aborted drops out, and one that joined with its prompt's KV in place (PD: the decode
+worker's `add_prefilled`) comes in with its last token from the host; the rows that carried on take theirs
+from the previous step's samples by a gather on the device. Anything else (a prefill chunk, a waiting
+request, a preemption, a sampling feature the kernel lacks) first drains the in-flight step and lets the
+plain step run. A request that ends on a stop token while its next step is in flight had one extra KV row
+computed into its own pages; that token is dropped, and the pages are only reused by work launched after
+it on the same stream.
 """
 
 from __future__ import annotations
@@ -51,23 +54,26 @@ class OverlapDecoder:
         """Launch the next decode step and report the previous one's tokens; None when the steady state
         does not hold (the caller drains and steps plainly)."""
         e, prev = self.engine, self.inflight
-        reqs = e.running
-        if e.waiting or e._pending or not reqs:
+        if e.waiting or e._pending or not e.running:
             return None
-        if prev is not None and (
-            len(prev.reqs) != len(reqs) or any(a is not b for a, b in zip(prev.reqs, reqs, strict=False))
-        ):
-            return None
-        ahead = 1 if prev is not None else 0  # tokens sampled but not read yet
-        for r in reqs:
-            if (
-                not one_pass_ok(r.params)
-                or r.params.needs_processing
-                or len(r.output_ids) + ahead >= r.params.max_tokens
-            ):
+        at = {id(r): i for i, r in enumerate(prev.reqs)} if prev is not None else {}
+        reqs: list[Request] = []  # the rows to launch, in batch order, and each one's input: its index in
+        src: list[int] = []  # prev's sampled tokens, or -1 for its last token on the host (it joined)
+        for r in e.running:
+            if not one_pass_ok(r.params) or r.params.needs_processing:
                 return None
+            i = at.get(id(r), -1)
+            ahead = 1 if i >= 0 else 0  # a token sampled but not read yet
             if r.num_computed != r.num_tokens - 1 + ahead:
                 return None  # not a plain decode row (a prefill chunk is due)
+            if len(r.output_ids) + ahead >= r.params.max_tokens:
+                if ahead:
+                    continue  # it ends with its in-flight token (read below): not fed again
+                return None
+            reqs.append(r)
+            src.append(i)
+        if not reqs:
+            return None
         positions = [r.num_computed for r in reqs]
         if not e.runner.can_graph_decode(len(reqs), positions):
             return None
@@ -82,9 +88,9 @@ class OverlapDecoder:
                     r.pages += e._alloc(n)
         except OutOfPagesError:  # the cache freed less than it counted (pages shared elsewhere): pages
             return None  # given so far stay with their requests, which need them next anyway
-        tokens = [r.output_ids[-1] for r in reqs] if prev is None else [0] * len(reqs)
+        tokens = [r.output_ids[-1] if i < 0 else 0 for r, i in zip(reqs, src, strict=True)]
         logits = e.runner.decode_graph(
-            tokens, positions, [r.pages for r in reqs], token_src=prev.tokens if prev is not None else None
+            tokens, positions, [r.pages for r in reqs], token_src=_inputs(prev, src, tokens)
         )
         if logits is None:  # graphs turned off (a capture failed): nothing was launched
             return None
@@ -119,3 +125,19 @@ class OverlapDecoder:
                 continue  # aborted, or ended by the token before this one: its extra token is dropped
             outs.append(e._accept(r, token, lp))
         return outs
+
+
+def _inputs(prev: InFlight | None, src: list[int], tokens: list[int]) -> torch.Tensor | None:
+    """The launched rows' input tokens on the device, or None when the host's `tokens` are all of them:
+    prev's samples as they are when the batch is prev's, else gathered from them (rows that carried on) or
+    taken from the host (rows that joined), without a host round trip."""
+    if prev is None or all(i < 0 for i in src):
+        return None
+    if src == list(range(len(prev.reqs))):
+        return prev.tokens
+    n = len(src)
+    meta = torch.tensor(tokens + src, dtype=torch.int64, pin_memory=True).to(
+        prev.tokens.device, non_blocking=True
+    )
+    host, idx = meta[:n], meta[n:]
+    return torch.where(idx >= 0, prev.tokens.index_select(0, idx.clamp(min=0)), host)
