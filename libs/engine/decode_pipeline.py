@@ -24,6 +24,7 @@ it on the same stream.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ class OverlapDecoder:
     def __init__(self, engine: Any) -> None:  # libs.engine.engine.Engine (which imports this module)
         self.engine = engine
         self.inflight: InFlight | None = None
+        self.wait_s = 0.0  # the host's time blocked on the device in reads since the engine's step began
 
     def try_step(self) -> list[StepOutput] | None:
         """Launch the next decode step and report the previous one's tokens; None when the steady state
@@ -116,7 +118,9 @@ class OverlapDecoder:
 
     def _read(self, step: InFlight) -> list[StepOutput]:
         e = self.engine
+        t = time.perf_counter()
         step.done.synchronize()
+        self.wait_s += time.perf_counter() - t
         outs = []
         tokens = step.host.tolist()
         lps = chosen_logprobs(tokens, step.logprobs, [r.params for r in step.reqs])

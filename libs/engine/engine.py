@@ -201,6 +201,7 @@ class Engine:
         """Plan and run one batch (prefill chunks + one decode token per running request). With overlapped
         decode, a steady decode batch's tokens come out one call after they were computed."""
         if self._overlap is not None:
+            self._overlap.wait_s = 0.0
             out = self._overlap.try_step()
             if out is not None:
                 return out
@@ -238,6 +239,13 @@ class Engine:
         self.procs.remove(rid)
         req.status = Status.FINISHED
         return True
+
+    @property
+    def last_device_wait_s(self) -> float | None:
+        """Seconds the last step() spent blocked on the device for the overlapped decode's tokens (a step
+        whose host work the device hides waits; one whose host work is longer than the device step does
+        not); None without overlapped decode. The plain step's own waits are not counted."""
+        return self._overlap.wait_s if self._overlap is not None else None
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting or self._pending)
@@ -499,7 +507,8 @@ class Engine:
             sampled += [req for (req, _), w in zip(group, want, strict=True) if w]
         if not sampled:
             return []
-        same = len({p.dtype for p in logits_parts}) == 1  # the fused path's raw 16-bit decode logits + fp32 prefill
+        # the fused path's raw 16-bit decode logits + fp32 prefill
+        same = len({p.dtype for p in logits_parts}) == 1
         logits = torch.cat(logits_parts if same else [p.float() for p in logits_parts])
         out = self._sample(logits, sampled)
         return [

@@ -16,7 +16,18 @@ from typing import Any
 
 import msgspec
 
-FIELDS = ("submitted", "engine_in", "engine_out", "seen", "published", "outputs", "tokens", "sleep_ms")
+# device_wait: seconds of the engine step blocked on the device (Engine.last_device_wait_s; -1 when unknown)
+FIELDS = (
+    "submitted",
+    "engine_in",
+    "engine_out",
+    "seen",
+    "published",
+    "outputs",
+    "tokens",
+    "sleep_ms",
+    "device_wait",
+)
 
 
 class StepTrace:
@@ -73,6 +84,7 @@ def series(rows: Sequence[dict[str, float]], limit: int = 800) -> dict[str, list
         "outputs": [int(r["outputs"]) for r in rows],
         "interval_ms": [ms(b["published"] - a["published"]) for a, b in zip(rows, rows[1:], strict=False)],
         "engine_ms": [ms(r["engine_out"] - r["engine_in"]) for r in rows],
+        "device_wait_ms": [ms(r.get("device_wait", -0.001)) for r in rows],
         "idle_ms": [ms(b["engine_in"] - a["engine_out"]) for a, b in zip(rows, rows[1:], strict=False)],
     }
 
@@ -101,6 +113,8 @@ def full_batch(rows: Sequence[dict[str, float]], min_outputs: int) -> dict[str, 
             [b["published"] - a["published"] for a, b in zip(best, best[1:], strict=False)]
         ),
         "engine_step_ms": _ms([r["engine_out"] - r["engine_in"] for r in best]),
+        # of which blocked on the device: near 0 means the host's work per step is what sets the pace
+        "device_wait_ms": _ms([r["device_wait"] for r in best if r.get("device_wait", -1) >= 0]),
         "to_engine_ms": _ms([r["engine_in"] - r["submitted"] for r in best]),  # loop -> engine thread
         "to_loop_ms": _ms([r["seen"] - r["engine_out"] for r in best]),  # engine thread -> loop
         "publish_ms": _ms([r["published"] - r["seen"] for r in best]),

@@ -89,7 +89,8 @@ class DecodeWorker(WorkerService):
         self._awaiting_work = False  # the step loop waits in work.wait()
         self._kicked: tuple[asyncio.Future, float] | None = None  # started by start_direct, for the loop
         self.trace = StepTrace.for_worker(s.step_trace, self.instance_id) if s.step_trace else None
-        self._engine_span = (0.0, 0.0)  # the last step's (start, end) on the engine thread, for the trace
+        # the last step's (start, end, device wait or -1) on the engine thread, for the trace
+        self._engine_span = (0.0, 0.0, -1.0)
         self.guard = ReservationGuard(self.bus, self.cancelled.add)  # prefill deaths, lease expiry
         await self.guard.start()
         self.leases = (
@@ -298,7 +299,8 @@ class DecodeWorker(WorkerService):
                 )
         t_in = time.perf_counter()
         outputs = self.engine.step() if self.engine.has_unfinished() else []
-        self._engine_span = (t_in, time.perf_counter())
+        wait = getattr(self.engine, "last_device_wait_s", None)  # the Engine's; other engines have none
+        self._engine_span = (t_in, time.perf_counter(), -1.0 if wait is None else wait)
         return outputs, self.engine.has_unfinished(), refused
 
     def _start_step(self) -> tuple[asyncio.Future, float]:
@@ -349,7 +351,10 @@ class DecodeWorker(WorkerService):
             await self._publish(outputs)
             if self.trace is not None:
                 tokens = sum(len(o.token_ids) for o in outputs)
-                self.trace.add(t0, *span, seen, time.perf_counter(), len(outputs), tokens, sleep_ms)
+                e_in, e_out, wait = span
+                self.trace.add(
+                    t0, e_in, e_out, seen, time.perf_counter(), len(outputs), tokens, sleep_ms, wait
+                )
             if running is None and (more or self.direct):
                 self.work.set()
             elif running is None and self.trace is not None and not self.work.is_set():

@@ -6,6 +6,8 @@ GPU run (the lead batches device runs): `pytest -q -m gpu tests/libs/engine/test
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -64,6 +66,48 @@ def test_fill_decode_inputs_pads_into_the_scratch_page():
     fill_decode_inputs(buf, layout, [5], [2], [[6]], page, scratch)
     assert ids.tolist() == [5, 0, 0, 0] and lens.tolist() == [3, 1, 1, 1]
     assert slots[1:].tolist() == [scratch * 4] * 3 and table[1:, 0].tolist() == [scratch] * 3
+
+
+def test_fill_decode_inputs_with_its_memo_writes_what_a_full_write_does():
+    """Steps of a changing batch (rows grow a page, finish, join, move, one list regrown in place against
+    the contract): with the memo every row's live table entries, slots and lengths equal a full write's."""
+    rng = random.Random(3)
+    layout, page, scratch = DecodeLayout(batch=8, max_pages=12), 4, 99
+    memo_buf, memo = np.zeros(layout.size, dtype=np.int32), [(None, 0)] * layout.batch
+    fresh = iter(range(10**6))
+    rows = [
+        ([next(fresh) for _ in range(3)], rng.randrange(1, 12)) for _ in range(5)
+    ]  # (page list, position)
+    limit = page * layout.max_pages - 1
+    for step in range(300):
+        rows = [(pages, p + 1) for pages, p in rows]
+        for pages, p in rows:
+            if p // page + 1 > len(pages):
+                pages += [next(fresh)]  # in place, as the engine's `r.pages += ...`
+        event = rng.random()
+        done = [k for k, (_, p) in enumerate(rows) if p >= limit]
+        if done or event < 0.1 and len(rows) > 1:  # a finish
+            del rows[done[0] if done else rng.randrange(len(rows))]
+        elif event < 0.2 and len(rows) < layout.batch:  # a join, with a list of its own
+            rows.insert(rng.randrange(len(rows) + 1), ([next(fresh) for _ in range(2)], 5))
+        elif event < 0.25:  # a list cut and regrown in place (the check catches its last entry)
+            pages, p = rows[rng.randrange(len(rows))]
+            need = p // page + 1
+            del pages[need - 1 :]
+            pages += [next(fresh) for _ in range(need - len(pages))]
+        if not rows:
+            rows = [([next(fresh)], 0)]
+        tables, pos = [pages for pages, _ in rows], [p for _, p in rows]
+        full = np.zeros(layout.size, dtype=np.int32)
+        args = ([7] * len(rows), pos, tables, page, scratch)
+        fill_decode_inputs(full, layout, *args)
+        fill_decode_inputs(memo_buf, layout, *args, written=memo)
+        f_ids, f_pos, f_slots, f_lens, f_table = layout.views(full)
+        m_ids, m_pos, m_slots, m_lens, m_table = layout.views(memo_buf)
+        assert (f_slots == m_slots).all() and (f_lens == m_lens).all() and (f_pos == m_pos).all(), step
+        for i, p in enumerate(pos):
+            assert m_table[i, : p // page + 1].tolist() == tables[i][: p // page + 1], (step, i)
+        assert (m_table[len(rows) :, 0] == scratch).all()
 
 
 def test_fill_decode_inputs_rejects_what_does_not_fit():

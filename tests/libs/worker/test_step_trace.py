@@ -10,10 +10,11 @@ from libs.worker.step_trace import FIELDS, StepTrace, full_batch, load
 
 
 def _row(t: float, outputs: int, sleep_ms: float = 0.0, engine_ms: float = 4.0) -> tuple[float, ...]:
-    """A step submitted at t: 0.5 ms to the engine thread, engine_ms there, 0.25 ms back, 1 ms publishing."""
+    """A step submitted at t: 0.5 ms to the engine thread, engine_ms there (3 of them blocked on the device),
+    0.25 ms back, 1 ms publishing."""
     e_in = t + 0.0005
     e_out = e_in + engine_ms / 1000
-    return (t, e_in, e_out, e_out + 0.00025, e_out + 0.00125, outputs, outputs, sleep_ms)
+    return (t, e_in, e_out, e_out + 0.00025, e_out + 0.00125, outputs, outputs, sleep_ms, 0.003)
 
 
 def test_rows_reach_the_file_in_batches_and_on_flush(tmp_path: Path) -> None:
@@ -43,6 +44,7 @@ def test_full_batch_takes_the_longest_full_run_after_the_last_sleep() -> None:
     assert got["tokens_per_s"] == pytest.approx(4 * 10 / 0.04)  # all but the first step's tokens over 40 ms
     assert got["step_interval_ms"]["median"] == pytest.approx(10)
     assert got["engine_step_ms"]["median"] == pytest.approx(4)
+    assert got["device_wait_ms"]["median"] == pytest.approx(3)
     assert got["to_engine_ms"]["median"] == pytest.approx(0.5)
     assert got["to_loop_ms"]["median"] == pytest.approx(0.25)
     assert got["publish_ms"]["median"] == pytest.approx(1)
