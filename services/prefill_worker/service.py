@@ -72,6 +72,7 @@ class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
         if self.attention_backend == "auto" and not self.device.startswith("cuda"):
             return "triton"
         return self.attention_backend
+
     # write a long prompt's finished chunks while its later chunks compute (kv_stream.py); off: the whole
     # prompt's KV goes once its last chunk ran (the baseline)
     stream_kv: bool = True
@@ -331,7 +332,13 @@ class PrefillWorker(WorkerService):
             reply: m.BrokerReply = await self.bus.request(
                 subjects.BROKER, msg, m.BrokerReply, timeout=timeout
             )
-            if not reply.ok:
+            if reply.ok:
+                return
+            if reply.handle is None or reply.handle.state == m.HandleState.CONSUMED:
+                # the usual late arrival: KvReady reached the decode worker first, which consumed the handle
+                # (and, done already, may have released it): the write is not in question
+                log.debug("HandleWritten(%s) after the decode side took it: %s", handle_id, reply.message)
+            else:  # expired: the decode side may be reusing those pages
                 log.warning("kv-broker refused HandleWritten(%s): %s", handle_id, reply.message)
         except Exception as e:
             log.warning("kv-broker HandleWritten(%s) failed: %s", handle_id, e)
