@@ -34,6 +34,7 @@ from libs.engine.batcher import pages_for
 from libs.engine.outputs import StepOutput
 from libs.engine.pages import OutOfPagesError
 from libs.engine.request import Request
+from libs.engine.runner import Chunk
 from libs.engine.sampling import chosen_logprobs, one_pass_ok, one_pass_sample
 
 
@@ -42,13 +43,24 @@ class InFlight:
     reqs: list[Request]  # in batch order
     tokens: torch.Tensor  # [n] int64 on the device: what the step sampled
     host: torch.Tensor  # [n] int64 pinned: its copy, valid once `done` has passed
-    done: torch.cuda.Event
+    done: torch.cuda.Event | _Done
     logprobs: torch.Tensor | None = None  # [n] float32 pinned: the chosen tokens' logprobs, where asked
 
 
+class _Done:
+    """The eager mode's event: its work ran as it was issued."""
+
+    def synchronize(self) -> None:
+        pass
+
+
 class OverlapDecoder:
-    def __init__(self, engine: Any) -> None:  # libs.engine.engine.Engine (which imports this module)
+    """eager: the same host logic over eager forwards on any device instead of the captured graph (the CPU
+    tests of the batch-change and page logic; the CUDA path is the graph one)."""
+
+    def __init__(self, engine: Any, eager: bool = False) -> None:  # libs.engine.engine.Engine
         self.engine = engine
+        self.eager = eager
         self.inflight: InFlight | None = None
         self.wait_s = 0.0  # the host's time blocked on the device in reads since the engine's step began
 
@@ -77,7 +89,7 @@ class OverlapDecoder:
         if not reqs:
             return None
         positions = [r.num_computed for r in reqs]
-        if not e.runner.can_graph_decode(len(reqs), positions):
+        if not self.eager and not e.runner.can_graph_decode(len(reqs), positions):
             return None
         need = [
             max(0, pages_for(p + 1, e.page_size) - len(r.pages)) for r, p in zip(reqs, positions, strict=True)
@@ -91,21 +103,21 @@ class OverlapDecoder:
         except OutOfPagesError:  # the cache freed less than it counted (pages shared elsewhere): pages
             return None  # given so far stay with their requests, which need them next anyway
         tokens = [r.output_ids[-1] if i < 0 else 0 for r, i in zip(reqs, src, strict=True)]
-        logits = e.runner.decode_graph(
-            tokens, positions, [r.pages for r in reqs], token_src=_inputs(prev, src, tokens)
-        )
+        token_src = _inputs(prev, src, tokens)
+        if self.eager:
+            ids = token_src.tolist() if token_src is not None else tokens
+            chunks = [Chunk([t], p, r.pages) for t, p, r in zip(ids, positions, reqs, strict=True)]
+            logits = e.runner.forward_last(chunks)
+        else:
+            logits = e.runner.decode_graph(tokens, positions, [r.pages for r in reqs], token_src=token_src)
         if logits is None:  # graphs turned off (a capture failed): nothing was launched
             return None
         keys = [(r.seed, p + 1) for r, p in zip(reqs, positions, strict=True)]  # the sampled token's position
         sampled, lps = one_pass_sample(logits, [r.params for r in reqs], keys)
-        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-        host.copy_(sampled, non_blocking=True)
-        host_lps = None
-        if lps is not None:
-            host_lps = torch.empty(lps.shape, dtype=lps.dtype, pin_memory=True)
-            host_lps.copy_(lps, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        host, host_lps = _to_host(sampled), (_to_host(lps) if lps is not None else None)
+        done: torch.cuda.Event | _Done = _Done() if not sampled.is_cuda else torch.cuda.Event()
+        if isinstance(done, torch.cuda.Event):
+            done.record()
         for r in reqs:
             r.num_computed += 1
         self.inflight = InFlight(list(reqs), sampled, host, done, host_lps)
@@ -140,8 +152,18 @@ def _inputs(prev: InFlight | None, src: list[int], tokens: list[int]) -> torch.T
     if src == list(range(len(prev.reqs))):
         return prev.tokens
     n = len(src)
-    meta = torch.tensor(tokens + src, dtype=torch.int64, pin_memory=True).to(
+    meta = torch.tensor(tokens + src, dtype=torch.int64, pin_memory=prev.tokens.is_cuda).to(
         prev.tokens.device, non_blocking=True
     )
     host, idx = meta[:n], meta[n:]
     return torch.where(idx >= 0, prev.tokens.index_select(0, idx.clamp(min=0)), host)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy on the host, started now: pinned and asynchronous from a GPU (valid once the step's event has
+    passed), a plain copy elsewhere."""
+    if not t.is_cuda:
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
