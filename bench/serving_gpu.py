@@ -229,8 +229,10 @@ def reference(model_dir: Path, s: Settings, rec: dict[str, Any], engine_from: st
     from bench.serving_gpu_engine import engine_reference
 
     t0 = time.monotonic()
+    runs = max(1, len(rec.get("bench_repeats") or []))  # as many prompt sets as the mesh's repeats ran
+    sets = [s.bench_prompts(model_dir, BENCH_SEED + 1000 * k) for k in range(runs)]
     ref = engine_reference(
-        str(model_dir), s.device, s.dtype, s.engine_kwargs(), s.bench_prompts(model_dir), s.output_len,
+        str(model_dir), s.device, s.dtype, s.engine_kwargs(), sets, s.output_len,
         s.greedy_prompts(), s.greedy_tokens,
     )  # fmt: skip
     rec["timings"]["engine_s"] = time.monotonic() - t0

@@ -88,13 +88,13 @@ class Settings:
             "--output-file", str(out),
         ] + (["--client-procs", str(self.client_procs)] if self.client_procs > 1 else [])  # fmt: skip
 
-    def bench_prompts(self, model_dir: Path) -> list[list[int]]:
+    def bench_prompts(self, model_dir: Path, seed: int = BENCH_SEED) -> list[list[int]]:
         """The slow-down run's prompts exactly as `moemesh bench` builds them (its seed + 1)."""
         from libs.cli import bench
 
         parser = argparse.ArgumentParser()
         bench.add_parser(parser.add_subparsers())
-        args = parser.parse_args(self.bench_argv("http://unused", model_dir, Path("unused")))
+        args = parser.parse_args(self.bench_argv("http://unused", model_dir, Path("unused"), seed))
         reqs = bench.build_requests(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
         return [list(r.prompt) for r in reqs]
 

@@ -68,6 +68,10 @@ def test_smoke_run_writes_a_complete_record(tmp_path: Path) -> None:
         <= rec["served_over_engine"]
         <= max(rec["served_over_engine_runs"])
     )
+    # and the Engine alone ran the same two prompt sets: its headline is their median
+    alone = [r["full_batch_tok_s"] for r in rec["engine"]["repeats"]]
+    assert len(alone) == 2 and all(x > 0 for x in alone)
+    assert rec["engine_output_tok_s"] == pytest.approx(sum(alone) / 2)
 
 
 def test_a_failed_attempt_can_ask_every_service_for_its_stacks(tmp_path: Path) -> None:
