@@ -5,7 +5,9 @@
 # Installs the wheels into /tmp/site, puts on LD_LIBRARY_PATH torch's libcudart.so.13 and, of the bundle's
 # Debian libraries, only those Mooncake's engine.so does not find on this machine (saying which), then runs
 # the benchmark within what is left of BUDGET seconds (default 570: the device call's 600 less a margin).
-# Writes $OUT/serving_gpu.json, $OUT/gpu_mesh.log (and service log tails when a phase failed).
+# Writes $OUT/serving_gpu.json, $OUT/gpu_mesh.log (and service log tails when a phase failed); with
+# GPU_TESTS="path ..." it then runs those pytest files within the same BUDGET, TESTS_RESERVE_S (90) of it kept
+# from the benchmark for them ($OUT/gpu_tests.txt).
 set -u
 start=$(date +%s)
 export OUT=${OUT:-/tmp/gpu_mesh}
@@ -48,9 +50,23 @@ still=$(ldd "$engine_so" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' 
 python3 -c "import mooncake.engine, fastapi, nats, msgspec, xgrammar, opentelemetry.sdk, uvloop, httptools" >>"$log" 2>&1 \
   && say "imports: ok" || say "imports: FAILED (see gpu_mesh.log)"
 left=$(( ${BUDGET:-570} - ($(date +%s) - start) ))
-say "setup took $(( $(date +%s) - start )) s; serving_gpu gets $left s"
-timeout -k 10 "$left" python3 -m bench.serving_gpu --budget-s $(( left - 20 )) "$@" 2>&1 \
+reserve=0
+[ -n "${GPU_TESTS:-}" ] && reserve=${TESTS_RESERVE_S:-90}  # kept from the benchmark for the tests
+say "setup took $(( $(date +%s) - start )) s; serving_gpu gets $(( left - reserve )) s"
+timeout -k 10 "$(( left - reserve ))" python3 -m bench.serving_gpu --budget-s $(( left - 20 - reserve )) "$@" 2>&1 \
   | grep -v -E "loading:|tensor/s" | tail -80 | tee -a "$log"
+# GPU_TESTS="tests/... tests/...": those pytest files too, after the benchmark, with what remains of BUDGET
+# (the bundle's packages on the path), the summary in gpu_mesh.log and the whole output in $OUT/gpu_tests.txt
+if [ -n "${GPU_TESTS:-}" ]; then
+  left=$(( ${BUDGET:-570} - ($(date +%s) - start) ))
+  if [ "$left" -gt 30 ]; then
+    # shellcheck disable=SC2086  # a list of paths
+    timeout -k 5 "$left" python3 -m pytest -q -p no:cacheprovider -rf --tb=short $GPU_TESTS >"$OUT/gpu_tests.txt" 2>&1
+    say "GPU tests (rc $?): $(tail -1 "$OUT/gpu_tests.txt")"
+  else
+    say "GPU tests skipped: $left s left of BUDGET"
+  fi
+fi
 ls -la "$OUT" | tee -a "$log"
 # one archive of the service logs (the device tool brings back a limited number of files)
 if [ -d "$OUT/logs" ]; then tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"; fi
