@@ -45,12 +45,13 @@ class GcWatch:
         else:
             self.seen.append((info["generation"], round(1000 * (time.perf_counter() - self._t0), 3)))
 
-    def __enter__(self) -> GcWatch:
-        gc.callbacks.append(self)
-        return self
+    def on(self) -> None:
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
 
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self)
+    def off(self) -> None:
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
 
 
 def full_batch_decode(engine: Engine, prompts: Sequence[list[int]], output_len: int) -> dict[str, Any]:
@@ -68,27 +69,28 @@ def full_batch_decode(engine: Engine, prompts: Sequence[list[int]], output_len: 
     full_from: float | None = None
     window_tokens, window_end, steps, outputs = 0, 0.0, [], []
     gcs = GcWatch()
-    while engine.has_unfinished():
-        before = time.perf_counter()
-        outs = engine.step()
-        now = time.perf_counter()
-        produced = sum(len(o.token_ids) for o in outs)
-        total += produced
-        in_window = full_from is not None and n - finished >= keep
-        started.update(o.rid for o in outs if o.token_ids)
-        finished += sum(1 for o in outs if o.finished)
-        if in_window:
-            window_tokens, window_end = window_tokens + produced, now
-            steps.append(now - before)
-            outputs.append(len(outs))
-        elif full_from is not None and gcs in gc.callbacks:
-            gcs.__exit__()
-        if full_from is None and len(started) == n:
-            _sync(engine)
-            full_from = time.perf_counter()
-            gcs.__enter__()
-    if gcs in gc.callbacks:
-        gcs.__exit__()
+    try:
+        while engine.has_unfinished():
+            before = time.perf_counter()
+            outs = engine.step()
+            now = time.perf_counter()
+            produced = sum(len(o.token_ids) for o in outs)
+            total += produced
+            in_window = full_from is not None and n - finished >= keep
+            started.update(o.rid for o in outs if o.token_ids)
+            finished += sum(1 for o in outs if o.finished)
+            if in_window:
+                window_tokens, window_end = window_tokens + produced, now
+                steps.append(now - before)
+                outputs.append(len(outs))
+            elif full_from is not None:
+                gcs.off()  # the window is over
+            if full_from is None and len(started) == n:
+                _sync(engine)
+                full_from = time.perf_counter()
+                gcs.on()
+    finally:
+        gcs.off()
     _sync(engine)
     duration = time.perf_counter() - t0
     window = (window_end - full_from) if full_from is not None and window_end > full_from else 0.0
