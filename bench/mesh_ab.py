@@ -6,6 +6,8 @@ On a shared machine the load moves more between two runs a minute apart than a c
 here both meshes see the same moments: request i goes to A then B (B then A for odd i), the same prompt to
 each. Settings are `MOEMESH_<SERVICE>_<FIELD>=value`, comma-separated; `MOEMESH_*_<FIELD>` sets it for every
 service. Both meshes are bench.mesh_ttft's (tiny model, prefix caches off, `--direct-threshold`).
+`MOEMESH_GATEWAY_EMBEDDED_SCHEDULER=true` is the launcher's embedded mode (`moemesh up --scheduler embedded`):
+no scheduler process, the gateway hosts one (with that side's MOEMESH_SCHEDULER_* settings).
 Writes bench/results/mesh_ab.json: per prompt length, each side's p50 / p99 / mean, and the paired
 differences (B minus A of the same i).
 """
@@ -65,7 +67,8 @@ def mesh_config(model: Path, settings: dict[str, dict[str, str]], direct_thresho
     }
     for module, env in settings.items():
         base.setdefault(module, {}).update(env)
-    return MeshConfig(model_dir=model, port=0, extra_env=base)
+    embedded = base.get("services.gateway", {}).pop("MOEMESH_GATEWAY_EMBEDDED_SCHEDULER", "false")
+    return MeshConfig(model_dir=model, port=0, extra_env=base, embedded_scheduler=embedded.lower() == "true")
 
 
 async def one(h: httpx.AsyncClient, url: str, model: str, prompt: list[int]) -> float:

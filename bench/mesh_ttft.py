@@ -2,6 +2,7 @@
 
     python -m bench.mesh_ttft [--requests 100] [--prompt-lens 5,40,200] [--clients 64]
                               [--prefix-index broker,local] [--overlap-prefill off,on]
+                              [--scheduler process|embedded]
 
 Starts the embedded mesh (nats-server, kv-broker, scheduler, prefill + decode worker, gateway; real
 Mooncake TCP between the workers) on the tiny model, then:
@@ -132,7 +133,7 @@ def measure(
     """Per prompt length, TTFT through a fresh mesh whose scheduler reads prefix hits from `prefix_index`
     (local replica or kv-broker query) vs the in-process engine; then the concurrent load."""
     cfg = MeshConfig(
-        model_dir=model, port=0,
+        model_dir=model, port=0, embedded_scheduler=args.scheduler == "embedded",
         extra_env={
             "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(args.direct_threshold),
                                    "MOEMESH_SCHEDULER_PREFIX_INDEX": prefix_index,
@@ -184,6 +185,10 @@ def main() -> None:
         "--overlap-prefill", default="off", help="scheduler's overlap_prefill per run: off, on or off,on"
     )
     ap.add_argument(
+        "--scheduler", choices=["process", "embedded"], default="process",
+        help="embedded: no scheduler process, the gateway hosts one (moemesh up --scheduler embedded)",
+    )  # fmt: skip
+    ap.add_argument(
         "--threads", type=int, default=1, help="torch threads of the in-process engine (workers use 1)"
     )
     args = ap.parse_args()
@@ -201,6 +206,7 @@ def main() -> None:
         "machine": platform.node(),
         "cpus": os.cpu_count(),
         "torch_threads": args.threads,
+        "scheduler": args.scheduler,
         "command": "python -m bench.mesh_ttft " + " ".join(sys.argv[1:]),
         "load_avg_before": os.getloadavg(),
         "ttft": [],

@@ -6,6 +6,8 @@ Struct is sent as the reply when the message has a reply subject. A handler that
 that does not decode, is logged and answered (when it has a reply subject) with `proto.messages.Rejected`;
 the subscription keeps serving. A message of a newer schema version than this service reads is refused the
 same way, logged as an error and answered with code 503 (a rolling upgrade: the sender tries another node). `request()` turns a `Rejected` answer back into `RequestRejected`.
+`request_local()` is `request()` answered by a handler of this process (a service hosting another in its
+own event loop): one answer path (`_answer`) serves both, so a caller sees the same replies and errors.
 
 Every outgoing message carries the caller's trace context and deadline (libs.telemetry.context); `request()`
 also bounds its wait by the deadline in force and tells the receiver when it will stop waiting.
@@ -79,6 +81,17 @@ def _decoder(typ: Any) -> Decoder:
 @functools.cache
 def _reply_decoder(reply_type: Any) -> Decoder:
     return Decoder(typing.Union[reply_type, Rejected])  # noqa: UP007 - reply_type may itself be a union
+
+
+def _reply(data: bytes, reply_type: Any, msg: msgspec.Struct, subject: str) -> Any:
+    """A request's answer: the typed reply, or the receiver's `Rejected` raised as `RequestRejected`."""
+    try:
+        reply = _reply_decoder(reply_type).decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, SchemaVersionError) as e:
+        raise BusError(f"reply to {type(msg).__name__} on {subject} does not decode: {e}") from e
+    if isinstance(reply, Rejected):
+        raise RequestRejected(reply.code, reply.message)
+    return reply
 
 
 def _header_bytes(headers: dict[str, str] | None) -> int:
@@ -222,12 +235,59 @@ class Bus:
             raise RequestTimeout(
                 f"no reply to {type(msg).__name__} on {subject} within {timeout:.3f}s"
             ) from None
+        return _reply(resp.data, reply_type, msg, subject)
+
+    async def request_local(
+        self,
+        subject: str,
+        msg_type: Any,
+        handler: Handler,
+        msg: msgspec.Struct,
+        reply_type: type[T] | Any,
+        timeout: float = 5.0,
+    ) -> T:
+        """`request()` answered by `handler`, a handler of this process (what `subscribe(subject, msg_type,
+        handler)` runs for a message on `subject`), with no trip through NATS: the same outcomes.
+
+        The message is encoded and decoded as the wire would (the size check, validation and schema
+        version included) and handled under the context the receiver would adopt (trace context, the
+        caller's deadline); a handler that raises, or a message that does not decode, comes back as the
+        `RequestRejected` the requester would get; the wait is bounded by `timeout` and the deadline in
+        force, while the handler, as over the bus, runs to its end regardless (it counts as in flight for
+        `stop_subscriptions`). A handler that returns nothing is a `RequestTimeout` at once (over the bus
+        it would be one at the timeout). Counted in this bus's metrics under `subject`. Runs the handler
+        concurrently with other messages of its subscription (the bus delivers those one at a time).
+        """
+        left = time_left()
+        if left is not None:
+            if left <= 0:
+                raise DeadlineExceeded(
+                    f"deadline passed {-left:.3f}s ago; {type(msg).__name__} not handled for {subject}"
+                )
+            timeout = min(timeout, left)
+        hdrs = outgoing_headers(None, deadline_ms=now_ms() + int(timeout * 1000))
+        data = self._checked(subject, msg, hdrs)
+        task = asyncio.create_task(self._answer_local(data, hdrs, subject, _decoder(msg_type), handler))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
         try:
-            reply = _reply_decoder(reply_type).decode(resp.data)  # type: ignore[arg-type]
-        except (msgspec.DecodeError, msgspec.ValidationError, SchemaVersionError) as e:
-            raise BusError(f"reply to {type(msg).__name__} on {subject} does not decode: {e}") from e
-        if isinstance(reply, Rejected):
-            raise RequestRejected(reply.code, reply.message)
+            async with asyncio.timeout(timeout):
+                reply = await asyncio.shield(task)  # the caller stops waiting; the handler goes on
+        except TimeoutError:
+            raise RequestTimeout(
+                f"no reply to {type(msg).__name__} on {subject} within {timeout:.3f}s (in process)"
+            ) from None
+        if reply is None:
+            raise RequestTimeout(f"the handler of {subject} gave no reply to {type(msg).__name__}")
+        return _reply(encode(reply), reply_type, msg, subject)
+
+    async def _answer_local(
+        self, data: bytes, headers: dict[str, str] | None, subject: str, dec: Decoder, handler: Handler
+    ) -> msgspec.Struct | None:
+        t0 = time.perf_counter()
+        with incoming_context(headers):
+            reply, outcome = await self._answer(data, subject, dec, handler)
+        self._count(subject, outcome, t0)
         return reply
 
     async def flush(self, timeout: float = 5.0) -> None:
@@ -276,39 +336,47 @@ class Bus:
 
     async def _handle(self, m: Msg, dec: Decoder, handler: Handler, label: str) -> None:
         t0 = time.perf_counter()
-        outcome = "ok"
         with incoming_context(m.headers):
-            try:
-                msg = dec.decode(m.data)
-            except SchemaVersionError as e:
-                outcome = "schema_version"
-                log.error("refused a message on %s from a newer service: %s (upgrade this one)", m.subject, e)
-                await self._reject(m, ErrorCode.UNAVAILABLE, f"{self.name} cannot read it: {e}")
-                self._count(label, outcome, t0)
-                return
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                outcome = "undecodable"
-                log.warning("undecodable message on %s (%d bytes): %s", m.subject, len(m.data), e)
-                await self._reject(m, ErrorCode.BAD_REQUEST, f"cannot decode message on {m.subject}: {e}")
-                self._count(label, outcome, t0)
-                return
-            try:
-                reply = await handler(msg)
-                if reply is not None:
-                    if m.reply:
-                        await self.publish(m.reply, reply)
-                    else:
-                        log.debug("%s handler returned %s but the message has no reply subject", label,
-                                    type(reply).__name__)  # fmt: skip
-            except RequestRejected as e:
-                outcome = "rejected"
-                log.info("%s on %s refused: %s", type(msg).__name__, m.subject, e)
-                await self._reject(m, e.code, e.message)
-            except Exception as e:
-                outcome = "error"
-                log.exception("handler for %s failed on %s", m.subject, type(msg).__name__)
-                await self._reject(m, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+            reply, outcome = await self._answer(m.data, m.subject, dec, handler)
+            if isinstance(reply, Rejected):
+                await self._reject(m, reply.code, reply.message)
+            elif reply is not None and not m.reply:
+                log.debug("%s handler returned %s but the message has no reply subject", label,
+                          type(reply).__name__)  # fmt: skip
+            elif reply is not None:
+                try:
+                    await self.publish(m.reply, reply)
+                except Exception as e:
+                    outcome = "error"
+                    log.exception("reply to %s on %s could not be sent", type(reply).__name__, m.subject)
+                    await self._reject(m, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
         self._count(label, outcome, t0)
+
+    async def _answer(
+        self, data: bytes, subject: str, dec: Decoder, handler: Handler
+    ) -> tuple[msgspec.Struct | None, str]:
+        """What a requester gets for one message: the handler's reply, or the `Rejected` standing in for a
+        message that does not decode or a handler that raised; with the outcome label for the metrics.
+        The bus (`_handle`) and in-process requests (`request_local`) both answer through here."""
+        try:
+            msg = dec.decode(data)
+        except SchemaVersionError as e:
+            log.error("refused a message on %s from a newer service: %s (upgrade this one)", subject, e)
+            return Rejected(
+                code=int(ErrorCode.UNAVAILABLE), message=f"{self.name} cannot read it: {e}"
+            ), "schema_version"
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("undecodable message on %s (%d bytes): %s", subject, len(data), e)
+            message = f"cannot decode message on {subject}: {e}"
+            return Rejected(code=int(ErrorCode.BAD_REQUEST), message=message[:2000]), "undecodable"
+        try:
+            return await handler(msg), "ok"
+        except RequestRejected as e:
+            log.info("%s on %s refused: %s", type(msg).__name__, subject, e)
+            return Rejected(code=e.code, message=e.message[:2000]), "rejected"
+        except Exception as e:
+            log.exception("handler for %s failed on %s", subject, type(msg).__name__)
+            return Rejected(code=int(ErrorCode.INTERNAL), message=f"{type(e).__name__}: {e}"[:2000]), "error"
 
     async def _reject(self, m: Msg, code: int, message: str) -> None:
         if not m.reply:

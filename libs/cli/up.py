@@ -37,6 +37,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (one queue group)")
     p.add_argument(
+        "--scheduler", choices=["process", "embedded"], default="process",
+        help="process: scheduler replicas as their own processes (--schedulers); embedded: none, each gateway "
+        "hosts one in its process and submits to it without a bus hop",
+    )  # fmt: skip
+    p.add_argument(
         "--gateways", type=int, default=1,
         help="gateway processes sharing the API port (SO_REUSEPORT, Linux); one streams ~20k tokens/s per core",
     )  # fmt: skip
@@ -91,12 +96,16 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.gateways < 1 or args.schedulers < 1:
         raise ValueError(f"--gateways and --schedulers must be >= 1, got {args.gateways}, {args.schedulers}")
+    if args.scheduler == "embedded" and args.schedulers != 1:
+        raise ValueError(
+            "--scheduler embedded: each gateway hosts one scheduler; use --gateways, not --schedulers"
+        )
     if not 0 <= args.mtp_k <= 8:
         raise ValueError(f"--mtp-k must be in 0..8, got {args.mtp_k}")
     cfg = MeshConfig(
         model_dir=model, host=args.host, port=args.port, nats_port=args.nats_port,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, schedulers=args.schedulers,
-        gateways=args.gateways,
+        gateways=args.gateways, embedded_scheduler=args.scheduler == "embedded",
         nats_auth=_nats_auth(args),
         served_model_name=args.served_model_name or _default_name(model), transfer_protocol=args.transfer_protocol,
         device=args.device, dtype=args.dtype, log_dir=Path(args.log_dir) if args.log_dir else None,

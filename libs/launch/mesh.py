@@ -17,6 +17,10 @@ Gateways (`gateways` N > 1, as vLLM's --api-server-count): N processes "gateway-
 API port with SO_REUSEPORT (the kernel spreads connections over them), each with its own bus id, token
 stream and side port (/metrics, /ready). With port 0, gateway-0 starts first and the others bind the
 port it got; from then on a restarted replica binds that port again, so `url` never changes.
+
+Embedded scheduler (`embedded_scheduler`, `moemesh up --scheduler embedded`): no scheduler process; each
+gateway hosts a scheduler replica (the gateway's `embedded_scheduler` setting, with the scheduler's
+settings in its environment), supervised with its gateway and heard by /ready like any replica.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ class MeshConfig:
     prefill_workers: int = 1
     decode_workers: int = 1
     schedulers: int = 1  # replicas in one queue group; names "scheduler" (one) or "scheduler-<i>"
+    # no scheduler processes: each gateway hosts a replica in its own process (`schedulers` must stay 1)
+    embedded_scheduler: bool = False
     # gateway processes sharing the API port (SO_REUSEPORT); names "gateway" (one) or "gateway-<i>"
     gateways: int = 1
     served_model_name: str = ""
@@ -154,10 +160,15 @@ class Mesh:
         per process (tokens come back on `mesh.stream.<id>`, so a restarted replica never gets its previous
         life's streams); replicas share the API port by SO_REUSEPORT and each has a side port."""
         reuse = {"reuse_port": "true"} if self.cfg.gateways > 1 else {}
-        return self._spec(
+        embedded = {"embedded_scheduler": "true"} if self.cfg.embedded_scheduler else {}
+        spec = self._spec(
             name, "services.gateway", "MOEMESH_GATEWAY_", host=self.cfg.host, port=self.port,
             model_dir=str(Path(self.cfg.model_dir).resolve()), served_model_name=self.model_name, **reuse,
+            **embedded,
         )  # fmt: skip
+        if self.cfg.embedded_scheduler:  # the hosted scheduler reads its own settings there
+            spec.env.update(self.cfg.extra_env.get("services.scheduler", {}))
+        return spec
 
     def ports_file(self, service: str) -> Path:
         return self.log_dir / "ports" / f"{service}.json"
@@ -181,6 +192,9 @@ class Mesh:
         return self.ports(service)["http"]
 
     def scheduler_names(self) -> list[str]:
+        """The scheduler processes (none when every gateway embeds one)."""
+        if self.cfg.embedded_scheduler:
+            return []
         n = self.cfg.schedulers
         return ["scheduler"] if n == 1 else [f"scheduler-{i}" for i in range(n)]
 
@@ -236,6 +250,10 @@ class Mesh:
         the services named in `hold` ("decode-0", ...) are not started: `release` starts them."""
         if self.cfg.schedulers < 1 or self.cfg.gateways < 1:
             raise ValueError(f"schedulers and gateways must be >= 1: {self.cfg!r}")
+        if self.cfg.embedded_scheduler and self.cfg.schedulers != 1:
+            raise ValueError(
+                f"with embedded_scheduler each gateway hosts one: leave schedulers at 1: {self.cfg!r}"
+            )
         try:
             self._start_nats(self.cfg.nats_port)
             self._loop = SupervisionLoop(

@@ -12,6 +12,11 @@ Holders: each request's current holder is known (the scheduler replica named in 
 TokenBatch names its decode worker) and watched through heartbeats (libs.liveness). When a holder
 dies, or this gateway's own connection comes back (messages may have been lost), each affected request
 gets a retryable RequestError in its queue, and the Generation migrates it.
+
+Local scheduler (`embedded_scheduler`): when this process hosts a scheduler that takes work, a Submit is
+handed to it directly (`LocalScheduler.submit`) instead of going over the bus; it answers with the same
+SubmitReply or raises the same bus errors, so `submit` turns both into the same outcomes. While it does not
+take work (starting, draining), submits go over the bus to the other replicas.
 """
 
 from __future__ import annotations
@@ -39,6 +44,16 @@ class Sink(Protocol):
     def put_nowait(self, item: tuple[int, StreamItem], /) -> None: ...
 
 
+class LocalScheduler(Protocol):
+    """A scheduler in this process (services/gateway/embedded_scheduler.py)."""
+
+    def taking_work(self) -> bool: ...
+
+    async def submit(self, msg: Submit, timeout: float) -> SubmitReply:
+        """What `Bus.request` to SCHED_SUBMIT returns or raises, answered in this process."""
+        ...
+
+
 @dataclass(frozen=True)
 class _Route:
     queue: Sink
@@ -48,8 +63,15 @@ class _Route:
 class MeshClient:
     """Submit / stream / cancel for every request of one gateway process."""
 
-    def __init__(self, bus: Bus, gateway_id: str, dead_after_intervals: float = 3.0) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        gateway_id: str,
+        dead_after_intervals: float = 3.0,
+        local: LocalScheduler | None = None,
+    ) -> None:
         self.bus = bus
+        self.local = local  # a scheduler in this process: submits skip the bus hop while it takes work
         self.gateway_id = subjects.check_token(gateway_id)
         self.stream_subject = subjects.stream(gateway_id)
         self._routes: dict[str, _Route] = {}
@@ -99,10 +121,12 @@ class MeshClient:
 
         A Submit that got no answer may still have been admitted, so it is cancelled (cheap, idempotent).
         """
+        local = self.local
         try:
-            reply: SubmitReply = await self.bus.request(
-                subjects.SCHED_SUBMIT, msg, SubmitReply, timeout=timeout
-            )
+            if local is not None and local.taking_work():
+                reply: SubmitReply = await local.submit(msg, timeout)
+            else:
+                reply = await self.bus.request(subjects.SCHED_SUBMIT, msg, SubmitReply, timeout=timeout)
         except NoResponders:
             raise ApiError(503, "no scheduler is running", code="unavailable") from None
         except RequestTimeout:

@@ -3,6 +3,10 @@
 Shutdown order matters here: HTTP stops first (no new requests; requests in flight may finish, up to
 drain_timeout_s), and only then does the Service shell unsubscribe the token stream and drain the bus,
 so a stream in progress keeps receiving tokens while it winds down.
+
+With `embedded_scheduler` a scheduler replica runs in this event loop (embedded_scheduler.py): started
+before the API takes requests, drained after HTTP has stopped (requests still finishing may re-submit to
+it) and before the gateway's own connection drains.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from proto import subjects
 from services.gateway.admin import AdminMesh, install_admin
 from services.gateway.app import GatewayContext, create_app
 from services.gateway.convert import ModelInfo
+from services.gateway.embedded_scheduler import EmbeddedScheduler, embedded_settings
 from services.gateway.launcher import watch_launchers
 from services.gateway.mesh_client import MeshClient
 from services.gateway.metrics import GatewayMetrics
@@ -74,6 +79,7 @@ class Gateway(Service):
         self.metrics = GatewayMetrics(self.registry)
         self.mesh: MeshClient | None = None
         self.admin: AdminMesh | None = None
+        self.scheduler: EmbeddedScheduler | None = None  # with embedded_scheduler, once set up
         self.port: int | None = None  # the bound API port, once set up
         self._server: _Server | None = None
         self._serve_task: asyncio.Task | None = None
@@ -81,7 +87,10 @@ class Gateway(Service):
 
     async def setup(self) -> None:
         s = self.settings
-        self.mesh = MeshClient(self.bus, self.instance_id, s.dead_after_intervals)
+        if s.embedded_scheduler:  # before anything can submit: the API starts below
+            self.scheduler = EmbeddedScheduler(embedded_settings(s, self.instance_id), self.request_stop)
+            await self.scheduler.start()
+        self.mesh = MeshClient(self.bus, self.instance_id, s.dead_after_intervals, local=self.scheduler)
         await self.mesh.start(heartbeats=False)  # _on_worker_heartbeat hands them over
         mesh = self.mesh
         self.metrics.track_mesh_in_flight(lambda: mesh.in_flight)
@@ -152,5 +161,7 @@ class Gateway(Service):
             self._server.should_exit = True
             with contextlib.suppress(Exception):
                 await self._serve_task
+        if self.scheduler is not None:
+            await self.scheduler.stop()
         if self.mesh is not None:
             await self.mesh.wait_background()

@@ -38,6 +38,9 @@ class GatewaySettings(ServiceSettings, frozen=True, kw_only=True):
     retry_after_s: Annotated[int, msgspec.Meta(ge=0)] = 1
     # refuse unknown request fields with a 400 (OpenAI's behaviour) instead of ignoring them (vLLM's)
     strict_fields: bool = False
+    # host a scheduler replica in this process (services/gateway/embedded_scheduler.py; its settings from
+    # MOEMESH_SCHEDULER_*): this gateway's submits reach it without a bus hop; `moemesh up --scheduler embedded`
+    embedded_scheduler: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_dir:

@@ -15,6 +15,9 @@ PrefillTask with the returned KvHandle to the prefill worker. A refused or unans
 suspends that decode worker until its next heartbeat and puts the request back in line (up to
 max_retries); a request that is not placed before its deadline, or runs out of retries, gets a
 RequestError on its stream subject, which ends the gateway's stream.
+
+Embedded (a gateway's `embedded_scheduler`): the same service in the gateway's event loop, still a member
+of the queue group; the host gateway's own submits arrive through `submit_local` instead of the bus.
 """
 
 from __future__ import annotations
@@ -249,6 +252,13 @@ class SchedulerService(Service):
             self.prefix.placed(s.prompt_ids, prefill_worker, w.hb.page_size)
 
     # --- handlers ---
+    async def submit_local(self, s: m.Submit, timeout: float) -> m.SubmitReply:
+        """A Submit from this process (a gateway embedding this scheduler), handled as one that came on
+        SCHED_SUBMIT: the same reply, the same errors (libs.bus `request_local`), no bus hop."""
+        return await self.bus.request_local(
+            subjects.SCHED_SUBMIT, m.Submit, self._on_submit, s, m.SubmitReply, timeout
+        )
+
     async def _on_submit(self, s: m.Submit) -> m.SubmitReply:
         self.metrics.received.inc()
         try:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
-from bench.mesh_ab import SERVICES, parse_settings
+from bench.mesh_ab import SERVICES, mesh_config, parse_settings
+from libs.launch.mesh import Mesh
 
 
 def test_settings_go_to_their_service_and_star_to_every_one() -> None:
@@ -22,3 +26,15 @@ def test_settings_go_to_their_service_and_star_to_every_one() -> None:
 def test_a_bad_setting_is_a_clear_error(bad: str) -> None:
     with pytest.raises(ValueError, match="MOEMESH_"):
         parse_settings(bad)
+
+
+def test_the_gateways_embedded_scheduler_setting_is_the_launchers_embedded_mode(tmp_path: Path) -> None:
+    on = mesh_config(tmp_path, parse_settings("MOEMESH_GATEWAY_EMBEDDED_SCHEDULER=true"), 16)
+    assert (
+        on.embedded_scheduler and "MOEMESH_GATEWAY_EMBEDDED_SCHEDULER" not in on.extra_env["services.gateway"]
+    )
+    assert on.extra_env["services.scheduler"]["MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD"] == "16"
+    assert (
+        Mesh(replace(on, log_dir=tmp_path)).scheduler_names() == []
+    )  # no scheduler process: the gateway hosts it
+    assert not mesh_config(tmp_path, parse_settings(""), 16).embedded_scheduler

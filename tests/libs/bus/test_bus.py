@@ -245,3 +245,69 @@ async def test_newer_schema_version_is_a_logged_refusal(bus, caplog):
     )
     assert count == 1
     assert await bus.request(s, m.Cancel(request_id="r"), Pong, timeout=5) == Pong(0)  # this version: served
+
+
+async def _outcome(call):
+    """A request's outcome as comparable data: the reply, or the error's type, code and message."""
+    try:
+        return ("reply", await call)
+    except RequestRejected as e:
+        return ("rejected", e.code, e.message)
+    except Exception as e:
+        return (type(e).__name__,)
+
+
+async def test_request_local_gives_what_the_bus_gives(bus):
+    """The same handler asked over NATS and in process: equal replies, refusals, handler errors, decode
+    refusals and timeouts, under the caller's trace context and deadline; counted under the subject."""
+    s, seen, release = subj(), [], asyncio.Event()
+
+    async def handler(msg: Ping) -> Pong | None:
+        seen.append((current_traceparent(), current_deadline()))
+        if msg.n < 0:
+            raise RuntimeError("negative ping")
+        if msg.n == 429:
+            raise RequestRejected(429, "slow down")
+        if msg.n == 1000:
+            await release.wait()
+        return Pong(msg.n * 2)
+
+    await bus.subscribe(s, Ping, handler, concurrent=True)
+    cases = [
+        (Ping(21), Pong),
+        (Ping(-1), Pong),
+        (Ping(429), Pong),
+        (Blob(b"wrong type"), Pong),
+        (Ping(3), Ping),
+    ]
+    for msg, reply_type in cases:
+        over_bus = await _outcome(bus.request(s, msg, reply_type, timeout=5))
+        local = await _outcome(bus.request_local(s, Ping, handler, msg, reply_type, timeout=5))
+        assert local == over_bus, msg
+    assert [await _outcome(bus.request_local(s, Ping, handler, m, Pong)) for m in (Ping(21), Ping(-1))] == [
+        ("reply", Pong(42)),
+        ("rejected", 500, "RuntimeError: negative ping"),
+    ]
+    wrong_reply = await _outcome(bus.request_local(s, Ping, handler, Ping(3), Ping))
+    assert wrong_reply[0] == "BusError"  # a Pong is no Ping
+
+    tp, seen[:] = new_traceparent(), []
+    with request_context(traceparent=tp, timeout=30):
+        deadline = current_deadline()
+        assert await bus.request_local(s, Ping, handler, Ping(1), Pong, timeout=2) == Pong(2)
+    assert seen[0][0] == tp and now_ms() + 1000 < seen[0][1] <= now_ms() + 2000 < deadline
+    with request_context(deadline_ms=now_ms() - 1), pytest.raises(DeadlineExceeded):
+        await bus.request_local(s, Ping, handler, Ping(1), Pong)
+    with pytest.raises(PayloadTooLarge):
+        await bus.request_local(s, Ping, handler, Blob(b"x" * bus.max_payload), Pong)
+
+    with pytest.raises(RequestTimeout):  # the caller stops waiting; the handler runs on, as over the bus
+        await bus.request_local(s, Ping, handler, Ping(1000), Pong, timeout=0.1)
+    assert bus.in_flight == 1
+    release.set()
+    assert await bus.stop_subscriptions(5) and bus.in_flight == 0  # the drain waited for it to finish
+    counts = {
+        o: bus.registry.get_sample_value("moemesh_bus_messages_total", {"subscription": s, "outcome": o})
+        for o in ("undecodable", "error", "rejected", "ok")
+    }
+    assert counts == {"undecodable": 2, "error": 3, "rejected": 2, "ok": 8}
