@@ -180,11 +180,14 @@ class SchedulerService(Service):
         self._tick = asyncio.Event()  # replaced on every wake(): lets observers wait for the next change
         self._loop_task: asyncio.Task | None = None
         self._placements: set[asyncio.Task] = set()
+        # one submit at a time, as the bus delivers one subscription's messages: in-process submits (an
+        # embedding gateway's) and bus submits would otherwise interleave at the handler's awaits
+        self._submits = asyncio.Lock()
 
     # --- lifecycle ---
     async def setup(self) -> None:
         bus = self.bus
-        await bus.subscribe(subjects.SCHED_SUBMIT, m.Submit, self._on_submit, queue=subjects.QUEUE_SCHEDULER)
+        await bus.subscribe(subjects.SCHED_SUBMIT, m.Submit, self._submit_one, queue=subjects.QUEUE_SCHEDULER)
         await bus.subscribe(subjects.HEARTBEAT_ALL, m.Heartbeat, self._on_heartbeat)
         if self.stall_clock is not None:
             self.stall_clock.start()
@@ -256,8 +259,12 @@ class SchedulerService(Service):
         """A Submit from this process (a gateway embedding this scheduler), handled as one that came on
         SCHED_SUBMIT: the same reply, the same errors (libs.bus `request_local`), no bus hop."""
         return await self.bus.request_local(
-            subjects.SCHED_SUBMIT, m.Submit, self._on_submit, s, m.SubmitReply, timeout
+            subjects.SCHED_SUBMIT, m.Submit, self._submit_one, s, m.SubmitReply, timeout
         )
+
+    async def _submit_one(self, s: m.Submit) -> m.SubmitReply:
+        async with self._submits:
+            return await self._on_submit(s)
 
     async def _on_submit(self, s: m.Submit) -> m.SubmitReply:
         self.metrics.received.inc()

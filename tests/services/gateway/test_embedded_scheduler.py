@@ -159,6 +159,37 @@ async def test_in_process_submit_has_the_bus_paths_outcomes(
     never.set()
 
 
+async def test_in_process_and_bus_submits_are_handled_one_at_a_time(
+    mesh: Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bus hands a subscription's messages to its handler one at a time; submits that come in process
+    must not interleave with those or each other at the handler's awaits (its placement decision reads the
+    queue and the workers' load before it admits)."""
+    es = await mesh.embed("sched")
+    svc = es.service
+    await mesh.worker([svc])
+    over_bus, in_process = await mesh.client(), await mesh.client(local=es)
+    inside, most = 0, 0
+    real = svc.prefix_hits
+
+    async def slow_hits(s: m.Submit) -> dict[str, int] | None:
+        nonlocal inside, most
+        inside += 1
+        most = max(most, inside)
+        try:
+            for _ in range(5):  # yields to every other task, as a lookup over the bus would
+                await asyncio.sleep(0)
+            return await real(s)
+        finally:
+            inside -= 1
+
+    monkeypatch.setattr(svc, "prefix_hits", slow_hits)
+    msgs = [(c, mesh.submit(c, f"q{i}-{j}")) for i in range(4) for j, c in enumerate((over_bus, in_process))]
+    got = await asyncio.gather(*(outcome(c, msg) for c, msg in msgs))
+    assert all(g[0] == "admitted" for g in got), got
+    assert most == 1
+
+
 async def test_own_submits_reach_the_hosted_replica_and_fall_back_to_the_bus(mesh: Mesh) -> None:
     es = await mesh.embed("hosted")
     other = await mesh.replica("other")
