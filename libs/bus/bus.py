@@ -218,15 +218,7 @@ class Bus:
         Raises DeadlineExceeded (nothing sent), RequestTimeout, NoResponders, RequestRejected (the
         receiver answered Rejected), PayloadTooLarge, or BusError for a reply that does not decode.
         """
-        left = time_left()
-        if left is not None:
-            if left <= 0:
-                raise DeadlineExceeded(
-                    f"deadline passed {-left:.3f}s ago; {type(msg).__name__} not sent to {subject}"
-                )
-            timeout = min(timeout, left)
-        hdrs = outgoing_headers(headers, deadline_ms=now_ms() + int(timeout * 1000))
-        data = self._checked(subject, msg, hdrs)
+        timeout, hdrs, data = self._outgoing_request(subject, msg, timeout, headers, "not sent to")
         try:
             resp = await self.nc.request(subject, data, timeout=timeout, headers=hdrs)
         except nats.errors.NoRespondersError:
@@ -258,15 +250,7 @@ class Bus:
         it would be one at the timeout). Counted in this bus's metrics under `subject`. Runs the handler
         concurrently with other messages of its subscription (the bus delivers those one at a time).
         """
-        left = time_left()
-        if left is not None:
-            if left <= 0:
-                raise DeadlineExceeded(
-                    f"deadline passed {-left:.3f}s ago; {type(msg).__name__} not handled for {subject}"
-                )
-            timeout = min(timeout, left)
-        hdrs = outgoing_headers(None, deadline_ms=now_ms() + int(timeout * 1000))
-        data = self._checked(subject, msg, hdrs)
+        timeout, hdrs, data = self._outgoing_request(subject, msg, timeout, None, "not handled for")
         task = asyncio.create_task(self._answer_local(data, hdrs, subject, _decoder(msg_type), handler))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
@@ -280,6 +264,21 @@ class Bus:
         if reply is None:
             raise RequestTimeout(f"the handler of {subject} gave no reply to {type(msg).__name__}")
         return _reply(encode(reply), reply_type, msg, subject)
+
+    def _outgoing_request(
+        self, subject: str, msg: msgspec.Struct, timeout: float, headers: dict[str, str] | None, verb: str
+    ) -> tuple[float, dict[str, str] | None, bytes]:
+        """A request's wait bounded by the deadline in force (DeadlineExceeded once it passed), its headers
+        telling the receiver when the caller stops waiting, and its checked payload."""
+        left = time_left()
+        if left is not None:
+            if left <= 0:
+                raise DeadlineExceeded(
+                    f"deadline passed {-left:.3f}s ago; {type(msg).__name__} {verb} {subject}"
+                )
+            timeout = min(timeout, left)
+        hdrs = outgoing_headers(headers, deadline_ms=now_ms() + int(timeout * 1000))
+        return timeout, hdrs, self._checked(subject, msg, hdrs)
 
     async def _answer_local(
         self, data: bytes, headers: dict[str, str] | None, subject: str, dec: Decoder, handler: Handler
