@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import msgspec
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
 
 from libs.bus.settings import load_settings
 from proto.messages import Submit, SubmitReply
@@ -44,6 +46,20 @@ def embedded_settings(
     own = load_settings(SchedulerSettings, "scheduler", [], env)
     tied: dict[str, object] = {f: getattr(gateway, f) for f in _CONNECTION}
     return msgspec.structs.replace(own, instance_id=own.instance_id or f"scheduler-{gateway_id}", **tied)
+
+
+class SchedulerFamilies:
+    """A prometheus collector for the host's registry: the hosted scheduler's own families (moemesh_scheduler_*),
+    so the gateway's /metrics carries them (it has no side port of its own). The families every service has
+    (moemesh_service_ready, moemesh_bus_*) stay the gateway's: one name cannot appear twice in a scrape."""
+
+    PREFIX = "moemesh_scheduler_"
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        return (fam for fam in self.registry.collect() if fam.name.startswith(self.PREFIX))
 
 
 class EmbeddedScheduler:

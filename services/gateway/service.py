@@ -27,7 +27,7 @@ from proto import subjects
 from services.gateway.admin import AdminMesh, install_admin
 from services.gateway.app import GatewayContext, create_app
 from services.gateway.convert import ModelInfo
-from services.gateway.embedded_scheduler import EmbeddedScheduler, embedded_settings
+from services.gateway.embedded_scheduler import EmbeddedScheduler, SchedulerFamilies, embedded_settings
 from services.gateway.launcher import watch_launchers
 from services.gateway.mesh_client import MeshClient
 from services.gateway.metrics import GatewayMetrics
@@ -90,6 +90,7 @@ class Gateway(Service):
         if s.embedded_scheduler:  # before anything can submit: the API starts below
             self.scheduler = EmbeddedScheduler(embedded_settings(s, self.instance_id), self.request_stop)
             await self.scheduler.start()
+            self.registry.register(SchedulerFamilies(self.scheduler.service.registry))  # on this /metrics
         self.mesh = MeshClient(self.bus, self.instance_id, s.dead_after_intervals, local=self.scheduler)
         await self.mesh.start(heartbeats=False)  # _on_worker_heartbeat hands them over
         mesh = self.mesh

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
 from libs.bus import Bus
 from proto import messages as m
@@ -257,6 +258,10 @@ async def test_the_gateway_hosts_its_scheduler_and_goes_down_with_it(
     reply = await gw.bus.request(subjects.SCHED_SUBMIT, probe, m.SubmitReply, timeout=TIMEOUT)
     assert not reply.ok and reply.code == 503
     assert hosted.service.registry.get_sample_value("moemesh_scheduler_requests_received_total") == 1
+    # the gateway's /metrics carries the hosted scheduler's families (each family once in the scrape)
+    scrape = generate_latest(gw.registry).decode()
+    assert "moemesh_scheduler_requests_received_total 1.0" in scrape
+    assert scrape.count("# TYPE moemesh_service_ready ") == 1
 
     hosted.service.request_stop()  # it ends unasked: the gateway stops too (its supervisor restarts both)
     await asyncio.wait_for(task, TIMEOUT)
@@ -268,6 +273,7 @@ async def test_a_plain_gateway_hosts_nothing_and_a_stopping_one_drains_its_sched
     plain = Gateway(gateway_settings())
     plain_task = await start_service(plain)
     assert plain.scheduler is None and plain.mesh is not None and plain.mesh.local is None
+    assert "moemesh_scheduler_" not in generate_latest(plain.registry).decode()
     await stop_service(plain, plain_task)
     gw = Gateway(gateway_settings(embedded_scheduler=True))
     task = await start_service(gw)
