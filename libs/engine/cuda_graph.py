@@ -86,11 +86,12 @@ def fill_decode_inputs(
     beyond seq_len.
 
     `written` (one entry per row of the layout, kept with buf between calls) remembers which page list each
-    table row holds and how much of it: a row whose list is the same object as last time gets only its new
-    entries, the rest of the table row is not rewritten (at B=256 and ~130 pages a row that was most of
-    this function's time). It relies on the engine's page lists growing in place only (a request's pages
-    are appended to; released, preempted or truncated, it gets a new list); the last entry written is
-    checked, and a row that fails the check is rewritten whole."""
+    table row holds and how much of it: a list that sat in the same row last time gets only its new entries,
+    one that sat in another row (the batch lost or gained a request before it) is moved there with the others
+    in one array copy first, and only new lists are written whole (at B=256 and ~130 pages a row, writing
+    every row was most of this function's time). It relies on the engine's page lists growing in place only
+    (a request's pages are appended to; released, preempted or truncated, it gets a new list); the last
+    entry carried over is checked, and a row that fails the check is rewritten whole."""
     n = len(tokens)
     if not 1 <= n <= layout.batch or len(positions) != n or len(page_tables) != n:
         raise ValueError(
@@ -99,6 +100,7 @@ def fill_decode_inputs(
     ids, pos, slots, lens, table = layout.views(buf)
     ids[:n], pos[:n] = tokens, positions
     lens[:n] = np.asarray(positions) + 1
+    starts = _carry_rows(table, written, page_tables) if written is not None else []
     for i, (p, pages) in enumerate(zip(positions, page_tables, strict=True)):
         need = p // page_size + 1
         if need > layout.max_pages or len(pages) < need:
@@ -108,8 +110,8 @@ def fill_decode_inputs(
         if written is None:
             table[i, :need] = pages[:need]
         else:
-            held, w = written[i]
-            if held is not pages or not 0 < w <= need or table[i, w - 1] != pages[w - 1]:
+            w = starts[i]
+            if not 0 < w <= need or table[i, w - 1] != pages[w - 1]:
                 w = 0
             if need > w:
                 table[i, w:need] = pages[w:need]
@@ -122,6 +124,25 @@ def fill_decode_inputs(
         for i in range(n, layout.batch):
             if written[i][0] is not None:
                 written[i] = (None, 0)
+
+
+def _carry_rows(
+    table: np.ndarray, written: list[tuple[Sequence[int] | None, int]], page_tables: Sequence[Sequence[int]]
+) -> list[int]:
+    """For each new row, how many leading table entries are already in place: its list's, moved from the row
+    it held last time (all moves in one copy; the right side is copied before it is written, so moves may
+    overlap). 0 for a list the table does not hold. (`written` holds the lists, so no id is reused.)"""
+    where = {id(p): j for j, (p, _) in enumerate(written) if p is not None}
+    starts, src, dst = [], [], []
+    for i, pages in enumerate(page_tables):
+        j = where.get(id(pages))
+        starts.append(0 if j is None else written[j][1])
+        if j is not None and j != i:
+            src.append(j)
+            dst.append(i)
+    if src:
+        table[dst] = table[src]
+    return starts
 
 
 def decode_graphs_supported(model, attention_backend: str) -> bool:
