@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", default="", help="comma-separated services to kill (default: the whole table)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--preset", default="", choices=["", "v3-width"], help="write this preset's checkpoint")
+    p.add_argument(
+        "--scheduler", choices=["process", "embedded"], default="process",
+        help="embedded: 2 gateways each hosting a scheduler replica, no scheduler process (its kill row is left out)",
+    )  # fmt: skip
     p.add_argument("--out", default="bench/results/chaos.json")
     args = p.parse_args(argv)
 
@@ -113,13 +117,18 @@ def main(argv: list[str] | None = None) -> int:
             "stream's length, not its tokens (bench.chaos.reference says why)"
         )
     chosen = {f for f in args.faults.split(",") if f}
+    embedded = args.scheduler == "embedded"
+    if embedded:
+        result["mesh"] += (
+            "; --scheduler embedded: 2 gateways, each hosting a scheduler replica, no scheduler process"
+        )
     if not args.skip_faults:
-        with start_mesh(model, args.device, password, limits) as mesh:
+        with start_mesh(model, args.device, password, limits, embedded) as mesh:
             print(f"mesh up ({mesh.url}); logs in {mesh.log_dir}", flush=True)
-            result["faults"] = kill_table(mesh, prompts, want, args.max_tokens, chosen)
+            result["faults"] = kill_table(mesh, prompts, want, args.max_tokens, chosen, embedded)
     if not args.skip_overload:
         limits["services.scheduler"]["MOEMESH_SCHEDULER_MAX_DECODE_WAITING"] = "4"
-        with start_mesh(model, args.device, password, limits) as mesh:
+        with start_mesh(model, args.device, password, limits, embedded) as mesh:
             print(f"overload mesh up ({mesh.url}); logs in {mesh.log_dir}", flush=True)
             result["overload"] = overload_run(mesh, prompts[0], args.overload_factor, args.overload_seconds)
         print(json.dumps(result["overload"], indent=1))
@@ -139,12 +148,17 @@ def checkpoint(args: argparse.Namespace) -> Path:
 
 
 @contextlib.contextmanager
-def start_mesh(model: Path, device: str, password: str, limits: dict[str, dict[str, str]]) -> Iterator[Mesh]:
+def start_mesh(
+    model: Path, device: str, password: str, limits: dict[str, dict[str, str]], embedded: bool = False
+) -> Iterator[Mesh]:
     """The chaos mesh, on `device`: on a GPU each worker warms up before its first heartbeat (minutes when
-    its FP8 GEMMs are not in the tuning table yet), so the mesh gets `moemesh up`'s CUDA ready timeout."""
+    its FP8 GEMMs are not in the tuning table yet), so the mesh gets `moemesh up`'s CUDA ready timeout.
+    embedded: the schedulers are hosted by 2 gateways instead (`moemesh up --scheduler embedded`)."""
     from libs.cli.up import ready_timeout
 
     cfg = dataclasses.replace(chaos_config(model, None, password=password, extra_env=limits), device=device)
+    if embedded:
+        cfg = dataclasses.replace(cfg, embedded_scheduler=True, schedulers=1, gateways=2)
     mesh = Mesh(cfg).start(timeout=ready_timeout(None, device))
     try:
         yield mesh
@@ -162,10 +176,14 @@ def reference(model: Path | str, prompts: list[list[int]], max_tokens: int) -> l
 
 
 def kill_table(
-    mesh: Mesh, prompts: list[list[int]], want: list[list[int]] | None, max_tokens: int, chosen: Collection[str] = ()
+    mesh: Mesh, prompts: list[list[int]], want: list[list[int]] | None, max_tokens: int, chosen: Collection[str] = (),
+    embedded: bool = False,
 ) -> list[dict]:  # fmt: skip
     rows = []
-    for fault in (f for f in standard_faults(len(prompts)) if not chosen or f.killed in chosen):
+    faults = [f for f in standard_faults(len(prompts)) if not chosen or f.killed in chosen]
+    if embedded:  # no scheduler process to kill (killing a gateway ends the streams it carries by nature)
+        faults = [f for f in faults if not f.killed.startswith("scheduler")]
+    for fault in faults:
         row, _ = run_fault(mesh, fault, prompts, want, max_tokens, deadline_s=90.0, leak_timeout_s=15.0)
         rows.append(row.as_dict())
         print(table(rows[-1:]).splitlines()[-1], flush=True)
