@@ -68,6 +68,7 @@ class OverlapDecoder:
         """Launch the next decode step and report the previous one's tokens; None when the steady state
         does not hold (the caller drains and steps plainly)."""
         e, prev = self.engine, self.inflight
+        self.wait_s = 0.0  # the engine's step begins here (a drain after it adds to this step's wait)
         if e.waiting or e._pending or not e.running:
             return None
         at = {id(r): i for i, r in enumerate(prev.reqs)} if prev is not None else {}

@@ -201,7 +201,6 @@ class Engine:
         """Plan and run one batch (prefill chunks + one decode token per running request). With overlapped
         decode, a steady decode batch's tokens come out one call after they were computed."""
         if self._overlap is not None:
-            self._overlap.wait_s = 0.0
             out = self._overlap.try_step()
             if out is not None:
                 return out

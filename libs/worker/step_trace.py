@@ -74,17 +74,31 @@ def _ms(xs: Sequence[float]) -> dict[str, float] | None:
     }  # fmt: skip
 
 
-def series(rows: Sequence[dict[str, float]], limit: int = 800) -> dict[str, list[float]]:
-    """The steps after the last slow-down sleep (at most `limit`), one list per quantity, ms to 0.01: to see
-    which steps were slow and what they carried, beside `full_batch`'s summary."""
+def _after_release(rows: Sequence[dict[str, float]]) -> Sequence[dict[str, float]]:
+    """The steps after the last slow-down sleep (the seed's release); all of them when none slept."""
     slept = [i for i, r in enumerate(rows) if r["sleep_ms"]]
-    rows = list(rows[slept[-1] + 1 :] if slept else rows)[:limit]
-    ms = lambda x: round(1000 * x, 2)  # noqa: E731
+    return rows[slept[-1] + 1 :] if slept else rows
+
+
+def _wait(row: dict[str, float]) -> float | None:
+    """The step's device wait in seconds; None where the engine does not say (or an older trace)."""
+    w = row.get("device_wait", -1.0)
+    return w if w >= 0 else None
+
+
+def series(rows: Sequence[dict[str, float]], limit: int = 800) -> dict[str, list]:
+    """The steps after the last slow-down sleep (at most `limit`), one list per quantity, ms to 0.01 (None
+    for an unknown device wait): to see which steps were slow and what they carried, beside `full_batch`."""
+    rows = list(_after_release(rows))[:limit]
+
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(1000 * x, 2)
+
     return {
         "outputs": [int(r["outputs"]) for r in rows],
         "interval_ms": [ms(b["published"] - a["published"]) for a, b in zip(rows, rows[1:], strict=False)],
         "engine_ms": [ms(r["engine_out"] - r["engine_in"]) for r in rows],
-        "device_wait_ms": [ms(r.get("device_wait", -0.001)) for r in rows],
+        "device_wait_ms": [ms(_wait(r)) for r in rows],
         "idle_ms": [ms(b["engine_in"] - a["engine_out"]) for a, b in zip(rows, rows[1:], strict=False)],
     }
 
@@ -93,10 +107,9 @@ def full_batch(rows: Sequence[dict[str, float]], min_outputs: int) -> dict[str, 
     """After the last slow-down sleep (the seed's release; the whole trace when none slept), the longest run
     of consecutive steps that each gave at least `min_outputs` outputs: the worker's own tokens/s there (first
     step's publish to last step's publish) and where each step's time went. None-valued when no run of two."""
-    slept = [i for i, r in enumerate(rows) if r["sleep_ms"]]
     best: list[dict[str, float]] = []
     run: list[dict[str, float]] = []
-    for r in rows[slept[-1] + 1 :] if slept else rows:
+    for r in _after_release(rows):
         if r["outputs"] >= min_outputs:
             run.append(r)
             if len(run) > len(best):
@@ -114,7 +127,7 @@ def full_batch(rows: Sequence[dict[str, float]], min_outputs: int) -> dict[str, 
         ),
         "engine_step_ms": _ms([r["engine_out"] - r["engine_in"] for r in best]),
         # of which blocked on the device: near 0 means the host's work per step is what sets the pace
-        "device_wait_ms": _ms([r["device_wait"] for r in best if r.get("device_wait", -1) >= 0]),
+        "device_wait_ms": _ms([w for r in best if (w := _wait(r)) is not None]),
         "to_engine_ms": _ms([r["engine_in"] - r["submitted"] for r in best]),  # loop -> engine thread
         "to_loop_ms": _ms([r["seen"] - r["engine_out"] for r in best]),  # engine thread -> loop
         "publish_ms": _ms([r["published"] - r["seen"] for r in best]),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from libs.worker.step_trace import FIELDS, StepTrace, full_batch, load
+from libs.worker.step_trace import FIELDS, StepTrace, full_batch, load, series
 
 
 def _row(t: float, outputs: int, sleep_ms: float = 0.0, engine_ms: float = 4.0) -> tuple[float, ...]:
@@ -50,3 +50,16 @@ def test_full_batch_takes_the_longest_full_run_after_the_last_sleep() -> None:
     assert got["publish_ms"]["median"] == pytest.approx(1)
     assert got["engine_idle_ms"]["median"] == pytest.approx(6)  # 10 ms apart, 4 ms busy
     assert full_batch(rows, min_outputs=11) == {"steps": 0, "tokens_per_s": None}
+
+
+def test_series_lists_each_step_after_the_release() -> None:
+    rows = [dict(zip(FIELDS, r, strict=True)) for r in (
+        [_row(0.1 * k, 6, sleep_ms=100) for k in range(2)]  # the hold: left out
+        + [_row(1.0 + k * 0.01, 10) for k in range(3)]
+    )]  # fmt: skip
+    rows[-1]["device_wait"] = -1.0  # an engine that does not say
+    got = series(rows)
+    assert got["outputs"] == [10, 10, 10]
+    assert got["interval_ms"] == [10.0, 10.0] and got["engine_ms"] == [4.0, 4.0, 4.0]
+    assert got["device_wait_ms"] == [3.0, 3.0, None]
+    assert got["idle_ms"] == [6.0, 6.0]
