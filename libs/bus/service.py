@@ -15,6 +15,12 @@ registry. With `ports_file` set, the ports the service
 bound (`bound_ports()`: "http", and the gateway's "api") are written there before it counts as started,
 so a launcher can ask for any free port and learn which one it got (libs.bus.ports).
 
+Garbage collection (libs.telemetry.gc_pauses): every service's collection pauses are on its /metrics
+(`moemesh_gc_pause_seconds`, `self.gc_pauses`); a service run as its own process (`main()`) freezes its
+start-up heap once set up (setting `gc_freeze`, on by default), so the oldest generation's collections no
+longer walk the model, the tokenizer and the imports: each such walk of a worker's heap was a pause of
+hundreds of milliseconds in whichever decode step met it.
+
 Tracing: `self.telemetry` (libs.telemetry) is built from the OTEL_* environment with `service.name` =
 `name`; it is a no-op unless an OTLP endpoint is configured, and is flushed after the bus closes.
 """
@@ -38,6 +44,7 @@ from libs.bus.loop import run as run_loop
 from libs.bus.ports import write_ports
 from libs.bus.security import nats_connect_options, redact_url
 from libs.bus.settings import ServiceSettings, SettingsError, load_settings
+from libs.telemetry.gc_pauses import GcPauses, freeze_startup_heap
 
 log = logging.getLogger("moemesh.service")
 
@@ -58,6 +65,8 @@ class Service:
         self.started = asyncio.Event()  # set once setup() is done and the service is ready
         self.startup_stage = "connecting to NATS"  # what /ready names while setup() runs
         self.stopping = asyncio.Event()
+        self.freeze_heap_when_set_up = False  # main(): this process is the service's own
+        self.gc_pauses = GcPauses(self.registry)
         self.http_port: int | None = None  # the bound port, once run() started the side port
         self._ready_gauge = Gauge(
             "moemesh_service_ready", "1 when this instance takes work", registry=self.registry
@@ -122,6 +131,7 @@ class Service:
     async def run(self, install_signals: bool = True) -> None:
         """Connect, set up, serve until stopped, then drain gracefully (see the module docstring)."""
         s = self.settings
+        self.gc_pauses.install()
         self._bus = await Bus.connect(
             s.nats_url, f"{self.name}:{self.instance_id}", connect_deadline=s.connect_timeout_s,
             drain_timeout=s.drain_timeout_s, registry=self.registry, **nats_connect_options(s),
@@ -132,6 +142,13 @@ class Service:
             self.startup_stage = "setting up"
             await self.setup()
             await self.bus.flush()  # subscriptions are known to the server before anyone is told we are ready
+            if self.freeze_heap_when_set_up and s.gc_freeze:
+                log.info(
+                    "%s %s: start-up heap frozen (%d objects)",
+                    self.name,
+                    self.instance_id,
+                    freeze_startup_heap(),
+                )
             if s.ports_file:
                 write_ports(s.ports_file, self.bound_ports())
             self._ready = True
@@ -169,6 +186,7 @@ class Service:
                 http.close()
                 await http.wait_closed()
             await self.telemetry.aclose()  # export the last spans
+            self.gc_pauses.uninstall()
             log.info("%s %s stopped", self.name, self.instance_id)
 
     def _install_signals(self) -> list[int]:
@@ -257,7 +275,9 @@ class Service:
         # what a stuck request is waiting on (a KV write, the engine thread) shows without a debugger
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         try:
-            run_loop(cls(settings).run(), settings.event_loop)
+            service = cls(settings)
+            service.freeze_heap_when_set_up = True
+            run_loop(service.run(), settings.event_loop)
         except KeyboardInterrupt:
             pass
         except BusError as e:  # NATS unreachable within connect_timeout_s: say so, no traceback

@@ -50,6 +50,9 @@ class ServiceSettings(msgspec.Struct, frozen=True, kw_only=True):
     # service on it the mesh's TTFT fell ~0.3-0.45 ms in paired A/B runs (bench.mesh_ab) and the gateway
     # streamed no fewer SSE tokens per core (README, Benchmarks)
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
+    # a service run as its own process freezes its start-up heap once set up (gc.freeze, as vLLM does), so
+    # collections of the oldest generation skip the model and imports (libs/telemetry/gc_pauses.py)
+    gc_freeze: bool = True
     # NATS authentication and TLS (libs.bus.security): user + password or a token; CA to verify the
     # server, client certificate + key for mutual TLS. Secrets print as *** (see __repr__).
     nats_user: str = ""

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 # device_wait: seconds of the engine step blocked on the device (Engine.last_device_wait_s; -1 when unknown)
+# gc: seconds of Python garbage-collection pauses during the engine step (any thread's: all stop)
 FIELDS = (
     "submitted",
     "engine_in",
@@ -27,6 +28,7 @@ FIELDS = (
     "tokens",
     "sleep_ms",
     "device_wait",
+    "gc",
 )
 
 
@@ -100,6 +102,7 @@ def series(rows: Sequence[dict[str, float]], limit: int = 800) -> dict[str, list
         "engine_ms": [ms(r["engine_out"] - r["engine_in"]) for r in rows],
         "device_wait_ms": [ms(_wait(r)) for r in rows],
         "idle_ms": [ms(b["engine_in"] - a["engine_out"]) for a, b in zip(rows, rows[1:], strict=False)],
+        "gc_ms": [ms(r.get("gc", 0.0)) for r in rows],
     }
 
 
@@ -134,4 +137,5 @@ def full_batch(rows: Sequence[dict[str, float]], min_outputs: int) -> dict[str, 
         "engine_idle_ms": _ms(
             [b["engine_in"] - a["engine_out"] for a, b in zip(best, best[1:], strict=False)]
         ),
+        "gc_ms": _ms([r.get("gc", 0.0) for r in best]),  # collections' pauses inside the engine steps
     }

@@ -19,7 +19,9 @@ from libs.engine.cuda_graph import capture_sizes
 from libs.engine.protocol import EngineLike
 from libs.engine.sampling import SamplingParams
 
-DECODE_TOKENS = 3  # tokens per decode-batch request: the first from prefill, then a capture and a replay
+DECODE_TOKENS = 3  # tokens per decode-batch request: the first from prefill, then a capture and a replay;
+# every other request of a batch makes one more, so the batch's last step changes size: the overlapped
+# decode's gather of the carried rows' tokens (decode_pipeline._inputs) runs before the first served finish
 FIRST_TOKEN = 3  # prompt ids from here up: clear of the usual special ids, inside every vocabulary here
 
 
@@ -61,7 +63,7 @@ def plan_warmup(
     room = min(context_len - 1, (free_pages // max(copies, 1)) * page_size - 1)
     top = min(max_prefill_tokens, room)
     lens = sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | ({top} if top >= 1 else set()))
-    per_seq = pages_for(1 + DECODE_TOKENS, page_size) * max(copies, 1)  # free_pages: all ranks' pools
+    per_seq = pages_for(2 + DECODE_TOKENS, page_size) * max(copies, 1)  # free_pages: all ranks' pools
     batches = [b for b in capture_sizes(max_num_seqs) if b * per_seq <= free_pages] if decode else []
     return WarmupPlan(prefill_lens=tuple(lens), decode_batches=tuple(batches), copies=copies)
 
@@ -77,10 +79,13 @@ def run_warmup(engine: EngineLike, plan: WarmupPlan) -> WarmupReport:
     for n in plan.prefill_lens:
         batch = [[FIRST_TOKEN + (7 * i + 13 * c) % span for i in range(n)] for c in range(plan.copies)]
         prompts += _generate(engine, batch, prefill_only, f"a prefill of {n} tokens")
-    decoding = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
+    decoding = [
+        SamplingParams(max_tokens=DECODE_TOKENS + k, temperature=0.0, ignore_eos=True) for k in (0, 1)
+    ]
     for b in plan.decode_batches:
         batch = [[FIRST_TOKEN + i % span] for i in range(b * plan.copies)]
-        prompts += _generate(engine, batch, decoding, f"a decode batch of {b}")
+        params = [decoding[i % 2] for i in range(len(batch))]
+        prompts += _generate(engine, batch, params, f"a decode batch of {b}")
     engine.flush_prefix_cache()
     st = engine.stats()
     if st.get("used_pages", 0) or st.get("running", 0) or st.get("waiting", 0):
@@ -88,7 +93,9 @@ def run_warmup(engine: EngineLike, plan: WarmupPlan) -> WarmupReport:
     return WarmupReport(seconds=time.perf_counter() - t0, prompts=prompts, plan=plan)
 
 
-def _generate(engine: EngineLike, batch: list[list[int]], params: SamplingParams, what: str) -> int:
+def _generate(
+    engine: EngineLike, batch: list[list[int]], params: SamplingParams | list[SamplingParams], what: str
+) -> int:
     try:
         engine.generate(batch, params)
     except Exception as err:

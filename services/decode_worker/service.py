@@ -89,8 +89,8 @@ class DecodeWorker(WorkerService):
         self._awaiting_work = False  # the step loop waits in work.wait()
         self._kicked: tuple[asyncio.Future, float] | None = None  # started by start_direct, for the loop
         self.trace = StepTrace.for_worker(s.step_trace, self.instance_id) if s.step_trace else None
-        # the last step's (start, end, device wait or -1) on the engine thread, for the trace
-        self._engine_span = (0.0, 0.0, -1.0)
+        # the last step's (start, end, device wait or -1, GC pauses meanwhile) on the engine thread, for the trace
+        self._engine_span = (0.0, 0.0, -1.0, 0.0)
         self.guard = ReservationGuard(self.bus, self.cancelled.add)  # prefill deaths, lease expiry
         await self.guard.start()
         self.leases = (
@@ -297,10 +297,11 @@ class DecodeWorker(WorkerService):
                 refused[rid] = (
                     (400, str(e)) if isinstance(e, ValueError) else (500, f"{type(e).__name__}: {e}")
                 )
-        t_in = time.perf_counter()
+        t_in, gc_in = time.perf_counter(), self.gc_pauses.total_s
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         wait = getattr(self.engine, "last_device_wait_s", None)  # the Engine's; other engines have none
-        self._engine_span = (t_in, time.perf_counter(), -1.0 if wait is None else wait)
+        gc_s = self.gc_pauses.total_s - gc_in  # any thread's collection stopped this one too
+        self._engine_span = (t_in, time.perf_counter(), -1.0 if wait is None else wait, gc_s)
         return outputs, self.engine.has_unfinished(), refused
 
     def _start_step(self) -> tuple[asyncio.Future, float]:
@@ -351,9 +352,9 @@ class DecodeWorker(WorkerService):
             await self._publish(outputs)
             if self.trace is not None:
                 tokens = sum(len(o.token_ids) for o in outputs)
-                e_in, e_out, wait = span
+                e_in, e_out, wait, gc_s = span
                 self.trace.add(
-                    t0, e_in, e_out, seen, time.perf_counter(), len(outputs), tokens, sleep_ms, wait
+                    t0, e_in, e_out, seen, time.perf_counter(), len(outputs), tokens, sleep_ms, wait, gc_s
                 )
             if running is None and (more or self.direct):
                 self.work.set()

@@ -208,3 +208,27 @@ async def test_ready_says_why_not_until_setup_is_done_and_while_draining(nats_se
         svc.leave.set()
         svc.request_stop()
         await asyncio.wait_for(task, 10)
+
+
+@pytest.mark.parametrize("gc_freeze", [True, False])
+async def test_a_service_in_its_own_process_freezes_its_start_up_heap_and_reports_gc_pauses(
+    nats_server, gc_freeze
+):
+    """main() marks the service as its process's own: once set up it freezes the start-up heap (unless
+    gc_freeze is off); every service's collection pauses are on its /metrics."""
+    import gc
+
+    settings = ServiceSettings(nats_url=nats_server, http_port=-1, http_host="127.0.0.1", gc_freeze=gc_freeze)
+    svc = EchoService(settings, f"test.svc.{uuid.uuid4().hex}")
+    svc.freeze_heap_when_set_up = True
+    gc.unfreeze()
+    task = await start_service(svc)
+    try:
+        assert (gc.get_freeze_count() > 0) is gc_freeze
+        gc.collect()
+        metrics = (await get(svc, "/metrics")).text
+        assert 'moemesh_gc_pause_seconds_count{generation="2"}' in metrics
+    finally:
+        await stop_service(svc, task)
+        gc.unfreeze()
+    assert svc.gc_pauses not in gc.callbacks  # stopped: its callback is gone

@@ -81,3 +81,28 @@ def test_finishes_and_pd_joins_stay_in_the_overlap(model):
 @pytest.mark.skipif(HAS_CUDA, reason="the GPU runs the graph path (test_decode_pipeline.py)")
 def test_a_pool_full_of_cache_evicts_without_leaving_the_overlap(model):
     a_pool_full_of_cache_evicts_without_leaving_the_overlap(lambda overlap: _engine(model, overlap))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU runs the graph path (test_decode_pipeline.py)")
+def test_warm_up_runs_the_gather_of_a_changing_batch(model, monkeypatch):
+    """A worker's warm-up ends each decode batch in two lengths, so the overlapped decode's device gather
+    of the carried rows' tokens (its own kernels, first used at a served batch's first finish: a 285 ms
+    step on the H200 before) runs before serving; the pool is as it was."""
+    import libs.engine.decode_pipeline as dp
+    from libs.worker.warmup import plan_warmup, run_warmup
+
+    gathers: list[list[int]] = []
+    real = dp._inputs
+
+    def spy(prev, src, tokens):
+        if prev is not None and any(i >= 0 for i in src) and src != list(range(len(prev.reqs))):
+            gathers.append(list(src))
+        return real(prev, src, tokens)
+
+    monkeypatch.setattr(dp, "_inputs", spy)
+    engine = _engine(model, True)
+    before = engine.stats()
+    plan = plan_warmup(4, 8, page_size=16, free_pages=before["free_pages"], context_len=64, decode=True)
+    run_warmup(engine, plan)
+    assert engine.stats() == before
+    assert [len(g) for g in gathers] == [1, 2, 4]  # batches 2, 4, 8: their longer half carried on

@@ -35,7 +35,7 @@ def test_decode_batches_are_the_graph_sizes_that_fit_the_pool() -> None:
     plan = plan_warmup(64, 256, page_size=16, free_pages=10_000, context_len=8192, decode=True)
     assert plan.decode_batches == tuple(capture_sizes(256))
     small = plan_warmup(64, 256, page_size=2, free_pages=100, context_len=8192, decode=True)
-    per_seq = -(-(1 + DECODE_TOKENS) // 2)
+    per_seq = -(-(2 + DECODE_TOKENS) // 2)  # every other request makes one token more
     assert small.decode_batches == tuple(b for b in capture_sizes(256) if b * per_seq <= 100)
     assert small.decode_batches[-1] == 32
 
@@ -93,10 +93,13 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.config = type("C", (), {"vocab_size": 1000})()
-        self.calls: list[tuple[int, int]] = []  # (prompts, max_tokens)
+        self.calls: list[tuple[int, int]] = []  # (prompts, least max_tokens)
+        self.lengths: list[list[int]] = []  # each call's distinct max_tokens
 
     def generate(self, batch, params):
-        self.calls.append((len(batch), params.max_tokens))
+        tokens = {p.max_tokens for p in params} if isinstance(params, list) else {params.max_tokens}
+        self.calls.append((len(batch), min(tokens)))
+        self.lengths.append(sorted(tokens))
         return []
 
     def flush_prefix_cache(self) -> int:
@@ -115,3 +118,5 @@ def test_every_ep_rank_gets_each_decode_graph_size() -> None:
     run_warmup(rec, plan)  # type: ignore[arg-type]
     assert [n for n, t in rec.calls if t == DECODE_TOKENS] == [2, 4, 8]
     assert [n for n, t in rec.calls if t == 1] == [2] * len(plan.prefill_lens)
+    # each decode batch ends in two lengths: its last step runs a smaller batch than the one before
+    assert rec.lengths[-3:] == [[DECODE_TOKENS, DECODE_TOKENS + 1]] * 3
