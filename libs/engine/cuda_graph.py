@@ -2,9 +2,13 @@
 once per batch size and replayed with new inputs.
 
 A decode batch of n sequences runs in the graph of the smallest captured size b >= n. Its inputs go
-into one pinned host buffer, [ids b | positions b | out_slots b | seq_lens b | page table b * P]
+into one pinned host buffer, [ids b | positions b | out_slots b | seq_lens b | page table P * b]
 int32 (`DecodeLayout`), copied to the graph's static device buffer with one host->device copy, then
-the graph replays. Rows n..b-1 are padding: token 0 at position 0, writing its KV row into a scratch
+the graph replays. The page table is stored column-major (page k of every row, then page k + 1), so the
+pages a step reads (k < the longest row's page count) are one prefix of the buffer: that prefix is what is
+copied, ~140 KB at b = 256 and 2,100-token contexts, not b x P (P is the model's whole context in pages:
+10,240 for DeepSeek-V3's 163,840 positions at 16 tokens a page, 10.5 MB a step, on the device's stream
+ahead of the replay). Rows n..b-1 are padding: token 0 at position 0, writing its KV row into a scratch
 page no sequence owns and attending over that one row (seq_len 1); their logits are dropped.
 
 Everything inside the captured region is graph-safe: shapes depend on b and P only (the Triton decode
@@ -65,10 +69,16 @@ class DecodeLayout:
     def size(self) -> int:
         return self.batch * (4 + self.max_pages)
 
+    def prefix(self, pages: int) -> int:
+        """How many leading int32s of the buffer hold the row inputs and the table's first `pages` columns."""
+        return self.batch * (4 + pages)
+
     def views(self, buf):
-        """buf (numpy array or tensor of `size`) -> ids, positions, out_slots, seq_lens [b], table [b, P]."""
+        """buf (numpy array or tensor of `size`) -> ids, positions, out_slots, seq_lens [b], table [b, P] (a
+        column-major view: strides (1, b))."""
         b = self.batch
-        return buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b : 4 * b], buf[4 * b :].reshape(b, -1)
+        table = buf[4 * b :].reshape(self.max_pages, b).T
+        return buf[:b], buf[b : 2 * b], buf[2 * b : 3 * b], buf[3 * b : 4 * b], table
 
 
 def fill_decode_inputs(
@@ -80,7 +90,7 @@ def fill_decode_inputs(
     page_size: int,
     scratch_page: int,
     written: list[tuple[Sequence[int] | None, int]] | None = None,
-) -> None:
+) -> int:
     """Write n <= b decode rows (one new token each at `positions`, KV length position + 1) and b - n
     padding rows into buf. Table entries past a row's pages keep stale (valid) page ids: nothing reads
     beyond seq_len.
@@ -91,7 +101,10 @@ def fill_decode_inputs(
     in one array copy first, and only new lists are written whole (at B=256 and ~130 pages a row, writing
     every row was most of this function's time). It relies on the engine's page lists growing in place only
     (a request's pages are appended to; released, preempted or truncated, it gets a new list); the last
-    entry carried over is checked, and a row that fails the check is rewritten whole."""
+    entry carried over is checked, and a row that fails the check is rewritten whole.
+
+    Returns the table columns the step reads (the longest row's pages, at least 1): the buffer's
+    `layout.prefix(columns)` is what the device needs of it."""
     n = len(tokens)
     if not 1 <= n <= layout.batch or len(positions) != n or len(page_tables) != n:
         raise ValueError(
@@ -101,8 +114,10 @@ def fill_decode_inputs(
     ids[:n], pos[:n] = tokens, positions
     lens[:n] = np.asarray(positions) + 1
     starts = _carry_rows(table, written, page_tables) if written is not None else []
+    columns = 1
     for i, (p, pages) in enumerate(zip(positions, page_tables, strict=True)):
         need = p // page_size + 1
+        columns = max(columns, need)
         if need > layout.max_pages or len(pages) < need:
             raise ValueError(
                 f"row {i}: position {p} needs {need} pages; it has {len(pages)}, graphs hold {layout.max_pages}"
@@ -124,6 +139,7 @@ def fill_decode_inputs(
         for i in range(n, layout.batch):
             if written[i][0] is not None:
                 written[i] = (None, 0)
+    return columns
 
 
 def _carry_rows(
@@ -141,7 +157,8 @@ def _carry_rows(
             src.append(j)
             dst.append(i)
     if src:
-        table[dst] = table[src]
+        width = max(written[j][1] for j in src)  # the columns in use, not the whole context's P
+        table[dst, :width] = table[src, :width]
     return starts
 
 
@@ -258,12 +275,13 @@ class DecodeGraphRunner:
             except Exception as e:
                 raise GraphCaptureError(f"capturing the decode step for batch size {b} failed: {e!r}") from e
         g.copied.synchronize()  # the staging buffer may be rewritten only once its last copy is done
-        fill_decode_inputs(
+        columns = fill_decode_inputs(
             g.staging.numpy(), g.layout, tokens, positions, page_tables, self.page_size, self.scratch_page,
             g.written,
         )  # fmt: skip
         self._plan(g)
-        g.packed.copy_(g.staging, non_blocking=True)
+        used = g.layout.prefix(columns)  # the rows' inputs and the table columns this step reads
+        g.packed[:used].copy_(g.staging[:used], non_blocking=True)
         if token_src is not None:
             g.packed[: len(positions)].copy_(token_src)
         g.copied.record()  # staging and the host plan's buffers may be rewritten once this has passed

@@ -122,11 +122,12 @@ class RowGraphRunner:
             except Exception as e:
                 raise GraphCaptureError(f"capturing {n} rows (bucket {b}) failed: {e!r}") from e
         g.copied.synchronize()  # staging may be rewritten only once its last copy is done
-        fill_decode_inputs(
+        columns = fill_decode_inputs(
             g.staging.numpy(), g.layout, tokens, positions, tables, self.page_size, self.scratch_page
         )
         self._plan(g)
-        g.packed.copy_(g.staging, non_blocking=True)
+        used = g.layout.prefix(columns)  # the table columns these rows read, not the whole context's
+        g.packed[:used].copy_(g.staging[:used], non_blocking=True)
         if patch_ids is not None:
             patch_ids(g.packed[:n])
         if hidden is not None and g.hidden is not None:

@@ -54,7 +54,8 @@ class FlashInferMLA:
         pages = (seq_lens.astype(np.int64) + page_size - 1) // page_size
         kv_indptr = np.zeros(b + 1, dtype=np.int32)
         kv_indptr[1:] = np.cumsum(pages)
-        kv_indices = page_table[np.arange(page_table.shape[1])[None, :] < pages[:, None]].astype(np.int32)
+        width = int(pages.max()) if b else 0  # the columns in use, not the table's whole context width
+        kv_indices = page_table[:, :width][np.arange(width)[None, :] < pages[:, None]].astype(np.int32)
         self._page_size = page_size
         self._wrapper.plan(
             torch.arange(b + 1, dtype=torch.int32), torch.from_numpy(kv_indptr), torch.from_numpy(kv_indices),

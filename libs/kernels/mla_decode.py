@@ -42,7 +42,7 @@ class MLAConfig:
 def _mla_split_kernel(
     QL, QR, KV, PT, SEQ, O, OPART, LSE,
     sm_scale_log2, out_scale,
-    stride_qb, stride_qh, stride_rb, stride_rh, stride_kv, stride_ptb, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_rb, stride_rh, stride_kv, stride_ptb, stride_ptp, stride_ob, stride_oh,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_SPLITS, PAGE_SIZE: tl.constexpr, DIRECT_OUT: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
@@ -70,7 +70,7 @@ def _mla_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        page = tl.load(PT + b * stride_ptb + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        page = tl.load(PT + b * stride_ptb + (offs_n // PAGE_SIZE) * stride_ptp, mask=mask_n, other=0)
         row = KV + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * stride_kv
         k_lat = tl.load(row + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q_lat.dtype)
         k_rope = tl.load(row + D_LAT + offs_r[None, :], mask=mask_n[:, None], other=0.0).to(q_lat.dtype)
@@ -149,7 +149,8 @@ def mla_decode(
     q may also come in two parts, q [B, H, 512] and q_rope [B, H, 64], each with any batch and head
     strides (e.g. the transposed output of the W_UK bmm), which saves a copy.
     kv_cache: one layer's rows [slots, 576] (bf16, or float8_e4m3fn with `kv_scale`), slot =
-    page * page_size + offset; page_table [B, max_pages] int32; seq_lens [B] int32 (>= 1 each).
+    page * page_size + offset; page_table [B, max_pages] int32 with any strides (the decode graphs keep it
+    column-major); seq_lens [B] int32 (>= 1 each).
     """
     cfg = cfg or MLAConfig()
     if q_rope is None:
@@ -181,7 +182,7 @@ def mla_decode(
     _mla_split_kernel[grid](
         q, q_rope, kv_cache, page_table, seq_lens, out, opart, lse,
         scale_log2, kv_scale,
-        q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), kv_cache.stride(0), page_table.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), kv_cache.stride(0), page_table.stride(0), page_table.stride(1), out.stride(0), out.stride(1),
         opart.stride(0), opart.stride(1), opart.stride(2) if num_splits > 1 else 0,
         lse.stride(0), lse.stride(1),
         num_splits, PAGE_SIZE=page_size, DIRECT_OUT=num_splits == 1, BLOCK_H=block_h, BLOCK_N=cfg.block_n,

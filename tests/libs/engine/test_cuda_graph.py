@@ -62,6 +62,7 @@ def test_fill_decode_inputs_pads_into_the_scratch_page():
     assert lens.tolist() == [1, 6, 10, 1]  # padding attends over its own single row
     assert table[0, 0] == 2 and table[1, :2].tolist() == [3, 7] and table[2].tolist() == [1, 4, 6]
     assert table[3, 0] == scratch
+    assert buf[16:20].tolist() == [2, 3, 1, scratch]  # column-major: every row's first page, then the second
     # the buffer is reused: rows a smaller batch leaves become padding again
     fill_decode_inputs(buf, layout, [5], [2], [[6]], page, scratch)
     assert ids.tolist() == [5, 0, 0, 0] and lens.tolist() == [3, 1, 1, 1]
@@ -70,10 +71,12 @@ def test_fill_decode_inputs_pads_into_the_scratch_page():
 
 def test_fill_decode_inputs_with_its_memo_writes_what_a_full_write_does():
     """Steps of a changing batch (rows grow a page, finish, join, move, one list regrown in place against
-    the contract): with the memo every row's live table entries, slots and lengths equal a full write's."""
+    the contract): with the memo every row's live table entries, slots and lengths equal a full write's,
+    and so do those of a device buffer that receives only the prefix each step says it reads."""
     rng = random.Random(3)
     layout, page, scratch = DecodeLayout(batch=8, max_pages=12), 4, 99
     memo_buf, memo = np.zeros(layout.size, dtype=np.int32), [(None, 0)] * layout.batch
+    device = np.zeros(layout.size, dtype=np.int32)
     fresh = iter(range(10**6))
     rows = [
         ([next(fresh) for _ in range(3)], rng.randrange(1, 12)) for _ in range(5)
@@ -101,13 +104,17 @@ def test_fill_decode_inputs_with_its_memo_writes_what_a_full_write_does():
         full = np.zeros(layout.size, dtype=np.int32)
         args = ([7] * len(rows), pos, tables, page, scratch)
         fill_decode_inputs(full, layout, *args)
-        fill_decode_inputs(memo_buf, layout, *args, written=memo)
+        columns = fill_decode_inputs(memo_buf, layout, *args, written=memo)
+        assert columns == max(p // page + 1 for p in pos)
+        used = layout.prefix(columns)
+        device[:used] = memo_buf[:used]  # what the graph runner copies to the device
         f_ids, f_pos, f_slots, f_lens, f_table = layout.views(full)
-        m_ids, m_pos, m_slots, m_lens, m_table = layout.views(memo_buf)
-        assert (f_slots == m_slots).all() and (f_lens == m_lens).all() and (f_pos == m_pos).all(), step
-        for i, p in enumerate(pos):
-            assert m_table[i, : p // page + 1].tolist() == tables[i][: p // page + 1], (step, i)
-        assert (m_table[len(rows) :, 0] == scratch).all()
+        for buf in (memo_buf, device):
+            m_ids, m_pos, m_slots, m_lens, m_table = layout.views(buf)
+            assert (f_slots == m_slots).all() and (f_lens == m_lens).all() and (f_pos == m_pos).all(), step
+            for i, p in enumerate(pos):
+                assert m_table[i, : p // page + 1].tolist() == tables[i][: p // page + 1], (step, i)
+            assert (m_table[len(rows) :, 0] == scratch).all()
 
 
 def test_fill_decode_inputs_rejects_what_does_not_fit():

@@ -98,3 +98,16 @@ def test_slot_table_as_page_size_one(device):
     slots = (table.long()[:, :, None] * 8 + torch.arange(8, device=device)).view(2, -1)
     out = mla_decode(q, kv, slots.int(), seq, 1, 0.1, num_splits=2, cfg=SMALL)
     assert _rel(out, mla_decode_reference(q, kv, table, seq, 8, 0.1)) < 1e-2
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_a_column_major_page_table(device, num_splits):
+    """The decode graphs keep the table column-major (libs/engine/cuda_graph.py: a step copies only the
+    columns it reads): the kernel follows the table's strides, same output as a row-major table."""
+    q, kv, table, lens = _case(device, 3, 16, 4, [9, 1, 30])
+    col_major = table.t().contiguous().t()
+    assert col_major.stride() == (1, table.shape[0]) and torch.equal(col_major, table)
+    scale = 0.1
+    ref = mla_decode(q, kv, table, lens, 4, scale, num_splits=num_splits)
+    got = mla_decode(q, kv, col_major, lens, 4, scale, num_splits=num_splits)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
