@@ -189,7 +189,10 @@ def serve(
             rec["gpu_processes"] = mesh.gpu_processes()
             rec["greedy_mesh"] = greedy_through_mesh(mesh, s)
         except Exception as e:  # noqa: BLE001 - recorded, then the next transport
-            rec["transport_failures"][transport] = f"{type(e).__name__}: {e}"[-2000:]
+            why = f"{type(e).__name__}: {e}"
+            if "--- " not in why:  # the services' own words too (start() puts them in its errors already)
+                why += "\n" + mesh.log_tails(600)
+            rec["transport_failures"][transport] = why[-4000:]
             rec["stacks_dumped"] = mesh.dump_stacks()  # where each service was (in its log), then stop
             mesh.stop()
             continue

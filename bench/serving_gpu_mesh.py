@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from libs.bus.ports import read_ports
 from libs.launch.supervisor import stop_group
 from libs.loadgen.slowdown import FULL_BATCH_SHARE
 from libs.worker import step_trace
@@ -150,7 +151,13 @@ class MeshProcess:
         return "\n".join(parts)
 
     def metrics(self, service: str) -> str:
-        port = json.loads((self.log_dir / "ports" / f"{service}.json").read_text())["http"]
+        """A service's /metrics. Its ports file may come a moment after `moemesh up` says the mesh is up (a
+        worker heartbeats from its set-up on): waited for, up to 30 s."""
+        ports = self.log_dir / "ports" / f"{service}.json"
+        deadline = time.monotonic() + 30
+        while read_ports(ports) is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # another process writes the file: nothing to wait on but the file
+        port = json.loads(ports.read_text())["http"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             return r.read().decode()
 

@@ -34,6 +34,7 @@ import logging
 import secrets
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -142,15 +143,15 @@ class Service:
             self.startup_stage = "setting up"
             await self.setup()
             await self.bus.flush()  # subscriptions are known to the server before anyone is told we are ready
-            if self.freeze_heap_when_set_up and s.gc_freeze:
-                log.info(
-                    "%s %s: start-up heap frozen (%d objects)",
-                    self.name,
-                    self.instance_id,
-                    freeze_startup_heap(),
-                )
             if s.ports_file:
                 write_ports(s.ports_file, self.bound_ports())
+            if self.freeze_heap_when_set_up and s.gc_freeze:  # after the ports: a worker heartbeats already
+                t0 = time.perf_counter()
+                frozen = freeze_startup_heap()
+                log.info(
+                    "%s %s: start-up heap frozen (%d objects, %.2f s)",
+                    self.name, self.instance_id, frozen, time.perf_counter() - t0,
+                )  # fmt: skip
             self._ready = True
             self._ready_gauge.set(1)
             self.started.set()

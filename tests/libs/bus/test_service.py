@@ -212,19 +212,39 @@ async def test_ready_says_why_not_until_setup_is_done_and_while_draining(nats_se
 
 @pytest.mark.parametrize("gc_freeze", [True, False])
 async def test_a_service_in_its_own_process_freezes_its_start_up_heap_and_reports_gc_pauses(
-    nats_server, gc_freeze
+    nats_server, gc_freeze, tmp_path, monkeypatch
 ):
     """main() marks the service as its process's own: once set up it freezes the start-up heap (unless
-    gc_freeze is off); every service's collection pauses are on its /metrics."""
+    gc_freeze is off), after writing its ports file (a worker heartbeats from set-up on, so a launcher may
+    look for the file as soon as it hears one: a collection of a worker's heap can take a while); every
+    service's collection pauses are on its /metrics."""
     import gc
 
-    settings = ServiceSettings(nats_url=nats_server, http_port=-1, http_host="127.0.0.1", gc_freeze=gc_freeze)
+    import libs.bus.service as service_module
+
+    ports_file = tmp_path / "echo.json"
+    ports_at_freeze = []
+    real_freeze = service_module.freeze_startup_heap
+
+    def freeze() -> int:
+        ports_at_freeze.append(read_ports(ports_file))
+        return real_freeze()
+
+    monkeypatch.setattr(service_module, "freeze_startup_heap", freeze)
+    settings = ServiceSettings(
+        nats_url=nats_server,
+        http_port=-1,
+        http_host="127.0.0.1",
+        gc_freeze=gc_freeze,
+        ports_file=str(ports_file),
+    )
     svc = EchoService(settings, f"test.svc.{uuid.uuid4().hex}")
     svc.freeze_heap_when_set_up = True
     gc.unfreeze()
     task = await start_service(svc)
     try:
         assert (gc.get_freeze_count() > 0) is gc_freeze
+        assert ports_at_freeze == ([{"http": svc.http_port}] if gc_freeze else [])
         gc.collect()
         metrics = (await get(svc, "/metrics")).text
         assert 'moemesh_gc_pause_seconds_count{generation="2"}' in metrics
