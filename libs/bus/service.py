@@ -132,7 +132,6 @@ class Service:
     async def run(self, install_signals: bool = True) -> None:
         """Connect, set up, serve until stopped, then drain gracefully (see the module docstring)."""
         s = self.settings
-        self.gc_pauses.install()
         self._bus = await Bus.connect(
             s.nats_url, f"{self.name}:{self.instance_id}", connect_deadline=s.connect_timeout_s,
             drain_timeout=s.drain_timeout_s, registry=self.registry, **nats_connect_options(s),
@@ -140,6 +139,7 @@ class Service:
         http = await self._start_http() if s.http_port != 0 else None
         signals = self._install_signals() if install_signals else []
         try:
+            self.gc_pauses.install()  # uninstalled in _shutdown
             self.startup_stage = "setting up"
             await self.setup()
             await self.bus.flush()  # subscriptions are known to the server before anyone is told we are ready
