@@ -288,6 +288,10 @@ class KvReady(Kind, frozen=True):
     prefill_worker: str = ""
     # the prefill worker already streamed first_token to the gateway (offset 0): not sent again
     first_token_streamed: bool = False
+    # the block hashes of the prompt's whole pages (libs.prefix, as the prefill worker's cache named them):
+    # the decode worker reuses them for its KV events when it caches the prompt (a reader without the field
+    # hashes the prompt itself: no version bump)
+    block_hashes: list[int] = []
 
 
 class DecodeDirect(Kind, frozen=True):

@@ -292,7 +292,9 @@ class Engine:
             self.abort(rid)
             raise
         self._cache_pinned(req)
-        return PrefillResult(out.token_ids[0], out.logprobs[0], list(req.pages), req.cached_tokens)
+        return PrefillResult(
+            out.token_ids[0], out.logprobs[0], list(req.pages), req.cached_tokens, self._prompt_hashes(req)
+        )
 
     def add_prefill(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Queue a PD prefill: it runs through step() with whatever else is queued (chunked under
@@ -360,12 +362,15 @@ class Engine:
         return rid in self.reservations and self.abort(rid)
 
     def add_prefilled(
-        self, rid: str, prompt_ids: Sequence[int], first_token: int, params: SamplingParams
-    ) -> None:
+        self, rid: str, prompt_ids: Sequence[int], first_token: int, params: SamplingParams,
+        block_hashes: Sequence[int] = (),
+    ) -> None:  # fmt: skip
         """Join the decode batch with the prompt's KV already in the reserved pages. The first token (sampled
         by the prefill side) counts toward max_tokens and the stop checks; if it already ends the request,
         the next step() reports the finish with no new tokens. A seeded request continues the seed's
-        random stream where the prefill side left it, so it samples what a single engine would."""
+        random stream where the prefill side left it, so it samples what a single engine would.
+        `block_hashes`: the prefill side's hashes of the prompt's pages (PrefillResult.block_hashes), reused
+        when the finished request's KV enters this engine's prefix cache (checked there, else recomputed)."""
         if rid not in self.reservations:
             raise ValueError(f"add_prefilled: no reservation for request {rid!r}")
         prompt_ids = check_prompt(prompt_ids, params, self.limits, f"request {rid!r}")
@@ -382,6 +387,7 @@ class Engine:
             self.procs.remove(rid)
             raise
         req.pages, req.num_computed, req.admitted = self.reservations.pop(rid), len(prompt_ids), True
+        req.prompt_hashes = list(block_hashes)
         req.cache_node, req.num_cached_pages = self._reserved_prefix.pop(rid, (None, 0))
         req.status = Status.RUNNING
         self.requests[rid] = req
@@ -433,7 +439,7 @@ class Engine:
 
     def _cache_and_release(self, req: Request) -> None:
         if self.cache is not None and req.num_computed:
-            self.cache.insert(req.tokens[: req.num_computed], req.pages)
+            self.cache.insert(req.tokens[: req.num_computed], req.pages, req.prompt_hashes)
         self._release(req)
 
     def _preempt(self, req: Request) -> None:
@@ -527,6 +533,12 @@ class Engine:
             self.cache.unlock(req.cache_node)
         req.cache_node = node
 
+    def _prompt_hashes(self, req: Request) -> list[int]:
+        """A pinned prompt's block hashes, from the cache path that holds it (empty when nothing is hashed)."""
+        if self.cache is None or req.cache_node is None:
+            return []
+        return self.cache.path_hashes(req.cache_node)
+
     def _pin_prefilled(self, req: Request, token: int, logprob) -> StepOutput:
         """An add_prefill() prompt's last chunk ran: out of the batch (never decoded nor preempted), its
         pages pinned and its prompt cached, exactly where prefill() leaves a prompt."""
@@ -535,7 +547,8 @@ class Engine:
         self.pinned[req.rid] = req
         self._cache_pinned(req)
         out = self._step_output(req, [token], [logprob] if logprob is not None else None)
-        out.prefill = PrefillResult(token, logprob, list(req.pages), req.cached_tokens)
+        hashes = self._prompt_hashes(req)
+        out.prefill = PrefillResult(token, logprob, list(req.pages), req.cached_tokens, hashes)
         return out
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleOutput:

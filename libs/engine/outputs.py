@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from libs.engine.sampling import TokenLogprob
 
@@ -49,3 +49,6 @@ class PrefillResult:
     logprobs: TokenLogprob | None
     page_ids: list[int]  # covers the whole prompt, in order; the last page may be partly filled
     cached_tokens: int
+    # the block hashes of the prompt's whole pages, as this engine's prefix cache names them for KV events
+    # (empty when nothing listens); the decode side reuses them when it caches the prompt
+    block_hashes: list[int] = field(default_factory=list)

@@ -67,5 +67,6 @@ class EngineLike(Protocol):
     def cancel_reservation(self, rid: str) -> bool: ...
 
     def add_prefilled(
-        self, rid: str, prompt_ids: Sequence[int], first_token: int, params: SamplingParams
-    ) -> None: ...
+        self, rid: str, prompt_ids: Sequence[int], first_token: int, params: SamplingParams,
+        block_hashes: Sequence[int] = (),
+    ) -> None: ...  # fmt: skip

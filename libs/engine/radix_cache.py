@@ -114,12 +114,16 @@ class RadixCache:
             node = child
         return PrefixMatch(pages, pos, node)
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], hashes: Sequence[int] = ()) -> int:
         """Cache the whole pages of `tokens` (KV in `pages`); returns how many tokens were cached already.
 
         Where a prefix is already cached the existing pages stay and the caller's duplicates are left to
         the caller; the cache takes references only on the pages it newly stores.
-        """
+
+        `hashes`: block hashes already known for the leading pages of `tokens` (a PD prompt's, computed by
+        the prefill worker's cache): used for the new pages they cover, where they chain onto the cached
+        prefix, instead of hashing those pages again; the rest are computed. (They only name blocks in KV
+        events, the routing hints; what matches is always decided on the tokens.)"""
         full = len(tokens) // self.page_size * self.page_size
         if len(pages) < full // self.page_size:
             raise ValueError(f"insert: {len(pages)} pages cannot hold {full} tokens")
@@ -135,9 +139,33 @@ class RadixCache:
             self.evictable_pages += len(new_pages)
             if self.listener is not None:
                 parent = match.node.hashes[-1] if match.node.hashes else root_hash(self.page_size)
-                leaf.hashes = extend_hashes(parent, leaf.key, self.page_size)
+                leaf.hashes = self._leaf_hashes(parent, leaf.key, first, hashes)
                 self.listener.blocks_stored(list(leaf.hashes))
         return match.length
+
+    def _leaf_hashes(self, parent: int, key: list[int], first: int, known: Sequence[int]) -> list[int]:
+        """Hashes of a new leaf's pages (pages first.. of the sequence): the known ones when the first of them
+        is what this cache computes for that page after `parent` (one digest: same chain, page size and
+        tokens), then the rest computed."""
+        ps = self.page_size
+        reuse = list(known[first : first + len(key) // ps])
+        if reuse and extend_hashes(parent, key[:ps], ps)[0] != reuse[0]:
+            reuse = []
+        if len(reuse) * self.page_size == len(key):
+            return reuse
+        start = reuse[-1] if reuse else parent
+        return reuse + extend_hashes(start, key[len(reuse) * self.page_size :], self.page_size)
+
+    def path_hashes(self, node: RadixNode) -> list[int]:
+        """The block hashes of every page from the root down to `node` (a cached prompt's, in order); empty
+        without a listener (nothing is hashed then)."""
+        runs = []
+        while node is not self.root and node is not None:
+            if len(node.hashes) != len(node.pages):
+                return []
+            runs.append(node.hashes)
+            node = node.parent  # type: ignore[assignment]
+        return [h for run in reversed(runs) for h in run]
 
     def lock(self, node: RadixNode) -> None:
         while node is not self.root and node is not None:

@@ -44,6 +44,8 @@ class Request:
     cache_node: RadixNode | None = None  # locked radix node backing pages[:num_cached_pages]
     stopper: StopChecker | None = None
     pin_after_prefill: bool = False  # PD prefill (Engine.add_prefill): pinned, not decoded, after the prompt
+    # PD: the prefill side's block hashes of the prompt (Engine.add_prefilled), reused when it is cached
+    prompt_hashes: list[int] = field(default_factory=list)
     seed: int = 0  # Philox key of the one-pass sampler (libs.kernels.gumbel): params.seed or a random one
 
     @property

@@ -279,12 +279,13 @@ class EPEngine:
         return True
 
     def add_prefilled(
-        self, rid: str, prompt_ids: Sequence[int], first_token: int, params: SamplingParams
-    ) -> None:
+        self, rid: str, prompt_ids: Sequence[int], first_token: int, params: SamplingParams,
+        block_hashes: Sequence[int] = (),
+    ) -> None:  # fmt: skip
         r = self.owner.get(rid)
         if r is None:
             raise ValueError(f"add_prefilled: no reservation for request {rid!r}")
-        self.group.call(r, "add_prefilled", rid, list(prompt_ids), first_token, params)
+        self.group.call(r, "add_prefilled", rid, list(prompt_ids), first_token, params, list(block_hashes))
 
     @property
     def kv_pool(self) -> KVPool:

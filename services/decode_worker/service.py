@@ -208,9 +208,8 @@ class DecodeWorker(WorkerService):
         self.m_tokens.inc()
         try:
             params = to_params(msg.sampling)
-            await self.et.call(
-                self.engine.add_prefilled, rid, msg.prompt_ids, msg.first_token.token_id, params
-            )
+            token, hashes = msg.first_token.token_id, msg.block_hashes
+            await self.et.call(self.engine.add_prefilled, rid, msg.prompt_ids, token, params, hashes)
         except ValueError as e:
             await self.et.call(self.engine.cancel_reservation, rid)
             self._broker_fire(msg.handle_id, m.ReleaseHandle(handle_id=msg.handle_id, reason="rejected"))

@@ -283,7 +283,7 @@ class PrefillWorker(WorkerService):
             m.KvReady(
                 request_id=rid, handle_id=handle.handle_id, prompt_ids=task.prompt_ids, sampling=task.sampling,
                 stream_subject=task.stream_subject, first_token=first, cached_tokens=res.cached_tokens,
-                prefill_worker=self.instance_id, first_token_streamed=True,
+                prefill_worker=self.instance_id, first_token_streamed=True, block_hashes=res.block_hashes,
             ),
         )  # fmt: skip
         # Off the critical path: KvReady already told the decode worker; the broker's record follows.

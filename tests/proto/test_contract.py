@@ -70,6 +70,7 @@ EXAMPLES: list[msgspec.Struct] = [
         stream_subject="s",
         first_token=LP,
         cached_tokens=16,
+        block_hashes=[2**64 - 1, 0, 12345],  # u64 block hashes
     ),
     m.DecodeDirect(request_id="r1", prompt_ids=[1], sampling=m.Sampling(), stream_subject="s"),
     m.PrefillFailed(request_id="r1", handle_id="h1", message="boom"),

@@ -153,3 +153,70 @@ def test_reserve_cached_is_released_by_cancel_and_survives_eviction_pressure(mod
     assert decode.stats()["free_pages"] == 12 and not decode.reservations
     with pytest.raises(ValueError, match="prompt is empty"):
         decode.reserve_cached("x", [])
+
+
+def _counting_hashes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Pages the radix cache hashes itself from now on (its extend_hashes calls, in pages)."""
+    import libs.engine.radix_cache as rc
+
+    hashed: list[int] = []
+    real = rc.extend_hashes
+
+    def counted(parent, tokens, page_size):
+        hashed.append(len(tokens) // page_size)
+        return real(parent, tokens, page_size)
+
+    monkeypatch.setattr(rc, "extend_hashes", counted)
+    return hashed
+
+
+def test_known_hashes_are_reused_where_they_chain_else_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """insert(tokens, pages, hashes): a PD prompt's hashes from the prefill side name its new pages after a
+    one-page check; hashes that do not continue this cache's chain (another page size, other tokens) are
+    dropped and the pages hashed here: the events are the true block hashes either way."""
+    hashed = _counting_hashes(monkeypatch)
+    alloc, cache, rec = _cache_with_listener()
+    shared = list(range(8))
+    _store(alloc, cache, shared)  # two pages cached already
+    seq = shared + [(7 * i + 3) % 97 for i in range(18)]  # + 4 whole pages and a partial one
+    truth = block_hashes(seq, PS)
+    hashed.clear()
+    pages = alloc.alloc(-(-len(seq) // PS))
+    cache.insert(seq, pages, truth[:5])  # known for the first five pages: pages 2-4 reused, page 5 computed
+    assert rec.events[-1] == ("stored", truth[2:])
+    assert hashed == [1, 1]  # the check of page 2, then page 5 after the known ones
+    for bad in (block_hashes(seq, 2)[:6], [h ^ 1 for h in truth]):  # another page size; a broken chain
+        cache.reset()
+        rec.events.clear()
+        _store(alloc, cache, shared)
+        hashed.clear()
+        cache.insert(seq, pages, bad)
+        assert rec.events[-1] == ("stored", truth[2:])
+        assert hashed == [1, 4]  # the failed check, then every new page
+    alloc.free(pages)
+
+
+def test_pd_prompt_hashes_travel_with_the_prefill_result(model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill side's result carries its cache's hashes of the prompt; the decode side, given them,
+    hashes only the pages after the prompt when the request ends, and reports the same blocks."""
+    prefill, decode = _engine(model), _engine(model)
+    prefill.set_cache_listener(Recorder())
+    rec = Recorder()
+    decode.set_cache_listener(rec)
+    prompt = [(3 * i + 11) % 500 for i in range(21)]  # 5 whole pages
+    res = prefill.prefill("p", prompt, GREEDY)
+    assert res.block_hashes == block_hashes(prompt, PS)
+    pages = decode.reserve("p", len(prompt))
+    src = prefill.kv_pool.buffer.view(prefill.kv_pool.num_layers, 64, PS, -1)
+    dst = decode.kv_pool.buffer.view(decode.kv_pool.num_layers, 64, PS, -1)
+    dst[:, pages] = src[:, res.page_ids]
+    prefill.release("p")
+    hashed = _counting_hashes(monkeypatch)
+    decode.add_prefilled("p", prompt, res.first_token, GREEDY, res.block_hashes)
+    out = [res.first_token]
+    while decode.has_unfinished():
+        for o in decode.step():
+            out += o.token_ids
+    computed = prompt + out[:-1]  # 26 tokens: 6 whole pages
+    assert rec.held() == set(block_hashes(computed, PS))
+    assert hashed == [1, 1]  # the one-page check, then the sixth page (prompt tail + outputs)
