@@ -41,6 +41,7 @@ from bench.pyspy import Profile
 from bench.serving_gpu_mesh import (
     BENCH_SEED,
     MeshProcess,
+    MeshUpError,
     Settings,
     decode_counters,
     decode_worker_full_batch,
@@ -190,7 +191,7 @@ def serve(
             rec["greedy_mesh"] = greedy_through_mesh(mesh, s)
         except Exception as e:  # noqa: BLE001 - recorded, then the next transport
             why = f"{type(e).__name__}: {e}"
-            if "--- " not in why:  # the services' own words too (start() puts them in its errors already)
+            if not isinstance(e, MeshUpError):  # the services' own words too (MeshUpError holds them already)
                 why += "\n" + mesh.log_tails(600)
             rec["transport_failures"][transport] = why[-4000:]
             rec["stacks_dumped"] = mesh.dump_stacks()  # where each service was (in its log), then stop

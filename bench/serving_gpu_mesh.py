@@ -104,6 +104,10 @@ class Settings:
         return [[(length + 7 * i) % 1000 + 3 for i in range(length)] for length in self.greedy_lens]
 
 
+class MeshUpError(RuntimeError):
+    """`moemesh up` did not bring the mesh up; the message holds the services' log tails."""
+
+
 class MeshProcess:
     """`moemesh up` in its own process group, started and stopped by this benchmark."""
 
@@ -135,12 +139,12 @@ class MeshProcess:
         deadline = time.monotonic() + self.s.left(self.s.engine_reserve_s)
         while (m := re.search(r"moemesh is up: (http://[\d.]+:\d+)", up_log.read_text())) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"moemesh up ({self.transport}) did not come up:\n{self.log_tails()}")
+                raise MeshUpError(f"moemesh up ({self.transport}) did not come up:\n{self.log_tails()}")
             time.sleep(0.5)  # a child process writes the line: nothing to wait on but its log
         self.url = m.group(1)
         gone = re.search(r"given up: ([^(\n]*)", up_log.read_text())  # printed with "moemesh is up"
         if gone is None or gone.group(1).strip() != "none":  # e.g. a prefill worker that failed to start
-            raise RuntimeError(f"moemesh up ({self.transport}) lost services:\n{self.log_tails()}")
+            raise MeshUpError(f"moemesh up ({self.transport}) lost services:\n{self.log_tails()}")
         with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as r:
             self.model = json.load(r)["data"][0]["id"]
 
@@ -153,11 +157,13 @@ class MeshProcess:
     def metrics(self, service: str) -> str:
         """A service's /metrics. Its ports file may come a moment after `moemesh up` says the mesh is up (a
         worker heartbeats from its set-up on): waited for, up to 30 s."""
-        ports = self.log_dir / "ports" / f"{service}.json"
+        path = self.log_dir / "ports" / f"{service}.json"
         deadline = time.monotonic() + 30
-        while read_ports(ports) is None and time.monotonic() < deadline:
+        while (ports := read_ports(path)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{service} wrote no ports file ({path}) within 30 s")
             time.sleep(0.05)  # another process writes the file: nothing to wait on but the file
-        port = json.loads(ports.read_text())["http"]
+        port = ports["http"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             return r.read().decode()
 
