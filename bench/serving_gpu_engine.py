@@ -5,7 +5,6 @@ the workers' start-up warm-up (libs/worker/warmup.py), so both sides are timed w
 
 from __future__ import annotations
 
-import gc
 import math
 import statistics
 import time
@@ -17,6 +16,7 @@ import torch
 from libs.engine import Engine
 from libs.engine.sampling import SamplingParams
 from libs.loadgen.slowdown import FULL_BATCH_SHARE
+from libs.telemetry.gc_pauses import GcPauses
 from libs.worker.warmup import plan_warmup, run_warmup
 
 
@@ -30,28 +30,6 @@ def greedy(engine: Engine, prompts: Sequence[list[int]], max_tokens: int) -> lis
 def _sync(engine: Engine) -> None:
     if engine.model.device.type == "cuda":
         torch.cuda.synchronize(engine.model.device)
-
-
-class GcWatch:
-    """Python's garbage collections while on: (generation, ms) of each, from gc.callbacks."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[int, float]] = []
-        self._t0 = 0.0
-
-    def __call__(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.seen.append((info["generation"], round(1000 * (time.perf_counter() - self._t0), 3)))
-
-    def on(self) -> None:
-        if self not in gc.callbacks:
-            gc.callbacks.append(self)
-
-    def off(self) -> None:
-        if self in gc.callbacks:
-            gc.callbacks.remove(self)
 
 
 def full_batch_decode(engine: Engine, prompts: Sequence[list[int]], output_len: int) -> dict[str, Any]:
@@ -68,7 +46,7 @@ def full_batch_decode(engine: Engine, prompts: Sequence[list[int]], output_len: 
     t0 = time.perf_counter()
     full_from: float | None = None
     window_tokens, window_end, steps, outputs = 0, 0.0, [], []
-    gcs = GcWatch()
+    gcs = GcPauses(keep=True)  # the window's collections, (generation, ms) each
     try:
         while engine.has_unfinished():
             before = time.perf_counter()
@@ -84,13 +62,13 @@ def full_batch_decode(engine: Engine, prompts: Sequence[list[int]], output_len: 
                 steps.append(now - before)
                 outputs.append(len(outs))
             elif full_from is not None:
-                gcs.off()  # the window is over
+                gcs.uninstall()  # the window is over
             if full_from is None and len(started) == n:
                 _sync(engine)
                 full_from = time.perf_counter()
-                gcs.on()
+                gcs.install()
     finally:
-        gcs.off()
+        gcs.uninstall()
     _sync(engine)
     duration = time.perf_counter() - t0
     window = (window_end - full_from) if full_from is not None and window_end > full_from else 0.0
@@ -104,7 +82,7 @@ def full_batch_decode(engine: Engine, prompts: Sequence[list[int]], output_len: 
         "full_batch_steps": len(steps),
         "step_ms_median": 1000 * sorted(steps)[len(steps) // 2] if steps else None,
         "window_steps": {"outputs": outputs, "ms": [round(1000 * x, 2) for x in steps]},
-        "window_gc": [list(g) for g in gcs.seen],
+        "window_gc": [list(g) for g in gcs.seen or []],
     }
 
 

@@ -151,10 +151,10 @@ class RadixCache:
         reuse = list(known[first : first + len(key) // ps])
         if reuse and extend_hashes(parent, key[:ps], ps)[0] != reuse[0]:
             reuse = []
-        if len(reuse) * self.page_size == len(key):
+        if len(reuse) * ps == len(key):
             return reuse
         start = reuse[-1] if reuse else parent
-        return reuse + extend_hashes(start, key[len(reuse) * self.page_size :], self.page_size)
+        return reuse + extend_hashes(start, key[len(reuse) * ps :], ps)
 
     def path_hashes(self, node: RadixNode) -> list[int]:
         """The block hashes of every page from the root down to `node` (a cached prompt's, in order); empty

@@ -22,13 +22,14 @@ BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class GcPauses:
-    """Collections' pauses while installed: `total_s` (all generations), `count`, `longest_s`, and the
-    histogram on `registry` when given. Install once per process (`install`); `uninstall` for tests."""
+    """Collections' pauses while installed: `total_s` (all generations), `count`, the histogram on `registry`
+    when given, and with `keep` each one as (generation, ms) in `seen` (a benchmark's window). Install once
+    per process (`install`); `uninstall` ends it."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, keep: bool = False) -> None:
         self.total_s = 0.0
         self.count = 0
-        self.longest_s = 0.0
+        self.seen: list[tuple[int, float]] | None = [] if keep else None
         self._t0 = 0.0
         self._hist = (
             Histogram(
@@ -37,7 +38,7 @@ class GcPauses:
                 ["generation"],
                 buckets=BUCKETS,
                 registry=registry,
-            )  # fmt: skip
+            )
             if registry is not None
             else None
         )
@@ -49,9 +50,11 @@ class GcPauses:
         took = time.perf_counter() - self._t0
         self.total_s += took
         self.count += 1
-        self.longest_s = max(self.longest_s, took)
+        generation = info.get("generation", -1)
         if self._hist is not None:
-            self._hist.labels(generation=str(info.get("generation", -1))).observe(took)
+            self._hist.labels(generation=str(generation)).observe(took)
+        if self.seen is not None:
+            self.seen.append((generation, round(1000 * took, 3)))
 
     def install(self) -> GcPauses:
         if self not in gc.callbacks:
