@@ -94,7 +94,7 @@ FAST = dict(
 )  # fmt: skip
 
 
-def _emulated_rank(tbo: bool, device: str, dtype: torch.dtype, max_batch: int):
+def _emulated_rank(tbo: bool, device: str, dtype: torch.dtype, max_batch: int, attention: str = "triton"):
     """bench/decode_rank's engine (random FP8 weights, EP-8 emulated, fused path), KV pool seeded."""
     import bench.decode_rank as R
     from libs.engine.presets import deepseek_v3_config
@@ -102,7 +102,7 @@ def _emulated_rank(tbo: bool, device: str, dtype: torch.dtype, max_batch: int):
     torch.manual_seed(0)  # the benchmark fills the KV pool with normal_()
     return R.build_engine(
         deepseek_v3_config(**FAST), ep=8, physical=16, max_batch=max_batch, max_ctx=64, device=device,
-        dtype=dtype, attention="triton", page_size=16, two_batch_overlap=tbo,
+        dtype=dtype, attention=attention, page_size=16, two_batch_overlap=tbo,
     )  # fmt: skip
 
 
@@ -223,9 +223,10 @@ def test_flashinfer_decode_is_planned_per_micro_batch(monkeypatch: pytest.Monkey
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["triton", "flashinfer"])
 @pytest.mark.parametrize("batch", [5, 16])
 def test_emulated_ep_rank_under_cuda_graphs_equal_with_and_without_tbo(
-    batch: int, monkeypatch: pytest.MonkeyPatch
+    batch: int, attention: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """World 1, the emulated EP rank on the fused path, decode replayed from CUDA graphs (the split forward
     captured, padded batches too), then engine steps with TBO on and off.
@@ -244,8 +245,11 @@ def test_emulated_ep_rank_under_cuda_graphs_equal_with_and_without_tbo(
     from libs.engine.cuda_graph import bucket_for, capture_sizes
     from libs.kernels import fp8_gemm
 
+    if attention == "flashinfer":
+        pytest.importorskip("flashinfer")  # a planned MLA wrapper per micro-batch and graph size
     monkeypatch.setattr(fp8_gemm, "_measured_split", lambda *args: 1)
-    engines = [_emulated_rank(tbo, "cuda", torch.bfloat16, 16) for tbo in (False, True)]
+    engines = [_emulated_rank(tbo, "cuda", torch.bfloat16, 16, attention) for tbo in (False, True)]
+    assert all(e.runner.backend.name == attention for e in engines)
     rids = [R.fill(e, batch, ctx=20, gen=4, seed=3) for e in engines]
     off, on = (_graph_logits(e, r) for e, r in zip(engines, rids, strict=True))
     assert all(e.runner.graphs is not None and e.runner.graphs.captured for e in engines)
