@@ -25,7 +25,7 @@ host-to-device copies, the captured decode graph, sampling (one-pass Gumbel-max)
 `--tbo` runs every step as two overlapped micro-batches (libs.engine.two_batch_overlap; `tbo` in the
 record). With EP emulated there is no dispatch or combine to overlap: it measures what splitting the batch
 costs (half-size GEMMs and attention), not what overlap gains on a real EP group. It needs `--attn triton`
-or `--attn flashinfer` (one FlashInfer wrapper per micro-batch; not yet run on a GPU).
+or `--attn flashinfer` (one FlashInfer wrapper per micro-batch; `auto` takes FlashInfer where it imports).
 """
 
 from __future__ import annotations

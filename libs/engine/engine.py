@@ -85,8 +85,6 @@ class Engine:
         row_bytes = cfg.kv_row_dim * torch.empty((), dtype=dtype).element_size() * cfg.num_hidden_layers
         if num_pages is None:
             num_pages = default_num_pages(cfg, page_size, max_num_seqs, row_bytes)
-        if two_batch_overlap and attention_backend == "auto" and device.type == "cuda":
-            attention_backend = "triton"  # FlashInfer's per-micro-batch plans have not run on a GPU yet
         graphs = cuda_graphs and decode_graphs_supported(model, attention_backend)
         # decode graphs pad their batch with rows that write one scratch page, past the allocator's pages
         pool_pages = num_pages + 1 if graphs else num_pages
