@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.pyspy import Profile
 from bench.scale_load import (
     closed_loop,
     closed_loop_raw,
@@ -159,12 +160,19 @@ def gateway_tokens(mesh: ScaleMesh) -> list[float]:
 
 
 def streaming_test(mesh: ScaleMesh, args: argparse.Namespace) -> dict:
+    prof = None
+    if args.profile:  # py-spy on the (first) gateway while the clients stream
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        gw = next(pid for name, pid in mesh.pids().items() if name.startswith("gateway"))
+        prof = Profile.start(gw, Path(args.profile) / "gateway-streaming.pyspy.txt")
     probe, tokens0 = Probe(mesh), gateway_tokens(mesh)
     loop_fn = closed_loop_raw if args.stream_client == "raw" else closed_loop
     res, wall = asyncio.run(
         loop_fn(mesh.url, mesh.model_name, args.stream_clients, args.stream_tokens, 32, 1)
     )
     d = probe.delta()
+    if prof is not None:
+        d["profile"] = prof.stop()
     per_gw = [b - a for a, b in zip(tokens0, gateway_tokens(mesh), strict=True)]
     gw = sum(v for k, v in d["cpu_cores"].items() if k == "gateway" or k.startswith("gateway-"))
     out = {"clients": args.stream_clients, "client": args.stream_client, "sim_speed": args.stream_sim_speed or args.sim_speed,
@@ -277,6 +285,9 @@ def main() -> None:
     )
     ap.add_argument("--flood-hosts", type=int, default=0, help="sim host processes in the flood (0: --hosts)")
     ap.add_argument("--heartbeat-ms", type=int, default=250, help="worker and scheduler heartbeat interval")
+    ap.add_argument(
+        "--profile", metavar="DIR", help="py-spy on the gateway during the streaming test; raw file in DIR"
+    )
     ap.add_argument("--out", default="bench/results/mesh_scale.json")
     args = ap.parse_args()
     model = write_tiny_model(Path("/tmp/moemesh-bench-tiny"), overwrite=True)
