@@ -90,9 +90,9 @@ class SchedulerSettings(ServiceSettings, frozen=True, kw_only=True):
     # "broker" (a PrefixQuery round trip to the kv-broker per placement)
     prefix_index: str = "local"
     # send PrefillStart with the ReserveKv, so the prefill runs while the decode worker reserves pages
-    # (its PrefillTask follows with the handle; PrefillAbandon if the reservation fails). Needs prefill
-    # workers that know PrefillStart.
-    overlap_prefill: bool = False
+    # (its PrefillTask follows with the handle; PrefillAbandon if the reservation fails), as SGLang's PD
+    # router sends a request to both servers at once. Off: the prefill waits for the reservation's handle.
+    overlap_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.prefix_index not in ("local", "broker"):

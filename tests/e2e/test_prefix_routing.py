@@ -49,14 +49,16 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 class Tasks:
-    """Every PrefillTask on the bus, with the prefill worker it was sent to."""
+    """Every PrefillTask on the bus, with the prefill worker it was sent to (not the PrefillStarts that go
+    ahead of them: overlap_prefill)."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, m.PrefillTask]] = []
         self._dec = decoder(m.PrefillInbox)
 
     async def on_msg(self, msg) -> None:
-        self.seen.append((msg.subject.rsplit(".", 1)[-1], self._dec.decode(msg.data)))
+        if isinstance(task := self._dec.decode(msg.data), m.PrefillTask):
+            self.seen.append((msg.subject.rsplit(".", 1)[-1], task))
 
     def extending(self, prompt: list[int]) -> list[tuple[str, m.PrefillTask]]:
         """Tasks whose prompt starts with `prompt` and goes on (the turns that follow it)."""

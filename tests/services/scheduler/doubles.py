@@ -52,11 +52,13 @@ class FakeDecode:
 
 
 class FakePrefill:
-    """Records PrefillTasks with the traceparent they arrived under."""
+    """Records PrefillTasks with the traceparent they arrived under (`tasks`), and every message of its
+    inbox in order (`inbox`: with overlap_prefill, the PrefillStart / PrefillAbandon around them)."""
 
     def __init__(self, bus: Bus, worker_id: str, model: str) -> None:
         self.bus, self.worker_id, self.model = bus, worker_id, model
         self.tasks: asyncio.Queue[tuple[m.PrefillTask, str | None]] = asyncio.Queue()
+        self.inbox: asyncio.Queue[m.PrefillInbox] = asyncio.Queue()
 
     async def start(self, **heartbeat: object) -> FakePrefill:
         await self.bus.subscribe(subjects.prefill_inbox(self.worker_id), m.PrefillInbox, self._on_task)
@@ -65,5 +67,7 @@ class FakePrefill:
         await self.bus.publish(subjects.heartbeat_of(hb), hb)
         return self
 
-    async def _on_task(self, task: m.PrefillTask) -> None:
-        await self.tasks.put((task, current_traceparent()))
+    async def _on_task(self, msg: m.PrefillInbox) -> None:
+        await self.inbox.put(msg)
+        if isinstance(msg, m.PrefillTask):
+            await self.tasks.put((msg, current_traceparent()))

@@ -55,7 +55,7 @@ async def test_kv_events_route_to_the_holder_without_asking_the_broker(start) ->
     await _indexed(h, p1.worker_id, 4)
     assert (await h.submit("r1", prompt_len=100)).ok
     task, _ = await _get(p1.tasks)  # p0 would win on load alone (equal load, lower id)
-    assert task.request_id == "r1" and p0.tasks.empty()
+    assert task.request_id == "r1" and p0.inbox.empty()
     assert watch.queries == 0 and h.metric("moemesh_scheduler_prefix_queries_total", outcome="local") == 1
     assert h.metric("moemesh_scheduler_prefix_index_blocks") == 4
 
@@ -85,4 +85,4 @@ async def test_a_missed_event_resyncs_from_the_workers_snapshot(start) -> None: 
     assert len(asked) == 2 and h.metric("moemesh_scheduler_prefix_index_resyncs_total", reason="gap") == 1
     assert (await h.submit("r1", prompt_len=100)).ok
     task, _ = await _get(p1.tasks)
-    assert task.request_id == "r1" and p0.tasks.empty()
+    assert task.request_id == "r1" and p0.inbox.empty()

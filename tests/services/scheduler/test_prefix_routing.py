@@ -58,7 +58,7 @@ async def test_request_goes_to_the_prefill_worker_holding_its_prefix(start, inde
     idx = await index(h.bus, {p1.worker_id: 64})
     assert (await h.submit("r1", prompt_len=100)).ok
     task, _ = await _get(p1.tasks)  # p0 would win on load alone (equal load, lower id)
-    assert task.request_id == "r1" and p0.tasks.empty()
+    assert task.request_id == "r1" and p0.inbox.empty()
     (q,) = idx.queries
     assert q == m.PrefixQuery(page_size=16, hashes=block_hashes(PROMPT[:-1], 16))
     reserve = await _get(d.reserves)
@@ -73,7 +73,7 @@ async def test_a_silent_index_means_placement_on_load_alone(start, index) -> Non
     await index(h.bus, {p1.worker_id: 64}, silent=True)
     assert (await h.submit("r1", prompt_len=100)).ok
     task, _ = await _get(p0.tasks)
-    assert task.request_id == "r1" and p1.tasks.empty()
+    assert task.request_id == "r1" and p1.inbox.empty()
     assert h.metric("moemesh_scheduler_prefix_queries_total", outcome="failed") == 1
 
 
@@ -85,7 +85,7 @@ async def test_prefix_weight_zero_is_a_prefix_unaware_scheduler(start, index) ->
     assert (await h.submit("r1", prompt_len=100)).ok  # 4 uncached tokens on d0, but nobody asked
     task, _ = await _get(p0.tasks)
     assert (await _get(d.reserves)).prompt_ids == []
-    assert idx.queries == [] and p1.tasks.empty() and d.directs.empty()
+    assert idx.queries == [] and p1.inbox.empty() and d.directs.empty()
 
 
 async def test_cached_prefix_on_the_decode_worker_makes_a_long_prompt_direct(start, index) -> None:  # noqa: F811
@@ -97,7 +97,7 @@ async def test_cached_prefix_on_the_decode_worker_makes_a_long_prompt_direct(sta
     direct = await _get(d1.directs)
     assert direct.request_id == "r1"
     await h.until(lambda: h.metric("moemesh_scheduler_placements_total", kind="direct") == 1)
-    assert d0.directs.empty() and d0.reserves.empty() and p.tasks.empty()
+    assert d0.directs.empty() and d0.reserves.empty() and p.inbox.empty()
 
 
 async def test_a_burst_sharing_a_new_prefix_stays_together_before_the_index_knows_it(start) -> None:  # noqa: F811

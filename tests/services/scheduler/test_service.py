@@ -121,6 +121,8 @@ async def test_long_prompt_is_reserved_on_decode_then_prefilled(start) -> None:
     assert (reserve.request_id, reserve.num_tokens, reserve.lease_ms) == ("r1", 100, h.svc.settings.lease_ms)
     # the decode worker learns who writes the pages and whom to tell if that worker dies
     assert (reserve.stream_subject, reserve.prefill_worker) == (h.stream, p.worker_id)
+    start_msg = await _get(p.inbox)  # overlap_prefill (the default): the prompt starts with the ReserveKv
+    assert isinstance(start_msg, m.PrefillStart) and start_msg.prompt_ids == list(range(1, 101))
     task, task_tp = await _get(p.tasks)
     assert task.handle == d.handles["r1"] and task.prompt_ids == list(range(1, 101))
     assert task.stream_subject == h.stream and task_tp == tp  # the trace crosses the queue
@@ -136,7 +138,7 @@ async def test_short_prompt_goes_straight_to_decode(start) -> None:
     direct = await _get(d.directs)
     assert (direct.request_id, len(direct.prompt_ids), direct.stream_subject) == ("short", 20, h.stream)
     await h.until(lambda: h.metric("moemesh_scheduler_placements_total", kind="direct") == 1)
-    assert d.reserves.empty() and p.tasks.empty()
+    assert d.reserves.empty() and p.inbox.empty()
 
 
 async def test_a_submit_with_nothing_queued_is_placed_by_its_own_handler(start) -> None:
@@ -223,6 +225,8 @@ async def test_refused_reservation_is_retried_on_another_decode_worker(start) ->
     assert (await _get(good.reserves)).request_id == "r1"
     task, _ = await _get(p.tasks)
     assert task.handle.decode_worker == good.worker_id
+    inbox = [await _get(p.inbox) for _ in range(4)]  # overlap_prefill: the prompt starts once per attempt
+    assert [type(x) for x in inbox] == [m.PrefillStart, m.PrefillAbandon, m.PrefillStart, m.PrefillTask]
     assert h.metric("moemesh_scheduler_retries_total") == 1
 
 
@@ -321,6 +325,8 @@ async def test_unanswered_reservation_is_retried_elsewhere(start) -> None:
     assert (await h.submit("r1")).ok
     task, _ = await _get(p.tasks)
     assert task.handle.decode_worker == good.worker_id
+    inbox = [await _get(p.inbox) for _ in range(4)]  # overlap_prefill: the prompt starts once per attempt
+    assert [type(x) for x in inbox] == [m.PrefillStart, m.PrefillAbandon, m.PrefillStart, m.PrefillTask]
     assert h.metric("moemesh_scheduler_retries_total") == 1
 
 
