@@ -83,7 +83,9 @@ def build_engine(
     apply_fp8_weights(model, _DeepSeekFP8(), (128, 128))
     fill_random_(model, seed)
     if dispatch == "real":  # hooks set before the Engine is built, so its decode graphs capture them
-        real_dispatch(model, local or cfg.n_routed_experts, max_batch)
+        # with two-batch overlap a round holds one micro-batch, at most half the batch (as libs/ep/rank.py does)
+        rounds_max = -(-max_batch // 2) if two_batch_overlap else max_batch
+        real_dispatch(model, local or cfg.n_routed_experts, rounds_max)
         local = None
     pages = max_batch * math.ceil(max_ctx / page_size)
     engine = Engine(

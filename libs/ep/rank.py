@@ -150,7 +150,9 @@ class RankWorker:
         model = load_rank_model(spec.model_dir, placement, rank, spec.dtype, device, spec.quantization)
         backend, options = resolve_backend(spec.backend, device), dict(spec.backend_options)
         if backend == "fixed":  # buffers for a decode batch; longer forwards take its all-to-all fallback
-            options.setdefault("max_tokens", int(spec.engine.get("max_num_seqs", 64)))
+            seqs = int(spec.engine.get("max_num_seqs", 64))
+            # two-batch overlap: a round holds one micro-batch, at most half a decode batch (split_index)
+            options.setdefault("max_tokens", -(-seqs // 2) if spec.engine.get("two_batch_overlap") else seqs)
             options["top_k"] = model.config.num_experts_per_tok
         dispatcher = make_dispatcher(
             backend, comm, slots_per_rank=placement.slots_per_rank, num_physical=placement.num_physical,

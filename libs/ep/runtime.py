@@ -167,7 +167,7 @@ class EPRuntime:
         # backends that exchange their round header once per forward count its rounds (two per layer with TBO)
         set_rounds = getattr(self.dispatcher, "set_rounds_per_forward", None)
         if set_rounds is not None:
-            set_rounds(len(self.experts) * self.rounds_per_layer)
+            set_rounds(len(self.experts) * self.rounds_per_layer, self.rounds_per_layer)
 
     def idle_until_all_done(self) -> None:
         """Serve other ranks' rounds with no tokens of our own until a round where nobody is active."""

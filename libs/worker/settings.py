@@ -49,7 +49,8 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     ep_kv_per_rank: bool = False
     eplb_interval_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # rebalance experts every N steps (0: never)
     # two-batch overlap (libs/engine/two_batch_overlap.py): every forward as two micro-batches, one's EP
-    # dispatch/combine in flight while the other computes; attention backend torch or triton
+    # dispatch/combine in flight while the other computes (any attention backend; FlashInfer plans one
+    # wrapper per micro-batch); an EP rank's fixed dispatcher then holds a micro-batch, half max_num_seqs
     two_batch_overlap: bool = False
     # engine: "model" runs the checkpoint; "sim" the timing-model engine (libs/sim: config and tokenizer
     # only, forward passes replaced by waits fitted to the H200 decode records, deterministic tokens)
@@ -96,8 +97,8 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             raise ValueError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
         if self.ep_size > 1 and self.kv_per_rank and self.transfer_protocol == "inprocess":
             raise ValueError("per-rank KV pools live in the rank processes: use a Mooncake transfer_protocol")
-        if self.two_batch_overlap and (self.engine == "sim" or self.mtp_k or self.attention_backend == "flashinfer"):
-            raise ValueError("two_batch_overlap runs the model engine without MTP, on torch or triton attention")
+        if self.two_batch_overlap and (self.engine == "sim" or self.mtp_k):
+            raise ValueError("two_batch_overlap runs the model engine without MTP")
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError(f"warmup must be auto, on or off, got {self.warmup!r}")
         if self.ep_backend not in ("auto", "fixed", "torch", "deepep", "mooncake"):

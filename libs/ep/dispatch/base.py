@@ -78,9 +78,10 @@ class Dispatcher(ABC):
     @abstractmethod
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor: ...
 
-    def set_rounds_per_forward(self, rounds: int) -> None:
-        """The runtime says how many rounds (MoE layers) one forward has; a backend may exchange its round
-        header once per forward instead of once per round (fixed.py does)."""
+    def set_rounds_per_forward(self, rounds: int, rounds_per_layer: int = 1) -> None:
+        """The runtime says how many rounds one forward has (MoE layers x rounds_per_layer: 2 with two-batch
+        overlap, micro-batch A's round then B's); a backend may exchange its round header once per forward
+        (per micro-batch) instead of once per round (fixed.py does)."""
         return None
 
     def check(self) -> None:

@@ -28,7 +28,11 @@ when no rank is active. The header that says so (activity, token count) is excha
 the first MoE layer of each (the runtime tells the dispatcher how many MoE layers a forward has), not per
 round. A forward in which some rank has more than max_tokens tokens (a long prefill chunk) takes the
 fallback dispatcher for all its layers, on every rank alike (by default AllToAllDispatcher: exact splits,
-host reads), so prefill-sized rounds never need buffers of their size. `exchange` + `combine` is the
+host reads), so prefill-sized rounds never need buffers of their size. With two-batch overlap a forward's
+rounds alternate between its micro-batches A and B (`rounds_per_layer` 2): the header goes at each
+micro-batch's first round (rounds 0 and 1), and each micro-batch takes the fixed buffers or the fallback on
+its own, so max_tokens need only hold a micro-batch (half a decode batch: rank.py sizes it so) and an uneven
+split whose larger part does not fit sends only that part through the fallback. `exchange` + `combine` is the
 header-free round for callers that run every rank in step themselves (CUDA-graph capture, bench/decode_rank).
 """
 
@@ -72,30 +76,36 @@ class FixedDispatcher(Dispatcher):
             self.capacity = min(max_tokens, math.ceil(max_tokens * min(top_k, n) * capacity_factor / n))
         self.x_bytes, self.row_bytes = _row_bytes(hidden, top_k, dtype, fp8)
         self.fallback = fallback
-        self.rounds_per_forward = 1
-        self._round, self._use_fallback = 0, False
+        self.rounds_per_forward, self.rounds_per_layer = 1, 1
+        self._round = 0
+        self._use_fallback = [False]  # per micro-batch of the current forward (round % rounds_per_layer)
         self.overflow: torch.Tensor | None = None  # device bool, set when a pair needed more than C rows
 
     # --- the lockstep interface (runtime.py) ---
-    def set_rounds_per_forward(self, rounds: int) -> None:
+    def set_rounds_per_forward(self, rounds: int, rounds_per_layer: int = 1) -> None:
         self.rounds_per_forward = max(1, rounds)
+        self.rounds_per_layer = max(1, min(rounds_per_layer, self.rounds_per_forward))
+        self._use_fallback = [False] * self.rounds_per_layer
 
     def dispatch(
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, active: bool = True
     ) -> Dispatched | None:
-        if self._round % self.rounds_per_forward == 0:  # a forward starts (or the operation ends) here
+        at = self._round % self.rounds_per_forward
+        part = at % self.rounds_per_layer  # the micro-batch this round belongs to
+        if at < self.rounds_per_layer:  # a (micro-batch of a) forward starts, or the operation ends, here
             table = self.comm.all_gather_ints([int(active), x.shape[0]])
-            if not any(row[0] for row in table):
+            if at == 0 and not any(row[0] for row in table):
                 self._round = 0
                 return None
-            self._use_fallback = max(row[1] for row in table) > self.max_tokens
-            if self._use_fallback and self.fallback is None:
+            peak = max(row[1] for row in table)
+            self._use_fallback[part] = peak > self.max_tokens
+            if self._use_fallback[part] and self.fallback is None:
                 raise ValueError(
-                    f"{max(row[1] for row in table)} tokens on one rank exceed the EP dispatcher's max_tokens "
-                    f"{self.max_tokens} and it has no fallback"
+                    f"{peak} tokens on one rank exceed the EP dispatcher's max_tokens {self.max_tokens} and it "
+                    "has no fallback"
                 )
         self._round += 1
-        if self._use_fallback:
+        if self._use_fallback[part]:
             assert self.fallback is not None
             d = self.fallback.dispatch(x, slots, weights, active)
             if d is None:  # every rank stopped in the middle of a forward (a failed one): the op is over

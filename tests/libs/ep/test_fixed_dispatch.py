@@ -104,6 +104,41 @@ def test_a_forward_above_max_tokens_takes_the_all_to_all_fallback_on_every_rank(
             torch.testing.assert_close(out, dense(x, ids, w, gate_up, down), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("sizes", [[(2, 3), (3, 7)], [(6, 1), (0, 2)]], ids=["b-over-on-1", "a-over-on-0"])
+def test_two_batch_overlap_sends_only_the_micro_batch_that_does_not_fit_through_the_fallback(
+    sizes: list[tuple[int, int]],
+) -> None:
+    """Rounds alternate micro-batch A, B over 2 MoE layers (rounds_per_layer 2), max_tokens 4: the header goes at
+    each micro-batch's first round, and only the micro-batch that some rank cannot fit takes the fallback, for
+    all its rounds; every round equals the dense MoE. Uneven splits of an extend batch make such forwards."""
+    placement = Placement.uniform(1, E, 2)
+    gate_up, down = experts_weights()
+    hub = InProcessHub(2)
+    over = [max(rank[part] for rank in sizes) > 4 for part in (0, 1)]
+
+    def rank(r: int):
+        disp = fixed(hub.comm(r), placement, max_tokens=4)
+        disp.set_rounds_per_forward(4, rounds_per_layer=2)
+        local = placement.local_experts(r)[0]
+        parts = [routing(n, seed=10 * r + i) for i, n in enumerate(sizes[r])]
+        outs = []
+        for _layer in range(2):
+            for x, ids, w in parts:
+                d = disp.dispatch(x, placement.to_physical(0, ids, r), w, active=True)
+                assert d is not None
+                out = disp.combine(run_local_experts(gate_up[local], down[local], d), d)
+                outs.append((d.handle[0], out, dense(x, ids, w, gate_up, down)))
+        x0, ids0, w0 = parts[0]
+        assert disp.dispatch(x0[:0], ids0[:0], w0[:0], active=False) is None
+        disp.check()
+        return outs
+
+    for outs in run_ranks(2, rank):
+        assert [kind for kind, _, _ in outs] == ["fallback" if over[i % 2] else "fixed" for i in range(4)]
+        for _, out, want in outs:
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 def test_too_many_tokens_for_a_header_free_round_is_a_clear_error() -> None:
     placement = Placement.uniform(1, E, 1)
     disp = fixed(InProcessHub(1).comm(0), placement, max_tokens=4)

@@ -67,6 +67,15 @@ def test_gloo_group_with_tbo_equals_the_single_rank_engine(tiny: Path, want) -> 
             torch.testing.assert_close(got, ref.prefill_logits(p), atol=1e-5, rtol=1e-5)
 
 
+def test_gloo_group_with_tbo_on_the_fixed_dispatcher_equals_the_single_rank_engine(tiny: Path, want) -> None:
+    """The fixed-capacity dispatcher under TBO holds one micro-batch a round (max_tokens half of max_num_seqs,
+    4 here): decode micro-batches take its buffers, prefill micro-batches its all-to-all fallback, each on
+    its own header; greedy tokens equal one engine's."""
+    with EPEngine(str(tiny), 2, num_pages=48, max_prefill_tokens=32, max_num_seqs=8, backend="fixed",
+                  two_batch_overlap=True) as ep:  # fmt: skip
+        assert [o.token_ids for o in ep.generate(PROMPTS, GREEDY)] == want
+
+
 def _started_rank(rank: int, init: str) -> None:
     """Rank 0 starts an all-to-all, then sends rank 1 the message rank 1 waits for before joining it: only
     a start that returns before the peers have joined gets through (else both wait until the timeout)."""

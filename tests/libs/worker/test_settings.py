@@ -49,6 +49,8 @@ def test_worker_settings_ep_backend() -> None:
 
 def test_worker_settings_take_two_batch_overlap_where_it_runs() -> None:
     assert WorkerSettings(model_dir="m", two_batch_overlap=True, ep_size=2, dp_size=2).two_batch_overlap
-    for bad in (dict(mtp_k=2), dict(engine="sim"), dict(attention_backend="flashinfer")):
+    fi = WorkerSettings(model_dir="m", two_batch_overlap=True, attention_backend="flashinfer")
+    assert fi.two_batch_overlap and fi.attention_backend == "flashinfer"
+    for bad in (dict(mtp_k=2), dict(engine="sim")):
         with pytest.raises(ValueError, match="two_batch_overlap"):
             WorkerSettings(model_dir="m", two_batch_overlap=True, **bad)  # type: ignore[arg-type]
