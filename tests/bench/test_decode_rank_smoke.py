@@ -42,9 +42,11 @@ def test_rank_engine_builds_local_experts_and_steps_on_the_fused_path():
         assert all(len(o.token_ids) == 1 and 0 <= o.token_ids[0] < 600 for o in out)
 
 
-def test_rank_engine_with_the_real_dispatcher_at_world_1_steps():
+@pytest.mark.parametrize("tbo", [False, True])
+def test_rank_engine_with_the_real_dispatcher_at_world_1_steps(tbo: bool):
     """--dispatch real: the MoE layers take the stepped EP hook (fixed dispatcher over a one-rank gloo group,
-    FP8 experts through the grouped GEMMs) and the engine steps as with the emulated mapping."""
+    FP8 experts through the grouped GEMMs) and the engine steps as with the emulated mapping; with --tbo the
+    dispatcher's rounds hold one micro-batch (half the batch)."""
     import torch.distributed as dist
 
     import bench.decode_rank as R
@@ -54,17 +56,18 @@ def test_rank_engine_with_the_real_dispatcher_at_world_1_steps():
     try:
         engine = R.build_engine(
             config, ep=8, physical=16, max_batch=4, max_ctx=64, device="cpu", dtype=torch.float16,
-            attention="triton", page_size=16, dispatch="real",
+            attention="triton", page_size=16, dispatch="real", two_batch_overlap=tbo,
         )  # fmt: skip
         moe = engine.model.model.layers[1].mlp
         assert isinstance(moe.ep, SteppedEPHook) and moe.fast is None and moe.graph_safe
-        assert moe.experts.gate_up_proj.shape[0] == 2 and moe.ep.dispatcher.capacity == 4
+        assert moe.experts.gate_up_proj.shape[0] == 2 and moe.ep.dispatcher.capacity == (2 if tbo else 4)
         rids = R.fill(engine, 3, ctx=20, gen=4)
         for _ in range(2):
             out = engine.step()
             assert sorted(o.rid for o in out) == sorted(rids)
             assert all(len(o.token_ids) == 1 and 0 <= o.token_ids[0] < 600 for o in out)
         assert int(moe.ep.load.sum()) > 0  # the hook counted the routed picks
+        assert not tbo or engine.model.tbo.split_forwards > 0
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
