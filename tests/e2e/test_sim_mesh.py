@@ -1,6 +1,6 @@
 """The real mesh with timing-model workers (engine=sim, skip transport): 2 prefill + 2 decode worker
-processes, the real gateway, scheduler (overlap_prefill on, the default: the prompt starts while the decode worker
-reserves), kv-broker and nats-server. Both PD paths give the in-process SimEngine's deterministic text, the prefix index routes a repeated prompt to its cached blocks, and no
+processes, the real gateway, scheduler (overlap_prefill on, its default: the prompt starts while the
+decode worker reserves), kv-broker and nats-server. Both PD paths give the in-process SimEngine's deterministic text, the prefix index routes a repeated prompt to its cached blocks, and no
 page is left behind."""
 
 from __future__ import annotations
