@@ -48,6 +48,7 @@ from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.engine.presets import deepseek_v3_config
 from libs.engine.random_weights import fill_random_
 from libs.engine.sampling import SamplingParams
+from libs.engine.tbo_split import decode_round_tokens
 from libs.engine.tiny import is_fp8_weight
 from libs.ep.emulated import EmulatedEP, enable_emulated_ep
 
@@ -83,9 +84,7 @@ def build_engine(
     apply_fp8_weights(model, _DeepSeekFP8(), (128, 128))
     fill_random_(model, seed)
     if dispatch == "real":  # hooks set before the Engine is built, so its decode graphs capture them
-        # with two-batch overlap a round holds one micro-batch, at most half the batch (as libs/ep/rank.py does)
-        rounds_max = -(-max_batch // 2) if two_batch_overlap else max_batch
-        real_dispatch(model, local or cfg.n_routed_experts, rounds_max)
+        real_dispatch(model, local or cfg.n_routed_experts, decode_round_tokens(max_batch, two_batch_overlap))
         local = None
     pages = max_batch * math.ceil(max_ctx / page_size)
     engine = Engine(

@@ -22,3 +22,9 @@ def split_index(extend_lens: Sequence[int]) -> int:
         if best_gap is None or gap < best_gap:
             best, best_gap = i, gap
     return best
+
+
+def decode_round_tokens(max_num_seqs: int, two_batch_overlap: bool) -> int:
+    """The most tokens one EP round of a decode forward carries: the whole batch, or with two-batch overlap its
+    larger micro-batch (split_index puts the odd sequence in B: ceil of half)."""
+    return -(-max_num_seqs // 2) if two_batch_overlap else max_num_seqs

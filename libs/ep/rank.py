@@ -37,6 +37,7 @@ import torch
 
 from libs.engine.engine import Engine
 from libs.engine.pages import OutOfPagesError
+from libs.engine.tbo_split import decode_round_tokens
 from libs.ep.comm import TorchComm
 from libs.ep.dispatch.factory import make_dispatcher, resolve_backend
 from libs.ep.loader import load_rank_model
@@ -150,9 +151,8 @@ class RankWorker:
         model = load_rank_model(spec.model_dir, placement, rank, spec.dtype, device, spec.quantization)
         backend, options = resolve_backend(spec.backend, device), dict(spec.backend_options)
         if backend == "fixed":  # buffers for a decode batch; longer forwards take its all-to-all fallback
-            seqs = int(spec.engine.get("max_num_seqs", 64))
-            # two-batch overlap: a round holds one micro-batch, at most half a decode batch (split_index)
-            options.setdefault("max_tokens", -(-seqs // 2) if spec.engine.get("two_batch_overlap") else seqs)
+            seqs, tbo = int(spec.engine.get("max_num_seqs", 64)), bool(spec.engine.get("two_batch_overlap"))
+            options.setdefault("max_tokens", decode_round_tokens(seqs, tbo))  # TBO: one micro-batch a round
             options["top_k"] = model.config.num_experts_per_tok
         dispatcher = make_dispatcher(
             backend, comm, slots_per_rank=placement.slots_per_rank, num_physical=placement.num_physical,

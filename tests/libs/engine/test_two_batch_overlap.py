@@ -34,6 +34,16 @@ def test_decode_splits_in_half_and_extend_at_half_the_tokens() -> None:
     assert split_index([5]) == 1 and split_index([]) == 0
 
 
+def test_a_decode_round_holds_the_larger_micro_batch_of_any_batch_up_to_the_limit() -> None:
+    """What an EP dispatcher sizes its fixed buffers by (libs/ep/rank.py, bench/decode_rank)."""
+    from libs.engine.tbo_split import decode_round_tokens
+
+    for limit in (1, 4, 7, 256):
+        assert decode_round_tokens(limit, False) == limit
+        parts = [max(s, b - s) for b in range(1, limit + 1) for s in [split_index([1] * b)]]
+        assert max(parts) == decode_round_tokens(limit, True)
+
+
 def _layer_trace(name: str, log: list[str], layers: int):
     """A micro-batch's stages as the model runs them: attention | dispatch launch | combine launch."""
     for j in range(layers):

@@ -68,9 +68,9 @@ def test_gloo_group_with_tbo_equals_the_single_rank_engine(tiny: Path, want) -> 
 
 
 def test_gloo_group_with_tbo_on_the_fixed_dispatcher_equals_the_single_rank_engine(tiny: Path, want) -> None:
-    """The fixed-capacity dispatcher under TBO holds one micro-batch a round (max_tokens half of max_num_seqs,
-    4 here): decode micro-batches take its buffers, prefill micro-batches its all-to-all fallback, each on
-    its own header; greedy tokens equal one engine's."""
+    """The fixed-capacity dispatcher under TBO, sized for one micro-batch a round (max_tokens half of
+    max_num_seqs, 4 here, so prompts' micro-batches exceed it and decode's fit): greedy tokens equal one
+    engine's. Which path each micro-batch's rounds take is asserted in test_fixed_dispatch.py."""
     with EPEngine(str(tiny), 2, num_pages=48, max_prefill_tokens=32, max_num_seqs=8, backend="fixed",
                   two_batch_overlap=True) as ep:  # fmt: skip
         assert [o.token_ids for o in ep.generate(PROMPTS, GREEDY)] == want
