@@ -2,13 +2,17 @@
 
     python -m bench.mesh_ttft [--requests 100] [--prompt-lens 5,40,200] [--clients 64]
                               [--prefix-index broker,local] [--overlap-prefill off,on]
-                              [--scheduler process|embedded]
+                              [--scheduler process|embedded] [--client httpx,raw]
 
 Starts the embedded mesh (nats-server, kv-broker, scheduler, prefill + decode worker, gateway; real
 Mooncake TCP between the workers) on the tiny model, then:
 1. sequential streaming completions (one at a time, max_tokens=1) per prompt length: TTFT = request sent
    -> first content chunk; the same prompts through an in-process Engine: add_request -> first token;
    the difference is what the mesh adds (HTTP, tokenizer-free token-id prompts, bus hops, KV transfer).
+   With several `--client`s each request is sent once per client, in turn (the order alternating), so the
+   clients see the same moments of the box: httpx (the record's `mesh` and `added_*`), and raw, libs.loadgen's
+   lean HTTP/1.1 client (`moemesh bench --client raw`; vLLM's and SGLang's bench_serving use aiohttp), whose
+   own parsing costs less of the client's share of TTFT (`by_client`).
    Beside it, the engine after 10 ms asleep before each request (`engine_after_idle`): a worker in the
    mesh idles between sequential requests, and on this VM a tiny-model step is slower after idle.
 2. `--clients` concurrent streaming clients, each generating `--gen-tokens`: total streamed tokens/s.
@@ -29,9 +33,11 @@ from pathlib import Path
 
 import httpx
 
+from bench.scale_load import FirstTextAndTail
 from libs.engine import Engine, SamplingParams
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
+from libs.loadgen.raw_client import RawClient
 from libs.loadgen.report import write_json
 
 ENGINE_IDLE_S = 0.010  # the engine reference's idle before each request, for `engine_after_idle`
@@ -64,21 +70,44 @@ def engine_ttft(engine: Engine, prompts: list[list[int]], idle_s: float = 0.0) -
     return out
 
 
-async def mesh_ttft(url: str, model: str, prompts: list[list[int]]) -> list[float]:
-    out = []
-    async with httpx.AsyncClient(timeout=60) as h:
-        for p in prompts:
-            body = {
-                "model": model,
-                "prompt": p,
-                "max_tokens": 1,
-                "temperature": 0,
-                "stream": True,
-                "ignore_eos": True,
-                "logprobs": 1,  # a chunk per token: no wait for a held-back partial UTF-8 character
-            }
-            out.append(await first_token_ms(h, url, body))
+async def mesh_ttft(
+    url: str, model: str, prompts: list[list[int]], clients: list[str]
+) -> dict[str, list[float]]:
+    """Per client, the TTFT of each prompt (sequential; each prompt sent once per client, the clients'
+    order alternating from one prompt to the next)."""
+    out: dict[str, list[float]] = {c: [] for c in clients}
+    raw = RawClient(url, keep=1)
+    try:
+        async with httpx.AsyncClient(timeout=60) as h:
+            for i, p in enumerate(prompts):
+                body = {
+                    "model": model,
+                    "prompt": p,
+                    "max_tokens": 1,
+                    "temperature": 0,
+                    "stream": True,
+                    "ignore_eos": True,
+                    "logprobs": 1,  # a chunk per token: no wait for a held-back partial UTF-8 character
+                }
+                for c in clients if i % 2 == 0 else clients[::-1]:
+                    ms = (
+                        await first_token_ms(h, url, body)
+                        if c == "httpx"
+                        else await raw_first_token_ms(raw, body)
+                    )
+                    out[c].append(ms)
+    finally:
+        await raw.aclose()
     return out
+
+
+async def raw_first_token_ms(raw: RawClient, body: dict) -> float:
+    """first_token_ms over the lean client (keep-alive, no HTTP library)."""
+    sink = FirstTextAndTail(time.perf_counter())
+    await raw.post("/v1/completions", json.dumps(body).encode(), {}, sink)
+    if sink.status != 200 or sink.first is None:
+        raise RuntimeError(f"raw client: HTTP {sink.status}, no token streamed: {sink.tail[-200:]!r}")
+    return sink.first * 1e3
 
 
 async def first_token_ms(h: httpx.AsyncClient, url: str, body: dict) -> float:
@@ -143,14 +172,19 @@ def measure(
         },
     )  # fmt: skip
     rows = []
+    clients = args.client.split(",")
     with Mesh(cfg) as mesh:
         for n in lens:
             prompts = [prompt_of(n, i) for i in range(args.requests)]
-            asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts[:5]))  # warm-up
+            asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts[:5], clients))  # warm-up
             engine_ttft(engine, prompts[:5])
             e = summarize(engine_ttft(engine, prompts))
             e_idle = summarize(engine_ttft(engine, prompts, ENGINE_IDLE_S))
-            mm = summarize(asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts)))
+            per = {
+                c: summarize(xs)
+                for c, xs in asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts, clients)).items()
+            }
+            mm = per[clients[0]]
             path = (
                 "direct (decode-local prefill)"
                 if n <= args.direct_threshold
@@ -189,9 +223,16 @@ def main() -> None:
         help="embedded: no scheduler process, the gateway hosts one (moemesh up --scheduler embedded)",
     )  # fmt: skip
     ap.add_argument(
+        "--client", default="httpx,raw",
+        help="HTTP clients, comma-separated, each request sent once per client in turn: httpx (the record's "
+        "`mesh`/`added_*` when first), raw (libs.loadgen's lean client)",
+    )  # fmt: skip
+    ap.add_argument(
         "--threads", type=int, default=1, help="torch threads of the in-process engine (workers use 1)"
     )
     args = ap.parse_args()
+    if unknown := set(args.client.split(",")) - {"httpx", "raw"}:
+        ap.error(f"--client: unknown {sorted(unknown)} (httpx, raw)")
     import torch
 
     torch.set_num_threads(args.threads)

@@ -156,8 +156,8 @@ async def closed_loop(
         return res, time.perf_counter() - t0
 
 
-class _FirstTextAndTail:
-    """What closed_loop_raw keeps of a stream: when the first text chunk came, and the last 512 bytes."""
+class FirstTextAndTail:
+    """What closed_loop_raw (and bench.mesh_ttft's raw client) keeps of a stream: when the first text chunk came, and the last 512 bytes."""
 
     def __init__(self, t0: float) -> None:
         self.t0, self.status, self.tail = t0, 0, b""
@@ -183,7 +183,7 @@ class RawStream:
         self.client = RawClient(f"http://{host}:{port}", keep=1)
 
     async def post(self, path: str, body: dict, res: StreamResult) -> None:
-        sink = _FirstTextAndTail(time.perf_counter())
+        sink = FirstTextAndTail(time.perf_counter())
         await self.client.post(path, json.dumps(body).encode(), {}, sink)
         if sink.status != 200:
             res.failed += 1

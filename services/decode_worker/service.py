@@ -88,6 +88,7 @@ class DecodeWorker(WorkerService):
         self.work = asyncio.Event()
         self._awaiting_work = False  # the step loop waits in work.wait()
         self._kicked: tuple[asyncio.Future, float] | None = None  # started by start_direct, for the loop
+        self._kick_only = False  # `work` is set by that kick alone (no other wake-up since)
         self.trace = StepTrace.for_worker(s.step_trace, self.instance_id) if s.step_trace else None
         # the last step's (start, end, device wait or -1, GC pauses meanwhile) on the engine thread, for the trace
         self._engine_span = (0.0, 0.0, -1.0, 0.0)
@@ -217,7 +218,7 @@ class DecodeWorker(WorkerService):
             return
         if rid not in self.live:  # cancelled while it was joining
             await self.et.call(self.engine.abort, rid)
-        self.work.set()
+        self._wake()
         self._broker_fire(msg.handle_id, m.HandleConsumed(handle_id=msg.handle_id))
 
     async def start_direct(self, msg: m.DecodeDirect) -> None:
@@ -235,12 +236,13 @@ class DecodeWorker(WorkerService):
             return
         self.live[rid] = Live(msg.stream_subject, len(msg.prompt_ids))
         self.direct.append((rid, msg.prompt_ids, params))
-        self.work.set()
+        self._wake()
         if self._awaiting_work and self._kicked is None and not self.forward_sleep_ms:
             # The loop is idle: the engine thread gets the prompt now, not after a pass of the event loop
             # that wakes the step loop (which takes this step as its own).
             self._kicked = self._start_step()
             self.work.set()  # the loop takes the kicked step as its own
+            self._kick_only = True
 
     async def _expire_unanswered(self) -> None:
         """A reservation past its backstop ends as if the broker had sent HandleExpired."""
@@ -273,7 +275,7 @@ class DecodeWorker(WorkerService):
             case m.SetSlowdown():
                 self.forward_sleep_ms = max(0.0, msg.forward_sleep_ms)
                 self.slowdown_changed.set()
-                self.work.set()
+                self._wake()
         return m.AdminReply(ok=True, stats=self.worker_stats())
 
     def worker_stats(self) -> m.WorkerStats:
@@ -303,6 +305,11 @@ class DecodeWorker(WorkerService):
         self._engine_span = (t_in, time.perf_counter(), -1.0 if wait is None else wait, gc_s)
         return outputs, self.engine.has_unfinished(), refused
 
+    def _wake(self) -> None:
+        """Wake the step loop for work other than a kicked step."""
+        self._kick_only = False
+        self.work.set()
+
     def _start_step(self) -> tuple[asyncio.Future, float]:
         """Hand the engine thread the next step (with the direct prompts queued since the last one)."""
         adds, self.direct = self.direct, []
@@ -327,6 +334,10 @@ class DecodeWorker(WorkerService):
                 finally:
                     self._awaiting_work = False
                 running, self._kicked = self._kicked, None
+                if running is not None and self._kick_only:
+                    # This wake-up was the kick's alone: the kicked step is it, so no empty step follows
+                    # (what joins from now on wakes the loop again; the step's `more` covers the rest).
+                    self.work.clear()
             if running is None:
                 if self.forward_sleep_ms:  # slow-down; a new setting (e.g. off) ends the wait at once
                     self.slowdown_changed.clear()
@@ -356,7 +367,7 @@ class DecodeWorker(WorkerService):
                     t0, e_in, e_out, seen, time.perf_counter(), len(outputs), tokens, sleep_ms, wait, gc_s
                 )
             if running is None and (more or self.direct):
-                self.work.set()
+                self._wake()
             elif running is None and self.trace is not None and not self.work.is_set():
                 self.trace.flush()  # idle: the rows so far are on disk for whoever reads them
 

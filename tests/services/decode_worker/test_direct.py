@@ -152,6 +152,30 @@ async def test_an_idle_worker_hands_a_direct_prompt_to_the_engine_thread_from_th
     assert worker.engine.stats()["used_pages"] == 0
 
 
+async def test_a_kicked_step_that_finishes_its_request_is_the_only_step(rig: Rig, model_dir: Path) -> None:
+    """A one-token prompt on an idle worker takes one engine-thread call: the kick's wake-up is the kicked
+    step's own, so the loop goes back to waiting without an empty step after it (which would cost a thread
+    round trip and count twice in moemesh_decode_step_seconds)."""
+    worker = rig.worker
+    step_once, calls = worker._step_once, []
+
+    def step(adds: list) -> tuple:
+        calls.append(len(adds))
+        return step_once(adds)
+
+    worker._step_once = step  # type: ignore[method-assign]
+    prompt = [5, 9, 13, 17, 21]
+    for i in range(3):  # sequential, as a benchmark's one-at-a-time requests
+        await rig.until(lambda: worker._awaiting_work and not worker.work.is_set(), "the loop idle")
+        sampling = m.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
+        msg = m.DecodeDirect(request_id=f"one-{i}", prompt_ids=prompt, sampling=sampling, stream_subject=STREAM)
+        await worker.on_inbox(msg)
+        await rig.until(lambda i=i: f"one-{i}" in rig.finished, "the stream to finish")
+    await rig.until(lambda: worker._awaiting_work and not worker.work.is_set(), "the loop idle")
+    assert calls == [1, 1, 1]
+    assert all(rig.tokens[f"one-{i}"] == greedy(model_dir, prompt)[:1] for i in range(3))
+
+
 async def test_a_cancel_before_the_step_leaves_no_request_and_no_page(rig: Rig) -> None:
     async with engine_held(rig.worker.et):  # engine calls made in the block queue behind it
         await rig.direct("kept", [42, 7])

@@ -1,0 +1,68 @@
+"""bench.mesh_ttft's clients: each prompt goes once per client, the clients' order alternating, and each
+client's time is to its first text chunk (a small SSE server on a real socket stands in for the gateway)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.mesh_ttft import mesh_ttft
+
+
+async def test_each_prompt_is_sent_once_per_client_in_alternating_order() -> None:
+    seen: list[str] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        while True:  # keep-alive: requests one after another until the client closes
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                writer.close()
+                return
+            lines = head.decode().lower().split("\r\n")
+            length = next(int(x.split(":")[1]) for x in lines if x.startswith("content-length:"))
+            await reader.readexactly(length)
+            seen.append("httpx" if any(x.startswith("user-agent: python-httpx") for x in lines) else "raw")
+            events = [b'data: {"choices":[{"text":"a"}]}\n\n', b"data: [DONE]\n\n"]
+            chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+            writer.write(b"transfer-encoding: chunked\r\n\r\n" + chunks)
+            await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        got = await mesh_ttft(f"http://127.0.0.1:{port}", "m", [[1], [2], [3]], ["httpx", "raw"])
+    finally:
+        for w in writers:
+            w.close()
+        server.close()
+        await server.wait_closed()
+    assert seen == ["httpx", "raw", "raw", "httpx", "httpx", "raw"]
+    assert {c: len(xs) for c, xs in got.items()} == {"httpx": 3, "raw": 3}
+    assert all(x > 0 for xs in got.values() for x in xs)
+
+
+async def test_a_stream_without_a_token_is_an_error() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(x.split(b":")[1]) for x in head.lower().split(b"\r\n") if x.startswith(b"content-length")
+        )
+        await reader.readexactly(length)
+        body = b'{"error":{"message":"no"}}'
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(RuntimeError, match="503"):
+            await mesh_ttft(f"http://127.0.0.1:{port}", "m", [[1]], ["raw"])
+    finally:
+        server.close()
+        await server.wait_closed()
