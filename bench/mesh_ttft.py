@@ -156,6 +156,23 @@ def summarize(xs: list[float]) -> dict:
     }
 
 
+def ttft_row(
+    prompt_len: int, path: str, engine: dict, engine_idle: dict, per_client: dict[str, dict]
+) -> dict:
+    """One prompt length's record: the first client's mesh TTFT against the engine's (`mesh`, `added_*`),
+    and every client's (`by_client`); beside the goal's measure, a diagnostic: the mesh against the engine
+    after idle."""
+
+    def added(x: dict) -> dict:
+        return {"added_p50_ms": x["p50_ms"] - engine["p50_ms"], "added_p99_ms": x["p99_ms"] - engine["p99_ms"],
+                "added_vs_idle_engine_p50_ms": x["p50_ms"] - engine_idle["p50_ms"]}  # fmt: skip
+
+    first = next(iter(per_client))
+    return {"prompt_len": prompt_len, "path": path, "engine": engine, "engine_after_idle": engine_idle,
+            "client": first, "mesh": per_client[first], **added(per_client[first]),
+            "by_client": {c: {"mesh": x, **added(x)} for c, x in per_client.items()}}  # fmt: skip
+
+
 def measure(
     model: Path, engine: Engine, lens: list[int], prefix_index: str, overlap: bool, args: argparse.Namespace
 ):
@@ -184,17 +201,13 @@ def measure(
                 c: summarize(xs)
                 for c, xs in asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts, clients)).items()
             }
-            mm = per[clients[0]]
             path = (
                 "direct (decode-local prefill)"
                 if n <= args.direct_threshold
                 else "disaggregated (Mooncake TCP)"
             )
-            row = {"prompt_len": n, "path": path, "prefix_index": prefix_index, "overlap_prefill": overlap,
-                   "engine": e, "mesh": mm,
-                   "added_p50_ms": mm["p50_ms"] - e["p50_ms"], "added_p99_ms": mm["p99_ms"] - e["p99_ms"],
-                   # a diagnostic beside the goal's measure: the mesh against the engine after idle
-                   "engine_after_idle": e_idle, "added_vs_idle_engine_p50_ms": mm["p50_ms"] - e_idle["p50_ms"]}  # fmt: skip
+            row = ttft_row(n, path, e, e_idle, per)
+            row.update(prefix_index=prefix_index, overlap_prefill=overlap)
             rows.append(row)
             print(json.dumps(row), flush=True)
         load_row = asyncio.run(load(mesh.url, mesh.model_name, args.clients, args.gen_tokens, 40))

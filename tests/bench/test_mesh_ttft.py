@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bench.mesh_ttft import mesh_ttft
+from bench.mesh_ttft import mesh_ttft, ttft_row
 
 
 async def test_each_prompt_is_sent_once_per_client_in_alternating_order() -> None:
@@ -66,3 +66,15 @@ async def test_a_stream_without_a_token_is_an_error() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+def test_a_row_holds_the_first_clients_added_ttft_and_every_clients() -> None:
+    def t(p50: float, p99: float) -> dict:
+        return {"p50_ms": p50, "p99_ms": p99}
+
+    row = ttft_row(5, "direct", t(2, 4), t(3, 6), {"httpx": t(9, 15), "raw": t(7, 12)})
+    assert row["client"] == "httpx" and row["mesh"] == t(9, 15)
+    assert (row["added_p50_ms"], row["added_p99_ms"], row["added_vs_idle_engine_p50_ms"]) == (7, 11, 6)
+    assert row["by_client"]["raw"] == {
+        "mesh": t(7, 12), "added_p50_ms": 5, "added_p99_ms": 8, "added_vs_idle_engine_p50_ms": 4
+    }  # fmt: skip
