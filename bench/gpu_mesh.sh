@@ -7,7 +7,9 @@
 # the benchmark within what is left of BUDGET seconds (default 570: the device call's 600 less a margin).
 # Writes $OUT/serving_gpu.json, $OUT/gpu_mesh.log (and service log tails when a phase failed); with
 # GPU_TESTS="path ..." it then runs those pytest files within the same BUDGET, TESTS_RESERVE_S (90) of it kept
-# from the benchmark for them ($OUT/gpu_tests.txt).
+# from the benchmark for them ($OUT/gpu_tests.txt). BENCH=MODULE runs that benchmark instead of
+# bench.serving_gpu, with the flags given (e.g. `BENCH=bench.mesh_ttft bash bench/gpu_mesh.sh --requests 200
+# --out $OUT/mesh_ttft.json`: the CPU mesh on this machine's cores), within the same BUDGET.
 set -u
 start=$(date +%s)
 export OUT=${OUT:-/tmp/gpu_mesh}
@@ -52,8 +54,11 @@ python3 -c "import mooncake.engine, fastapi, nats, msgspec, xgrammar, openteleme
 left=$(( ${BUDGET:-570} - ($(date +%s) - start) ))
 reserve=0
 [ -n "${GPU_TESTS:-}" ] && reserve=${TESTS_RESERVE_S:-90}  # kept from the benchmark for the tests
-say "setup took $(( $(date +%s) - start )) s; serving_gpu gets $(( left - reserve )) s"
-timeout -k 10 "$(( left - reserve ))" python3 -m bench.serving_gpu --budget-s $(( left - 20 - reserve )) "$@" 2>&1 \
+bench=${BENCH:-bench.serving_gpu}
+say "setup took $(( $(date +%s) - start )) s; $bench gets $(( left - reserve )) s"
+budget_flag=()
+[ "$bench" = bench.serving_gpu ] && budget_flag=(--budget-s $(( left - 20 - reserve )))
+timeout -k 10 "$(( left - reserve ))" python3 -m "$bench" "${budget_flag[@]}" "$@" 2>&1 \
   | grep -v -E "loading:|tensor/s" | tail -80 | tee -a "$log"
 # GPU_TESTS="tests/... tests/...": those pytest files too, after the benchmark, with what remains of BUDGET
 # (the bundle's packages on the path), the summary in gpu_mesh.log and the whole output in $OUT/gpu_tests.txt
