@@ -199,6 +199,9 @@ class WorkerHeartbeat(Kind, frozen=True):
     draining: bool = False
     # prompt tokens queued or mid-prompt, not yet computed (prefill workers; 0 from senders that predate it)
     waiting_tokens: int = 0
+    # requests its running batch holds at most (the engine's max_num_seqs, summed over an EP group's ranks;
+    # 0 from senders that predate it): placements beyond the free slots wait in its line
+    max_running: int = 0
 
 
 class WorkerGone(Kind, frozen=True):

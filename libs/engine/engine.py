@@ -258,6 +258,7 @@ class Engine:
             "waiting": len(self.waiting),
             "pinned": len(self.pinned),
             "reserved": len(self.reservations),
+            "max_running": self.batcher.max_num_seqs,
             "preemptions": self.num_preemptions,
         }
 

@@ -51,7 +51,7 @@ from libs.kvtransfer.ranks import split_rank_pages
 from libs.prefix import block_hashes
 
 STAT_KEYS = ("total_pages", "free_pages", "used_pages", "cached_pages", "evictable_pages", "running",
-             "waiting", "pinned", "reserved", "preemptions")  # fmt: skip
+             "waiting", "pinned", "reserved", "preemptions", "max_running")  # fmt: skip
 MTP_STAT_KEYS = ("mtp_drafted", "mtp_accepted")  # ranks running MTPEngine
 
 

@@ -3,7 +3,8 @@
 - `place`: the policy's decision for a request, without the workers the request must avoid (a
   migrating request names the worker it lost; the scheduler may not have seen that death yet), without
   decode workers whose waiting line is full (`max_waiting`: requests placed but not yet running; free
-  pages alone do not bound it, since a decode-direct request takes its pages only when it starts), and
+  pages alone do not bound it, since a decode-direct request takes its pages only when it starts;
+  `waiting_line` estimates it between heartbeats), and
   with decode-local prefill as the fallback when no prefill worker can take it (all dead or avoided):
   any decode worker can prefill a prompt itself, only slower. Pure.
 - `placed_notice`: the message that tells the gateway which decode worker now holds a request, so the
@@ -48,8 +49,8 @@ def place(
     usable = [w for w in workers if w.worker_id not in avoid] if avoid else workers
     dec = m.Role.DECODE
     # one pass in the common case (no decode line full), the filter only when one is
-    if max_waiting > 0 and any(w.hb.role == dec and w.hb.waiting + w.inflight >= max_waiting for w in usable):
-        usable = [w for w in usable if not (w.hb.role == dec and w.hb.waiting + w.inflight >= max_waiting)]
+    if max_waiting > 0 and any(w.hb.role == dec and waiting_line(w) >= max_waiting for w in usable):
+        usable = [w for w in usable if not (w.hb.role == dec and waiting_line(w) >= max_waiting)]
         if not any(w.hb.role == m.Role.DECODE for w in usable):  # the request waits in the bounded queue
             return Wait(f"every decode worker has {max_waiting} requests waiting")
     decision = schedule(usable, req, config, prefix_hits)
@@ -60,6 +61,19 @@ def place(
         if isinstance(fallback, Plan):
             return fallback
     return decision
+
+
+def waiting_line(w: WorkerState) -> int:
+    """Requests waiting to join the decode worker's running batch, as far as the scheduler knows: those its
+    last heartbeat reported, and of the placements since (`inflight`), those its batch has no slot for. A
+    placement joins the next step while the batch has a free slot, so with no line at the heartbeat only
+    the placements beyond `max_running - running` can be waiting (finished ones are not seen until the
+    next heartbeat: an upper bound); with a line, every placement since waits behind it; and from a
+    worker that does not report its batch size, every placement since counts."""
+    hb = w.hb
+    if hb.waiting > 0 or hb.max_running <= 0:
+        return hb.waiting + w.inflight
+    return max(0, hb.running + w.inflight - hb.max_running)
 
 
 def placed_notice(request_id: str, decode_worker: str) -> m.TokenBatch:

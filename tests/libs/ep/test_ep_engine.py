@@ -155,13 +155,15 @@ def test_bad_requests_are_value_errors_and_the_group_keeps_serving(group: EPEngi
     assert group.generate([prompt(5)], GREEDY)[0].token_ids == ref.generate([prompt(5)], GREEDY)[0].token_ids
 
 
-def test_expert_load_and_stats_add_up_over_ranks(group: EPEngine) -> None:
+def test_expert_load_and_stats_add_up_over_ranks(group: EPEngine, request: pytest.FixtureRequest) -> None:
     before = group.expert_load.sum()
     group.prefill_logits(prompt(10))
     k = group.config.num_experts_per_tok
     assert group.expert_load.sum() - before == 10 * k * len(group.layer_ids)
     st = group.stats()
     assert st["total_pages"] == PAGES * group.ep_size and st["running"] == 0
+    per_rank = 4 if request.node.callspec.params["group"][2] == "fixed" else 64  # the fixture's max_num_seqs
+    assert st["max_running"] == per_rank * group.ep_size  # the group's batch: what its heartbeat says
 
 
 def test_bad_settings_are_refused_before_any_process_starts(tiny: Path) -> None:

@@ -225,6 +225,7 @@ async def test_the_heartbeat_reports_queued_prompts_and_their_tokens(make_rig) -
         hb = await asyncio.wait_for(beats.get(), 10)
     # queued behind the held thread, or taken into the round that waits for it: not yet computed either way
     assert (hb.waiting_tokens, hb.running + hb.waiting) == (30 + 17 + 25, 3), hb
+    assert hb.max_running == rig.worker.engine.batcher.max_num_seqs  # the engine's batch size
     for _ in tasks:
         assert isinstance(await rig.next_inbox(), m.KvReady)
     await rig.settled()

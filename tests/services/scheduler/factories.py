@@ -20,6 +20,7 @@ def make_heartbeat(
     interval_ms: int = 1000,
     draining: bool = False,
     waiting_tokens: int = 0,
+    max_running: int = 0,
 ) -> WorkerHeartbeat:
     return WorkerHeartbeat(
         worker_id=worker_id,
@@ -35,6 +36,7 @@ def make_heartbeat(
         sent_ms=0,
         draining=draining,
         waiting_tokens=waiting_tokens,
+        max_running=max_running,
     )
 
 

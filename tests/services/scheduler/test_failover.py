@@ -8,7 +8,7 @@ import asyncio
 from libs.bus import Bus
 from proto import messages as m
 from proto import subjects
-from services.scheduler.failover import SchedulerBeacon, place, placed_notice
+from services.scheduler.failover import SchedulerBeacon, place, placed_notice, waiting_line
 from services.scheduler.policy import PlanKind, PolicyConfig, Refuse, Wait
 from tests.services.scheduler.factories import make_heartbeat, make_request, make_workers
 
@@ -69,3 +69,31 @@ def test_a_decode_worker_with_a_full_waiting_line_takes_nothing_more() -> None:
     decision = place(t.live(0.0), short, CFG, max_waiting=4)
     assert isinstance(decision, Wait) and "4 requests waiting" in decision.reason
     assert place(t.live(0.0), short, CFG, max_waiting=0).decode == "d0"  # 0: no bound
+
+
+def test_placements_a_free_batch_slot_takes_are_not_a_line() -> None:
+    """Sequential requests finish between heartbeats: with the batch size in the heartbeat, placements up
+    to its free slots are not counted as waiting (one decode worker took only max_waiting placements per
+    heartbeat interval when every placement since counted, at any load)."""
+    t = make_workers(make_heartbeat("d0", running=2, max_running=8))
+    short = make_request(4)
+    for _ in range(6):  # 2 running + 6 placed: the batch's 8 slots
+        t.note_placement("d0")
+    d0 = t.get("d0")
+    assert d0 is not None and waiting_line(d0) == 0
+    assert place(t.live(0.0), short, CFG, max_waiting=4).decode == "d0"
+    for _ in range(4):  # 4 beyond the slots may be waiting: the line is full
+        t.note_placement("d0")
+    assert waiting_line(d0) == 4
+    decision = place(t.live(0.0), short, CFG, max_waiting=4)
+    assert isinstance(decision, Wait) and "4 requests waiting" in decision.reason
+
+
+def test_with_a_line_at_the_heartbeat_or_no_batch_size_every_placement_since_waits() -> None:
+    t = make_workers(make_heartbeat("d0", waiting=1, running=8, max_running=8), make_heartbeat("d1"))
+    for w in ("d0", "d1"):
+        t.note_placement(w)
+        t.note_placement(w)
+    d0, d1 = t.get("d0"), t.get("d1")
+    assert d0 is not None and d1 is not None
+    assert (waiting_line(d0), waiting_line(d1)) == (3, 2)  # d1 predates max_running: 0, every one counts

@@ -157,6 +157,20 @@ async def test_a_submit_with_nothing_queued_is_placed_by_its_own_handler(start) 
     assert h.svc.queue.depth == 0
 
 
+async def test_sequential_requests_past_the_waiting_bound_are_placed_between_heartbeats(start) -> None:
+    """One decode worker, heard once (its next heartbeat a minute away), takes more sequential requests
+    than max_decode_waiting: those its batch has slots for are no line. Before the heartbeat carried the
+    batch size, every placement since the heartbeat counted as waiting, so request 33 waited for the next
+    heartbeat (up to 250 ms at the default interval: a TTFT outlier at any rate above 128 requests/s)."""
+    h = await start(direct_prefill_threshold=32)
+    assert h.svc.settings.max_decode_waiting == 32
+    d = await h.decode("d0", max_running=64, free_pages=4096, total_pages=4096)
+    for i in range(40):
+        assert (await h.submit(f"r{i}", prompt_len=20)).ok
+        assert (await _get(d.directs)).request_id == f"r{i}"
+    assert h.svc.queue.depth == 0
+
+
 @pytest.mark.parametrize("prompt_len", [20, 100], ids=["direct", "reservation"])
 async def test_a_placement_made_by_the_submit_handler_leaves_before_its_reply(start, prompt_len: int) -> None:
     """The DecodeDirect (short prompt) or the ReserveKv (long one) is handed to the connection before the
