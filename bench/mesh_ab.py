@@ -1,6 +1,7 @@
 """TTFT of two mesh configurations, A and B, up at the same time and asked in turn, request by request.
 
     python -m bench.mesh_ab --b 'MOEMESH_*_EVENT_LOOP=uvloop' [--a ''] [--requests 200] [--prompt-lens 5,40,200]
+                            [--a-src DIR] [--b-src DIR]
 
 On a shared machine the load moves more between two runs a minute apart than a change of 1 ms moves TTFT;
 here both meshes see the same moments: request i goes to A then B (B then A for odd i), the same prompt to
@@ -8,6 +9,8 @@ each. Settings are `MOEMESH_<SERVICE>_<FIELD>=value`, comma-separated; `MOEMESH_
 service. Both meshes are bench.mesh_ttft's (tiny model, prefix caches off, `--direct-threshold`).
 `MOEMESH_GATEWAY_EMBEDDED_SCHEDULER=true` is the launcher's embedded mode (`moemesh up --scheduler embedded`):
 no scheduler process, the gateway hosts one (with that side's MOEMESH_SCHEDULER_* settings).
+`--a-src DIR` / `--b-src DIR` run that side's services from another source tree (a checkout of another
+commit: `git worktree add /tmp/before <commit>`), to compare code, not settings (`--b ''` then).
 Writes bench/results/mesh_ab.json: per prompt length, each side's p50 / p99 / mean, and the paired
 differences (B minus A of the same i).
 """
@@ -59,7 +62,11 @@ def parse_settings(text: str) -> dict[str, dict[str, str]]:
     return out
 
 
-def mesh_config(model: Path, settings: dict[str, dict[str, str]], direct_threshold: int) -> MeshConfig:
+def mesh_config(
+    model: Path, settings: dict[str, dict[str, str]], direct_threshold: int, src: Path | None = None
+) -> MeshConfig:
+    """bench.mesh_ttft's mesh with these settings; with `src`, every service imported from that source tree
+    (first on its PYTHONPATH, the working directory left off it)."""
     base = {
         "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(direct_threshold)},
         "services.prefill_worker": {"MOEMESH_PREFILL_WORKER_ENABLE_PREFIX_CACHE": "false"},
@@ -67,6 +74,11 @@ def mesh_config(model: Path, settings: dict[str, dict[str, str]], direct_thresho
     }
     for module, env in settings.items():
         base.setdefault(module, {}).update(env)
+    if src is not None:
+        if not (src / "services" / "gateway").is_dir():
+            raise ValueError(f"{src}: not a moemesh source tree (no services/gateway)")
+        for module in SERVICES.values():
+            base.setdefault(module, {}).update(PYTHONPATH=str(src.resolve()), PYTHONSAFEPATH="1")
     embedded = base.get("services.gateway", {}).pop("MOEMESH_GATEWAY_EMBEDDED_SCHEDULER", "false")
     return MeshConfig(model_dir=model, port=0, extra_env=base, embedded_scheduler=embedded.lower() == "true")
 
@@ -92,20 +104,23 @@ async def alternate(a: Mesh, b: Mesh, prompts: list[list[int]]) -> tuple[list[fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--a", default="", help="settings of mesh A (default: none, the defaults)")
-    ap.add_argument("--b", required=True, help="settings of mesh B")
+    ap.add_argument("--b", required=True, help="settings of mesh B ('' with --a-src/--b-src)")
     ap.add_argument("--requests", type=int, default=200, help="per prompt length and side")
     ap.add_argument("--prompt-lens", default="5,40,200")
     ap.add_argument("--direct-threshold", type=int, default=16, help="scheduler's direct-prefill threshold")
     ap.add_argument("--out", default="bench/results/mesh_ab.json")
+    ap.add_argument("--a-src", type=Path, help="source tree of mesh A's services (default: this one)")
+    ap.add_argument("--b-src", type=Path, help="source tree of mesh B's services (default: this one)")
     args = ap.parse_args()
     sa, sb = parse_settings(args.a), parse_settings(args.b)
     model = write_tiny_model(Path("/tmp/moemesh-bench-ab"), overwrite=True)
     rec: dict = {"benchmark": "mesh_ab", "machine": platform.node(), "cpus": os.cpu_count(),
                  "command": "python -m bench.mesh_ab " + " ".join(sys.argv[1:]), "a": args.a, "b": args.b,
+                 "a_src": str(args.a_src or ""), "b_src": str(args.b_src or ""),
                  "load_avg_before": os.getloadavg(), "rows": []}  # fmt: skip
     with (
-        Mesh(mesh_config(model, sa, args.direct_threshold)) as a,
-        Mesh(mesh_config(model, sb, args.direct_threshold)) as b,
+        Mesh(mesh_config(model, sa, args.direct_threshold, args.a_src)) as a,
+        Mesh(mesh_config(model, sb, args.direct_threshold, args.b_src)) as b,
     ):
         for n in (int(x) for x in args.prompt_lens.split(",")):
             prompts = [prompt_of(n, i) for i in range(args.requests)]

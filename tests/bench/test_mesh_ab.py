@@ -38,3 +38,16 @@ def test_the_gateways_embedded_scheduler_setting_is_the_launchers_embedded_mode(
         Mesh(replace(on, log_dir=tmp_path)).scheduler_names() == []
     )  # no scheduler process: the gateway hosts it
     assert not mesh_config(tmp_path, parse_settings(""), 16).embedded_scheduler
+
+
+def test_a_source_tree_goes_first_on_every_services_path(tmp_path: Path) -> None:
+    src = tmp_path / "before"
+    (src / "services" / "gateway").mkdir(parents=True)
+    cfg = mesh_config(tmp_path, parse_settings("MOEMESH_SCHEDULER_X=1"), 16, src)
+    for module in SERVICES.values():
+        env = cfg.extra_env[module]
+        assert (env["PYTHONPATH"], env["PYTHONSAFEPATH"]) == (str(src.resolve()), "1")
+    assert cfg.extra_env["services.scheduler"]["MOEMESH_SCHEDULER_X"] == "1"
+    assert all("PYTHONPATH" not in env for env in mesh_config(tmp_path, {}, 16).extra_env.values())
+    with pytest.raises(ValueError, match="not a moemesh source tree"):
+        mesh_config(tmp_path, {}, 16, tmp_path / "nothing")
