@@ -39,8 +39,9 @@ def workers(mesh: Mesh) -> list[tuple[m.Role, str]]:
 
 @dataclass(frozen=True)
 class Fault:
-    """Which service to SIGKILL, and when: after `after` = (requests, chunks each) streamed (and, for a
-    scheduler replica with `queued`, once its heartbeat reports requests waiting in its queue)."""
+    """Which service to SIGKILL, and when: after `after` = (requests, chunks each) streamed. With `queued`
+    (a scheduler replica), the replica killed is the first of the mesh's replicas whose heartbeat then
+    reports requests waiting in its queue (`killed` names the fault; the row names the replica)."""
 
     killed: str
     after: tuple[int, int]
@@ -63,6 +64,8 @@ def standard_faults(n_requests: int) -> list[Fault]:
 class _Strike:
     finished_before: int = -1  # streams already finished when the fault struck
     back_s: float = -1.0  # strike to the killed service serving again
+    killed: str = ""  # the service struck (for `queued`, the replica that had a queue)
+    restarts_before: int = 0
 
 
 def run_fault(
@@ -75,18 +78,18 @@ def run_fault(
         return sum(metric_total(url, MIGRATIONS) for url in mesh.gateway_metrics_urls())
 
     before = migrations()
-    restarts = mesh.sup.restarts(fault.killed)
-    seen = _Strike()
+    seen = _Strike(killed=fault.killed)
 
     async def strike(progress: Progress) -> None:
         if not await progress.wait(*fault.after, timeout=deadline_s):
             raise RuntimeError(f"traffic never reached {fault.after} before striking {fault.killed}")
         if fault.queued:
-            await until_queued(mesh, fault.killed, timeout=deadline_s)
+            seen.killed = await until_queued(mesh, mesh.scheduler_names(), timeout=deadline_s)
         seen.finished_before = progress.finished()
+        seen.restarts_before = mesh.sup.restarts(seen.killed)
         t0 = time.monotonic()
-        await asyncio.to_thread(mesh.sup.kill, fault.killed)
-        await asyncio.to_thread(wait_serving, mesh, fault.killed, restarts + 1, back_timeout_s)
+        await asyncio.to_thread(mesh.sup.kill, seen.killed)
+        await asyncio.to_thread(wait_serving, mesh, seen.killed, seen.restarts_before + 1, back_timeout_s)
         seen.back_s = time.monotonic() - t0
 
     outcomes = asyncio.run(
@@ -97,29 +100,31 @@ def run_fault(
     )
     migrated = int(migrations() - before)
     leaked = sum(v for v in left.values() if v > 0)
-    row = summarize(fault.killed, outcomes, want, max_tokens, migrated, leaked)
+    row = summarize(seen.killed, outcomes, want, max_tokens, migrated, leaked)
     row.finished_before_strike = seen.finished_before
-    row.restarts = mesh.sup.restarts(fault.killed) - restarts
+    row.restarts = mesh.sup.restarts(seen.killed) - seen.restarts_before
     row.back_s = round(seen.back_s, 2)
     return row, left
 
 
-async def until_queued(mesh: Mesh, scheduler: str, timeout: float) -> None:
-    """Until a heartbeat of that scheduler replica reports requests in its queue."""
+async def until_queued(mesh: Mesh, schedulers: Sequence[str], timeout: float) -> str:
+    """The first of these scheduler replicas whose heartbeat reports requests in its queue."""
     dec = decoder(m.SchedulerHeartbeat)
-    seen = asyncio.Event()
+    first: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def on_beat(msg: Msg) -> None:
         hb = dec.decode(msg.data)
-        if hb.scheduler_id == scheduler and hb.queued > 0:
-            seen.set()
+        if hb.scheduler_id in schedulers and hb.queued > 0 and not first.done():
+            first.set_result(hb.scheduler_id)
 
     nc = await nats.connect(mesh.nats_url, **mesh.connect_options())
     try:
         await nc.subscribe(subjects.SCHED_HEARTBEAT, cb=on_beat)
-        await asyncio.wait_for(seen.wait(), timeout)
+        return await asyncio.wait_for(first, timeout)
     except TimeoutError:
-        raise RuntimeError(f"{scheduler} never reported a queued request within {timeout:.0f}s") from None
+        raise RuntimeError(
+            f"no scheduler of {list(schedulers)} reported a queued request within {timeout:.0f}s"
+        ) from None
     finally:
         await nc.close()
 
@@ -166,16 +171,18 @@ def chaos_config(
     extra_env: dict[str, dict[str, str]] | None = None,
 ) -> MeshConfig:  # fmt: skip
     """2 prefill + 2 decode workers, 2 scheduler replicas, nats with a user/password; a slower decode
-    step, so streams run long enough to be cut mid-way; a decode waiting line of 1, so each scheduler
-    replica places about one request per decode worker per heartbeat (250 ms) and 24 streams wait in
-    the schedulers' queues for seconds (a scheduler kill strikes them); short leases so lost
+    step, so streams run long enough to be cut mid-way; a decode batch of 4 requests and a waiting line of
+    1: until the next heartbeat a scheduler replica places at most 5 requests on a decode worker (4 into
+    its batch, 1 waiting), so of 24 streams submitted at once at least 4 wait in the replicas' queues
+    until the first streams end (a scheduler kill strikes the replica holding them); short leases so lost
     reservations come back within seconds."""
     env = {
         "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": "16",
                                "MOEMESH_SCHEDULER_LEASE_MS": str(lease_ms),
                                "MOEMESH_SCHEDULER_MAX_DECODE_WAITING": "1"},
         "services.decode_worker": {"MOEMESH_DECODE_WORKER_FORWARD_SLEEP_MS": "25",
-                                   "MOEMESH_DECODE_WORKER_NUM_PAGES": "64"},
+                                   "MOEMESH_DECODE_WORKER_NUM_PAGES": "64",
+                                   "MOEMESH_DECODE_WORKER_MAX_NUM_SEQS": "4"},
         "services.gateway": {"MOEMESH_GATEWAY_REQUEST_TIMEOUT_S": str(deadline_s),
                              "MOEMESH_GATEWAY_MAX_MIGRATIONS": "3"},
     }  # fmt: skip
