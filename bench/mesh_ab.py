@@ -1,7 +1,7 @@
 """TTFT of two mesh configurations, A and B, up at the same time and asked in turn, request by request.
 
-    python -m bench.mesh_ab --b 'MOEMESH_*_EVENT_LOOP=uvloop' [--a ''] [--requests 200] [--prompt-lens 5,40,200]
-                            [--a-src DIR] [--b-src DIR]
+    python -m bench.mesh_ab --b 'MOEMESH_*_EVENT_LOOP=uvloop' [--a ''] [--requests 200]
+                            [--prompt-lens 5,40,200] [--a-src DIR] [--b-src DIR]
 
 On a shared machine the load moves more between two runs a minute apart than a change of 1 ms moves TTFT;
 here both meshes see the same moments: request i goes to A then B (B then A for odd i), the same prompt to
@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from bench.mesh_ttft import first_token_ms, prompt_of
+from bench.mesh_ttft import first_token_ms, prompt_of, ttft_body
 from bench.mesh_ttft import summarize as summary
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
@@ -84,9 +84,7 @@ def mesh_config(
 
 
 async def one(h: httpx.AsyncClient, url: str, model: str, prompt: list[int]) -> float:
-    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
-            "ignore_eos": True, "logprobs": 1}  # fmt: skip
-    return await first_token_ms(h, url, body)
+    return await first_token_ms(h, url, ttft_body(model, prompt))
 
 
 async def alternate(a: Mesh, b: Mesh, prompts: list[list[int]]) -> tuple[list[float], list[float]]:

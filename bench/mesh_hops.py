@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.mesh_ttft import prompt_of, ttft_body
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
 from libs.loadgen.report import write_json
@@ -37,9 +38,7 @@ def run(args: argparse.Namespace, collector: Collector) -> list[float]:
     ttft = []
     with Mesh(MeshConfig(model_dir=model, port=0, extra_env=env)) as mesh, httpx.Client(timeout=30) as h:
         for i in range(args.requests + WARMUP):
-            prompt = [(i * 31 + 7 * j) % 1000 + 3 for j in range(args.prompt_len)]
-            body = {"model": mesh.model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-                    "stream": True, "ignore_eos": True, "logprobs": 1}  # fmt: skip
+            body = ttft_body(mesh.model_name, prompt_of(args.prompt_len, i))
             t0, first = time.perf_counter(), None
             with h.stream("POST", f"{mesh.url}/v1/completions", json=body) as r:
                 for line in r.iter_lines():

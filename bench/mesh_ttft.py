@@ -70,6 +70,19 @@ def engine_ttft(engine: Engine, prompts: list[list[int]], idle_s: float = 0.0) -
     return out
 
 
+def ttft_body(model: str, prompt: list[int]) -> dict:
+    """A one-token streaming completion of a token-id prompt, as every TTFT probe here sends it."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "logprobs": 1,  # a chunk per token: no wait for a held-back partial UTF-8 character
+    }
+
+
 async def mesh_ttft(
     url: str, model: str, prompts: list[list[int]], clients: list[str]
 ) -> dict[str, list[float]]:
@@ -80,15 +93,7 @@ async def mesh_ttft(
     try:
         async with httpx.AsyncClient(timeout=60) as h:
             for i, p in enumerate(prompts):
-                body = {
-                    "model": model,
-                    "prompt": p,
-                    "max_tokens": 1,
-                    "temperature": 0,
-                    "stream": True,
-                    "ignore_eos": True,
-                    "logprobs": 1,  # a chunk per token: no wait for a held-back partial UTF-8 character
-                }
+                body = ttft_body(model, p)
                 for c in clients if i % 2 == 0 else clients[::-1]:
                     ms = (
                         await first_token_ms(h, url, body)
@@ -164,7 +169,8 @@ def ttft_row(
     after idle."""
 
     def added(x: dict) -> dict:
-        return {"added_p50_ms": x["p50_ms"] - engine["p50_ms"], "added_p99_ms": x["p99_ms"] - engine["p99_ms"],
+        return {"added_p50_ms": x["p50_ms"] - engine["p50_ms"],
+                "added_p99_ms": x["p99_ms"] - engine["p99_ms"],
                 "added_vs_idle_engine_p50_ms": x["p50_ms"] - engine_idle["p50_ms"]}  # fmt: skip
 
     first = next(iter(per_client))

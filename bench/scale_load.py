@@ -157,7 +157,8 @@ async def closed_loop(
 
 
 class FirstTextAndTail:
-    """What closed_loop_raw (and bench.mesh_ttft's raw client) keeps of a stream: when the first text chunk came, and the last 512 bytes."""
+    """What closed_loop_raw (and bench.mesh_ttft's raw client) keeps of a stream: when the first text chunk
+    came, and the last 512 bytes."""
 
     def __init__(self, t0: float) -> None:
         self.t0, self.status, self.tail = t0, 0, b""
