@@ -30,7 +30,13 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     cfg = MeshConfig(
         model_dir=tiny_model, port=0, log_dir=tmp_path_factory.mktemp("mesh-logs"),
         extra_env={
-            "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": "0"},  # all disaggregated
+            # all disaggregated; the PrefillTask (with the decode handle) comes before the prompt is
+            # queued, so the KV stream watches every chunk: with PrefillStart overlapped, a batch that
+            # finishes before the reservation returns sends all its KV after the last chunk (CI saw it)
+            "services.scheduler": {
+                "MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": "0",
+                "MOEMESH_SCHEDULER_OVERLAP_PREFILL": "false",
+            },
             "services.prefill_worker": {"MOEMESH_PREFILL_WORKER_MAX_PREFILL_TOKENS": str(BUDGET)},
         },
     )  # fmt: skip
