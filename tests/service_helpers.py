@@ -32,7 +32,7 @@ async def engine_held(et, timeout: float = 30.0) -> AsyncIterator[None]:
     """Keep a worker's engine thread (libs.worker.engine_thread.EngineThread) busy for the block: every
     engine call made meanwhile queues behind it. Released, and its call awaited, on exit."""
     hold = threading.Event()
-    busy = asyncio.ensure_future(et.call(hold.wait, timeout))
+    busy = et.submit(hold.wait, timeout)  # queued now, before the block's first engine call
     try:
         yield
     finally:

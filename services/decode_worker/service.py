@@ -63,6 +63,11 @@ class DecodeWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     # runs with sim workers on the 2-core VM showed no difference beyond their noise (bench.sim_decode);
     # a GPU run decides the default.
     overlap_publish: bool = False
+    # direct prompts (this many tokens at most, together) that find the worker idle step on the event loop
+    # itself, not on the engine thread (EngineThread.run_inline): no thread hand-off before the first token
+    # (-0.13 ms TTFT p50 on the 2-core VM, bench.mesh_ab); bounded because the loop serves nothing meanwhile.
+    # 0: every step on the engine thread
+    inline_step_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 256
     # each step's timeline as JSON lines in <stem>-<instance id><suffix> of this path (libs/worker/step_trace.py)
     step_trace: str = ""
 
@@ -240,7 +245,8 @@ class DecodeWorker(WorkerService):
         if self._awaiting_work and self._kicked is None and not self.forward_sleep_ms:
             # The loop is idle: the engine thread gets the prompt now, not after a pass of the event loop
             # that wakes the step loop (which takes this step as its own).
-            self._kicked = self._start_step()
+            inline = sum(len(a[1]) for a in self.direct) <= self.settings.inline_step_max_tokens
+            self._kicked = self._start_step(inline=inline)
             self.work.set()  # the loop takes the kicked step as its own
             self._kick_only = True
 
@@ -310,14 +316,17 @@ class DecodeWorker(WorkerService):
         self._kick_only = False
         self.work.set()
 
-    def _start_step(self) -> tuple[asyncio.Future, float]:
-        """Hand the engine thread the next step (with the direct prompts queued since the last one)."""
+    def _start_step(self, inline: bool = False) -> tuple[asyncio.Future, float]:
+        """Hand the engine thread the next step (with the direct prompts queued since the last one); with
+        inline, run it here if the engine thread is idle (the future comes back done)."""
         adds, self.direct = self.direct, []
         # Every wake-up so far is this step's: what woke the loop was added on the engine thread (or is in
         # `adds`) before this call, which runs after it. A wake-up from now on (a KvReady joining while the
         # step runs) stays set for the next pass, whatever this step says of the work left.
         self.work.clear()
-        return self.et.submit(self._step_once, adds), time.perf_counter()
+        t0 = time.perf_counter()
+        step = self.et.run_inline(self._step_once, adds) if inline else None
+        return (step if step is not None else self.et.submit(self._step_once, adds)), t0
 
     async def _step_loop(self) -> None:
         """Steps back to back while requests run, each step's tokens published before the next starts.

@@ -168,12 +168,52 @@ async def test_a_kicked_step_that_finishes_its_request_is_the_only_step(rig: Rig
     for i in range(3):  # sequential, as a benchmark's one-at-a-time requests
         await rig.until(lambda: worker._awaiting_work and not worker.work.is_set(), "the loop idle")
         sampling = m.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
-        msg = m.DecodeDirect(request_id=f"one-{i}", prompt_ids=prompt, sampling=sampling, stream_subject=STREAM)
+        msg = m.DecodeDirect(
+            request_id=f"one-{i}", prompt_ids=prompt, sampling=sampling, stream_subject=STREAM
+        )
         await worker.on_inbox(msg)
         await rig.until(lambda i=i: f"one-{i}" in rig.finished, "the stream to finish")
     await rig.until(lambda: worker._awaiting_work and not worker.work.is_set(), "the loop idle")
     assert calls == [1, 1, 1]
     assert all(rig.tokens[f"one-{i}"] == greedy(model_dir, prompt)[:1] for i in range(3))
+
+
+async def test_an_idle_workers_kicked_step_runs_on_the_event_loop_and_a_busy_ones_on_the_engine_thread(
+    rig: Rig, model_dir: Path
+) -> None:
+    """inline_step_max_tokens: the engine thread idle, the direct prompt's step runs in the inbox handler's
+    own thread (no hand-off before the first token); with an engine call in flight, or a prompt past the
+    bound, it is queued for the engine thread."""
+    worker = rig.worker
+    step_once, threads = worker._step_once, []
+
+    def step(adds: list) -> tuple:
+        threads.append(threading.current_thread())
+        return step_once(adds)
+
+    worker._step_once = step  # type: ignore[method-assign]
+    prompt, one = [5, 9, 13, 17, 21], m.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
+    await rig.until(lambda: worker._awaiting_work and not worker.work.is_set(), "the loop idle")
+    await worker.on_inbox(
+        m.DecodeDirect(request_id="idle", prompt_ids=prompt, sampling=one, stream_subject=STREAM)
+    )
+    assert threads == [threading.current_thread()]  # done before the handler returned, on this thread
+    await rig.until(lambda: "idle" in rig.finished, "the first stream to finish")
+    await rig.until(lambda: worker._awaiting_work and not worker.work.is_set(), "the loop idle")
+    async with engine_held(worker.et):
+        msg = m.DecodeDirect(request_id="busy", prompt_ids=prompt, sampling=one, stream_subject=STREAM)
+        await worker.on_inbox(msg)
+        assert len(threads) == 1  # queued behind the held call
+    await rig.until(lambda: "busy" in rig.finished, "the second stream to finish")
+    assert len(threads) == 2 and threads[1] is not threading.current_thread()
+    await rig.until(lambda: worker._awaiting_work and not worker.work.is_set(), "the loop idle")
+    long = [(3 * i) % 900 + 2 for i in range(worker.settings.inline_step_max_tokens + 1)]
+    await worker.on_inbox(
+        m.DecodeDirect(request_id="long", prompt_ids=long, sampling=one, stream_subject=STREAM)
+    )
+    await rig.until(lambda: "long" in rig.finished, "the long prompt's stream to finish")
+    assert len(threads) == 3 and threads[2] is not threading.current_thread()
+    assert rig.tokens["idle"] == rig.tokens["busy"] == greedy(model_dir, prompt)[:1]
 
 
 async def test_a_cancel_before_the_step_leaves_no_request_and_no_page(rig: Rig) -> None:
@@ -274,10 +314,18 @@ async def test_the_worker_sets_its_gil_switch_interval(private_nats_url: str, mo
     assert DecodeWorkerSettings(model_dir=str(model_dir)).gil_switch_interval_ms == 0.5
 
 
-async def test_a_request_that_joins_while_the_last_step_runs_is_stepped(rig: Rig, model_dir: Path) -> None:
+async def test_a_request_that_joins_while_the_last_step_runs_is_stepped(
+    private_nats_url: str, model_dir: Path
+) -> None:
     """The lost wake-up behind a flaky e2e test: a request joins (added on the engine thread, then the step
     loop woken, as KvReady does) while the only running request's last step runs. That step said "nothing
-    more"; a loop that then cleared its wake-up left the new request waiting until some other request came."""
+    more"; a loop that then cleared its wake-up left the new request waiting until some other request came.
+    (The step runs on the engine thread: inline, the idle worker's first step would hold the event loop.)"""
+    async with running_rig(private_nats_url, model_dir, inline_step_max_tokens=0) as rig:
+        await _joins_while_the_last_step_runs(rig, model_dir)
+
+
+async def _joins_while_the_last_step_runs(rig: Rig, model_dir: Path) -> None:
     worker = rig.worker
     step_once, publish = worker._step_once, worker._publish
     running, release, publish_held = threading.Event(), threading.Event(), asyncio.Event()
