@@ -1,6 +1,7 @@
 """Where a request's time to first token goes, hop by hop, from the mesh's own OpenTelemetry spans.
 
     python -m bench.mesh_hops [--requests 40] [--prompt-len 40] [--direct-threshold 16]
+                              [--scheduler process|embedded]
 
 Starts the embedded mesh on the tiny model with every service exporting spans over OTLP/HTTP to a
 collector in this process, sends sequential streaming completions (max_tokens=1), and reports per span
@@ -36,7 +37,8 @@ def run(args: argparse.Namespace, collector: Collector) -> list[float]:
     model = write_tiny_model(Path("/tmp/moemesh-bench-hops"), overwrite=True)
     env = {"services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(args.direct_threshold)}}
     ttft = []
-    with Mesh(MeshConfig(model_dir=model, port=0, extra_env=env)) as mesh, httpx.Client(timeout=30) as h:
+    cfg = MeshConfig(model_dir=model, port=0, extra_env=env, embedded_scheduler=args.scheduler == "embedded")
+    with Mesh(cfg) as mesh, httpx.Client(timeout=30) as h:
         for i in range(args.requests + WARMUP):
             body = ttft_body(mesh.model_name, prompt_of(args.prompt_len, i))
             t0, first = time.perf_counter(), None
@@ -82,6 +84,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--direct-threshold", type=int, default=16)
+    ap.add_argument("--scheduler", choices=("process", "embedded"), default="process")
     ap.add_argument("--out", default="bench/results/mesh_hops.json")
     args = ap.parse_args()
     collector = Collector()
@@ -95,7 +98,8 @@ def main() -> None:
             f"{r['service']:16} {r['span']:34} start {r['start_ms']:7.2f} ms  dur {r['duration_ms']:7.2f} ms"
         )
     print(f"client TTFT p50 {statistics.median(ttft):.2f} ms over {len(ttft)} requests")
-    result = {"benchmark": "mesh_hops", "prompt_len": args.prompt_len, "requests": len(ttft),
+    result = {"benchmark": "mesh_hops", "prompt_len": args.prompt_len, "scheduler": args.scheduler,
+              "requests": len(ttft),
               "client_ttft_p50_ms": statistics.median(ttft), "load_avg": os.getloadavg(), "hops": rows,
               "command": shlex.join(["python", "-m", "bench.mesh_hops", *sys.argv[1:]])}  # fmt: skip
     print(f"wrote {write_json(args.out, result)}")
