@@ -202,6 +202,10 @@ class WorkerHeartbeat(Kind, frozen=True):
     # requests its running batch holds at most (the engine's max_num_seqs, summed over an EP group's ranks;
     # 0 from senders that predate it): placements beyond the free slots wait in its line
     max_running: int = 0
+    # placements accepted but in neither the batch nor the line yet (a decode worker: pages reserved for KV
+    # on its way from a prefill worker, direct prompts queued for its next step; 0 from senders that
+    # predate it): each takes a batch slot soon, so the scheduler counts them as load and in the line
+    pending: int = 0
 
 
 class WorkerGone(Kind, frozen=True):

@@ -14,6 +14,18 @@ from libs.natsd import start_nats_server
 from tests.libs.kernels.conftest import HAS_CUDA  # noqa: F401  (the import sets the interpreter up)
 
 
+@pytest.fixture(scope="module")
+def private_nats_url() -> Iterator[str]:
+    """A nats-server of the test module's own (no JetStream), for tests on the mesh's fixed subjects
+    (heartbeats, the one broker subject): they see no other module's traffic, nor a service an earlier
+    module left behind."""
+    server = start_nats_server(jetstream=False)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def nats_server() -> Iterator[str]:
     """URL of one real nats-server (JetStream on, temporary store) shared by the whole session.

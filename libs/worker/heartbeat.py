@@ -38,6 +38,7 @@ class Heartbeater:
                 page_size=st["page_size"], max_context=st["max_context"], interval_ms=self.interval_ms,
                 sent_ms=int(time.time() * 1000), draining=self.draining,
                 waiting_tokens=st.get("waiting_tokens", 0), max_running=st.get("max_running", 0),
+                pending=st.get("pending", 0),
             ),
         )  # fmt: skip
 

@@ -141,6 +141,8 @@ class DecodeWorker(WorkerService):
             "free_pages": st["free_pages"] + st["evictable_pages"],
             "page_size": self.engine.page_size,
             "max_context": self.engine.config.max_position_embeddings,
+            # reservations whose KV has not joined yet, direct prompts not yet handed to a step
+            "pending": st.get("reserved", 0) + len(self.direct),
         }
 
     # --- inbox ---

@@ -65,15 +65,16 @@ def place(
 
 def waiting_line(w: WorkerState) -> int:
     """Requests waiting to join the decode worker's running batch, as far as the scheduler knows: those its
-    last heartbeat reported, and of the placements since (`inflight`), those its batch has no slot for. A
-    placement joins the next step while the batch has a free slot, so with no line at the heartbeat only
+    last heartbeat reported, and of the placements since (`inflight`) and those it had accepted but not yet
+    started (`pending`: KV on its way, direct prompts before their step), those its batch has no slot for.
+    A placement joins the next step while the batch has a free slot, so with no line at the heartbeat only
     the placements beyond `max_running - running` can be waiting (finished ones are not seen until the
     next heartbeat: an upper bound); with a line, every placement since waits behind it; and from a
     worker that does not report its batch size, every placement since counts."""
     hb = w.hb
     if hb.waiting > 0 or hb.max_running <= 0:
-        return hb.waiting + w.inflight
-    return max(0, hb.running + w.inflight - hb.max_running)
+        return hb.waiting + hb.pending + w.inflight
+    return max(0, hb.running + hb.pending + w.inflight - hb.max_running)
 
 
 def placed_notice(request_id: str, decode_worker: str) -> m.TokenBatch:

@@ -20,7 +20,7 @@ Rules (why, where it is not obvious):
   the imbalance it causes stays below that, and load wins past it. `prefix_weight` 0 is load-only
   placement (the cache is not even a tie-breaker; the scheduler service then asks for no hits at all).
 - Decode choice: enough free pages for prompt + max_tokens (capped at its max_context), then best score
-  with load = running + inflight, then most free pages, then most cached prefix, then worker id.
+  with load = running + pending + inflight, then most free pages, then most cached prefix, then worker id.
 - Conditional disaggregation: when the chosen decode worker's uncached prompt part (prompt length minus
   its cached prefix) is at most `direct_prefill_threshold` tokens, prefill runs on the decode worker
   itself; a threshold of 0 disables this.
@@ -113,7 +113,7 @@ class WorkerState:
 
     @property
     def decode_load(self) -> int:
-        return self.hb.running + self.inflight
+        return self.hb.running + self.hb.pending + self.inflight
 
     @property
     def prefill_load(self) -> int:
@@ -342,7 +342,8 @@ def _best_decode(
         if free < need:
             continue
         h = placed.get(hb.worker_id, 0)
-        score = weight * min(max(h, 0), plen) / plen - (hb.running + w.inflight)  # placement_score
+        load = hb.running + hb.pending + w.inflight  # WorkerState.decode_load
+        score = weight * min(max(h, 0), plen) / plen - load  # placement_score
         if best_key is not None and -score > best_key[0]:
             continue  # worse on the first key already: no tuple to build
         key = (-score, -free, -h, hb.worker_id)

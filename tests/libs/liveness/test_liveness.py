@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -12,6 +13,21 @@ from proto import messages as m
 from proto import subjects
 
 WAIT_S = 60.0  # bound on each wait for the watch's callback
+
+
+async def until_reported(changed: asyncio.Event, watch: LivenessWatch) -> None:
+    """Until on_dead ran; past WAIT_S, fail with what the watch knew (its nodes, expiries, clocks)."""
+    try:
+        async with asyncio.timeout(WAIT_S):
+            await changed.wait()
+    except TimeoutError:
+        t, sc = watch.table, watch.stall_clock
+        nodes = {k: t.expiry(k) for k in list(t._nodes)}
+        stalls = None if sc is None else (sc.stalls, round(sc.stalled_s, 3))
+        raise AssertionError(
+            f"no on_dead within {WAIT_S:.0f}s: nodes->expiry {nodes}, clock {watch.clock():.3f}, monotonic "
+            f"{time.monotonic():.3f}, stalls {stalls}, bus connected {watch.bus.is_connected}"
+        ) from None
 
 
 def test_dead_after_n_of_its_own_intervals() -> None:
@@ -62,7 +78,7 @@ def test_holders_index_both_ways() -> None:
     assert h.items_of("sched-0") == [] and h.nodes() == ["decode-1"] and len(h) == 1
 
 
-async def test_watch_reports_silence_and_goodbyes(nats_server: str) -> None:
+async def test_watch_reports_silence_and_goodbyes(private_nats_url: str) -> None:
     # Generous bounds on the waits (events, not sleeps): the watch's StallClock stands still while this
     # process is starved, so on a loaded CI machine a grace period can take several wall seconds (one run
     # timed out at 5 s).
@@ -73,8 +89,8 @@ async def test_watch_reports_silence_and_goodbyes(nats_server: str) -> None:
         dead.append(nodes)
         changed.set()
 
-    bus = await Bus.connect(nats_server, "watch-test")
-    pub = await Bus.connect(nats_server, "watch-pub")
+    bus = await Bus.connect(private_nats_url, "watch-test")
+    pub = await Bus.connect(private_nats_url, "watch-pub")
     watch = LivenessWatch(bus, on_dead, dead_after_intervals=2.0)
     try:
         await watch.start()
@@ -88,19 +104,16 @@ async def test_watch_reports_silence_and_goodbyes(nats_server: str) -> None:
             subjects.SCHED_HEARTBEAT, m.SchedulerHeartbeat(scheduler_id="s0", interval_ms=60_000, sent_ms=0)
         )
         await pub.flush()
-        async with asyncio.timeout(WAIT_S):
-            await changed.wait()
+        await until_reported(changed, watch)
         assert dead == [["w-silent"]] and watch.table.is_alive("s0", watch.clock())
         changed.clear()
         await pub.publish(subjects.heartbeat("decode"), m.WorkerGone(worker_id="s0", role=m.Role.DECODE))
-        async with asyncio.timeout(WAIT_S):
-            await changed.wait()
+        await until_reported(changed, watch)
         assert dead[-1] == ["s0"]
         changed.clear()
         watch.watch("never-heard")  # assumed alive for one grace period of the default interval
         assert watch.table.is_alive("never-heard", watch.clock())
-        async with asyncio.timeout(WAIT_S):
-            await changed.wait()
+        await until_reported(changed, watch)
         assert dead[-1] == ["never-heard"]
     finally:
         await watch.stop()

@@ -76,13 +76,13 @@ async def _until(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untype
             await asyncio.sleep(0.005)
 
 
-async def test_a_stalled_receiver_does_not_declare_a_beating_worker_dead(nats_server: str) -> None:
+async def test_a_stalled_receiver_does_not_declare_a_beating_worker_dead(private_nats_url: str) -> None:
     dead: list[str] = []
 
     async def on_dead(nodes: list[str]) -> None:
         dead.extend(nodes)
 
-    bus = await Bus.connect(nats_server, "stalled-receiver")
+    bus = await Bus.connect(private_nats_url, "stalled-receiver")
     watch = LivenessWatch(bus, on_dead, dead_after_intervals=3.0, tick_s=0.02)
     handled: list[float] = []  # when each heartbeat was handled here
 
@@ -94,7 +94,7 @@ async def test_a_stalled_receiver_does_not_declare_a_beating_worker_dead(nats_se
         await watch.start(subscribe=False)
         await bus.subscribe(subjects.heartbeat("decode"), m.Heartbeat, on_beat)
         await bus.flush()
-        with _Beater(nats_server, "d-busy", m.Role.DECODE):
+        with _Beater(private_nats_url, "d-busy", m.Role.DECODE):
             await _until(lambda: "d-busy" in watch.table)
             # Our loop is blocked for 12 of the worker's intervals (4x its 150 ms limit) while it keeps
             # beating: its heartbeats wait unread in our socket; that silence is ours, not the worker's.
@@ -110,11 +110,11 @@ async def test_a_stalled_receiver_does_not_declare_a_beating_worker_dead(nats_se
         await bus.close()
 
 
-async def test_a_decode_worker_hears_prefill_heartbeats_only(nats_server: str) -> None:
+async def test_a_decode_worker_hears_prefill_heartbeats_only(private_nats_url: str) -> None:
     """Deliveries must not grow with decode workers squared: a decode worker's guard subscribes to the
     prefill role's subject, and no scheduler heartbeats."""
-    bus = await Bus.connect(nats_server, "decode-guard")
-    pub = await Bus.connect(nats_server, "workers")
+    bus = await Bus.connect(private_nats_url, "decode-guard")
+    pub = await Bus.connect(private_nats_url, "workers")
     guard = ReservationGuard(bus, on_lost=lambda rid: None)
     try:
         await guard.start()

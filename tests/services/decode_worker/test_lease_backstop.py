@@ -93,6 +93,7 @@ async def test_a_lost_create_handle_frees_the_reservation_one_lease_after_it_end
     lost = await reserve(bus, worker, "r-lost", 40)
     answered = await reserve(bus, worker, "r-answered", 20)
     assert worker.engine.stats()["free_pages"] == free_before - len(lost.page_ids) - len(answered.page_ids)
+    assert worker.load()["pending"] == 2  # the heartbeat counts each as a batch slot taken soon
     # The other reservation ends the normal way: its prefill worker gives up.
     failed = m.PrefillFailed(request_id="r-answered", handle_id=answered.handle_id, message="no capacity")
     await bus.publish(subjects.decode_inbox(worker.instance_id), failed)
@@ -113,3 +114,4 @@ async def test_a_lost_create_handle_frees_the_reservation_one_lease_after_it_end
     assert broker.released[answered.handle_id].startswith("prefill failed")
     assert errors.empty()  # the answered reservation was not the gateway's business
     assert len(worker.leases) == 0 and worker.worker_stats().reserved_handles == 0
+    assert worker.load()["pending"] == 0

@@ -21,6 +21,7 @@ def make_heartbeat(
     draining: bool = False,
     waiting_tokens: int = 0,
     max_running: int = 0,
+    pending: int = 0,
 ) -> WorkerHeartbeat:
     return WorkerHeartbeat(
         worker_id=worker_id,
@@ -37,6 +38,7 @@ def make_heartbeat(
         draining=draining,
         waiting_tokens=waiting_tokens,
         max_running=max_running,
+        pending=pending,
     )
 
 

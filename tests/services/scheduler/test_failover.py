@@ -9,7 +9,7 @@ from libs.bus import Bus
 from proto import messages as m
 from proto import subjects
 from services.scheduler.failover import SchedulerBeacon, place, placed_notice, waiting_line
-from services.scheduler.policy import PlanKind, PolicyConfig, Refuse, Wait
+from services.scheduler.policy import PlanKind, PolicyConfig, Refuse, Wait, schedule
 from tests.services.scheduler.factories import make_heartbeat, make_request, make_workers
 
 CFG = PolicyConfig(direct_prefill_threshold=8)
@@ -87,6 +87,26 @@ def test_placements_a_free_batch_slot_takes_are_not_a_line() -> None:
     assert waiting_line(d0) == 4
     decision = place(t.live(0.0), short, CFG, max_waiting=4)
     assert isinstance(decision, Wait) and "4 requests waiting" in decision.reason
+
+
+def test_accepted_but_not_started_placements_take_batch_slots() -> None:
+    """A decode worker's `pending` (KV on its way from a prefill worker, direct prompts before their step)
+    is neither running nor waiting in its heartbeat, yet each takes a slot: without it a scheduler placed
+    past the line on a worker whose prefills were slow (every heartbeat showed a free batch)."""
+    t = make_workers(
+        make_heartbeat("d0", running=2, max_running=4, pending=3),
+        make_heartbeat("d1", running=3, max_running=4),
+    )  # fmt: skip
+    d0, d1 = t.get("d0"), t.get("d1")
+    assert d0 is not None and d1 is not None
+    assert (waiting_line(d0), waiting_line(d1)) == (1, 0)
+    assert (d0.decode_load, d1.decode_load) == (5, 3)
+    short = make_request(4)
+    assert place(t.live(0.0), short, CFG, max_waiting=1).decode == "d1"  # d0's line of 1 is full
+    assert schedule(t.live(0.0), short, CFG).decode == "d1"  # and it is the busier one
+    t2 = make_workers(make_heartbeat("d0", waiting=1, running=4, max_running=4, pending=2))
+    w = t2.get("d0")
+    assert w is not None and waiting_line(w) == 3
 
 
 def test_with_a_line_at_the_heartbeat_or_no_batch_size_every_placement_since_waits() -> None:
