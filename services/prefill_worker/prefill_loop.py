@@ -14,6 +14,10 @@ starts earlier still: after every step the loop reads which of its pages are fin
 so its earlier chunks' KV travels while its later chunks compute. On CUDA the pages come with a fence
 (an event recorded after the step) that the writer waits on before reading them.
 
+A round with few prompt tokens left (`inline_max_tokens`) runs on the event loop when the engine thread is
+idle (`EngineThread.run_inline`): a lone short prompt on an idle worker pays no thread hand-off before its
+first token.
+
 Failures: a prompt the engine refuses (ValueError) fails alone; a step that raises fails every prompt in
 the engine with that error (they are aborted in the next round, so no page stays held). `drop` (a
 cancel) fails a queued prompt at once and aborts one already in the engine before the next step.
@@ -44,11 +48,16 @@ class PrefillLoop:
         et: EngineThread,
         on_step: Callable[[int], object] | None = None,
         max_prompts: int = 0,
+        inline_max_tokens: int = 0,
     ) -> None:
         """on_step(prompts in the engine) runs on the event loop after every step (metrics). max_prompts:
         at most this many prompts in the engine at once, the rest wait in arrival order (0: no limit;
-        1: one prompt at a time, the unbatched baseline)."""
+        1: one prompt at a time, the unbatched baseline). inline_max_tokens: a round with at most this many
+        prompt tokens left to compute runs on the event loop itself when the engine thread is idle
+        (EngineThread.run_inline; 0: never)."""
         self.engine, self.et, self.on_step, self.max_prompts = engine, et, on_step, max_prompts
+        self.inline_max_tokens = inline_max_tokens
+        self.inline_rounds = 0  # rounds run on the event loop
         self._queued: dict[str, tuple[list[int], SamplingParams]] = {}  # submitted, not yet in the engine
         self._lengths: dict[str, int] = {}  # prompt tokens of every prompt not yet reported
         self._in_engine: set[str] = set()  # added to the engine, result not yet reported
@@ -141,10 +150,14 @@ class PrefillLoop:
             self._in_engine |= new.keys()
             self._wake.clear()
             forwards = self.forwards
+            running = tuple(self._in_engine)
+            inline = None
+            if self.inline_max_tokens and self.backlog()[1] <= self.inline_max_tokens:
+                inline = self.et.run_inline(self._round, new, drop, running)  # None: the thread is busy
+                self.inline_rounds += inline is not None
+            step = inline if inline is not None else self.et.submit(self._round, new, drop, running)
             try:
-                errors, outs, stalled, progress, fence = await self.et.call(
-                    self._round, new, drop, tuple(self._in_engine)
-                )
+                errors, outs, stalled, progress, fence = await step  # a done future returns at once
             except Exception as e:  # the step failed: so does every prompt it held
                 self._in_engine -= drop
                 for rid in self._in_engine:
@@ -159,6 +172,8 @@ class PrefillLoop:
             self._notify(progress, fence)
             if stalled and not self._drop:
                 await self._wake.wait()  # every page is pinned: a release, a new task or a drop wakes us
+            elif inline is not None:
+                await asyncio.sleep(0)  # rounds on the loop never run back to back: the bus is served between
 
     def _take_queued(self) -> dict[str, tuple[list[int], SamplingParams]]:
         room = self.max_prompts - len(self._in_engine) if self.max_prompts else len(self._queued)

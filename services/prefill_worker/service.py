@@ -66,6 +66,11 @@ class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     # the CPU "triton" (one SDPA per sequence): the CPU reference ("torch") pads a batch to its longest chunk,
     # which would make batching cost more
     attention_backend: str = "auto"
+    # a round whose prompts have at most this many tokens left to compute runs on the event loop when the engine
+    # thread is idle, saving the two thread hand-offs before its first token (as the decode worker's
+    # inline_step_max_tokens); bounded because the loop serves nothing meanwhile. 0: every round on the engine
+    # thread
+    inline_step_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 256
 
     @property
     def engine_attention_backend(self) -> str:
@@ -106,7 +111,9 @@ class PrefillWorker(WorkerService):
             "moemesh_prefill_batch_prompts", "prompts in the engine per forward", registry=r,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
         )  # fmt: skip
-        self.prefills = PrefillLoop(self.engine, self.et, self._on_step, s.max_prefill_prompts)
+        self.prefills = PrefillLoop(
+            self.engine, self.et, self._on_step, s.max_prefill_prompts, s.inline_step_max_tokens
+        )
         self.m_xfer_bytes = Counter(
             "moemesh_kv_transfer_bytes_total", "KV bytes written to decode workers", registry=r
         )
