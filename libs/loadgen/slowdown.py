@@ -120,8 +120,12 @@ async def _watch(
         if cfg is not None and w.release_s is None:
             why = release_reason(batch, peak, now - grown_at, now - started, prefilling, cfg)
             if why is not None:
+                # Stamped before the call: the workers run at full speed from some moment inside it, and a short
+                # decode can finish before the reply is back (a loaded CI box: every request ended "before"
+                # a release stamped after the call, and the full-batch window was empty).
+                released = clock()
                 await admin.set_slowdown(0)
-                w.release_s, w.reason, w.batch_at_release = clock(), why, batch
+                w.release_s, w.reason, w.batch_at_release = released, why, batch
         await asyncio.wait({load}, timeout=cfg.poll_s if cfg else 0.05)  # sampling period, or the load's end
     return w
 
