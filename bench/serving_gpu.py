@@ -46,6 +46,7 @@ from bench.serving_gpu_mesh import (
     decode_counters,
     decode_worker_full_batch,
     decode_worker_steps,
+    engine_calls,
     greedy_through_mesh,
     kv_transfer,
     run_slowdown_bench,
@@ -189,6 +190,7 @@ def serve(
             rec["timings"]["warmup_s"] = warmup_seconds(mesh)
             rec["gpu_processes"] = mesh.gpu_processes()
             rec["greedy_mesh"] = greedy_through_mesh(mesh, s)
+            rec["engine_calls_after_greedy"] = engine_calls(mesh)  # sequential prompts: short ones inline
         except Exception as e:  # noqa: BLE001 - recorded, then the next transport
             why = f"{type(e).__name__}: {e}"
             if not isinstance(e, MeshUpError):  # the services' own words too (MeshUpError holds them already)

@@ -258,6 +258,19 @@ def warmup_seconds(mesh: MeshProcess) -> dict[str, float]:
     return {w: _metric(mesh.metrics(w), "moemesh_worker_warmup_seconds") for w in ("prefill-0", "decode-0")}
 
 
+def engine_calls(mesh: MeshProcess) -> dict[str, dict[str, float]]:
+    """Each worker's engine calls so far by where they ran (`loop`: inline on the event loop, a short round
+    on an idle worker; `thread`: the engine thread), from its /metrics."""
+    out = {}
+    for w in ("prefill-0", "decode-0"):
+        text = mesh.metrics(w)
+        out[w] = {
+            on: _metric(text, f'moemesh_worker_engine_calls_total\\{{on="{on}"\\}}')
+            for on in ("loop", "thread")
+        }
+    return out
+
+
 def decode_counters(mesh: MeshProcess) -> dict[str, float]:
     """decode-0's step histogram and token counter: a difference of two readings says how long its engine
     steps took as the worker saw them (thread hand-off included), to set beside the Engine's step."""

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from libs.engine.protocol import EngineLike
 
@@ -32,10 +35,13 @@ class EngineThread:
         self._running = threading.Lock()  # held by whichever thread runs an engine call
         self._count = threading.Lock()
         self._queued = 0  # calls handed to the pool and not yet finished
+        self.thread_calls = 0  # calls handed to the engine thread
+        self.loop_calls = 0  # calls run_inline ran on the calling thread
 
     def _enqueue(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Callable[[], T]:
         with self._count:
             self._queued += 1
+            self.thread_calls += 1
 
         def run() -> T:
             try:
@@ -72,6 +78,7 @@ class EngineThread:
         with self._count:
             if self._queued or not self._running.acquire(blocking=False):
                 return None
+            self.loop_calls += 1
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         try:
             fut.set_result(fn(*args))
@@ -90,3 +97,21 @@ class EngineThread:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class EngineCallsCollector(Collector):
+    """`moemesh_worker_engine_calls_total{on}`: engine calls run on the engine thread (`thread`) and those
+    `run_inline` ran on the event loop itself (`loop`: a short round on an idle worker), read at scrape time."""
+
+    def __init__(self, et: EngineThread) -> None:
+        self.et = et
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        c = CounterMetricFamily(
+            "moemesh_worker_engine_calls",
+            "engine calls by the thread that ran them (loop: run inline)",
+            labels=["on"],
+        )
+        c.add_metric(["thread"], self.et.thread_calls)
+        c.add_metric(["loop"], self.et.loop_calls)
+        yield c

@@ -13,7 +13,7 @@ from prometheus_client import Gauge
 from libs.bus import Service
 from libs.engine.protocol import EngineLike
 from libs.kvtransfer import KvTransport
-from libs.worker.engine_thread import EngineThread
+from libs.worker.engine_thread import EngineCallsCollector, EngineThread
 from libs.worker.settings import WorkerSettings
 from libs.worker.startup import load_engine, open_transport, register_at_broker
 from libs.worker.warmup import plan_warmup, run_warmup, warmup_enabled
@@ -39,6 +39,7 @@ class WorkerService(Service):
         self.startup_stage = "loading the model"  # /ready says so (503) meanwhile
         self.engine = await asyncio.to_thread(load_engine, s)
         self.et = EngineThread(self.engine)
+        self.registry.register(EngineCallsCollector(self.et))
         await self.warm_up(role)
         self.startup_stage = "registering the KV pool (transfer engine, kv-broker)"
         self.transport = open_transport(s, self.engine)

@@ -7,8 +7,9 @@ import time
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from libs.worker.engine_thread import EngineThread
+from libs.worker.engine_thread import EngineCallsCollector, EngineThread
 
 
 def _until(cond: Any, what: str, timeout: float = 30.0) -> None:
@@ -66,3 +67,21 @@ async def test_a_transfer_threads_call_waits_for_the_inline_one(et: EngineThread
     assert et.run_inline(inline) is not None
     other.join(30)
     assert order == ["inline", "transfer"]
+
+
+async def test_the_calls_counted_by_where_they_ran_reach_the_metrics(et: EngineThread) -> None:
+    registry = CollectorRegistry()
+    registry.register(EngineCallsCollector(et))
+
+    def calls(on: str) -> float | None:
+        return registry.get_sample_value("moemesh_worker_engine_calls_total", {"on": on})
+
+    assert (calls("loop"), calls("thread")) == (0, 0)
+    assert et.run_inline(lambda: None) is not None
+    hold = threading.Event()
+    busy = et.submit(hold.wait, 30)
+    assert et.run_inline(lambda: None) is None  # refused: counted nowhere, the caller submits it
+    await et.call(lambda: None)
+    hold.set()
+    await busy
+    assert (calls("loop"), calls("thread")) == (1, 2)
