@@ -45,7 +45,8 @@ def test_smoke_run_writes_a_complete_record(tmp_path: Path) -> None:
     assert all(len(ids) == 6 for ids in rec["greedy_mesh"])
     # each worker's engine calls by where they ran (moemesh_worker_engine_calls_total{on}), read after them
     calls = rec["engine_calls_after_greedy"]
-    assert set(calls) == {"prefill-0", "decode-0"} and all(c["loop"] + c["thread"] > 0 for c in calls.values())
+    assert set(calls) == {"prefill-0", "decode-0"}
+    assert all(c["loop"] + c["thread"] > 0 for c in calls.values()), calls
     # one 300-token prompt's KV: every layer's latent rows (kv_lora_rank + rope dims, float32) of its pages
     row = (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 4 * c["num_hidden_layers"]
     assert rec["kv_transfer"]["bytes"] == row * 16 * math.ceil(300 / 16)
