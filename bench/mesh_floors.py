@@ -11,13 +11,15 @@ share of TTFT can be read against them.
 2. The bus: nats-py request/reply between two processes through a nats-server (one-way ~ half of it).
 3. Mooncake TCP: one 8 MiB write between two processes, and the longest stall of a Python thread running
    beside it (the binding holds the GIL for part or all of the call).
-4. The engine: one tiny-model prefill step (5 and 40 tokens) back to back vs after 10 ms idle.
+4. The engine: one tiny-model prefill step (5 and 40 tokens) back to back, after 10 ms idle (asleep), and after
+   0.5, 2 and 10 ms of busy-spinning (whether the step slows with the gap itself or with the core's idle state).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import platform
 import socket
@@ -38,6 +40,8 @@ from libs.bus.loop import run as run_loop
 from libs.loadgen.report import write_json
 
 IDLE_S = 0.010
+# the engine step after this long busy-spinning: does it slow with the gap itself, asleep or not?
+SPIN_MS = (0.5, 2.0, 10.0)
 PARTS = ("http", "bus", "mooncake_tcp", "engine")
 
 
@@ -243,16 +247,23 @@ def engine_floor(n: int) -> dict:
 
         for i in range(10):
             step(i)
-        hot = [step(100 + i) for i in range(n)]
-        idle = []
+        # interleaved, the order reversed every other round: each mode sees the same moments of the box
+        gaps = {"back_to_back": lambda: None, "after_idle": lambda: time.sleep(IDLE_S)}
+        gaps |= {f"after_spin_{ms:g}ms": functools.partial(_spin, ms / 1e3) for ms in SPIN_MS}
+        times: dict[str, list[float]] = {k: [] for k in gaps}
         for i in range(n):
-            time.sleep(IDLE_S)
-            idle.append(step(10_000 + i))
-        out[f"prefill_{plen}_tokens"] = {
-            "step_p50_ms_back_to_back": _p50(hot),
-            "step_p50_ms_after_idle": _p50(idle),
-        }
+            for k in list(gaps) if i % 2 else list(gaps)[::-1]:
+                gaps[k]()
+                times[k].append(step(100 + i * len(gaps) + len(times[k])))
+        out[f"prefill_{plen}_tokens"] = {f"step_p50_ms_{k}": _p50(v) for k, v in times.items()}
     return out
+
+
+def _spin(seconds: float) -> None:
+    """Busy the core for `seconds` (no sleep: its idle state never entered)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def main() -> None:

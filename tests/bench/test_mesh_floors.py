@@ -16,6 +16,10 @@ def test_every_floor_is_measured() -> None:
     assert mc["write_8mib_ms"] > 0 and mc["longest_python_stall_ms_beside_writes"] > 0
     assert set(eng) == {"prefill_5_tokens", "prefill_40_tokens"}
     assert all(v > 0 for row in eng.values() for v in row.values())
+    assert set(eng["prefill_5_tokens"]) == {
+        "step_p50_ms_back_to_back", "step_p50_ms_after_idle",
+        "step_p50_ms_after_spin_0.5ms", "step_p50_ms_after_spin_2ms", "step_p50_ms_after_spin_10ms",
+    }  # fmt: skip
 
 
 def test_http_and_bus_floors_on_uvloop() -> None:
