@@ -133,6 +133,7 @@ def idle_window(mesh: ScaleMesh, seconds: float = 3.0) -> dict:
 def load_steps(mesh: ScaleMesh, args: argparse.Namespace, prefill_ms: float, idle: dict) -> list[dict]:
     rows: list[dict] = []
     for k, rate in enumerate(float(r) for r in args.rates.split(",") if r.strip()):
+        prof = gateway_profile(mesh, args, f"gateway-poisson-{rate:g}rps")
         probe = Probe(mesh)
         res, wall = asyncio.run(poisson(mesh.url, mesh.model_name, rate, args.step_s, args.prompt_len,
                                         args.max_tokens, args.shared, k + 1, args.load_client))  # fmt: skip
@@ -145,6 +146,8 @@ def load_steps(mesh: ScaleMesh, args: argparse.Namespace, prefill_ms: float, idl
             **d, **per_unit(d, res.ok, res.tokens, idle), "load_avg": os.getloadavg(),
         }  # fmt: skip
         row["busiest"] = max(row["cpu_cores"], key=row["cpu_cores"].get)
+        if prof is not None:
+            row["profile"] = prof.stop()
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("bus",)}), flush=True)
         first_p50 = rows[0]["ttft_p50_ms"]
@@ -160,12 +163,17 @@ def gateway_tokens(mesh: ScaleMesh) -> list[float]:
     return [counter_total(u, "moemesh_gateway_generation_tokens_total") for u in mesh.gateway_metrics_urls()]
 
 
+def gateway_profile(mesh: ScaleMesh, args: argparse.Namespace, name: str) -> Profile | None:
+    """With --profile DIR: py-spy on the (first) gateway from now until its `stop()`, raw samples in DIR."""
+    if not args.profile:
+        return None
+    Path(args.profile).mkdir(parents=True, exist_ok=True)
+    gw = next(pid for n, pid in mesh.pids().items() if n.startswith("gateway"))
+    return Profile.start(gw, Path(args.profile) / f"{name}.pyspy.txt")
+
+
 def streaming_test(mesh: ScaleMesh, args: argparse.Namespace) -> dict:
-    prof = None
-    if args.profile:  # py-spy on the (first) gateway while the clients stream
-        Path(args.profile).mkdir(parents=True, exist_ok=True)
-        gw = next(pid for name, pid in mesh.pids().items() if name.startswith("gateway"))
-        prof = Profile.start(gw, Path(args.profile) / "gateway-streaming.pyspy.txt")
+    prof = gateway_profile(mesh, args, "gateway-streaming")  # while the clients stream
     probe, tokens0 = Probe(mesh), gateway_tokens(mesh)
     loop_fn = closed_loop_raw if args.stream_client == "raw" else closed_loop
     res, wall = asyncio.run(
@@ -291,7 +299,9 @@ def main() -> None:
     ap.add_argument("--flood-hosts", type=int, default=0, help="sim host processes in the flood (0: --hosts)")
     ap.add_argument("--heartbeat-ms", type=int, default=250, help="worker and scheduler heartbeat interval")
     ap.add_argument(
-        "--profile", metavar="DIR", help="py-spy on the gateway during the streaming test; raw file in DIR"
+        "--profile",
+        metavar="DIR",
+        help="py-spy on the gateway during each Poisson step and the streaming test; raw files in DIR",
     )
     ap.add_argument("--out", default="bench/results/mesh_scale.json")
     ap.add_argument("--note", default="", help="a line for the record (the machine, what else ran on it)")

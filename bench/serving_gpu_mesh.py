@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from bench.pyspy import executable as pyspy_executable
 from libs.bus.ports import read_ports
 from libs.launch.supervisor import stop_group
 from libs.loadgen.slowdown import FULL_BATCH_SHARE
@@ -204,9 +205,12 @@ class MeshProcess:
 
     def dump_stacks(self, wait_s: float = 5.0) -> int:
         """Ask every service for its threads' Python stacks (SIGUSR1: libs.bus.service registers faulthandler;
-        they land in each service's log), before a failed attempt is stopped; -> how many dumped."""
+        they land in each service's log), before a failed attempt is stopped; -> how many dumped. With py-spy
+        at hand, each process's native and Python stacks too (`stacks-<pid>.log` beside the logs): a process
+        stuck in a native call that holds the GIL shows where."""
         logs = {p: p.stat().st_size for p in self.log_dir.glob("*.log")}
         pids = self.service_pids()
+        native_stacks(pids, self.log_dir)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR1)
@@ -225,6 +229,30 @@ class MeshProcess:
     def stop(self) -> None:
         if self.proc is not None:
             stop_group(self.proc, signal.SIGINT, 60)  # `moemesh up` drains and stops every service
+
+
+def native_stacks(pids: list[int], out_dir: Path, timeout_s: float = 20.0) -> list[Path]:
+    """`py-spy dump --native` of each process into out_dir/stacks-<pid>.log (its command line first); []
+    without py-spy. Failures are written into the file instead of raised: this runs on a failure path."""
+    exe = pyspy_executable()
+    if exe is None:
+        return []
+    written = []
+    for pid in pids:
+        path = out_dir / f"stacks-{pid}.log"
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            done = subprocess.run(
+                [exe, "dump", "--native", "--pid", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+            path.write_text(f"{cmd}\n{done.stdout}{done.stderr}")
+        except (OSError, subprocess.SubprocessError) as e:
+            path.write_text(f"py-spy dump of {pid} failed: {e}\n")
+        written.append(path)
+    return written
 
 
 def complete(mesh: MeshProcess, prompt: list[int], max_tokens: int, timeout: float) -> list[int]:

@@ -100,6 +100,11 @@ def test_a_failed_attempt_can_ask_every_service_for_its_stacks(tmp_path: Path) -
             p.name for p in (tmp_path / "logs").glob("*.log") if "(most recent call first)" in p.read_text()
         ]
         assert len(dumped) >= len(pids), dumped
+        # and py-spy's native + Python stacks of each, beside the logs (its error instead, without ptrace rights)
+        for pid in pids:
+            text = (tmp_path / "logs" / f"stacks-{pid}.log").read_text()
+            assert "services." in text.splitlines()[0], text[:500]
+            assert "Thread" in text or "failed" in text or "Error" in text, text[:500]
         assert all(os.path.exists(f"/proc/{pid}") for pid in pids)  # still running
     finally:
         mesh.stop()
