@@ -17,7 +17,8 @@
    and the greedy prompts compared.
 
 The record (`benchmark` "serving_gpu") goes to $OUT/serving_gpu.json when OUT is set, else to
-bench/results/serving_gpu_<device>.json; logs stay in a temp folder (their tails copied to $OUT/logs when an attempt failed, with native stacks).
+bench/results/serving_gpu_<device>.json; logs stay in a temp folder (their tails, with each service's native
+stacks, copied to $OUT/logs when an attempt failed).
 Every phase waits at most what is left of `--budget-s`; a phase that fails or runs out of time is
 recorded as such and the record is written anyway.
 """
@@ -308,9 +309,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise
     finally:
         summarize(rec)
-        if (rec["errors"] or rec["transport_failures"]) and os.environ.get(
-            "OUT"
-        ):  # any failed attempt's logs
+        failed = rec["errors"] or rec["transport_failures"]  # any failed attempt's logs, stacks
+        if failed and os.environ.get("OUT"):
             for log in (tmp / "logs").rglob("*.log"):
                 dest = Path(os.environ["OUT"]) / "logs" / log.relative_to(tmp / "logs")
                 dest.parent.mkdir(parents=True, exist_ok=True)
