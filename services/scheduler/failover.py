@@ -1,7 +1,8 @@
 """What the scheduler adds for failover, kept out of the policy and the service shell.
 
 - `place`: the policy's decision for a request, without the workers the request must avoid (a
-  migrating request names the worker it lost; the scheduler may not have seen that death yet), without
+  migrating request names the worker it lost; the scheduler may not have seen that death yet; an avoided
+  decode worker is still tried when no other live one serves the model), without
   decode workers whose waiting line is full (`max_waiting`: requests placed but not yet running; free
   pages alone do not bound it, since a decode-direct request takes its pages only when it starts;
   `waiting_line` estimates it between heartbeats), and
@@ -48,6 +49,11 @@ def place(
 ) -> Decision:
     usable = [w for w in workers if w.worker_id not in avoid] if avoid else workers
     dec = m.Role.DECODE
+    if avoid and not any(_serves(w, dec, req.model) for w in usable):
+        # Every live decode worker of the model is one this request lost, yet alive by this scheduler's own
+        # heartbeats: back from a stall (its heartbeats resumed), or dead and not yet expired here. A try
+        # there beats a refusal that no retry with the same avoid list could lift while it stays the only one.
+        usable = [w for w in workers if w.hb.role == dec or w.worker_id not in avoid]
     # one pass in the common case (no decode line full), the filter only when one is
     if max_waiting > 0 and any(w.hb.role == dec and waiting_line(w) >= max_waiting for w in usable):
         usable = [w for w in usable if not (w.hb.role == dec and waiting_line(w) >= max_waiting)]
@@ -61,6 +67,11 @@ def place(
         if isinstance(fallback, Plan):
             return fallback
     return decision
+
+
+def _serves(w: WorkerState, role: m.Role, model: str) -> bool:
+    hb = w.hb
+    return hb.role == role and hb.model == model and not hb.draining
 
 
 def waiting_line(w: WorkerState) -> int:

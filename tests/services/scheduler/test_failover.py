@@ -30,8 +30,32 @@ def test_no_usable_prefill_worker_falls_back_to_decode_local_prefill() -> None:
     t = make_workers(make_heartbeat("d0"), make_heartbeat("p0", m.Role.PREFILL))
     plan = place(t.live(0.0), make_request(100), CFG, avoid=["p0"])
     assert (plan.kind, plan.decode, plan.prefill, plan.num_tokens) == (PlanKind.DIRECT, "d0", None, 100)
-    refused = place(t.live(0.0), make_request(100), CFG, avoid=["d0"])  # no decode worker: nothing to do
+    refused = place(make_workers(make_heartbeat("p0", m.Role.PREFILL)).live(0.0), make_request(100), CFG)
     assert isinstance(refused, Refuse) and refused.code == 503 and "decode" in refused.message
+
+
+def test_the_only_live_decode_worker_is_tried_although_avoided() -> None:
+    """A request that lost its decode worker to a stall avoids it; when that worker's heartbeats resumed and
+    it is the only live one, the request goes there rather than being refused (no retry with the same avoid
+    list could be placed). With another live decode worker the avoided one stays out; prefill workers it
+    avoids stay out too (decode-local prefill instead)."""
+    t = make_workers(make_heartbeat("d0"), make_heartbeat("p0", m.Role.PREFILL))
+    plan = place(t.live(0.0), make_request(100), CFG, avoid=["d0"])
+    assert (plan.kind, plan.decode, plan.prefill) == (PlanKind.DISAGGREGATED, "d0", "p0")
+    plan = place(t.live(0.0), make_request(100), CFG, avoid=["d0", "p0"])
+    assert (plan.kind, plan.decode, plan.prefill) == (PlanKind.DIRECT, "d0", None)
+    t = make_workers(
+        make_heartbeat("d0"), make_heartbeat("d1", running=5), make_heartbeat("p0", m.Role.PREFILL)
+    )
+    assert place(t.live(0.0), make_request(100), CFG, avoid=["d0"]).decode == "d1"
+    # one for another model, or draining, does not count as serving this request
+    other = make_heartbeat("d1", model="other-model")
+    t = make_workers(make_heartbeat("d0"), other, make_heartbeat("p0", m.Role.PREFILL))
+    assert place(t.live(0.0), make_request(100), CFG, avoid=["d0"]).decode == "d0"
+    t = make_workers(
+        make_heartbeat("d0"), make_heartbeat("d1", draining=True), make_heartbeat("p0", m.Role.PREFILL)
+    )
+    assert place(t.live(0.0), make_request(100), CFG, avoid=["d0"]).decode == "d0"
 
 
 def test_placed_notice_names_the_decode_worker_with_an_empty_delta() -> None:
