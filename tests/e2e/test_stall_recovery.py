@@ -1,9 +1,13 @@
-"""The only decode worker stalls past its liveness window, then comes back (`moemesh up` on the CPU, tiny
-model; one prefill and one decode worker, as on one GPU). SIGSTOP freezes every thread of it mid-stream;
-the gateway declares it dead and migrates its streams; once the migration is counted, SIGCONT. Its
-heartbeats resume, and the migrated requests, which avoid the worker they lost, are placed on it again:
-it is the only live decode worker of the model (the scheduler used to refuse them, 503, until their retries
-ran out). Every stream must end with exactly the text of an undisturbed run, and no page is left held."""
+"""The only worker of a role stalls past its liveness window, then comes back (`moemesh up` on the CPU, tiny
+model; one prefill and one decode worker, as on one GPU). SIGSTOP freezes every thread of it; once the
+gateway has migrated a stream away from it, SIGCONT.
+- The decode worker, mid-stream: the migrated requests avoid the worker they lost, yet are placed on it again
+  once its heartbeats resume, since it is the only live decode worker of the model (the scheduler used to
+  refuse them, 503, until their retries ran out).
+- The prefill worker, before the prompts reach it: the decode worker reports it dead with their KV still
+  to come, and the migrated requests prefill on the decode worker; the resumed prefill worker then finds
+  only cancelled work.
+Every stream must end with exactly the text of an undisturbed run, and no page is left held."""
 
 from __future__ import annotations
 
@@ -27,7 +31,12 @@ from tests.e2e.conftest import assert_no_leaks
 pytestmark = pytest.mark.e2e
 
 N_REQUESTS, MAX_TOKENS, DEADLINE_S = 6, 32, 90.0
-PROMPTS = chaos_prompts(N_REQUESTS)  # 6..45 tokens: both the direct and the disaggregated path
+# 6..45 tokens: both the direct and the disaggregated path; other tokens per case, so that no case finds the
+# prompts of another in the prefix caches (a cached prompt goes direct, past the stalled prefill worker)
+PROMPTS = {
+    "decode-0": chaos_prompts(N_REQUESTS),
+    "prefill-0": [[(7 * t + 11) % 900 + 3 for t in p] for p in chaos_prompts(N_REQUESTS)],
+}
 MIGRATIONS = "moemesh_gateway_migrations_total"
 
 
@@ -48,18 +57,22 @@ def one_decode_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
         assert_no_leaks(mesh)
 
 
-def test_the_only_decode_worker_stalls_and_its_streams_finish_on_it(
-    one_decode_mesh: Mesh, tiny_model: Path
+@pytest.mark.parametrize("stalled_worker", ["decode-0", "prefill-0"])
+def test_the_only_worker_of_a_role_stalls_and_every_stream_finishes(
+    one_decode_mesh: Mesh, tiny_model: Path, stalled_worker: str
 ) -> None:
     mesh = one_decode_mesh
-    want = reference(tiny_model, PROMPTS, MAX_TOKENS)
+    prompts = PROMPTS[stalled_worker]
+    want = reference(tiny_model, prompts, MAX_TOKENS)
     before = metric_total(mesh.url + "/metrics", MIGRATIONS)
     stalled: dict[str, float] = {}
 
     async def stall(progress: Progress) -> None:
-        if not await progress.wait(N_REQUESTS, 2, timeout=DEADLINE_S):
+        # the decode worker mid-stream; the prefill worker before the prompts reach it (their reservations on
+        # the decode worker then lose it, and the migrated ones prefill on the decode worker)
+        if stalled_worker == "decode-0" and not await progress.wait(N_REQUESTS, 2, timeout=DEADLINE_S):
             raise RuntimeError("the streams never all started")
-        pid = service_pids(mesh)["decode-0"]
+        pid = service_pids(mesh)[stalled_worker]
         t0 = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
         try:  # frozen until the gateway has noticed and migrated a stream away from it
@@ -74,7 +87,7 @@ def test_the_only_decode_worker_stalls_and_its_streams_finish_on_it(
         stalled["finished_before"] = progress.finished()
 
     outcomes = asyncio.run(
-        stream_many(mesh.url, mesh.model_name, PROMPTS, MAX_TOKENS, deadline_s=DEADLINE_S, fault=stall)
+        stream_many(mesh.url, mesh.model_name, prompts, MAX_TOKENS, deadline_s=DEADLINE_S, fault=stall)
     )
     assert stalled["finished_before"] == 0, stalled  # it struck while every stream ran
     bad = [(o.index, o.error, o.hung, o.completion_tokens) for o in outcomes if not o.ok]
