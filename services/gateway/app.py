@@ -300,7 +300,7 @@ async def _generate(ctx: GatewayContext, request: Request, chat: bool) -> Respon
         )  # fmt: skip
         traceparent, _ = context_from_headers({TRACEPARENT: request.headers.get(TRACEPARENT, "")})
         with request_context(traceparent=traceparent or new_traceparent()):
-            await gen.start(ctx.settings.submit_timeout_s)
+            await gen.start(ctx.settings.submit_timeout_s, ctx.settings.migration_wait_s)
         if plan.stream:
             handed_off = True
             return _SSEResponse(_sse_events(gen, chat, done), gen, done)

@@ -100,6 +100,7 @@ class Generation:
             for c in plan.choices
         ]
         self.submit_timeout = 5.0
+        self.migration_wait = 30.0  # a migration's refused re-submit is tried again this long (settings)
         self._last_token_at: list[float | None] = [None] * len(plan.choices)
         self._first_token = False
         self._closed = False
@@ -112,8 +113,8 @@ class Generation:
         """The current mesh request id of each choice (a migrated choice has a new one)."""
         return [r.rid for r in self.runs]
 
-    async def start(self, submit_timeout: float) -> None:
-        self.submit_timeout = submit_timeout
+    async def start(self, submit_timeout: float, migration_wait: float = 30.0) -> None:
+        self.submit_timeout, self.migration_wait = submit_timeout, migration_wait
         for k, rid in enumerate(self.request_ids):
             self.mesh.open(rid, self.queue, k)
         subs = [
@@ -195,7 +196,8 @@ class Generation:
         log.info("%s: %s; migrating (%d/%d) with %d tokens streamed",
                  self.id, message, run.migrations, run.max_migrations, len(run.tokens))  # fmt: skip
         self.metrics.migrations.inc()
-        give_up = time.monotonic() + self.submit_timeout
+        give_up = time.monotonic() + max(self.submit_timeout, self.migration_wait)
+        pause = 0.2
         while True:
             self.mesh.open(sub.request_id, self.queue, k)
             try:
@@ -203,11 +205,12 @@ class Generation:
                 return
             except ApiError as e:
                 self.mesh.close(sub.request_id)
-                # right after a death the mesh may briefly have no scheduler or worker to offer
-                if e.status != 503 or time.monotonic() + 0.2 > min(give_up, self.deadline):
+                # right after a death the mesh may have no scheduler or worker to offer until one is back
+                if e.status != 503 or time.monotonic() + pause > min(give_up, self.deadline):
                     self.close("migration refused")
                     raise
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(pause)  # 0.2 s, doubling up to 1 s: a few submits a second per choice
+            pause = min(2 * pause, 1.0)
             sub = run.renew(sub)
 
     def _observe(self, k: int, n_tokens: int) -> None:

@@ -31,6 +31,10 @@ class GatewaySettings(ServiceSettings, frozen=True, kw_only=True):
     enable_admin: bool = False  # /admin/* (worker stats, decode slow-down), behind api_key when set
     # a choice whose worker dies is re-submitted (prompt + tokens so far) up to this many times
     max_migrations: Annotated[int, msgspec.Meta(ge=0)] = 3
+    # how long a migration's re-submit is tried again while the mesh refuses it 503 (right after a death no
+    # live worker or scheduler may be left until the supervisor has restarted one), within the request's
+    # own deadline; at least submit_timeout_s
+    migration_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     dead_after_intervals: Annotated[float, msgspec.Meta(gt=0)] = 3.0  # heartbeat periods of silence
     # overload: mesh requests (choices) in flight at this gateway before it answers 429 itself, and the
     # Retry-After (s) sent with every 429 / 503

@@ -24,7 +24,7 @@ from bench.chaos import reference
 from libs.chaos import metric_total, stream_many
 from libs.chaos.load import Progress
 from libs.chaos.overload import service_pids
-from libs.chaos.scenarios import chaos_prompts
+from libs.chaos.scenarios import chaos_prompts, wait_serving
 from libs.launch.mesh import Mesh, MeshConfig
 from tests.e2e.conftest import assert_no_leaks
 
@@ -36,6 +36,7 @@ N_REQUESTS, MAX_TOKENS, DEADLINE_S = 6, 32, 90.0
 PROMPTS = {
     "decode-0": chaos_prompts(N_REQUESTS),
     "prefill-0": [[(7 * t + 11) % 900 + 3 for t in p] for p in chaos_prompts(N_REQUESTS)],
+    "killed": [[(13 * t + 5) % 900 + 3 for t in p] for p in chaos_prompts(N_REQUESTS)],
 }
 MIGRATIONS = "moemesh_gateway_migrations_total"
 
@@ -94,3 +95,35 @@ def test_the_only_worker_of_a_role_stalls_and_every_stream_finishes(
     assert not bad, f"streams that did not finish (index, error, hung, tokens): {bad}; stall {stalled}"
     assert [o.token_ids for o in outcomes] == want
     assert metric_total(mesh.url + "/metrics", MIGRATIONS) > before
+
+
+def test_the_only_decode_worker_killed_mid_stream_and_restarted_takes_its_streams_back(
+    one_decode_mesh: Mesh, tiny_model: Path
+) -> None:
+    """SIGKILL, as a crash: the launcher's supervisor starts it again under its old name, which takes seconds
+    (~6.5 s here: the process, torch, the model). Meanwhile the migrated streams' re-submits are refused 503
+    (no live decode worker); the gateway tries them again for `migration_wait_s` (30 s), and the restarted
+    worker takes them. Every stream ends with the undisturbed text."""
+    mesh = one_decode_mesh
+    prompts = PROMPTS["killed"]
+    want = reference(tiny_model, prompts, MAX_TOKENS)
+    restarts = mesh.sup.restarts("decode-0")
+    seen: dict[str, float] = {}
+
+    async def kill(progress: Progress) -> None:
+        if not await progress.wait(N_REQUESTS, 2, timeout=DEADLINE_S):
+            raise RuntimeError("the streams never all started")
+        seen["finished_before"] = progress.finished()
+        t0 = time.monotonic()
+        await asyncio.to_thread(mesh.sup.kill, "decode-0")
+        await asyncio.to_thread(wait_serving, mesh, "decode-0", restarts + 1, 90)
+        seen["back_s"] = time.monotonic() - t0
+
+    outcomes = asyncio.run(
+        stream_many(mesh.url, mesh.model_name, prompts, MAX_TOKENS, deadline_s=DEADLINE_S, fault=kill)
+    )
+    assert seen["finished_before"] == 0, seen
+    bad = [(o.index, o.error, o.hung, o.completion_tokens) for o in outcomes if not o.ok]
+    assert not bad, f"streams that did not finish (index, error, hung, tokens): {bad}; {seen}"
+    assert [o.token_ids for o in outcomes] == want
+    assert mesh.sup.restarts("decode-0") == restarts + 1

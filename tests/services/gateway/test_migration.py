@@ -85,6 +85,8 @@ class ScriptedMesh:
     plan: list[str]
     submits: list[Submit] = field(default_factory=list)
     cancels: set[str] = field(default_factory=set)
+    refuse: int = 0  # re-submits (after the first attempt) refused 503 before one is taken
+    refused: list[Submit] = field(default_factory=list)
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
     async def start(self) -> None:
@@ -96,6 +98,9 @@ class ScriptedMesh:
         self.cancels.add(c.request_id)
 
     async def _on_submit(self, s: Submit) -> SubmitReply:
+        if self.submits and len(self.refused) < self.refuse:  # as right after the only worker died
+            self.refused.append(s)
+            return SubmitReply(request_id=s.request_id, ok=False, code=503, message="no live decode worker")
         attempt = len(self.submits)
         self.submits.append(s)
         task = asyncio.get_running_loop().create_task(self._stream(s, attempt))
@@ -202,6 +207,27 @@ async def test_migrations_are_bounded_then_the_stream_ends_with_an_error(
     assert err["message"] == "d2 failed" and err["type"] == "service_unavailable_error"
     assert len(scripted.submits) == 3  # the first attempt and two migrations
     assert [len(s.prompt_ids) for s in scripted.submits] == [3, 5, 7]
+
+
+@pytest.mark.parametrize("wait_s", [5.0, 0.0])
+async def test_a_refused_migration_is_tried_again_for_migration_wait_s(
+    start_gateway: StartGateway, scripted: ScriptedMesh, tokenizer: Tokenizer, wait_s: float
+) -> None:
+    """Right after the only worker died the mesh refuses the re-submit (503) until one is back: the gateway
+    tries again, pausing 0.2 s doubling to 1 s, for migration_wait_s (at least submit_timeout_s)."""
+    scripted.plan, scripted.refuse = ["error:4", "ok"], 3
+    gw = await start_gateway(submit_timeout_s=0.3, migration_wait_s=wait_s)
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 12, "stream": True}
+    r = await post(base_url(gw), "/v1/completions", body)
+    text, objs = streamed_text(r.text)
+    if wait_s:
+        assert text == tokenizer.decode(scripted.script[:12])
+        assert len(scripted.refused) == 3 and len(scripted.submits) == 2
+        ids = [s.request_id for s in scripted.refused] + [scripted.submits[1].request_id]
+        assert len(set(ids)) == 4  # each try under a fresh id (a Cancel for an old one cannot hit it)
+    else:  # within submit_timeout_s (0.3 s) only: one or two tries, and the stream ends with the refusal
+        assert json.loads(sse_events(r.text)[-2])["error"]["message"] == "no live decode worker"
+        assert 1 <= len(scripted.refused) < 3 and len(scripted.submits) == 1
 
 
 async def test_non_streaming_request_migrates_too(
