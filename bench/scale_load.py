@@ -128,16 +128,10 @@ async def poisson(url: str, model: str, rate: float, duration_s: float, prompt_l
         if h is not None:
             return await stream_one(h, url, body, res)
         assert raw is not None
-        sink = FirstTextAndTail(time.perf_counter())
         try:
-            await raw.post("/v1/completions", json.dumps(body).encode(), {}, sink)
+            await raw_stream_one(raw, "/v1/completions", body, res)
         except (OSError, ValueError):
             res.failed += 1
-            return
-        if sink.status != 200:
-            res.failed += 1
-            return
-        res.record(sink.first, sink.tail)
 
     try:
         t0 = time.perf_counter()
@@ -194,6 +188,17 @@ class FirstTextAndTail:
         self.tail = (self.tail + data)[-512:]
 
 
+async def raw_stream_one(client: RawClient, path: str, body: dict, res: StreamResult) -> None:
+    """One streaming request over the lean client, kept as RawStream keeps it (first text chunk, usage
+    line); connection errors propagate."""
+    sink = FirstTextAndTail(time.perf_counter())
+    await client.post(path, json.dumps(body).encode(), {}, sink)
+    if sink.status != 200:
+        res.failed += 1
+        return
+    res.record(sink.first, sink.tail)
+
+
 class RawStream:
     """One keep-alive connection of libs.loadgen's lean HTTP/1.1 client (raw_client: httptools, no HTTP
     library) that keeps only what the benchmark needs (time of the first text chunk, the usage line), so
@@ -205,12 +210,7 @@ class RawStream:
         self.client = RawClient(f"http://{host}:{port}", keep=1)
 
     async def post(self, path: str, body: dict, res: StreamResult) -> None:
-        sink = FirstTextAndTail(time.perf_counter())
-        await self.client.post(path, json.dumps(body).encode(), {}, sink)
-        if sink.status != 200:
-            res.failed += 1
-            return
-        res.record(sink.first, sink.tail)
+        await raw_stream_one(self.client, path, body, res)
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -100,7 +100,7 @@ class Generation:
             for c in plan.choices
         ]
         self.submit_timeout = 5.0
-        self.migration_wait = 30.0  # a migration's refused re-submit is tried again this long (settings)
+        self.migration_wait = 0.0  # a migration's refused re-submit is tried again this long (set by start)
         self._last_token_at: list[float | None] = [None] * len(plan.choices)
         self._first_token = False
         self._closed = False
@@ -113,7 +113,7 @@ class Generation:
         """The current mesh request id of each choice (a migrated choice has a new one)."""
         return [r.rid for r in self.runs]
 
-    async def start(self, submit_timeout: float, migration_wait: float = 30.0) -> None:
+    async def start(self, submit_timeout: float, migration_wait: float) -> None:
         self.submit_timeout, self.migration_wait = submit_timeout, migration_wait
         for k, rid in enumerate(self.request_ids):
             self.mesh.open(rid, self.queue, k)

@@ -34,6 +34,7 @@ from services.scheduler.policy import (
     Wait,
     WorkerState,
     schedule,
+    serves,
 )
 
 log = logging.getLogger("moemesh.scheduler")
@@ -49,7 +50,7 @@ def place(
 ) -> Decision:
     usable = [w for w in workers if w.worker_id not in avoid] if avoid else workers
     dec = m.Role.DECODE
-    if avoid and not any(_serves(w, dec, req.model) for w in usable):
+    if avoid and not any(serves(w, dec, req.model) for w in usable):
         # Every live decode worker of the model is one this request lost, yet alive by this scheduler's own
         # heartbeats: back from a stall (its heartbeats resumed), or dead and not yet expired here. A try
         # there beats a refusal that no retry with the same avoid list could lift while it stays the only one.
@@ -67,11 +68,6 @@ def place(
         if isinstance(fallback, Plan):
             return fallback
     return decision
-
-
-def _serves(w: WorkerState, role: m.Role, model: str) -> bool:
-    hb = w.hb
-    return hb.role == role and hb.model == model and not hb.draining
 
 
 def waiting_line(w: WorkerState) -> int:

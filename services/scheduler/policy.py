@@ -273,8 +273,14 @@ class _Candidates:
     fits_context: list[WorkerState] = field(default_factory=list)
 
 
+def serves(w: WorkerState, role: Role, model: str) -> bool:
+    """The worker may take new requests of this role and model (draining ones take none)."""
+    hb = w.hb
+    return hb.role == role and hb.model == model and not hb.draining
+
+
 def _candidates(workers: Iterable[WorkerState], role: Role, req: PlacementRequest) -> _Candidates:
-    model = req.model
+    model = req.model  # `serves` inlined: this runs over every worker for every placement
     live = [w for w in workers if (hb := w.hb).role == role and hb.model == model and not hb.draining]
     # one token of room at least: a prompt that fills the whole context cannot generate anything
     plen = req.prompt_len
