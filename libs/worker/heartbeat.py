@@ -1,9 +1,17 @@
 """Worker liveness on the bus: a WorkerHeartbeat every interval, WorkerGone on a clean stop, on the
-subject of the worker's role (proto.subjects.heartbeat)."""
+subject of the worker's role (proto.subjects.heartbeat).
+
+With stall_dump_s > 0 each beat also re-arms a stall watchdog (faulthandler.dump_traceback_later): when no beat
+has gone out for that long, every thread's Python stack is written to stderr (the service's log) from
+faulthandler's own C thread, which needs neither the event loop nor the GIL. The mesh declares a silent worker
+dead after a few intervals; the dump says where it was (a native call holding the GIL, a blocked loop, a stuck
+publish) without a debugger attached. One such timer exists per process."""
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import sys
 import time
 from typing import Any
 
@@ -17,10 +25,17 @@ class Heartbeater:
     """Publishes WorkerHeartbeat every interval from a stats callback; WorkerGone on stop."""
 
     def __init__(
-        self, bus: Bus, worker_id: str, role: m.Role, model: str, interval_ms: int, stats: Any
+        self,
+        bus: Bus,
+        worker_id: str,
+        role: m.Role,
+        model: str,
+        interval_ms: int,
+        stats: Any,
+        stall_dump_s: float = 0.0,
     ) -> None:
         self.bus, self.worker_id, self.role, self.model = bus, worker_id, role, model
-        self.interval_ms, self.stats = interval_ms, stats
+        self.interval_ms, self.stats, self.stall_dump_s = interval_ms, stats, stall_dump_s
         self.draining = False
         self.subject = subjects.heartbeat(role.name.lower())
         self._periodic = Periodic(interval_ms / 1000, self.beat, "heartbeat")
@@ -41,8 +56,12 @@ class Heartbeater:
                 pending=st.get("pending", 0),
             ),
         )  # fmt: skip
+        if self.stall_dump_s > 0:  # re-arming replaces the previous timer
+            faulthandler.dump_traceback_later(self.stall_dump_s, file=sys.stderr)
 
     async def stop(self) -> None:
         await self._periodic.stop()
+        if self.stall_dump_s > 0:
+            faulthandler.cancel_dump_traceback_later()
         with contextlib.suppress(Exception):
             await self.bus.publish(self.subject, m.WorkerGone(worker_id=self.worker_id, role=self.role))

@@ -30,6 +30,10 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     # torch intra-op threads on CPU; several worker processes share a host's cores (0: torch's default)
     torch_threads: Annotated[int, msgspec.Meta(ge=0)] = 1
     heartbeat_interval_ms: Annotated[int, msgspec.Meta(ge=10)] = 250
+    # no heartbeat out for this long: every thread's Python stack to the log, from a C thread that needs
+    # neither the loop nor the GIL (libs/worker/heartbeat.py); the mesh has called the worker dead by then.
+    # 0: off
+    stall_dump_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0
     # Python's GIL switch interval in this process (sys.setswitchinterval): the engine thread's host work
     # holds the GIL while the event loop waits to answer the bus, up to this long per hand-back (Python's
     # default is 5 ms; bench/gil_switch.py measures what it costs an event loop beside a busy thread)

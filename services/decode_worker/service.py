@@ -111,7 +111,8 @@ class DecodeWorker(WorkerService):
         await self.bus.subscribe(subjects.CANCEL, m.Cancel, self.on_cancel)
         await self.bus.subscribe(subjects.admin(self.name, self.instance_id), m.AdminRequest, self.on_admin)
         self.heartbeat = Heartbeater(
-            self.bus, self.instance_id, m.Role.DECODE, s.model_name, s.heartbeat_interval_ms, self.load
+            self.bus, self.instance_id, m.Role.DECODE, s.model_name, s.heartbeat_interval_ms, self.load,
+            s.stall_dump_s,
         )
         self.heartbeat.start()
         self.loop_task = asyncio.create_task(self._step_loop())

@@ -142,7 +142,8 @@ class PrefillWorker(WorkerService):
         await self.bus.subscribe(subjects.CANCEL, m.Cancel, self.on_cancel)
         await self.bus.subscribe(subjects.admin(self.name, self.instance_id), m.AdminRequest, self.on_admin)
         self.heartbeat = Heartbeater(
-            self.bus, self.instance_id, m.Role.PREFILL, s.model_name, s.heartbeat_interval_ms, self.load
+            self.bus, self.instance_id, m.Role.PREFILL, s.model_name, s.heartbeat_interval_ms, self.load,
+            s.stall_dump_s,
         )
         self.heartbeat.start()
 
