@@ -140,7 +140,13 @@ def _check_model(ctx: GatewayContext, name: str) -> None:
 class _SSEResponse(StreamingResponse):
     """An SSE stream that owns its generation: when the response ends for any reason (done, client
     gone, server shutdown, or never started) the event generator is closed and the generation with
-    it, now rather than at garbage collection."""
+    it, now rather than at garbage collection.
+
+    Its own ASGI call rather than StreamingResponse's: that one runs the body in a second task of an anyio
+    task group beside a disconnect listener (~70 us of the gateway's CPU per response here), one loop turn
+    before the headers go out, and ends with an empty body message, a socket write of its own. Here the body
+    is sent from the calling task, the last event (the one ending in `data: [DONE]`) closes the response in
+    the same write, and one plain task waits for the client's disconnect, which cancels the stream (499)."""
 
     def __init__(self, events: AsyncIterator[bytes], gen: Generation, done: Callable[[int], None]) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -148,9 +154,35 @@ class _SSEResponse(StreamingResponse):
         self._events, self._gen, self._done = events, gen, done
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        gone = False
+
+        async def watch() -> None:  # the client going away while the stream waits for tokens
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            last = False
+            async for chunk in self._events:
+                last = chunk.endswith(fmt.SSE_DONE)  # a token's text is JSON-escaped: only the end has it raw
+                if last:  # a disconnect now cancels nothing; uvicorn's receive() reports one once the response
+                    watcher.cancel()  # is complete
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if not last:
+                watcher.cancel()  # (uvicorn's receive() reports a disconnect once the response is complete)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:  # not the client's: the server's (shutdown)
+                raise
+            task.uncancel()
         finally:
+            watcher.cancel()
             with anyio.CancelScope(shield=True):
                 await self._events.aclose()  # type: ignore[attr-defined]
             self._gen.close("client disconnected")
