@@ -93,6 +93,11 @@ class Engine:
         self.limits = Limits(cfg.vocab_size, cfg.max_position_embeddings, page_size, num_pages)
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(self.allocator, page_size) if enable_prefix_cache else None
+        # Each eviction walks the whole tree for its LRU leaves: once the pool is full of cached prefixes
+        # (a serving worker's steady state), evicting only the pages one allocation lacks walked it for
+        # nearly every allocation. At least 1/64 of the pool per walk (the least recently used leaves)
+        # spreads one walk over many allocations (bench/prefix_evict.py).
+        self.evict_min_pages = max(1, num_pages // 64)
         self.batcher = Batcher(page_size, max_num_seqs, max_prefill_tokens)
         self.runner = ModelRunner(
             model, self.kv_pool, attention_backend=attention_backend,
@@ -461,7 +466,7 @@ class Engine:
     def _alloc(self, n: int) -> list[int]:
         short = n - self.allocator.num_free
         if short > 0 and self.cache is not None:
-            self.cache.evict(short)
+            self.cache.evict(max(short, self.evict_min_pages))
         if n > self.allocator.num_free:
             raise OutOfPagesError(
                 f"out of KV pages: need {n}, {self.allocator.num_free} free of {self.allocator.num_pages} "

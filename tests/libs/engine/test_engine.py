@@ -301,3 +301,35 @@ def test_pd_first_token_can_finish_and_reservations_cancel(ckpt, engine, greedy_
 def test_generation_output_type(engine):
     (out,) = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     assert isinstance(out, GenerationOutput) and out.logprobs is None
+
+
+def _walks_with_a_full_pool(engine: Engine, evict_min_pages: int, greedy_ref) -> list[int]:
+    """Fill a 64-page pool with cached prompts, then run PROMPTS (their tokens checked): what each eviction
+    walk of the tree was asked for."""
+    small = Engine(engine.model, page_size=4, num_pages=64)
+    small.evict_min_pages = evict_min_pages
+    assert small.cache is not None
+    walks: list[int] = []
+    evict = small.cache.evict
+    small.cache.evict = lambda n: walks.append(n) or evict(n)  # type: ignore[method-assign]
+    filler = 0
+    while small.allocator.num_free >= 6:  # finished prompts stay cached: 5 distinct pages each
+        prompt = [100 + 7 * filler + j for j in range(20)]
+        small.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        filler += 1
+    assert walks == [] and small.cache.cached_pages > 40  # full of cache, nothing evicted yet
+    outs = small.generate([list(p) for p in PROMPTS], GREEDY)
+    assert [o.token_ids for o in outs] == greedy_ref
+    assert small.stats()["used_pages"] == small.cache.cached_pages  # nothing held but the cache
+    return walks
+
+
+def test_a_full_pool_evicts_a_batch_of_cached_pages_per_walk(engine, greedy_ref):
+    """With the pool full of cached prompts, the allocation that finds no free page evicts at least
+    evict_min_pages (least recently used leaves first) in one walk of the tree, so the allocations after it
+    find free pages: fewer walks than evicting only what each allocation lacks."""
+    assert Engine(engine.model, page_size=4, num_pages=640).evict_min_pages == 10  # 1/64 of the pool
+    one = _walks_with_a_full_pool(engine, 1, greedy_ref)
+    batch = _walks_with_a_full_pool(engine, 16, greedy_ref)
+    assert batch and all(n >= 16 for n in batch)
+    assert len(batch) < len(one), (batch, one)

@@ -126,7 +126,9 @@ async def test_a_decode_worker_hears_prefill_heartbeats_only(private_nats_url: s
                 subjects.SCHED_HEARTBEAT,
                 m.SchedulerHeartbeat(scheduler_id=f"s{i}", interval_ms=50, sent_ms=0),
             )
-        await pub.publish(subjects.heartbeat("prefill"), beat("p0", m.Role.PREFILL))  # the one it needs
+        # the one it needs; a long interval, so that it cannot expire before the check (at 50 ms it was gone
+        # after 150 ms unheard, which a loaded CI machine once let pass before the first look)
+        await pub.publish(subjects.heartbeat("prefill"), beat("p0", m.Role.PREFILL, interval_ms=60_000))
         await pub.flush()
         await _until(lambda: "p0" in guard.watch.table)  # sent last: everything before it has arrived
         assert bus.nc.stats["in_msgs"] - before == 1
