@@ -166,6 +166,7 @@ class _SSEResponse(StreamingResponse):
             task.cancel()
 
         watcher = asyncio.ensure_future(watch())
+        watcher.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed receive() is not ours
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             last = False
