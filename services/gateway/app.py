@@ -172,11 +172,13 @@ class _SSEResponse(StreamingResponse):
             last = False
             async for chunk in self._events:
                 last = chunk.endswith(fmt.SSE_DONE)  # a token's text is JSON-escaped: only the end has it raw
-                if last:  # a disconnect now cancels nothing; uvicorn's receive() reports one once the response
-                    watcher.cancel()  # is complete
+                # Before the response's last message the watcher goes: uvicorn's receive() reports a disconnect
+                # once the response is complete, which must not cancel this task.
+                if last:
+                    watcher.cancel()
                 await send({"type": "http.response.body", "body": chunk, "more_body": not last})
             if not last:
-                watcher.cancel()  # (uvicorn's receive() reports a disconnect once the response is complete)
+                watcher.cancel()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not gone:  # not the client's: the server's (shutdown)

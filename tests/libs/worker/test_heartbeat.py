@@ -24,7 +24,10 @@ SCRIPT = textwrap.dedent(
         time.sleep(seconds)  # the loop and this thread both wait: what a GIL-holding native call looks like
 
     async def main(case):
-        hb = Heartbeater(Bus(), "w-0", m.Role.DECODE, "tiny", 20, lambda: STATS, stall_dump_s=0.5)
+        # 0.5 s against a 3 s stall; 2 s for the beating case, so that a loaded machine's scheduling gap
+        # between 20 ms beats cannot pass for a stall
+        stall_dump_s = 0.5 if case == "stall" else 2.0
+        hb = Heartbeater(Bus(), "w-0", m.Role.DECODE, "tiny", 20, lambda: STATS, stall_dump_s=stall_dump_s)
         hb.start()
         while Bus.sent < 3:
             await asyncio.sleep(0.01)
@@ -32,10 +35,10 @@ SCRIPT = textwrap.dedent(
             stuck_in_a_blocking_call(3.0)
         else:  # beats keep coming for longer than the watchdog's time, then a clean stop
             t0 = time.monotonic()
-            while time.monotonic() - t0 < 1.5:
+            while time.monotonic() - t0 < 3.0:
                 await asyncio.sleep(0.02)
             await hb.stop()
-            time.sleep(1.0)  # past the watchdog's time after the stop: nothing may be written
+            time.sleep(2.5)  # past the watchdog's time after the stop: nothing may be written
         print("sent", Bus.sent, file=sys.stderr)
 
     asyncio.run(main(sys.argv[1]))
