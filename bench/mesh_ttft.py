@@ -15,6 +15,13 @@ Mooncake TCP between the workers) on the tiny model, then:
    own parsing costs less of the client's share of TTFT (`by_client`).
    Beside it, the engine after 10 ms asleep before each request (`engine_after_idle`): a worker in the
    mesh idles between sequential requests, and on this VM a tiny-model step is slower after idle.
+   With `--interleave-engine`, the engine on each prompt right after the mesh's requests for it
+   (`engine_interleaved`): the same moments of the machine, so a drift of the box's speed over the run
+   moves both; `paired_added` per client summarizes the per-prompt differences mesh - engine there.
+   The worker that makes the first tokens (decode-0 direct, prefill-0 disaggregated) times its own engine
+   steps (`moemesh_{decode,prefill}_step_seconds`): `in_mesh_step` is their mean over the measured requests,
+   and `mesh_mean_minus_in_mesh_step_ms` per client the mesh's TTFT mean less it, the share that is not the
+   model's step as the mesh ran it (on the direct path the decode step's time includes the hand-off).
 2. `--clients` concurrent streaming clients, each generating `--gen-tokens`: total streamed tokens/s.
 Writes bench/results/mesh_ttft.json.
 """
@@ -29,11 +36,13 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 from bench.scale_load import FirstTextAndTail
+from libs.chaos.workers import metric_total
 from libs.engine import Engine, SamplingParams
 from libs.engine.tiny import write_tiny_model
 from libs.launch.mesh import Mesh, MeshConfig
@@ -41,6 +50,7 @@ from libs.loadgen.raw_client import RawClient
 from libs.loadgen.report import write_json
 
 ENGINE_IDLE_S = 0.010  # the engine reference's idle before each request, for `engine_after_idle`
+INTERLEAVED = "engine_interleaved"  # mesh_ttft's key for the engine's times taken between the requests
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -84,11 +94,19 @@ def ttft_body(model: str, prompt: list[int]) -> dict:
 
 
 async def mesh_ttft(
-    url: str, model: str, prompts: list[list[int]], clients: list[str]
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    clients: list[str],
+    between: Callable[[list[int]], float] | None = None,
 ) -> dict[str, list[float]]:
     """Per client, the TTFT of each prompt (sequential; each prompt sent once per client, the clients'
-    order alternating from one prompt to the next)."""
+    order alternating from one prompt to the next). With `between`, it is called with each prompt after
+    the clients' requests (the in-process engine on the same prompt, at the same moment of the machine)
+    and its times are under INTERLEAVED."""
     out: dict[str, list[float]] = {c: [] for c in clients}
+    if between is not None:
+        out[INTERLEAVED] = []
     raw = RawClient(url, keep=1)
     try:
         async with httpx.AsyncClient(timeout=60) as h:
@@ -101,6 +119,8 @@ async def mesh_ttft(
                         else await raw_first_token_ms(raw, body)
                     )
                     out[c].append(ms)
+                if between is not None:
+                    out[INTERLEAVED].append(between(p))
     finally:
         await raw.aclose()
     return out
@@ -152,6 +172,19 @@ async def load(url: str, model: str, clients: int, gen_tokens: int, prompt_len: 
             "wall_s": wall, "tokens_per_s": sum(counts) / wall}  # fmt: skip
 
 
+def step_totals(metrics_url: str, metric: str) -> tuple[float, float]:
+    """(sum, count) of a worker's step-time histogram."""
+    return metric_total(metrics_url, metric + "_sum"), metric_total(metrics_url, metric + "_count")
+
+
+def in_mesh_steps(before: tuple[float, float], after: tuple[float, float], worker: str, metric: str) -> dict:
+    """The mean engine step of the worker that made the first tokens, over the measured requests (from its
+    own histogram): TTFT's model share as the mesh ran it, beside the in-process engine's."""
+    n = after[1] - before[1]
+    return {"worker": worker, "metric": metric, "steps": n,
+            "mean_ms": (after[0] - before[0]) / n * 1e3 if n else float("nan")}  # fmt: skip
+
+
 def summarize(xs: list[float]) -> dict:
     return {
         "p50_ms": statistics.median(xs),
@@ -162,21 +195,38 @@ def summarize(xs: list[float]) -> dict:
 
 
 def ttft_row(
-    prompt_len: int, path: str, engine: dict, engine_idle: dict, per_client: dict[str, dict]
+    prompt_len: int,
+    path: str,
+    engine: dict,
+    engine_idle: dict,
+    per_client: dict[str, dict],
+    interleaved: dict | None = None,
+    paired: dict[str, dict] | None = None,
 ) -> dict:
     """One prompt length's record: the first client's mesh TTFT against the engine's (`mesh`, `added_*`),
-    and every client's (`by_client`); beside the goal's measure, a diagnostic: the mesh against the engine
-    after idle."""
+    and every client's (`by_client`); beside the goal's measure, diagnostics: the mesh against the engine
+    after idle, and (given `interleaved`, the engine run between the mesh's requests, and `paired`, each
+    client's summary of the per-prompt differences mesh - engine there) against the engine at the same
+    moments of the machine."""
 
-    def added(x: dict) -> dict:
-        return {"added_p50_ms": x["p50_ms"] - engine["p50_ms"],
-                "added_p99_ms": x["p99_ms"] - engine["p99_ms"],
-                "added_vs_idle_engine_p50_ms": x["p50_ms"] - engine_idle["p50_ms"]}  # fmt: skip
+    def added(c: str, x: dict) -> dict:
+        out = {"added_p50_ms": x["p50_ms"] - engine["p50_ms"],
+               "added_p99_ms": x["p99_ms"] - engine["p99_ms"],
+               "added_vs_idle_engine_p50_ms": x["p50_ms"] - engine_idle["p50_ms"]}  # fmt: skip
+        if interleaved is not None:
+            out["added_vs_interleaved_engine_p50_ms"] = x["p50_ms"] - interleaved["p50_ms"]
+            out["added_vs_interleaved_engine_p99_ms"] = x["p99_ms"] - interleaved["p99_ms"]
+        if paired is not None:
+            out["paired_added"] = paired[c]
+        return out
 
     first = next(iter(per_client))
-    return {"prompt_len": prompt_len, "path": path, "engine": engine, "engine_after_idle": engine_idle,
-            "client": first, "mesh": per_client[first], **added(per_client[first]),
-            "by_client": {c: {"mesh": x, **added(x)} for c, x in per_client.items()}}  # fmt: skip
+    row = {"prompt_len": prompt_len, "path": path, "engine": engine, "engine_after_idle": engine_idle,
+           "client": first, "mesh": per_client[first], **added(first, per_client[first]),
+           "by_client": {c: {"mesh": x, **added(c, x)} for c, x in per_client.items()}}  # fmt: skip
+    if interleaved is not None:
+        row["engine_interleaved"] = interleaved
+    return row
 
 
 def measure(
@@ -203,16 +253,26 @@ def measure(
             engine_ttft(engine, prompts[:5])
             e = summarize(engine_ttft(engine, prompts))
             e_idle = summarize(engine_ttft(engine, prompts, ENGINE_IDLE_S))
-            per = {
-                c: summarize(xs)
-                for c, xs in asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts, clients)).items()
-            }
-            path = (
-                "direct (decode-local prefill)"
-                if n <= args.direct_threshold
-                else "disaggregated (Mooncake TCP)"
+            direct = n <= args.direct_threshold
+            worker, metric = (
+                ("decode-0", "moemesh_decode_step_seconds")
+                if direct
+                else ("prefill-0", "moemesh_prefill_step_seconds")
             )
-            row = ttft_row(n, path, e, e_idle, per)
+            before = step_totals(mesh.metrics_url(worker), metric)
+            between = (lambda p: engine_ttft(engine, [p])[0]) if args.interleave_engine else None
+            times = asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts, clients, between))
+            steps = in_mesh_steps(before, step_totals(mesh.metrics_url(worker), metric), worker, metric)
+            inter = times.pop(INTERLEAVED, None)
+            per = {c: summarize(xs) for c, xs in times.items()}
+            paired = inter and {
+                c: summarize([a - b for a, b in zip(xs, inter, strict=True)]) for c, xs in times.items()
+            }
+            path = "direct (decode-local prefill)" if direct else "disaggregated (Mooncake TCP)"
+            row = ttft_row(n, path, e, e_idle, per, inter and summarize(inter), paired)
+            row["in_mesh_step"] = steps
+            for c, x in row["by_client"].items():
+                x["mesh_mean_minus_in_mesh_step_ms"] = per[c]["mean_ms"] - steps["mean_ms"]
             row.update(prefix_index=prefix_index, overlap_prefill=overlap)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -245,6 +305,11 @@ def main() -> None:
         "--client", default="httpx,raw",
         help="HTTP clients, comma-separated, each request sent once per client in turn: httpx (the record's "
         "`mesh`/`added_*` when first), raw (libs.loadgen's lean client)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--interleave-engine", action="store_true",
+        help="also run the in-process engine on each prompt right after the mesh's requests for it "
+        "(`engine_interleaved`, `paired_added`); its steps share the machine's caches with the workers'",
     )  # fmt: skip
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads of the in-process engine (workers use 1)"

@@ -21,6 +21,11 @@ from proto import messages as m
 from proto import subjects
 
 log = logging.getLogger("moemesh.worker")
+# engine steps take milliseconds: Prometheus' default buckets (5, 10, 25 ms ...) would hide a slow step's share
+STEP_BUCKETS_S = (
+    0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
 
 
 class WorkerService(Service):

@@ -35,7 +35,7 @@ from libs.worker.kv_events import start_kv_events
 from libs.worker.page_accounting import install_page_gauges, page_account
 from libs.worker.prefix_reuse import reserve_for
 from libs.worker.rank_pools import handle_place
-from libs.worker.service import WorkerService
+from libs.worker.service import STEP_BUCKETS_S, WorkerService
 from libs.worker.settings import WorkerSettings
 from libs.worker.startup import register_engine_metrics
 from libs.worker.step_trace import StepTrace
@@ -46,11 +46,6 @@ from services.decode_worker.guard import LeaseBackstop, ReservationGuard
 from services.decode_worker.streams import Live, group_by_stream
 
 log = logging.getLogger("moemesh.decode")
-# decode steps take milliseconds: Prometheus' default buckets (5, 10, 25 ms ...) would hide a slow step's share
-STEP_BUCKETS_S = (
-    0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
-    0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
 
 Direct = tuple[
     str, list[int], SamplingParams
@@ -113,7 +108,7 @@ class DecodeWorker(WorkerService):
         self.heartbeat = Heartbeater(
             self.bus, self.instance_id, m.Role.DECODE, s.model_name, s.heartbeat_interval_ms, self.load,
             s.stall_dump_s,
-        )
+        )  # fmt: skip
         self.heartbeat.start()
         self.loop_task = asyncio.create_task(self._step_loop())
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -46,11 +47,12 @@ class PrefillLoop:
         self,
         engine: EngineLike,
         et: EngineThread,
-        on_step: Callable[[int], object] | None = None,
+        on_step: Callable[[int, float], object] | None = None,
         max_prompts: int = 0,
         inline_max_tokens: int = 0,
     ) -> None:
-        """on_step(prompts in the engine) runs on the event loop after every step (metrics). max_prompts:
+        """on_step(prompts in the engine, seconds of the engine's step) runs on the event loop after every
+        step (metrics). max_prompts:
         at most this many prompts in the engine at once, the rest wait in arrival order (0: no limit;
         1: one prompt at a time, the unbatched baseline). inline_max_tokens: a round with at most this many
         prompt tokens left to compute runs on the event loop itself when the engine thread is idle
@@ -69,6 +71,7 @@ class PrefillLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.forwards = 0  # engine steps run
+        self.step_seconds = 0.0  # the last engine step's time
 
     @property
     def waiting(self) -> int:
@@ -167,7 +170,7 @@ class PrefillLoop:
                 continue
             self._in_engine -= drop
             if self.on_step is not None and self.forwards > forwards:
-                self.on_step(len(self._in_engine) - len(errors))
+                self.on_step(len(self._in_engine) - len(errors), self.step_seconds)
             self._report(errors, outs)
             self._notify(progress, fence)
             if stalled and not self._drop:
@@ -194,7 +197,9 @@ class PrefillLoop:
                 errors[rid] = e
         if not self.engine.has_unfinished():
             return errors, [], False, {}, None
+        t0 = time.perf_counter()
         outs = self.engine.step()
+        self.step_seconds = time.perf_counter() - t0
         self.forwards += 1
         progress = {rid: self.engine.prefill_progress(rid) for rid in running if rid not in drop}
         return errors, outs, self.engine.stalled, progress, self._fence(progress)

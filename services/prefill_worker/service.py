@@ -38,7 +38,7 @@ from libs.worker.kv_events import start_kv_events
 from libs.worker.page_accounting import install_page_gauges, page_account
 from libs.worker.prefix_reuse import first_page_to_send
 from libs.worker.rank_pools import has_rank_pools, write_rank_pages
-from libs.worker.service import WorkerService
+from libs.worker.service import STEP_BUCKETS_S, WorkerService
 from libs.worker.settings import WorkerSettings
 from libs.worker.startup import register_engine_metrics
 from libs.worker.wire import to_params, to_wire_logprob
@@ -107,6 +107,10 @@ class PrefillWorker(WorkerService):
         self.m_forwards = Counter(
             "moemesh_prefill_forwards_total", "engine forwards (batched prefill steps)", registry=r
         )
+        self.m_step = Histogram(
+            "moemesh_prefill_step_seconds", "engine step time per batched prefill forward",
+            buckets=STEP_BUCKETS_S, registry=r,
+        )  # fmt: skip
         self.m_batch = Histogram(
             "moemesh_prefill_batch_prompts", "prompts in the engine per forward", registry=r,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
@@ -144,12 +148,13 @@ class PrefillWorker(WorkerService):
         self.heartbeat = Heartbeater(
             self.bus, self.instance_id, m.Role.PREFILL, s.model_name, s.heartbeat_interval_ms, self.load,
             s.stall_dump_s,
-        )
+        )  # fmt: skip
         self.heartbeat.start()
 
-    def _on_step(self, prompts: int) -> None:
+    def _on_step(self, prompts: int, seconds: float) -> None:
         self.m_forwards.inc()
         self.m_batch.observe(prompts)
+        self.m_step.observe(seconds)
 
     def _stat(self, key: str) -> int:
         return self.engine.stats()[key]

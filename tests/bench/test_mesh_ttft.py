@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bench.mesh_ttft import mesh_ttft, ttft_row
+from bench.mesh_ttft import INTERLEAVED, mesh_ttft, ttft_row
 
 
 async def test_each_prompt_is_sent_once_per_client_in_alternating_order() -> None:
@@ -35,13 +35,22 @@ async def test_each_prompt_is_sent_once_per_client_in_alternating_order() -> Non
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        got = await mesh_ttft(f"http://127.0.0.1:{port}", "m", [[1], [2], [3]], ["httpx", "raw"])
+        between: list[list[int]] = []
+
+        def engine(prompt: list[int]) -> float:
+            between.append(prompt)
+            seen.append("engine")
+            return 0.5
+
+        got = await mesh_ttft(f"http://127.0.0.1:{port}", "m", [[1], [2], [3]], ["httpx", "raw"], engine)
     finally:
         for w in writers:
             w.close()
         server.close()
         await server.wait_closed()
-    assert seen == ["httpx", "raw", "raw", "httpx", "httpx", "raw"]
+    assert seen == ["httpx", "raw", "engine", "raw", "httpx", "engine", "httpx", "raw", "engine"]
+    assert between == [[1], [2], [3]]
+    assert got.pop(INTERLEAVED) == [0.5, 0.5, 0.5]
     assert {c: len(xs) for c, xs in got.items()} == {"httpx": 3, "raw": 3}
     assert all(x > 0 for xs in got.values() for x in xs)
 
@@ -78,3 +87,19 @@ def test_a_row_holds_the_first_clients_added_ttft_and_every_clients() -> None:
     assert row["by_client"]["raw"] == {
         "mesh": t(7, 12), "added_p50_ms": 5, "added_p99_ms": 8, "added_vs_idle_engine_p50_ms": 4
     }  # fmt: skip
+
+
+def test_a_row_holds_the_mesh_against_the_interleaved_engine_and_the_paired_differences() -> None:
+    def t(p50: float, p99: float) -> dict:
+        return {"p50_ms": p50, "p99_ms": p99}
+
+    paired = {"httpx": t(6.5, 10), "raw": t(4.5, 8)}
+    row = ttft_row(5, "direct", t(2, 4), t(3, 6), {"httpx": t(9, 15), "raw": t(7, 12)}, t(2.5, 5), paired)
+    assert row["engine_interleaved"] == t(2.5, 5)
+    assert (
+        row["added_vs_interleaved_engine_p50_ms"] == 6.5 and row["added_vs_interleaved_engine_p99_ms"] == 10
+    )
+    assert row["paired_added"] == t(6.5, 10)
+    raw = row["by_client"]["raw"]
+    assert (raw["added_vs_interleaved_engine_p50_ms"], raw["added_vs_interleaved_engine_p99_ms"]) == (4.5, 7)
+    assert raw["paired_added"] == t(4.5, 8) and raw["added_p50_ms"] == 5

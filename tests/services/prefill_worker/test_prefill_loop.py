@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -78,3 +79,26 @@ async def test_an_idle_workers_short_prompt_prefills_on_the_event_loop(rig, mode
     await loop.release("c")
     got = [res.first_token, res_long.first_token, res_busy.first_token]
     assert got == first_tokens(model_dir, prompts)
+
+
+async def test_each_step_reports_its_prompts_and_the_engine_steps_time(model_dir: Path) -> None:
+    engine = Engine.from_pretrained(model_dir)
+    et = EngineThread(engine)
+    seen: list[tuple[int, float]] = []
+    loop = PrefillLoop(engine, et, lambda n, s: seen.append((n, s)), inline_max_tokens=BOUND)
+    step = engine.step
+
+    def slow_step():  # a step of known least duration
+        time.sleep(0.05)
+        return step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
+    loop.start()
+    try:
+        await loop.prefill("a", [5, 6, 7, 8], GREEDY)
+        await loop.release("a")
+    finally:
+        await loop.stop()
+        et.shutdown()
+    assert len(seen) == 1 and seen[0][0] == 1
+    assert 0.05 <= seen[0][1] < 10
