@@ -199,11 +199,28 @@ class Bus:
     async def publish_now(
         self, subject: str, msg: msgspec.Struct, headers: dict[str, str] | None = None
     ) -> None:
-        """publish, and let the connection's writer hand it to the socket before returning (one turn of the
-        loop; no server round trip like flush()). For a message that must leave before this task starts
-        something that blocks the process, such as a KV write (Mooncake holds the GIL for part or all of a call)."""
+        """publish, handed to the socket before returning (`write_pending`; no server round trip like
+        flush()). For a message on the TTFT path whose publisher goes on working, or that must leave
+        before something that blocks the process, such as a KV write (Mooncake holds the GIL for part or
+        all of a call)."""
         await self.publish(subject, msg, headers)
-        await asyncio.sleep(0)  # nats-py's flusher task was woken by the publish and runs first
+        self.write_pending()
+
+    def write_pending(self) -> None:
+        """Hand what this connection has queued to the socket now. nats-py queues each publish and its
+        writer task sends the queue on a later turn of the loop, after whatever the publishing task does
+        next: on this VM a placement's DecodeDirect waited ~0.3 ms for the rest of the submit handler.
+        This does what that task does, less its wait for the socket to drain (the task still drains on
+        its next turn); where the client's internals differ, or it is not connected, it leaves the queue
+        to the task."""
+        nc = self.nc
+        pending = getattr(nc, "_pending", None)
+        transport = getattr(nc, "_transport", None)
+        if not pending or transport is None or not nc.is_connected:
+            return
+        transport.writelines(pending[:])
+        nc._pending = []
+        nc._pending_data_size = 0
 
     async def request(
         self,

@@ -423,7 +423,8 @@ class SchedulerService(Service):
                         request_id=s.request_id, prompt_ids=s.prompt_ids, sampling=s.sampling,
                         stream_subject=s.stream_subject,
                     )  # fmt: skip
-                    await self.bus.publish(subjects.decode_inbox(plan.decode), msg)
+                    # on the socket before this task's bookkeeping and reply (libs.bus write_pending)
+                    await self.bus.publish_now(subjects.decode_inbox(plan.decode), msg)
                 else:
                     handle = await self._reserve_overlapped(e, plan)
                     if self.queue.is_cancelled(s.request_id):
@@ -440,7 +441,7 @@ class SchedulerService(Service):
                         request_id=s.request_id, prompt_ids=s.prompt_ids, sampling=s.sampling,
                         stream_subject=s.stream_subject, handle=handle,
                     )  # fmt: skip
-                    await self.bus.publish(subjects.prefill_inbox(plan.prefill), task)
+                    await self.bus.publish_now(subjects.prefill_inbox(plan.prefill), task)
                 await self.bus.publish(s.stream_subject, placed_notice(s.request_id, plan.decode))
             except _ReservationRefused as err:
                 mark_error(span, err)
@@ -478,7 +479,7 @@ class SchedulerService(Service):
             sampling=s.sampling,
             stream_subject=s.stream_subject,
         )
-        await self.bus.publish(inbox, start)
+        await self.bus.publish_now(inbox, start)
         try:
             return await self._reserve(e, plan)
         except BaseException:

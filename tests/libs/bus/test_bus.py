@@ -1,4 +1,5 @@
 import asyncio
+import threading
 import time
 import uuid
 
@@ -79,6 +80,44 @@ async def test_publish_now_has_handed_the_message_to_the_socket(bus):
     await bus.flush()
     await bus.publish_now(s, Ping(2))
     assert bus.nc._pending_data_size == 0
+
+
+async def test_a_message_written_now_reaches_a_subscriber_while_the_publisher_blocks(bus, nats_server):
+    """publish_now, and publish + write_pending, leave on the socket before the publisher's loop runs again:
+    a subscriber on another thread gets each while this loop is blocked (as a KV write blocks it)."""
+    import nats
+
+    s, got, ready = subj(), {}, threading.Event()
+    arrived = {1: threading.Event(), 2: threading.Event()}
+
+    def listen() -> None:
+        async def run() -> None:
+            nc = await nats.connect(nats_server)
+
+            async def on(msg) -> None:
+                n = msgspec.msgpack.decode(msg.data, type=Ping).n
+                got[n] = msg.data
+                arrived[n].set()
+
+            await nc.subscribe(s, cb=on)
+            await nc.flush()
+            ready.set()
+            while not all(e.is_set() for e in arrived.values()):
+                await asyncio.sleep(0.01)
+            await nc.close()
+
+        asyncio.run(run())
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    assert await asyncio.to_thread(ready.wait, 10)
+    await bus.publish_now(s, Ping(1))
+    assert arrived[1].wait(10)  # blocks this loop: only the socket could have carried it
+    await bus.publish(s, Ping(2))
+    bus.write_pending()
+    assert arrived[2].wait(10)
+    await asyncio.to_thread(thread.join, 10)
+    assert sorted(got) == [1, 2]
 
 
 async def test_request_reply_typed(bus):
