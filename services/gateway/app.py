@@ -364,6 +364,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     app.state.ctx = ctx
     _install_error_handlers(app)
     install_openapi(app)  # request bodies and error statuses in /openapi.json
+    app.add_middleware(_GenerationRoutes, ctx=ctx)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -411,26 +412,67 @@ def _ready_response(ctx: GatewayContext) -> Response:
     return JSONResponse(error_body(503, reason, code="not_ready") | body, status_code=503)
 
 
+async def _api_error(request: Request, e: ApiError) -> Response:
+    if e.status == CLIENT_GONE:
+        return Response(status_code=CLIENT_GONE)
+    headers = None
+    if e.status in (429, 503):  # clients (and the openai library) back off this long
+        headers = {"Retry-After": str(request.app.state.ctx.settings.retry_after_s)}
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def _invalid(_: Request, e: RequestValidationError) -> Response:
+    return JSONResponse(validation_error(e).body(), status_code=400)
+
+
+async def _http_error(_: Request, e: HTTPException) -> Response:
+    return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+
+
+async def _internal(_: Request, e: Exception) -> Response:
+    log.exception("unhandled error")
+    return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
+
+
+_ERROR_HANDLERS: list[tuple[type[Exception], Callable[[Request, Any], Any]]] = [
+    (ApiError, _api_error), (RequestValidationError, _invalid), (HTTPException, _http_error),
+    (Exception, _internal),
+]  # fmt: skip
+
+
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError) -> Response:
-        if e.status == CLIENT_GONE:
-            return Response(status_code=CLIENT_GONE)
-        headers = None
-        if e.status in (429, 503):  # clients (and the openai library) back off this long
-            headers = {"Retry-After": str(request.app.state.ctx.settings.retry_after_s)}
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    for exc, handler in _ERROR_HANDLERS:
+        app.add_exception_handler(exc, handler)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> Response:
-        err = validation_error(e)
-        return JSONResponse(err.body(), status_code=400)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException) -> Response:
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+async def _error_response(request: Request, e: Exception) -> Response:
+    """What the app's exception handlers answer for e (the first of _ERROR_HANDLERS it is an instance of)."""
+    return await next(h for exc, h in _ERROR_HANDLERS if isinstance(e, exc))(request, e)
 
-    @app.exception_handler(Exception)
-    async def internal(_: Request, e: Exception) -> Response:
-        log.exception("unhandled error")
-        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
+
+_GENERATION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path: chat
+
+
+class _GenerationRoutes:
+    """POST to the two generation endpoints straight from the ASGI call, past Starlette's exception
+    middleware, its router and FastAPI's request handling: on this VM those layers took ~0.25 ms of a
+    request arriving after idle (a stamp probe), ~30 µs back to back. The same handler (`_generate`) and the
+    same error answers (`_error_response`, the app's exception handlers); the routes stay registered for
+    /openapi.json. Anything else, other methods on these paths included, goes on to the app."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Any], ctx: GatewayContext) -> None:
+        self.app, self.ctx = app, ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        chat = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            chat = _GENERATION_PATHS.get(scope["path"])
+        if chat is None:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await _generate(self.ctx, request, chat)
+        except Exception as e:
+            response = await _error_response(request, e)
+        await response(scope, receive, send)
