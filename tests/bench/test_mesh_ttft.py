@@ -4,10 +4,11 @@ client's time is to its first text chunk (a small SSE server on a real socket st
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
-from bench.mesh_ttft import INTERLEAVED, mesh_ttft, ttft_row
+from bench.mesh_ttft import INTERLEAVED, in_mesh_steps, mesh_ttft, ttft_row
 
 
 async def test_each_prompt_is_sent_once_per_client_in_alternating_order() -> None:
@@ -103,3 +104,14 @@ def test_a_row_holds_the_mesh_against_the_interleaved_engine_and_the_paired_diff
     raw = row["by_client"]["raw"]
     assert (raw["added_vs_interleaved_engine_p50_ms"], raw["added_vs_interleaved_engine_p99_ms"]) == (4.5, 7)
     assert raw["paired_added"] == t(4.5, 8) and raw["added_p50_ms"] == 5
+
+
+def test_the_in_mesh_step_is_the_histograms_mean_over_the_measured_requests() -> None:
+    got = in_mesh_steps((1.0, 10.0), (1.5, 110.0), "decode-0", "moemesh_decode_step_seconds")
+    assert got == {
+        "worker": "decode-0",
+        "metric": "moemesh_decode_step_seconds",
+        "steps": 100.0,
+        "mean_ms": 5.0,
+    }
+    assert math.isnan(in_mesh_steps((1.0, 10.0), (1.0, 10.0), "prefill-0", "m")["mean_ms"])

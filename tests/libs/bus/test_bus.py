@@ -120,6 +120,23 @@ async def test_a_message_written_now_reaches_a_subscriber_while_the_publisher_bl
     assert sorted(got) == [1, 2]
 
 
+async def test_write_pending_leaves_a_backed_up_socket_to_the_clients_writer(bus, monkeypatch):
+    """Past WRITE_NOW_MAX_BUFFERED bytes in the socket's buffer the queue stays for nats-py's writer task,
+    which waits for the drain (the backpressure a direct write would skip)."""
+    from libs.bus import bus as bus_module
+
+    sock = bus.nc._transport._io_writer.transport
+    s = subj()
+    await bus.flush()
+    monkeypatch.setattr(sock, "get_write_buffer_size", lambda: bus_module.WRITE_NOW_MAX_BUFFERED)
+    await bus.publish(s, Ping(1))
+    bus.write_pending()
+    assert bus.nc._pending_data_size > 0
+    monkeypatch.setattr(sock, "get_write_buffer_size", lambda: 0)
+    bus.write_pending()
+    assert bus.nc._pending_data_size == 0
+
+
 async def test_request_reply_typed(bus):
     s = subj()
 
