@@ -66,7 +66,7 @@ def mesh_config(
     model: Path, settings: dict[str, dict[str, str]], direct_threshold: int, src: Path | None = None
 ) -> MeshConfig:
     """bench.mesh_ttft's mesh with these settings; with `src`, every service imported from that source tree
-    (first on its PYTHONPATH, the working directory left off it)."""
+    (first on its PYTHONPATH, then the rest of this process's PYTHONPATH, this checkout left off it)."""
     base = {
         "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": str(direct_threshold)},
         "services.prefill_worker": {"MOEMESH_PREFILL_WORKER_ENABLE_PREFIX_CACHE": "false"},
@@ -77,8 +77,16 @@ def mesh_config(
     if src is not None:
         if not (src / "services" / "gateway").is_dir():
             raise ValueError(f"{src}: not a moemesh source tree (no services/gateway)")
+        # that tree first, then this process's path less this checkout (on a device, the bundle's packages)
+        here = {str(Path.cwd().resolve()), str(Path(__file__).resolve().parents[1])}
+        keep = [
+            p
+            for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and str(Path(p).resolve()) not in here
+        ]
+        path = os.pathsep.join([str(src.resolve()), *keep])
         for module in SERVICES.values():
-            base.setdefault(module, {}).update(PYTHONPATH=str(src.resolve()), PYTHONSAFEPATH="1")
+            base.setdefault(module, {}).update(PYTHONPATH=path, PYTHONSAFEPATH="1")
     embedded = base.get("services.gateway", {}).pop("MOEMESH_GATEWAY_EMBEDDED_SCHEDULER", "false")
     return MeshConfig(model_dir=model, port=0, extra_env=base, embedded_scheduler=embedded.lower() == "true")
 

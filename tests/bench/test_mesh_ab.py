@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,13 +41,20 @@ def test_the_gateways_embedded_scheduler_setting_is_the_launchers_embedded_mode(
     assert not mesh_config(tmp_path, parse_settings(""), 16).embedded_scheduler
 
 
-def test_a_source_tree_goes_first_on_every_services_path(tmp_path: Path) -> None:
+def test_a_source_tree_goes_first_on_every_services_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src = tmp_path / "before"
     (src / "services" / "gateway").mkdir(parents=True)
+    site = tmp_path / "site"  # a device run's bundle of packages: kept, after the tree; this checkout dropped
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(Path.cwd())]))
     cfg = mesh_config(tmp_path, parse_settings("MOEMESH_SCHEDULER_X=1"), 16, src)
     for module in SERVICES.values():
         env = cfg.extra_env[module]
-        assert (env["PYTHONPATH"], env["PYTHONSAFEPATH"]) == (str(src.resolve()), "1")
+        assert (env["PYTHONPATH"], env["PYTHONSAFEPATH"]) == (
+            os.pathsep.join([str(src.resolve()), str(site)]),
+            "1",
+        )
     assert cfg.extra_env["services.scheduler"]["MOEMESH_SCHEDULER_X"] == "1"
     assert all("PYTHONPATH" not in env for env in mesh_config(tmp_path, {}, 16).extra_env.values())
     with pytest.raises(ValueError, match="not a moemesh source tree"):
