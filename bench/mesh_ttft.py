@@ -3,6 +3,7 @@
     python -m bench.mesh_ttft [--requests 100] [--prompt-lens 5,40,200] [--clients 64]
                               [--prefix-index broker,local] [--overlap-prefill off,on]
                               [--scheduler process|embedded] [--client httpx,raw]
+                              [--interleave-engine] [--per-request-step]
 
 Starts the embedded mesh (nats-server, kv-broker, scheduler, prefill + decode worker, gateway; real
 Mooncake TCP between the workers) on the tiny model, then:
@@ -22,6 +23,9 @@ Mooncake TCP between the workers) on the tiny model, then:
    steps (`moemesh_{decode,prefill}_step_seconds`): `in_mesh_step` is their mean over the measured requests,
    and `mesh_mean_minus_in_mesh_step_ms` per client the mesh's TTFT mean less it, the share that is not the
    model's step as the mesh ran it (on the direct path the decode step's time includes the hand-off).
+   With `--per-request-step`, that worker's step-time sum is read after every request (a /metrics scrape
+   between two requests, which the worker serves while idle): the growth is that request's own step, and
+   `own_share` per client summarizes, request by request, TTFT less its own step (p50 / p99 / mean).
 2. `--clients` concurrent streaming clients, each generating `--gen-tokens`: total streamed tokens/s.
 Writes bench/results/mesh_ttft.json.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -51,6 +56,7 @@ from libs.loadgen.report import write_json
 
 ENGINE_IDLE_S = 0.010  # the engine reference's idle before each request, for `engine_after_idle`
 INTERLEAVED = "engine_interleaved"  # mesh_ttft's key for the engine's times taken between the requests
+STEP = "step:"  # mesh_ttft's key prefix for a client's per-request step times (STEP + client)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -99,14 +105,21 @@ async def mesh_ttft(
     prompts: list[list[int]],
     clients: list[str],
     between: Callable[[list[int]], float] | None = None,
+    step_sum: Callable[[], float] | None = None,
 ) -> dict[str, list[float]]:
     """Per client, the TTFT of each prompt (sequential; each prompt sent once per client, the clients'
     order alternating from one prompt to the next). With `between`, it is called with each prompt after
     the clients' requests (the in-process engine on the same prompt, at the same moment of the machine)
-    and its times are under INTERLEAVED."""
+    and its times are under INTERLEAVED. With `step_sum` (seconds of model step so far, as the first
+    token's worker counts them), it is read after each request and the growth, in ms, is under STEP + the
+    client: that request's own step."""
     out: dict[str, list[float]] = {c: [] for c in clients}
     if between is not None:
         out[INTERLEAVED] = []
+    last = 0.0
+    if step_sum is not None:
+        out.update({STEP + c: [] for c in clients})
+        last = step_sum()
     raw = RawClient(url, keep=1)
     try:
         async with httpx.AsyncClient(timeout=60) as h:
@@ -119,6 +132,10 @@ async def mesh_ttft(
                         else await raw_first_token_ms(raw, body)
                     )
                     out[c].append(ms)
+                    if step_sum is not None:
+                        now = step_sum()
+                        out[STEP + c].append((now - last) * 1e3)
+                        last = now
                 if between is not None:
                     out[INTERLEAVED].append(between(p))
     finally:
@@ -183,6 +200,12 @@ def in_mesh_steps(before: tuple[float, float], after: tuple[float, float], worke
     n = after[1] - before[1]
     return {"worker": worker, "metric": metric, "steps": n,
             "mean_ms": (after[0] - before[0]) / n * 1e3 if n else float("nan")}  # fmt: skip
+
+
+def own_share(steps_ms: list[float], ttft_ms: list[float]) -> dict:
+    """Request by request, TTFT less that request's own step in the mesh (the share that is not the
+    model's), with the steps' own summary beside it."""
+    return {**summarize([t - s for t, s in zip(ttft_ms, steps_ms, strict=True)]), "step": summarize(steps_ms)}
 
 
 def summarize(xs: list[float]) -> dict:
@@ -261,9 +284,15 @@ def measure(
             )
             before = step_totals(mesh.metrics_url(worker), metric)
             between = (lambda p: engine_ttft(engine, [p])[0]) if args.interleave_engine else None
-            times = asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts, clients, between))
+            step_sum = (
+                functools.partial(metric_total, mesh.metrics_url(worker), metric + "_sum")
+                if args.per_request_step
+                else None
+            )
+            times = asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts, clients, between, step_sum))
             steps = in_mesh_steps(before, step_totals(mesh.metrics_url(worker), metric), worker, metric)
             inter = times.pop(INTERLEAVED, None)
+            own = {c: own_share(times.pop(STEP + c), times[c]) for c in clients if STEP + c in times}
             per = {c: summarize(xs) for c, xs in times.items()}
             paired = inter and {
                 c: summarize([a - b for a, b in zip(xs, inter, strict=True)]) for c, xs in times.items()
@@ -273,6 +302,8 @@ def measure(
             row["in_mesh_step"] = steps
             for c, x in row["by_client"].items():
                 x["mesh_mean_minus_in_mesh_step_ms"] = per[c]["mean_ms"] - steps["mean_ms"]
+                if c in own:
+                    x["own_share"] = own[c]
             row.update(prefix_index=prefix_index, overlap_prefill=overlap)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -310,6 +341,11 @@ def main() -> None:
         "--interleave-engine", action="store_true",
         help="also run the in-process engine on each prompt right after the mesh's requests for it "
         "(`engine_interleaved`, `paired_added`); its steps share the machine's caches with the workers'",
+    )  # fmt: skip
+    ap.add_argument(
+        "--per-request-step", action="store_true",
+        help="read the first token's worker's step-time sum after each request (a /metrics scrape between "
+        "requests): `own_share` per client, request by request TTFT less its own step",
     )  # fmt: skip
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads of the in-process engine (workers use 1)"

@@ -4,15 +4,19 @@ client's time is to its first text chunk (a small SSE server on a real socket st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from bench.mesh_ttft import INTERLEAVED, in_mesh_steps, mesh_ttft, ttft_row
+from bench.mesh_ttft import INTERLEAVED, STEP, in_mesh_steps, mesh_ttft, own_share, ttft_row
 
 
-async def test_each_prompt_is_sent_once_per_client_in_alternating_order() -> None:
-    seen: list[str] = []
+@contextlib.asynccontextmanager
+async def sse_server(on_request: Callable[[str], None]) -> AsyncIterator[str]:
+    """A keep-alive HTTP server streaming one text chunk per request; `on_request` gets each request's
+    client ("httpx" by its user agent, else "raw") before the answer is written. Yields its URL."""
     writers: list[asyncio.StreamWriter] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -26,7 +30,7 @@ async def test_each_prompt_is_sent_once_per_client_in_alternating_order() -> Non
             lines = head.decode().lower().split("\r\n")
             length = next(int(x.split(":")[1]) for x in lines if x.startswith("content-length:"))
             await reader.readexactly(length)
-            seen.append("httpx" if any(x.startswith("user-agent: python-httpx") for x in lines) else "raw")
+            on_request("httpx" if any(x.startswith("user-agent: python-httpx") for x in lines) else "raw")
             events = [b'data: {"choices":[{"text":"a"}]}\n\n', b"data: [DONE]\n\n"]
             chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
@@ -34,26 +38,54 @@ async def test_each_prompt_is_sent_once_per_client_in_alternating_order() -> Non
             await writer.drain()
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
     try:
-        between: list[list[int]] = []
-
-        def engine(prompt: list[int]) -> float:
-            between.append(prompt)
-            seen.append("engine")
-            return 0.5
-
-        got = await mesh_ttft(f"http://127.0.0.1:{port}", "m", [[1], [2], [3]], ["httpx", "raw"], engine)
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
         for w in writers:
             w.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_each_prompt_is_sent_once_per_client_in_alternating_order() -> None:
+    seen: list[str] = []
+    between: list[list[int]] = []
+
+    def engine(prompt: list[int]) -> float:
+        between.append(prompt)
+        seen.append("engine")
+        return 0.5
+
+    async with sse_server(seen.append) as url:
+        got = await mesh_ttft(url, "m", [[1], [2], [3]], ["httpx", "raw"], engine)
     assert seen == ["httpx", "raw", "engine", "raw", "httpx", "engine", "httpx", "raw", "engine"]
     assert between == [[1], [2], [3]]
     assert got.pop(INTERLEAVED) == [0.5, 0.5, 0.5]
     assert {c: len(xs) for c, xs in got.items()} == {"httpx": 3, "raw": 3}
     assert all(x > 0 for xs in got.values() for x in xs)
+
+
+async def test_each_requests_own_step_is_the_growth_of_the_step_sum_across_it() -> None:
+    total = [0.25]  # seconds of step before the measured requests
+    served: list[str] = []
+
+    def step(client: str) -> None:  # the n-th request served is n ms of step
+        served.append(client)
+        total[0] += len(served) / 1e3
+
+    async with sse_server(step) as url:
+        got = await mesh_ttft(url, "m", [[1], [2]], ["httpx", "raw"], step_sum=lambda: total[0])
+    assert served == ["httpx", "raw", "raw", "httpx"]
+    assert got[STEP + "httpx"] == pytest.approx([1, 4]) and got[STEP + "raw"] == pytest.approx([2, 3])
+    assert len(got["httpx"]) == len(got["raw"]) == 2
+
+
+def test_the_own_share_is_each_requests_ttft_less_its_own_step() -> None:
+    got = own_share([1.0, 2.0, 3.0], [5.0, 5.5, 9.0])
+    assert (got["p50_ms"], got["mean_ms"], got["n"]) == (4.0, 4.5, 3)
+    assert got["step"]["p50_ms"] == 2.0
+    with pytest.raises(ValueError):
+        own_share([1.0], [5.0, 6.0])
 
 
 async def test_a_stream_without_a_token_is_an_error() -> None:
