@@ -23,8 +23,9 @@ Mooncake TCP between the workers) on the tiny model, then:
    steps (`moemesh_{decode,prefill}_step_seconds`): `in_mesh_step` is their mean over the measured requests,
    and `mesh_mean_minus_in_mesh_step_ms` per client the mesh's TTFT mean less it, the share that is not the
    model's step as the mesh ran it (on the direct path the decode step's time includes the hand-off).
-   With `--per-request-step`, that worker's step-time sum is read after every request (a /metrics scrape
-   between two requests, which the worker serves while idle): the growth is that request's own step, and
+   With `--per-request-step`, that worker's step-time sum is read after every request (a /metrics scrape of
+   that one series, `?name[]=`, between two requests, served on the worker's loop while it idles; it still
+   disturbs what it measures, see the README): the growth is that request's own step, and
    `own_share` per client summarizes, request by request, TTFT less its own step (p50 / p99 / mean).
 2. `--clients` concurrent streaming clients, each generating `--gen-tokens`: total streamed tokens/s.
 Writes bench/results/mesh_ttft.json.
@@ -285,7 +286,9 @@ def measure(
             before = step_totals(mesh.metrics_url(worker), metric)
             between = (lambda p: engine_ttft(engine, [p])[0]) if args.interleave_engine else None
             step_sum = (
-                functools.partial(metric_total, mesh.metrics_url(worker), metric + "_sum")
+                functools.partial(
+                    metric_total, f"{mesh.metrics_url(worker)}?name[]={metric}_sum", metric + "_sum"
+                )
                 if args.per_request_step
                 else None
             )

@@ -37,6 +37,7 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import ClassVar
+from urllib.parse import parse_qs
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
@@ -214,8 +215,9 @@ class Service:
             while (await asyncio.wait_for(reader.readline(), 5.0)) not in (b"\r\n", b"\n", b""):
                 pass  # headers are not needed
             parts = request_line.decode("latin-1").split()
-            method, path = (parts[0], parts[1].split("?")[0]) if len(parts) >= 2 else ("", "")
-            status, ctype, body = self._route(method, path)
+            method, target = (parts[0], parts[1]) if len(parts) >= 2 else ("", "")
+            path, _, query = target.partition("?")
+            status, ctype, body = self._route(method, path, query)
             head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             writer.write(head.encode() + (body if method != "HEAD" else b""))
             await writer.drain()
@@ -224,7 +226,7 @@ class Service:
         finally:
             writer.close()
 
-    def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
+    def _route(self, method: str, path: str, query: str = "") -> tuple[str, str, bytes]:
         if method not in ("GET", "HEAD"):
             return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
         if path in ("/health", "/healthz", "/readyz"):
@@ -245,8 +247,10 @@ class Service:
             return self._ready_response()
         if path == "/livez":
             return "200 OK", "text/plain", b"ok\n"
-        if path == "/metrics":
-            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.registry)
+        if path == "/metrics":  # `?name[]=x&name[]=y`: those series only, as prometheus_client's own server
+            names = parse_qs(query).get("name[]")
+            registry = self.registry.restricted_registry(names) if names else self.registry
+            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(registry)
         return "404 Not Found", "text/plain", b"not found\n"
 
     def _ready_response(self) -> tuple[str, str, bytes]:

@@ -74,6 +74,11 @@ async def test_health_metrics_and_graceful_drain(nats_server):
         metrics = (await get(svc, "/metrics")).text
         assert "moemesh_service_ready 1.0" in metrics
         assert f'moemesh_bus_messages_total{{outcome="ok",subscription="{s}"}} 1.0' in metrics
+        # `name[]` filters, as prometheus_client's own server: only the series named, each of them
+        only = (await get(svc, "/metrics?name[]=moemesh_service_ready&name[]=moemesh_bus_messages_total")).text
+        series = {line.split("{")[0].split(" ")[0] for line in only.splitlines() if not line.startswith("#")}
+        assert series == {"moemesh_service_ready", "moemesh_bus_messages_total"}
+        assert f'moemesh_bus_messages_total{{outcome="ok",subscription="{s}"}} 1.0' in only
         assert (await get(svc, "/nope")).status_code == 404
 
         slow = asyncio.create_task(client.request(s, Ping(-1), Pong, timeout=10))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -81,7 +82,8 @@ async def test_the_calls_counted_by_where_they_ran_reach_the_metrics(et: EngineT
     hold = threading.Event()
     busy = et.submit(hold.wait, 30)
     assert et.run_inline(lambda: None) is None  # refused: counted nowhere, the caller submits it
-    await et.call(lambda: None)
+    queued = asyncio.ensure_future(et.call(lambda: None))  # runs on the thread once the hold is released
     hold.set()
     await busy
+    await queued
     assert (calls("loop"), calls("thread")) == (1, 2)
