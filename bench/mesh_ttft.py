@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import os
 import platform
@@ -203,6 +202,27 @@ def in_mesh_steps(before: tuple[float, float], after: tuple[float, float], worke
             "mean_ms": (after[0] - before[0]) / n * 1e3 if n else float("nan")}  # fmt: skip
 
 
+class StepSum:
+    """A worker's step-time sum in seconds, read from its /metrics filtered to that one series, over one
+    kept client (`httpx.get` would build a client, and its TLS context, per read: garbage the next request's
+    client would collect)."""
+
+    def __init__(self, metrics_url: str, metric: str) -> None:
+        self.name = metric + "_sum"
+        self.url = f"{metrics_url}?name[]={self.name}"
+        self.http = httpx.Client(timeout=10)
+
+    def __call__(self) -> float:
+        text = self.http.get(self.url).raise_for_status().text
+        values = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.split(" ", 1)[0] == self.name]
+        if len(values) != 1:
+            raise RuntimeError(f"{self.url}: expected one {self.name} line, got {len(values)}")
+        return values[0]
+
+    def close(self) -> None:
+        self.http.close()
+
+
 def own_share(steps_ms: list[float], ttft_ms: list[float]) -> dict:
     """Request by request, TTFT less that request's own step in the mesh (the share that is not the
     model's), with the steps' own summary beside it."""
@@ -285,17 +305,13 @@ def measure(
             )
             before = step_totals(mesh.metrics_url(worker), metric)
             between = (lambda p: engine_ttft(engine, [p])[0]) if args.interleave_engine else None
-            step_sum = (
-                functools.partial(
-                    metric_total, f"{mesh.metrics_url(worker)}?name[]={metric}_sum", metric + "_sum"
-                )
-                if args.per_request_step
-                else None
-            )
+            step_sum = StepSum(mesh.metrics_url(worker), metric) if args.per_request_step else None
             times = asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts, clients, between, step_sum))
             steps = in_mesh_steps(before, step_totals(mesh.metrics_url(worker), metric), worker, metric)
             inter = times.pop(INTERLEAVED, None)
             own = {c: own_share(times.pop(STEP + c), times[c]) for c in clients if STEP + c in times}
+            if step_sum is not None:
+                step_sum.close()
             per = {c: summarize(xs) for c, xs in times.items()}
             paired = inter and {
                 c: summarize([a - b for a, b in zip(xs, inter, strict=True)]) for c, xs in times.items()

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import math
+import threading
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from bench.mesh_ttft import INTERLEAVED, STEP, in_mesh_steps, mesh_ttft, own_share, ttft_row
+from bench.mesh_ttft import INTERLEAVED, STEP, StepSum, in_mesh_steps, mesh_ttft, own_share, ttft_row
 
 
 @contextlib.asynccontextmanager
@@ -147,3 +149,35 @@ def test_the_in_mesh_step_is_the_histograms_mean_over_the_measured_requests() ->
         "mean_ms": 5.0,
     }
     assert math.isnan(in_mesh_steps((1.0, 10.0), (1.0, 10.0), "prefill-0", "m")["mean_ms"])
+
+
+def test_the_step_sum_reads_its_one_series_from_the_filtered_metrics() -> None:
+    pages = {"/metrics?name[]=moemesh_decode_step_seconds_sum": b"# TYPE x histogram\nmoemesh_decode_step_seconds_sum 0.25\n",
+             "/labelled?name[]=moemesh_decode_step_seconds_sum": b'moemesh_decode_step_seconds_sum{a="1"} 1\n'
+                                                                b'moemesh_decode_step_seconds_sum{a="2"} 2\n'}  # fmt: skip
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = pages.get(self.path, b"")
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        read = StepSum(base + "/metrics", "moemesh_decode_step_seconds")
+        assert read() == 0.25
+        read.close()
+        labelled = StepSum(base + "/labelled", "moemesh_decode_step_seconds")
+        with pytest.raises(RuntimeError, match="expected one"):
+            labelled()
+        labelled.close()
+    finally:
+        server.shutdown()
+        server.server_close()
