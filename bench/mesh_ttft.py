@@ -24,8 +24,8 @@ Mooncake TCP between the workers) on the tiny model, then:
    and `mesh_mean_minus_in_mesh_step_ms` per client the mesh's TTFT mean less it, the share that is not the
    model's step as the mesh ran it (on the direct path the decode step's time includes the hand-off).
    With `--per-request-step`, that worker's step-time sum is read after every request (a /metrics scrape of
-   that one series, `?name[]=`, between two requests, served on the worker's loop while it idles; it still
-   disturbs what it measures, see the README): the growth is that request's own step, and
+   that one series, `?name[]=`, over one kept client, between two requests, served on the worker's loop
+   while it idles; the README shows what it may disturb): the growth is that request's own step, and
    `own_share` per client summarizes, request by request, TTFT less its own step (p50 / p99 / mean).
 2. `--clients` concurrent streaming clients, each generating `--gen-tokens`: total streamed tokens/s.
 Writes bench/results/mesh_ttft.json.
@@ -306,12 +306,14 @@ def measure(
             before = step_totals(mesh.metrics_url(worker), metric)
             between = (lambda p: engine_ttft(engine, [p])[0]) if args.interleave_engine else None
             step_sum = StepSum(mesh.metrics_url(worker), metric) if args.per_request_step else None
-            times = asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts, clients, between, step_sum))
+            try:
+                times = asyncio.run(mesh_ttft(mesh.url, mesh.model_name, prompts, clients, between, step_sum))
+            finally:
+                if step_sum is not None:
+                    step_sum.close()
             steps = in_mesh_steps(before, step_totals(mesh.metrics_url(worker), metric), worker, metric)
             inter = times.pop(INTERLEAVED, None)
             own = {c: own_share(times.pop(STEP + c), times[c]) for c in clients if STEP + c in times}
-            if step_sum is not None:
-                step_sum.close()
             per = {c: summarize(xs) for c, xs in times.items()}
             paired = inter and {
                 c: summarize([a - b for a, b in zip(xs, inter, strict=True)]) for c, xs in times.items()
