@@ -97,6 +97,8 @@ def _max_tokens(
 def _check_ids(ids: Sequence[int], info: ModelInfo, param: str) -> None:
     if not ids:
         raise bad_param(param, "the prompt is empty")
+    if min(ids) >= 0 and max(ids) < info.vocab_size:  # at C speed; the loop below only names the bad id
+        return
     bad = next((i for i in ids if not 0 <= i < info.vocab_size), None)
     if bad is not None:
         raise bad_param(param, f"token id {bad} is out of range for a vocabulary of {info.vocab_size}")

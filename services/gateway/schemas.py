@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+)
 
 from services.gateway.errors import ApiError, unsupported
 
@@ -149,7 +156,25 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-Prompt = str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+def plain_token_ids(value: object) -> bool:
+    """Whether `value` is a non-empty list of plain ints (no bools), none negative, checked at C speed."""
+    return type(value) is list and bool(value) and set(map(type, value)) == {int} and min(value) >= 0
+
+
+def _token_ids_fast(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A prompt of token ids, as load generators and PD benchmarks send it, taken at C speed: pydantic's smart
+    union validates such a list id by id through its members, ~0.25 µs an id on this VM (0.5 ms of gateway CPU
+    for a 2,048-token prompt). Anything else, an id list that does not pass included, goes through the union,
+    so values, coercions and errors are pydantic's as before; the JSON schema is the union's."""
+    if plain_token_ids(value):
+        return value
+    if type(value) is list and value and all(plain_token_ids(p) for p in value):
+        return value
+    return handler(value)
+
+
+PromptUnion = str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+Prompt = Annotated[PromptUnion, WrapValidator(_token_ids_fast)]
 
 
 class CompletionRequest(_Sampling):
@@ -175,7 +200,7 @@ class CompletionRequest(_Sampling):
             return [p]
         if not p:
             return [[]]
-        if all(isinstance(x, int) for x in p):
+        if isinstance(p[0], int):  # the union admits no mixed list: one int means a list of ids
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 

@@ -42,7 +42,8 @@ def sse_events(text: str) -> list[str]:
 
 
 async def test_malformed_json_is_400(url: str) -> None:
-    for body in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+    lone_surrogate = json.dumps({**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}).encode()
+    for body in (b"{not json", b"[1, 2]", b"\xff\xfe", b'{"temperature": NaN}', lone_surrogate):
         r = await post(url, "/v1/chat/completions", body)
         assert r.status_code == 400, body
         assert error_of(r)["type"] == "invalid_request_error"

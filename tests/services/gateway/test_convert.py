@@ -8,13 +8,15 @@ from typing import Any
 
 import pydantic
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from libs.tokenizer import Tokenizer
 from proto.messages import Guided, Sampling
 from services.gateway.app import validation_error
 from services.gateway.convert import ModelInfo, plan_chat, plan_completion
 from services.gateway.errors import ApiError
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, split_unknown
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, PromptUnion, split_unknown
 from tests.services.gateway.conftest import MAX_CONTEXT
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
@@ -104,6 +106,54 @@ def test_empty_prompt_is_refused(tokenizer: Tokenizer, info: ModelInfo, prompt: 
 def test_token_ids_out_of_vocab_are_refused(tokenizer: Tokenizer, info: ModelInfo) -> None:
     with pytest.raises(ApiError, match=f"token id {info.vocab_size} is out of range"):
         completion(tokenizer, info, prompt=[1, info.vocab_size])
+
+
+_int = st.integers(-3, 3) | st.integers(0, 99) | st.integers(2**62, 2**64)
+_ids = _int | st.booleans() | st.floats(-1, 5) | st.sampled_from(["7", "x", ""]) | st.none()
+
+
+@given(
+    st.lists(st.integers(0, 2**31), max_size=40)
+    | st.lists(_int, max_size=6)
+    | st.lists(_ids, max_size=6)
+    | st.lists(st.lists(_int, max_size=5) | st.lists(_ids, max_size=3) | _ids, max_size=4)
+    | st.text(max_size=5)
+    | st.lists(st.text(max_size=3), max_size=3)
+)
+@example([-1])
+@example([3, -2])
+@example([True, 2])
+@example([1.0, 2])
+@example(["7", 1])
+@example([2**64])
+@example([[1], [-2]])
+@example([[True]])
+@example([[], [1]])
+@example([])
+def test_the_token_id_fast_path_validates_as_the_union_does(prompt: Any) -> None:
+    """A prompt of plain non-negative ints skips pydantic's per-id union validation: the value, and every
+    refusal, must be what the union alone gives."""
+    union = pydantic.TypeAdapter(PromptUnion)
+    try:
+        expected: Any = union.validate_python(prompt)
+    except pydantic.ValidationError as e:
+        expected = [(err["type"], err["loc"]) for err in e.errors()]
+    try:
+        got: Any = CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompt
+    except pydantic.ValidationError as e:
+        got = [(err["type"], err["loc"][1:]) for err in e.errors()]  # less the leading "prompt"
+    assert repr(got) == repr(expected)  # the same values of the same types (True is not 1)
+
+
+def test_the_prompt_schema_is_the_unions() -> None:
+    schema = CompletionRequest.model_json_schema()
+    assert schema["properties"]["prompt"]["anyOf"] == pydantic.TypeAdapter(PromptUnion).json_schema()["anyOf"]
+
+
+@pytest.mark.parametrize("prompt", [[5, -1], [[1], [2, -3]]])
+def test_a_negative_token_id_is_a_validation_error_naming_the_prompt(prompt: list) -> None:
+    e = invalid(CompletionRequest, {"model": "m", "prompt": prompt})
+    assert e.status == 400 and e.param == "prompt"
 
 
 def test_context_limit(tokenizer: Tokenizer, info: ModelInfo) -> None:
