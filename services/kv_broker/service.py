@@ -205,20 +205,33 @@ class KvBroker(Service):
         return (None if fresh else bucket.get(hid)) or await bucket.fetch(hid)
 
     async def _create(self, h: m.KvHandle) -> m.BrokerReply:
+        """A new handle is written at once: the write is create-only on the server, so a handle that exists
+        there already (a retry, a concurrent twin, or one another replica wrote that this mirror has not
+        seen yet) comes back as a Conflict, and is then read and answered as a retry. No read from the
+        server before the write: that was a JetStream round trip for every handle, each a miss."""
         bucket = self._buckets()[0]
         worker = await self._worker(h.decode_worker)
-        existing = await self._read(h.handle_id) if handles.check_id("handle_id", h.handle_id) else None
-        rec = handles.create(
-            existing and existing[0], h, worker and worker[0], self.clock(), self.settings.max_lease_ms
-        )
-        if existing is not None:  # the same CreateHandle again (create() refused anything else)
-            return m.BrokerReply(ok=True, handle=rec)
-        try:
-            await bucket.create(h.handle_id, rec)
-        except Conflict:  # a concurrent twin won the race: same answer as a retry
-            return await self._create(h)
-        if self._next_due_ms is None or h.lease_expires_ms < self._next_due_ms:
-            self._wake.set()
+        existing = bucket.get(handles.check_id("handle_id", h.handle_id))
+        if existing is None:
+            try:
+                rec = handles.create(None, h, worker and worker[0], self.clock(), self.settings.max_lease_ms)
+            except HandleError:  # refused as new; as a retry of one the server holds it may be answered
+                existing = await bucket.fetch(h.handle_id)
+                if existing is None:
+                    raise
+            else:
+                try:
+                    await bucket.create(h.handle_id, rec)
+                except Conflict:  # it exists on the server: answered as the same CreateHandle again
+                    existing = await bucket.fetch(h.handle_id)
+                    if existing is None:  # deleted since: create it anew
+                        return await self._create(h)
+                else:
+                    if self._next_due_ms is None or h.lease_expires_ms < self._next_due_ms:
+                        self._wake.set()
+                    return m.BrokerReply(ok=True, handle=rec)
+        # The same CreateHandle again returns the record; create() refuses any other.
+        rec = handles.create(existing[0], h, worker and worker[0], self.clock(), self.settings.max_lease_ms)
         return m.BrokerReply(ok=True, handle=rec)
 
     async def _transition(

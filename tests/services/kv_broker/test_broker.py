@@ -89,6 +89,34 @@ async def test_handle_lifecycle(broker, client):
     assert (await ask(client, m.ListHandles(decode_worker=w.worker_id))).handles == []
 
 
+async def test_a_create_the_mirror_has_not_seen_is_answered_from_the_server(broker, client):
+    """CreateHandle writes at once (no read before it): a handle already on the server but not yet in this
+    broker's mirror (another replica wrote it a moment ago) is answered as a retry, or refused if it differs;
+    twins racing each other get the same record."""
+    b, clock = broker
+    w = worker(f"decode-{uuid.uuid4().hex[:6]}")
+    await ask(client, register(w))
+    h = handle(clock.now + 5000, w)
+    first = await ask(client, m.CreateHandle(handle=h))
+    assert first.ok
+    bucket = b._buckets()[0]
+    bucket._mirror.pop(h.handle_id)  # as if the watcher had not delivered it yet
+    again = await ask(client, m.CreateHandle(handle=h))
+    assert again.ok and again.handle == first.handle
+    bucket._mirror.pop(h.handle_id, None)
+    other = handle(clock.now + 5000, w, handle_id=h.handle_id)  # the same id, another request
+    r = await ask(client, m.CreateHandle(handle=other))
+    assert not r.ok and "already exists" in r.message
+    bucket._mirror.pop(h.handle_id, None)
+    clock.now += 6000  # past the lease: refused as a new handle, still the same retry of the one held
+    late = await ask(client, m.CreateHandle(handle=h))
+    assert late.ok and late.handle == first.handle
+    twin = handle(clock.now + 5000, w)
+    replies = await asyncio.gather(*(ask(client, m.CreateHandle(handle=twin)) for _ in range(4)))
+    assert all(r.ok for r in replies) and len({r.handle.updated_ms for r in replies}) == 1
+    assert (await ask(client, m.LookupHandle(handle_id=twin.handle_id))).handle == replies[0].handle
+
+
 async def test_refusals_are_replies_not_errors(broker, client):
     b, clock = broker
     r = await ask(client, m.CreateHandle(handle=handle(clock.now + 1000, worker("unregistered"))))
