@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from libs.prefix import block_hashes, extend_hashes, root_hash
 
@@ -87,3 +90,21 @@ def test_golden_values_follow_the_documented_formula() -> None:
             h = b2(h.to_bytes(8, "little") + page)
             got.append(h)
         assert got == want
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=200), st.integers(1, 40))
+def test_hashes_follow_the_documented_definition(tokens: list[int], page_size: int) -> None:
+    """hash_i = blake2b-64(hash_{i-1} || tokens of page i), little-endian (8 bytes, then 4 per token), from
+    blake2b-64("moemesh-kv-block-v1" || page_size as 4 bytes): every service must agree on it, so any change
+    to the code that computes it must keep it."""
+
+    def b2(data: bytes) -> int:
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+    h = b2(b"moemesh-kv-block-v1" + page_size.to_bytes(4, "little"))
+    expected = []
+    for start in range(0, len(tokens) // page_size * page_size, page_size):
+        page = b"".join(t.to_bytes(4, "little") for t in tokens[start : start + page_size])
+        h = b2(h.to_bytes(8, "little") + page)
+        expected.append(h)
+    assert block_hashes(tokens, page_size) == expected
