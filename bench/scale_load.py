@@ -61,10 +61,13 @@ def pct(xs: list[float], p: float) -> float:
 
 
 def prompt(n: int, salt: int, shared: int = 0) -> list[int]:
-    """`shared` leading tokens common to every prompt (a system prompt), then distinct ones."""
-    return [7 * i % 900 + 3 for i in range(shared)] + [
-        (salt * 131 + 7 * i) % 900 + 3 for i in range(n - shared)
-    ]
+    """`shared` leading tokens common to every prompt (a system prompt), then distinct ones: the salt's three
+    base-900 digits first, so prompts of different salts (below 900**3) differ from their first page after
+    the shared part on (a step of more than 900 requests repeated its prompts before, and so hit the prefix
+    caches), then a sequence that cycles; ids 3..902, inside the tiny checkpoint's vocabulary."""
+    digits = [salt % 900 + 3, salt // 900 % 900 + 3, salt // 810_000 % 900 + 3]
+    rest = [(salt * 131 + 7 * i) % 900 + 3 for i in range(max(0, n - shared - 3))]
+    return [7 * i % 900 + 3 for i in range(shared)] + (digits + rest)[: n - shared]
 
 
 @dataclass
