@@ -93,11 +93,11 @@ class _Sampling(_Strict):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, lt=2**63)] | None = None  # the bus carries int64: larger is a 400
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**63)]] | None = None
     ignore_eos: bool = False
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False

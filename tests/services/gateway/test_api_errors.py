@@ -68,6 +68,8 @@ async def test_malformed_json_is_400(url: str) -> None:
         ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
         ("/v1/completions", {"prompt": ""}, "prompt"),
         ("/v1/completions", {"prompt": [1, 2], "max_tokens": MAX_CONTEXT}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids"),  # int64 on the bus:
+        ("/v1/completions", {"prompt": "x", "top_k": 2**64}, "top_k"),  # these were 500s (OverflowError)
     ],
 )
 async def test_bad_requests_are_400_naming_the_param(
