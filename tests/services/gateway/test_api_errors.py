@@ -41,6 +41,50 @@ def sse_events(text: str) -> list[str]:
     return [e[len("data: ") :] for e in events]
 
 
+_COMP = {"model": MODEL, "prompt": "hello", "max_tokens": 5}
+_TOOL = {"type": "function", "function": {"name": "f"}}
+ODD_BODIES = [  # (path, body): each must get an answer below 500, whatever it is
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"abc": 1}}),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"-5": 1}}),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"1": 1e300}}),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "notadict"}}}),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}}),
+    ("/v1/chat/completions", {**CHAT, "guided_regex": "(((("}),
+    ("/v1/chat/completions", {**CHAT, "guided_grammar": "root ::= ("}),
+    ("/v1/chat/completions", {**CHAT, "guided_choice": []}),
+    ("/v1/chat/completions", {**CHAT, "guided_json": "not json {"}),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "["}}),
+    ("/v1/chat/completions", {**CHAT, "stop": [""]}),
+    ("/v1/chat/completions", {**CHAT, "stop": ["a"] * 17}),
+    ("/v1/chat/completions", {**CHAT, "seed": -1}),
+    ("/v1/chat/completions", {**CHAT, "messages": []}),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "tool_calls": "x"}]}),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": ""}}]}),
+    ("/v1/chat/completions", {**CHAT, "tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": {"type": "function", "function": {"name": "missing"}}}),
+    ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}}),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 10**20}),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": True}),
+    ("/v1/chat/completions", {**CHAT, "temperature": "hot"}),
+    ("/v1/completions", {**_COMP, "prompt": [[1, 2], "x"]}),
+    ("/v1/completions", {**_COMP, "prompt": [10**30]}),
+    ("/v1/completions", {**_COMP, "prompt": ["", "a"]}),
+    ("/v1/completions", {**_COMP, "stop_token_ids": [10**30]}),
+    ("/v1/completions", {**_COMP, "top_k": 10**20}),
+    ("/v1/completions", {**_COMP, "min_tokens": 10**20}),
+    ("/v1/completions", {**_COMP, "best_of": 0}),
+]  # fmt: skip
+
+
+async def test_odd_bodies_get_no_server_error(url: str) -> None:
+    answers = [(body, (await post(url, path, body)).status_code) for path, body in ODD_BODIES]
+    assert [(body, status) for body, status in answers if status >= 500] == []
+
+
 async def test_malformed_json_is_400(url: str) -> None:
     lone_surrogate = json.dumps({**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}).encode()
     for body in (b"{not json", b"[1, 2]", b"\xff\xfe", b'{"temperature": NaN}', lone_surrogate):
@@ -68,8 +112,9 @@ async def test_malformed_json_is_400(url: str) -> None:
         ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
         ("/v1/completions", {"prompt": ""}, "prompt"),
         ("/v1/completions", {"prompt": [1, 2], "max_tokens": MAX_CONTEXT}, "prompt"),
-        ("/v1/completions", {"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids"),  # int64 on the bus:
-        ("/v1/completions", {"prompt": "x", "top_k": 2**64}, "top_k"),  # these were 500s (OverflowError)
+        # above int64, what the bus carries: these were 500s (an OverflowError encoding the Submit)
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "x", "top_k": 2**64}, "top_k"),
     ],
 )
 async def test_bad_requests_are_400_naming_the_param(
