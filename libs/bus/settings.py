@@ -1,10 +1,13 @@
-"""Service settings: one frozen, validated object per service, from env vars and CLI flags.
+"""Service settings: one frozen, validated object per service, from flags, env vars and a config file.
 
-`load_settings(cls, "broker", argv)` reads `MOEMESH_BROKER_<FIELD>` env vars, then `--<field>` flags
-(flags win), and validates through msgspec (types and `Meta` constraints; `__post_init__` for cross-field
-rules). An env var under the service's prefix that names no field is an error, so a typo in a compose
-file or a Kubernetes manifest fails at start instead of being silently ignored. The fields in
-SHARED_FIELDS may also come from the unprefixed `MOEMESH_<FIELD>` (one NATS URL for every container).
+`load_settings(cls, "kv-broker", argv)` layers, highest first: `--<field>` flags (and the aliases a class
+declares in FLAG_ALIASES), `MOEMESH_KV_BROKER_<FIELD>` env vars, the YAML config file (`--config FILE` or
+`MOEMESH_CONFIG`), the field's default; msgspec validates the result (types, `Meta` constraints,
+`__post_init__`). The fields in SHARED_FIELDS may also come from the unprefixed `MOEMESH_<FIELD>`.
+
+Config file: top-level keys are `moemesh up`'s options (LAUNCHER_KEYS) and the worker engine settings
+both worker kinds read (ENGINE_KEYS); a section per service (SECTIONS) holds its settings by field name
+and beats the top level. A key, env var or flag that names nothing is an error, so typos fail at start.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ import dataclasses
 import json
 import os
 import typing
-from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal, TypeVar
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
-from libs.bus.security import MASK, is_secret, redacted_repr
+from libs.bus.security import MASK, is_secret, redact_url, redacted_repr
 
 S = TypeVar("S")
 
@@ -29,38 +33,60 @@ SHARED_FIELDS = (
     "nats_tls_key",
 )  # fmt: skip
 
+CONFIG_ENV = "MOEMESH_CONFIG"
+# the config file's per-service sections, named as the services are
+SECTIONS = ("gateway", "scheduler", "kv-broker", "prefill-worker", "decode-worker")
+# worker settings a config file may set at its top level, for both worker kinds (also `moemesh up` flags)
+ENGINE_KEYS = (
+    "device", "dtype", "quantization", "page_size", "num_pages", "max_num_seqs", "max_prefill_tokens",
+    "enable_prefix_cache", "attention_backend", "ep_size", "dp_size", "ep_backend", "two_batch_overlap",
+    "warmup", "transfer_protocol",
+)  # fmt: skip
+# `moemesh up`'s own options a config file may set at its top level (libs/cli/up.py; a test keeps them equal)
+LAUNCHER_KEYS = (
+    "model", "host", "port", "nats_port", "prefill_workers", "decode_workers", "schedulers", "scheduler",
+    "gateways", "nats_user", "nats_password", "nats_token", "nats_tls_cert", "nats_tls_key", "nats_tls_ca",
+    "served_model_name", "log_dir", "restart_backoff", "restart_max_backoff", "restart_limit",
+    "restart_window", "ready_timeout",
+)  # fmt: skip
+
 
 class SettingsError(ValueError):
     """Unknown key, unknown flag or invalid value in a service's settings."""
 
 
+def _d(description: str, **constraints: Any) -> msgspec.Meta:
+    return msgspec.Meta(description=description, **constraints)
+
+
 class ServiceSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Fields every service has; a service's settings subclass this and add their own."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    instance_id: str = ""  # empty: "<service>-<random>"
-    http_host: str = "0.0.0.0"
-    http_port: Annotated[int, msgspec.Meta(ge=-1, le=65535)] = 0  # 0: off, -1: any free port
-    # where to write the bound ports as JSON once serving (libs.bus.ports); empty: nowhere
-    ports_file: str = ""
-    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
-    connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
-    log_level: str = "INFO"
-    # the event loop (libs/bus/loop.py): "auto" takes uvloop when installed, else asyncio's own. With every
-    # service on it the mesh's TTFT fell ~0.3-0.45 ms in paired A/B runs (bench.mesh_ab) and the gateway
-    # streamed no fewer SSE tokens per core (README, Benchmarks)
-    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
-    # a service run as its own process freezes its start-up heap once set up (gc.freeze, as vLLM does), so
-    # collections of the oldest generation skip the model and imports (libs/telemetry/gc_pauses.py)
-    gc_freeze: bool = True
-    # NATS authentication and TLS (libs.bus.security): user + password or a token; CA to verify the
-    # server, client certificate + key for mutual TLS. Secrets print as *** (see __repr__).
-    nats_user: str = ""
-    nats_password: str = ""
-    nats_token: str = ""
-    nats_tls_ca: str = ""
-    nats_tls_cert: str = ""
-    nats_tls_key: str = ""
+    # field -> extra flag names (vLLM's where it has one), e.g. {"page_size": ("block_size",)}
+    FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    nats_url: Annotated[str, _d("NATS server URL (comma-separated for a cluster)")] = "nats://127.0.0.1:4222"
+    instance_id: Annotated[str, _d("this instance's id on the bus; empty: <service>-<random>")] = ""
+    http_host: Annotated[str, _d("address of the side port (/health, /ready, /metrics, /settings)")] = (
+        "0.0.0.0"
+    )
+    http_port: Annotated[int, _d("side port; 0: off, -1: any free port", ge=-1, le=65535)] = 0
+    ports_file: Annotated[str, _d("where to write the bound ports as JSON once serving; empty: nowhere")] = ""
+    drain_timeout_s: Annotated[float, _d("seconds in-flight work may take to finish on shutdown", ge=0)] = (
+        10.0
+    )
+    connect_timeout_s: Annotated[float, _d("seconds to wait for NATS at start", gt=0)] = 30.0
+    log_level: Annotated[str, _d("Python log level")] = "INFO"
+    event_loop: Annotated[
+        Literal["auto", "uvloop", "asyncio"], _d("event loop: auto takes uvloop when installed, else asyncio")
+    ] = "auto"
+    gc_freeze: Annotated[bool, _d("freeze the start-up heap once set up (gc.freeze), as vLLM does")] = True
+    nats_user: Annotated[str, _d("NATS user (with nats_password)")] = ""
+    nats_password: Annotated[str, _d("NATS password (secret)")] = ""
+    nats_token: Annotated[str, _d("NATS token (secret)")] = ""
+    nats_tls_ca: Annotated[str, _d("CA file to verify the NATS server with")] = ""
+    nats_tls_cert: Annotated[str, _d("client certificate for mutual TLS")] = ""
+    nats_tls_key: Annotated[str, _d("client key for mutual TLS")] = ""
 
     def __repr__(self) -> str:
         return redacted_repr(self)
@@ -72,6 +98,43 @@ def env_prefix(service: str) -> str:
     if not p.startswith("MOEMESH_"):
         p = "MOEMESH_" + p
     return p if p.endswith("_") else p + "_"
+
+
+def section_of(prefix: str) -> str:
+    """The config-file section of a service: "MOEMESH_KV_BROKER_" / "kv-broker" -> "kv-broker"."""
+    return env_prefix(prefix).removeprefix("MOEMESH_").rstrip("_").lower().replace("_", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldDoc:
+    """One setting as docs and help show it."""
+
+    name: str
+    type: Any  # without Annotated
+    default: Any  # msgspec.NODEFAULT / dataclasses.MISSING when required
+    description: str
+
+
+def describe(cls: type) -> list[FieldDoc]:
+    """Every field of a settings class with its default and its `Meta(description=...)`."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out = []
+    for name in _fields(cls):
+        desc = " ".join(
+            m.description
+            for m in typing.get_args(hints[name])[1:]
+            if isinstance(m, msgspec.Meta) and m.description
+        )
+        out.append(FieldDoc(name, _base_type(hints[name]), _default(cls, name), desc))
+    return out
+
+
+def _default(cls: type, name: str) -> Any:
+    if dataclasses.is_dataclass(cls):
+        f = {f.name: f for f in dataclasses.fields(cls)}[name]
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    f = {f.name: f for f in msgspec.structs.fields(cls)}[name]  # type: ignore[arg-type]
+    return f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
 
 
 def _fields(cls: type) -> dict[str, Any]:
@@ -106,23 +169,71 @@ def _parse(tp: Any, raw: str) -> Any:
     return raw
 
 
-def _flag(name: str) -> str:
+def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def aliases_of(cls: type, name: str) -> tuple[str, ...]:
+    """The alias flags of a field ("--block-size" for page_size), as the class declares them."""
+    return tuple(flag_of(a) for a in getattr(cls, "FLAG_ALIASES", {}).get(name, ()))
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The config file as a mapping, its top-level keys checked (LAUNCHER_KEYS, ENGINE_KEYS, SECTIONS)."""
+    import yaml  # only a process given a file needs it
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise SettingsError(f"config file {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise SettingsError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path}: expected a mapping of settings, got {type(data).__name__}")
+    known = set(LAUNCHER_KEYS) | set(ENGINE_KEYS) | set(SECTIONS)
+    for key, value in data.items():
+        if key not in known:
+            raise SettingsError(
+                f"unknown key {key!r} in config file {path}; top-level keys: `moemesh up` options "
+                f"({', '.join(LAUNCHER_KEYS)}), worker settings ({', '.join(ENGINE_KEYS)}), "
+                f"sections ({', '.join(SECTIONS)})"
+            )
+        if key in SECTIONS and not isinstance(value, dict | None):
+            raise SettingsError(f"config file {path}: section {key!r} must be a mapping of settings")
+    return data
+
+
+def config_values(path: str | Path, section: str, fields: Collection[str]) -> dict[str, tuple[str, Any]]:
+    """What the file sets for one service: the top-level ENGINE_KEYS it has, then its section (wins).
+    Returns field -> (where, value); a key of the section that names no field is a SettingsError."""
+    data = read_config(path)
+    out = {k: (f"{path}: {k}", data[k]) for k in ENGINE_KEYS if k in data and k in fields}
+    for key, value in (data.get(section) or {}).items():
+        if key not in fields:
+            raise SettingsError(
+                f"unknown key {key!r} in section {section!r} of config file {path}; known: {', '.join(fields)}"
+            )
+        out[key] = (f"{path}: {section}.{key}", value)
+    return out
 
 
 def load_settings(
     cls: type[S], prefix: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> S:
-    """Build `cls` (a frozen msgspec Struct or dataclass) from env vars and CLI flags.
+    """Build `cls` (a frozen msgspec Struct or dataclass) from flags > env vars > config file > defaults.
 
-    `prefix` is the service name or its env prefix ("broker" == "MOEMESH_BROKER_"). `argv` defaults to
-    no flags (not sys.argv, so tests and embedding never pick up a foreign command line); `env` to
-    os.environ. Raises SettingsError naming the offending key, flag or value.
+    `prefix` is the service name or its env prefix ("kv-broker" == "MOEMESH_KV_BROKER_"), which also
+    names its config-file section. `argv` defaults to no flags (not sys.argv); `env` to os.environ.
+    Raises SettingsError naming the offending key, flag, file or value.
     """
     fields = _fields(cls)
     prefix = env_prefix(prefix)
     env = os.environ if env is None else env
-    raw: dict[str, tuple[str, str]] = {}  # field -> (source, value)
+    config, flags = _parse_flags(cls, fields, prefix, list(argv or []))
+    config = config or env.get(CONFIG_ENV, "")
+    raw: dict[str, tuple[str, Any]] = {}  # field -> (source, value); str values are parsed below
+    if config:
+        raw.update(config_values(config, section_of(prefix), fields))
     for name in SHARED_FIELDS:
         if name in fields and "MOEMESH_" + name.upper() in env:
             raw[name] = ("MOEMESH_" + name.upper(), env["MOEMESH_" + name.upper()])
@@ -134,11 +245,11 @@ def load_settings(
             known = ", ".join(prefix + f.upper() for f in fields)
             raise SettingsError(f"unknown setting {key}; known: {known}")
         raw[name] = (key, value)
-    raw.update(_parse_flags(cls, fields, prefix, list(argv or [])))
+    raw.update(flags)
     values: dict[str, Any] = {}
     for name, (source, value) in raw.items():
         try:
-            values[name] = _parse(fields[name], value)
+            values[name] = _parse(fields[name], value) if isinstance(value, str) else value
         except ValueError as e:
             raise SettingsError(f"{source}={_shown(name, value)}: {e}") from None
     try:
@@ -151,29 +262,48 @@ def load_settings(
 
 def _parse_flags(
     cls: type, fields: dict[str, Any], prefix: str, argv: list[str]
-) -> dict[str, tuple[str, str]]:
+) -> tuple[str, dict[str, tuple[str, str]]]:
+    """(--config FILE or "", field -> (flag, value) for the flags given)."""
     parser = argparse.ArgumentParser(description=f"{cls.__name__} (env prefix {prefix})", allow_abbrev=False)
-    for name, tp in fields.items():
-        if _base_type(tp) is bool:
-            parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--config", default="", metavar="FILE", help=f"YAML config file (env {CONFIG_ENV})")
+    for doc in describe(cls):
+        flags = (flag_of(doc.name), *aliases_of(cls, doc.name))
+        help_ = doc.description.replace("%", "%%") or None
+        if doc.type is bool:
+            parser.add_argument(
+                *flags, dest=doc.name, action=argparse.BooleanOptionalAction, default=None, help=help_
+            )
         else:
-            parser.add_argument(_flag(name), dest=name, default=None, metavar=prefix + name.upper())
+            parser.add_argument(
+                *flags, dest=doc.name, default=None, metavar=prefix + doc.name.upper(), help=help_
+            )
     ns, extra = parser.parse_known_args(argv)
     if extra:
         raise SettingsError(f"unknown command-line arguments for {cls.__name__}: {' '.join(extra)}")
     out: dict[str, tuple[str, str]] = {}
     for name, value in vars(ns).items():
-        if value is not None:
-            out[name] = (_flag(name), str(value).lower() if isinstance(value, bool) else value)
+        if value is not None and name != "config":
+            out[name] = (flag_of(name), str(value).lower() if isinstance(value, bool) else value)
+    return ns.config, out
+
+
+def settings_json(settings: Any) -> dict[str, Any]:
+    """A settings object as JSON builtins, secrets masked and URLs redacted (the side port's /settings)."""
+    out = msgspec.to_builtins(settings)
+    for name, value in out.items():
+        if is_secret(name) and value:
+            out[name] = MASK
+        elif name.endswith("url") and isinstance(value, str):
+            out[name] = redact_url(value)
     return out
 
 
-def _sources(err: str, raw: dict[str, tuple[str, str]]) -> str:
+def _sources(err: str, raw: dict[str, tuple[str, Any]]) -> str:
     for name, (source, value) in raw.items():
         if f"$.{name}`" in err:
             return f" (from {source}={_shown(name, value)})"
     return ""
 
 
-def _shown(name: str, value: str) -> str:
+def _shown(name: str, value: Any) -> str:
     return MASK if is_secret(name) else repr(value)

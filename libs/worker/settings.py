@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import msgspec
 
@@ -11,64 +11,121 @@ from libs.bus.settings import ServiceSettings
 
 
 class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
-    model_dir: str = ""  # a Hugging Face checkpoint folder (required)
-    served_model_name: str = ""  # empty: the folder's name
-    device: str = "cpu"
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU | float32 | bfloat16 | float16
-    quantization: str = "auto"  # FP8 checkpoints: auto (FP8 on CUDA) | fp8 | none (dequantize to dtype)
-    page_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
-    num_pages: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: the engine's default
-    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 64
-    max_prefill_tokens: Annotated[int, msgspec.Meta(ge=1)] = 2048
-    enable_prefix_cache: bool = True
-    # attention backend of a single-rank engine (libs/engine/layers/attention_backend.py): auto | torch |
-    # triton | flashinfer; EP ranks keep "auto"
-    attention_backend: str = "auto"
-    transfer_protocol: str = "tcp"  # tcp | rdma | nvlink_intra | inprocess (tests) | skip (engine=sim)
-    transfer_hostname: str = "127.0.0.1"
-    transfer_device: str = ""  # RDMA device names, e.g. "mlx5_0"
-    # torch intra-op threads on CPU; several worker processes share a host's cores (0: torch's default)
-    torch_threads: Annotated[int, msgspec.Meta(ge=0)] = 1
-    heartbeat_interval_ms: Annotated[int, msgspec.Meta(ge=10)] = 250
-    # no heartbeat out for this long: every thread's Python stack to the log, from a C thread that needs
-    # neither the loop nor the GIL (libs/worker/heartbeat.py); the mesh has called the worker dead by then.
-    # 0: off
-    stall_dump_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0
-    # Python's GIL switch interval in this process (sys.setswitchinterval): the engine thread's host work
-    # holds the GIL while the event loop waits to answer the bus, up to this long per hand-back (Python's
-    # default is 5 ms; bench/gil_switch.py measures what it costs an event loop beside a busy thread)
-    gil_switch_interval_ms: Annotated[float, msgspec.Meta(gt=0, le=100)] = 0.5
-    broker_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
-    # expert parallelism (libs/ep): ep_size rank processes, each with its own requests and KV (DP attention)
-    # and 1/ep_size of the routed experts; 1 runs the engine in this process, as before
-    ep_size: Annotated[int, msgspec.Meta(ge=1)] = 1
-    dp_size: Annotated[int, msgspec.Meta(ge=0)] = 0  # attention DP ranks: 0 or ep_size (every EP rank)
-    # dispatch/combine: auto (fixed on CUDA, torch on CPU) | fixed (fixed-capacity buffers, no host sync) |
-    # torch (all_to_all over gloo/NCCL) | deepep | mooncake
-    ep_backend: str = "auto"
-    ep_redundant_experts: Annotated[int, msgspec.Meta(ge=0)] = 0  # extra physical expert slots for EPLB
-    ep_fp8_dispatch: bool = False
-    # each EP rank registers its own KV pool on its own transport and handles name the rank (what device
-    # cuda always does: the pools live on the ranks' GPUs); off on CPU: one shared pool, one region
-    ep_kv_per_rank: bool = False
-    eplb_interval_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # rebalance experts every N steps (0: never)
-    # two-batch overlap (libs/engine/two_batch_overlap.py): every forward as two micro-batches, one's EP
-    # dispatch/combine in flight while the other computes (any attention backend; FlashInfer plans one
-    # wrapper per micro-batch); an EP rank's fixed dispatcher then holds a micro-batch, half max_num_seqs
-    two_batch_overlap: bool = False
-    # engine: "model" runs the checkpoint; "sim" the timing-model engine (libs/sim: config and tokenizer
-    # only, forward passes replaced by waits fitted to the H200 decode records, deterministic tokens)
-    engine: str = "model"
-    sim_speed: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # > 1: the modeled GPU runs that much faster
-    sim_prefill_ms_per_token: Annotated[float, msgspec.Meta(ge=0)] = 0.04
-    sim_prefill_fixed_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0
-    # MTP speculative decoding (libs/engine/speculative.py): draft tokens per step from the checkpoint's
-    # MTP module, verified by the target in one forward; 0: off. Needs num_nextn_predict_layers >= 1.
-    mtp_k: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0
-    # warm-up before the first heartbeat (libs/worker/warmup.py): prefills of lengths up to max_prefill_tokens
-    # and (decode worker) each decode-graph batch size, so kernels compile and tune before requests come;
-    # auto: on for a model on CUDA, off on the CPU and for engine=sim | on | off
-    warmup: str = "auto"
+    FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {  # vLLM's names for the same settings
+        "page_size": ("block_size",),
+        "max_prefill_tokens": ("max_num_batched_tokens",),
+        "num_pages": ("num_gpu_blocks_override",),
+        "enable_prefix_cache": ("enable_prefix_caching",),
+        "mtp_k": ("num_speculative_tokens",),
+    }
+
+    model_dir: Annotated[str, msgspec.Meta(description="Hugging Face checkpoint folder (required)")] = ""
+    served_model_name: Annotated[
+        str, msgspec.Meta(description="the model name clients use; empty: the folder's name")
+    ] = ""
+    device: Annotated[str, msgspec.Meta(description="cpu, cuda or cuda:N")] = "cpu"
+    dtype: Annotated[
+        str,
+        msgspec.Meta(
+            description="activation dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16"
+        ),
+    ] = "auto"
+    quantization: Annotated[
+        str,
+        msgspec.Meta(description="FP8 checkpoints: auto (FP8 on CUDA), fp8, or none (dequantize to dtype)"),
+    ] = "auto"
+    page_size: Annotated[int, msgspec.Meta(ge=1, le=1024, description="tokens per KV page")] = 16
+    num_pages: Annotated[
+        int, msgspec.Meta(ge=0, description="KV pages in the pool; 0: the engine's default")
+    ] = 0
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1, description="most sequences in one running batch")] = 64
+    max_prefill_tokens: Annotated[
+        int, msgspec.Meta(ge=1, description="most prompt tokens in one forward (chunked prefill)")
+    ] = 2048
+    enable_prefix_cache: Annotated[
+        bool, msgspec.Meta(description="reuse cached KV pages of shared prompt prefixes")
+    ] = True
+    attention_backend: Annotated[
+        str,
+        msgspec.Meta(
+            description="auto, torch, triton or flashinfer (single-rank engines; EP ranks use auto)"
+        ),
+    ] = "auto"
+    transfer_protocol: Annotated[
+        str,
+        msgspec.Meta(
+            description="KV transfer: tcp, rdma, nvlink_intra, inprocess (tests) or skip (engine=sim)"
+        ),
+    ] = "tcp"
+    transfer_hostname: Annotated[
+        str, msgspec.Meta(description="address peers reach this worker's transfer engine at")
+    ] = "127.0.0.1"
+    transfer_device: Annotated[str, msgspec.Meta(description="RDMA device names, e.g. mlx5_0")] = ""
+    torch_threads: Annotated[
+        int, msgspec.Meta(ge=0, description="torch intra-op threads on CPU; 0: torch's default")
+    ] = 1
+    heartbeat_interval_ms: Annotated[
+        int, msgspec.Meta(ge=10, description="milliseconds between heartbeats to the mesh")
+    ] = 250
+    stall_dump_s: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0, description="no heartbeat out for this long: every thread's stack to the log; 0: off"
+        ),
+    ] = 3.0
+    gil_switch_interval_ms: Annotated[
+        float,
+        msgspec.Meta(
+            gt=0, le=100, description="Python's GIL switch interval in this process (sys.setswitchinterval)"
+        ),
+    ] = 0.5
+    broker_timeout_s: Annotated[
+        float, msgspec.Meta(gt=0, description="seconds to wait for the kv-broker's answer")
+    ] = 5.0
+    ep_size: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1, description="expert parallelism: rank processes, each with 1/ep_size of the routed experts"
+        ),
+    ] = 1
+    dp_size: Annotated[int, msgspec.Meta(ge=0, description="attention data-parallel ranks: 0 or ep_size")] = 0
+    ep_backend: Annotated[
+        str, msgspec.Meta(description="EP dispatch/combine: auto, fixed, torch, deepep or mooncake")
+    ] = "auto"
+    ep_redundant_experts: Annotated[
+        int, msgspec.Meta(ge=0, description="extra physical expert slots for EPLB")
+    ] = 0
+    ep_fp8_dispatch: Annotated[bool, msgspec.Meta(description="send dispatched tokens in FP8")] = False
+    ep_kv_per_rank: Annotated[
+        bool, msgspec.Meta(description="each EP rank registers its own KV pool (always on with a GPU device)")
+    ] = False
+    eplb_interval_steps: Annotated[
+        int, msgspec.Meta(ge=0, description="rebalance experts every N steps; 0: never")
+    ] = 0
+    two_batch_overlap: Annotated[
+        bool,
+        msgspec.Meta(
+            description="run each forward as two micro-batches, one's EP exchange overlapping the other's compute"
+        ),
+    ] = False
+    engine: Annotated[
+        str, msgspec.Meta(description="model (run the checkpoint) or sim (timing model of the forward pass)")
+    ] = "model"
+    sim_speed: Annotated[
+        float, msgspec.Meta(gt=0, description="engine=sim: how much faster than the modeled GPU")
+    ] = 1.0
+    sim_prefill_ms_per_token: Annotated[
+        float, msgspec.Meta(ge=0, description="engine=sim: prefill milliseconds per token")
+    ] = 0.04
+    sim_prefill_fixed_ms: Annotated[
+        float, msgspec.Meta(ge=0, description="engine=sim: fixed milliseconds per prefill")
+    ] = 5.0
+    mtp_k: Annotated[
+        int, msgspec.Meta(ge=0, le=8, description="MTP speculative decoding: draft tokens per step; 0: off")
+    ] = 0
+    warmup: Annotated[
+        str, msgspec.Meta(description="warm-up before serving: auto (on for a model on CUDA), on or off")
+    ] = "auto"
 
     @property
     def kv_per_rank(self) -> bool:
@@ -106,7 +163,9 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError(f"warmup must be auto, on or off, got {self.warmup!r}")
         if self.ep_backend not in ("auto", "fixed", "torch", "deepep", "mooncake"):
-            raise ValueError(f"ep_backend must be auto, fixed, torch, deepep or mooncake, got {self.ep_backend!r}")
+            raise ValueError(
+                f"ep_backend must be auto, fixed, torch, deepep or mooncake, got {self.ep_backend!r}"
+            )
 
     @property
     def model_name(self) -> str:
