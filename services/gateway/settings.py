@@ -17,34 +17,75 @@ from libs.bus.settings import ServiceSettings
 
 
 class GatewaySettings(ServiceSettings, frozen=True, kw_only=True):
-    host: str = "127.0.0.1"
-    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000  # 0: any free port
-    # bind the API port with SO_REUSEPORT (Linux): several gateway processes listen on one port and the
-    # kernel spreads new connections over them (`moemesh up --gateways N`); every one of them must set it
-    reuse_port: bool = False
-    model_dir: str = ""  # checkpoint folder: config.json + tokenizer files (no weights needed)
-    served_model_name: str = ""  # the `model` clients name; default: the folder's name
-    api_key: str = ""  # when set, `Authorization: Bearer <api_key>` is required on /v1/*
-    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0  # a whole request, first byte to last
-    submit_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # waiting for the scheduler's answer
-    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
-    enable_admin: bool = False  # /admin/* (worker stats, decode slow-down), behind api_key when set
-    # a choice whose worker dies is re-submitted (prompt + tokens so far) up to this many times
-    max_migrations: Annotated[int, msgspec.Meta(ge=0)] = 3
-    # how long a migration's re-submit is tried again while the mesh refuses it 503 (right after a death no
-    # live worker or scheduler may be left until the supervisor has restarted one), within the request's
-    # own deadline; at least submit_timeout_s
-    migration_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
-    dead_after_intervals: Annotated[float, msgspec.Meta(gt=0)] = 3.0  # heartbeat periods of silence
-    # overload: mesh requests (choices) in flight at this gateway before it answers 429 itself, and the
-    # Retry-After (s) sent with every 429 / 503
-    max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 4096
-    retry_after_s: Annotated[int, msgspec.Meta(ge=0)] = 1
-    # refuse unknown request fields with a 400 (OpenAI's behaviour) instead of ignoring them (vLLM's)
-    strict_fields: bool = False
-    # host a scheduler replica in this process (services/gateway/embedded_scheduler.py; its settings from
-    # MOEMESH_SCHEDULER_*): this gateway's submits reach it without a bus hop; `moemesh up --scheduler embedded`
-    embedded_scheduler: bool = False
+    host: Annotated[str, msgspec.Meta(description="address of the API port")] = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535, description="API port; 0: any free port")] = 8000
+    reuse_port: Annotated[
+        bool,
+        msgspec.Meta(
+            description="bind the API port with SO_REUSEPORT, shared by several gateway processes (each must set it)"
+        ),
+    ] = False
+    model_dir: Annotated[
+        str,
+        msgspec.Meta(
+            description="checkpoint folder: config.json and tokenizer files (no weights needed; required)"
+        ),
+    ] = ""
+    served_model_name: Annotated[
+        str, msgspec.Meta(description="the model name clients use; empty: the folder's name")
+    ] = ""
+    api_key: Annotated[
+        str, msgspec.Meta(description="when set, /v1/* requires `Authorization: Bearer <api_key>` (secret)")
+    ] = ""
+    request_timeout_s: Annotated[
+        float, msgspec.Meta(gt=0, description="seconds a whole request may take, first byte to last")
+    ] = 600.0
+    submit_timeout_s: Annotated[
+        float, msgspec.Meta(gt=0, description="seconds to wait for the scheduler's answer to a submit")
+    ] = 5.0
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, description="largest request body accepted")] = (
+        16 * 1024 * 1024
+    )
+    enable_admin: Annotated[
+        bool,
+        msgspec.Meta(description="serve /admin/* (worker stats, decode slow-down), behind api_key when set"),
+    ] = False
+    max_migrations: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0, description="times a choice whose worker died is re-submitted (prompt plus tokens so far)"
+        ),
+    ] = 3
+    migration_wait_s: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0, description="seconds a migration's re-submit is retried while the mesh answers 503"
+        ),
+    ] = 30.0
+    dead_after_intervals: Annotated[
+        float,
+        msgspec.Meta(
+            gt=0, description="heartbeat periods of silence before a worker or scheduler counts as gone"
+        ),
+    ] = 3.0
+    max_in_flight: Annotated[
+        int, msgspec.Meta(ge=1, description="requests in flight at this gateway before it answers 429")
+    ] = 4096
+    retry_after_s: Annotated[
+        int, msgspec.Meta(ge=0, description="Retry-After seconds sent with every 429 and 503")
+    ] = 1
+    strict_fields: Annotated[
+        bool,
+        msgspec.Meta(
+            description="refuse unknown request fields with a 400 (OpenAI's behaviour) instead of ignoring them"
+        ),
+    ] = False
+    embedded_scheduler: Annotated[
+        bool,
+        msgspec.Meta(
+            description="host a scheduler replica in this process (its settings from the scheduler's env and section)"
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         if not self.model_dir:

@@ -45,16 +45,34 @@ _CAS_ATTEMPTS = 5
 class BrokerSettings(ServiceSettings, frozen=True, kw_only=True):
     """Env prefix MOEMESH_KV_BROKER_ (nats_url also from MOEMESH_NATS_URL); flags --<field>."""
 
-    handles_bucket: str = "moemesh_kv_handles"
-    workers_bucket: str = "moemesh_kv_workers"
-    bucket_replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
-    retention_ms: Annotated[int, msgspec.Meta(ge=0)] = 60_000  # consumed/expired records kept this long
-    max_lease_ms: Annotated[int, msgspec.Meta(gt=0)] = 600_000
-    max_sweep_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # bound on noticing peers' handles
-    max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 256
-    # prefix index (prefix.py): snapshot wait, and heartbeats of silence before a worker leaves it
-    snapshot_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
-    dead_after_intervals: Annotated[float, msgspec.Meta(gt=0)] = 3.0
+    handles_bucket: Annotated[str, msgspec.Meta(description="JetStream KV bucket of KV handles")] = (
+        "moemesh_kv_handles"
+    )
+    workers_bucket: Annotated[str, msgspec.Meta(description="JetStream KV bucket of worker endpoints")] = (
+        "moemesh_kv_workers"
+    )
+    bucket_replicas: Annotated[
+        int, msgspec.Meta(ge=1, le=5, description="replicas of the buckets in a NATS cluster")
+    ] = 1
+    retention_ms: Annotated[
+        int, msgspec.Meta(ge=0, description="milliseconds consumed or expired handle records are kept")
+    ] = 60_000
+    max_lease_ms: Annotated[int, msgspec.Meta(gt=0, description="longest lease a KV handle may ask for")] = (
+        600_000
+    )
+    max_sweep_interval_s: Annotated[
+        float, msgspec.Meta(gt=0, description="bound on how late peers' handles are noticed")
+    ] = 1.0
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1, description="requests handled at once")] = 256
+    snapshot_timeout_s: Annotated[
+        float, msgspec.Meta(gt=0, description="seconds to wait for a prefix-index snapshot")
+    ] = 2.0
+    dead_after_intervals: Annotated[
+        float,
+        msgspec.Meta(
+            gt=0, description="heartbeat periods of silence before a worker leaves the prefix index"
+        ),
+    ] = 3.0
 
 
 def _check_geometry(g: m.KvGeometry) -> None:

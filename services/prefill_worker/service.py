@@ -57,20 +57,31 @@ class Cancelled(Exception):
 
 
 class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
-    lease_margin_ms: int = 1000  # no KV write starts into a handle whose lease ends sooner than this
-    early_prefill_ttl_s: float = 30.0  # a PrefillStart whose PrefillTask does not come by then is dropped
-    # prompts batched into the engine at once (forwards still hold at most max_prefill_tokens); 0: no limit,
-    # 1: one prompt at a time (the unbatched baseline of bench/results/prefill_batching.json)
-    max_prefill_prompts: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # auto: on CUDA the engine's choice (FlashInfer's ragged prefill where it imports, else Triton/SDPA); on
-    # the CPU "triton" (one SDPA per sequence): the CPU reference ("torch") pads a batch to its longest chunk,
-    # which would make batching cost more
-    attention_backend: str = "auto"
-    # a round whose prompts have at most this many tokens left to compute runs on the event loop when the engine
-    # thread is idle, saving the two thread hand-offs before its first token (as the decode worker's
-    # inline_step_max_tokens); bounded because the loop serves nothing meanwhile. 0: every round on the engine
-    # thread
-    inline_step_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 256
+    lease_margin_ms: Annotated[
+        int, msgspec.Meta(description="no KV write starts into a handle whose lease ends sooner than this")
+    ] = 1000
+    early_prefill_ttl_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="a PrefillStart whose PrefillTask does not come within this many seconds is dropped"
+        ),
+    ] = 30.0
+    max_prefill_prompts: Annotated[
+        int, msgspec.Meta(ge=0, description="prompts batched into the engine at once; 0: no limit")
+    ] = 0
+    attention_backend: Annotated[
+        str,
+        msgspec.Meta(
+            description="auto (the engine's choice on CUDA, triton on CPU), torch, triton or flashinfer"
+        ),
+    ] = "auto"
+    inline_step_max_tokens: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="rounds with at most this many tokens left run on the event loop when the engine is idle; 0: never",
+        ),
+    ] = 256
 
     @property
     def engine_attention_backend(self) -> str:
@@ -78,9 +89,9 @@ class PrefillWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
             return "triton"
         return self.attention_backend
 
-    # write a long prompt's finished chunks while its later chunks compute (kv_stream.py); off: the whole
-    # prompt's KV goes once its last chunk ran (the baseline)
-    stream_kv: bool = True
+    stream_kv: Annotated[
+        bool, msgspec.Meta(description="write a long prompt's finished chunks while its later chunks compute")
+    ] = True
 
 
 class PrefillWorker(WorkerService):

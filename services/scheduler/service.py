@@ -68,31 +68,68 @@ log = logging.getLogger("moemesh.scheduler")
 class SchedulerSettings(ServiceSettings, frozen=True, kw_only=True):
     """Env prefix MOEMESH_SCHEDULER_ (nats_url also from MOEMESH_NATS_URL); flags --<field>."""
 
-    direct_prefill_threshold: Annotated[int, msgspec.Meta(ge=0)] = 256  # tokens; 0 disables direct
-    max_queue: Annotated[int, msgspec.Meta(ge=1)] = 1024
-    queue_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # longest wait for a placement
-    reserve_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
-    lease_ms: Annotated[int, msgspec.Meta(ge=1)] = 30_000
-    max_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
-    dead_after_intervals: Annotated[float, msgspec.Meta(gt=0)] = 3.0
-    heartbeat_interval_ms: Annotated[int, msgspec.Meta(ge=10)] = 250  # SchedulerHeartbeat to gateways
-    # placed-but-not-running requests per decode worker before it counts as full (0: no bound), so
-    # overload queues here (bounded: max_queue, then 429) and not without bound on the workers
-    max_decode_waiting: Annotated[int, msgspec.Meta(ge=0)] = 32
-    # prefix-aware routing (policy.py, prefix.py): a full cache hit is worth prefix_weight queued
-    # requests (0: load-only placement); the kv-broker's index answers within prefix_query_timeout_s or
-    # not at all; decode_prefix_reuse lets decode workers skip receiving the prefix they cache already
-    prefix_weight: Annotated[float, msgspec.Meta(ge=0)] = 8.0
-    prefix_query_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.05
-    prefix_pending_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0  # own placements count as hits
-    decode_prefix_reuse: bool = True
-    # where prefix hits come from: "local" (this scheduler's replica of the index, fed by KV events) or
-    # "broker" (a PrefixQuery round trip to the kv-broker per placement)
-    prefix_index: str = "local"
-    # send PrefillStart with the ReserveKv, so the prefill runs while the decode worker reserves pages
-    # (its PrefillTask follows with the handle; PrefillAbandon if the reservation fails), as SGLang's PD
-    # router sends a request to both servers at once. Off: the prefill waits for the reservation's handle.
-    overlap_prefill: bool = True
+    direct_prefill_threshold: Annotated[
+        int,
+        msgspec.Meta(ge=0, description="prompts up to this many tokens skip the prefill worker; 0: never"),
+    ] = 256
+    max_queue: Annotated[
+        int, msgspec.Meta(ge=1, description="requests waiting for a placement before submits get 429")
+    ] = 1024
+    queue_timeout_s: Annotated[
+        float, msgspec.Meta(gt=0, description="longest wait for a placement, in seconds")
+    ] = 60.0
+    reserve_timeout_s: Annotated[
+        float, msgspec.Meta(gt=0, description="seconds to wait for a decode worker's KV reservation")
+    ] = 2.0
+    lease_ms: Annotated[
+        int, msgspec.Meta(ge=1, description="lease of a reserved KV handle, in milliseconds")
+    ] = 30_000
+    max_retries: Annotated[
+        int, msgspec.Meta(ge=0, description="placements retried after a failed reservation")
+    ] = 2
+    dead_after_intervals: Annotated[
+        float, msgspec.Meta(gt=0, description="heartbeat periods of silence before a worker counts as gone")
+    ] = 3.0
+    heartbeat_interval_ms: Annotated[
+        int, msgspec.Meta(ge=10, description="milliseconds between scheduler heartbeats to the gateways")
+    ] = 250
+    max_decode_waiting: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="placed but not yet running requests per decode worker before it counts as full; 0: no bound",
+        ),
+    ] = 32
+    prefix_weight: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0,
+            description="a full prefix-cache hit is worth this many queued requests; 0: load-only placement",
+        ),
+    ] = 8.0
+    prefix_query_timeout_s: Annotated[
+        float,
+        msgspec.Meta(gt=0, description="seconds the prefix index has to answer, else placement ignores it"),
+    ] = 0.05
+    prefix_pending_ttl_s: Annotated[
+        float,
+        msgspec.Meta(ge=0, description="seconds this scheduler's own recent placements count as prefix hits"),
+    ] = 5.0
+    decode_prefix_reuse: Annotated[
+        bool, msgspec.Meta(description="decode workers skip receiving a prefix they cache already")
+    ] = True
+    prefix_index: Annotated[
+        str,
+        msgspec.Meta(
+            description="where prefix hits come from: local (this replica's index) or broker (a query per placement)"
+        ),
+    ] = "local"
+    overlap_prefill: Annotated[
+        bool,
+        msgspec.Meta(
+            description="start the prefill while the decode worker reserves pages (PrefillStart with the ReserveKv)"
+        ),
+    ] = True
 
     def __post_init__(self) -> None:
         if self.prefix_index not in ("local", "broker"):
