@@ -11,7 +11,7 @@ work (connected, set up, not draining, and the subclass's `not_ready_reason()` i
 model is loaded and its KV pool registered) and 503 otherwise with the reason as an OpenAI-style error
 body (the readiness probe); `GET /health` is 200 when connected, set up and not draining; `GET /livez`
 is 200 while the process serves (the liveness probe); `GET /metrics` is this service's prometheus
-registry. With `ports_file` set, the ports the service
+registry; `GET /settings` its effective settings as JSON, secrets masked. With `ports_file` set, the ports the service
 bound (`bound_ports()`: "http", and the gateway's "api") are written there before it counts as started,
 so a launcher can ask for any free port and learn which one it got (libs.bus.ports).
 
@@ -45,7 +45,7 @@ from libs.bus.bus import Bus, BusError
 from libs.bus.loop import run as run_loop
 from libs.bus.ports import write_ports
 from libs.bus.security import nats_connect_options, redact_url
-from libs.bus.settings import ServiceSettings, SettingsError, load_settings
+from libs.bus.settings import ServiceSettings, SettingsError, load_settings, settings_json
 from libs.telemetry.gc_pauses import GcPauses, freeze_startup_heap
 
 log = logging.getLogger("moemesh.service")
@@ -247,6 +247,8 @@ class Service:
             return self._ready_response()
         if path == "/livez":
             return "200 OK", "text/plain", b"ok\n"
+        if path == "/settings":  # the effective settings, secrets masked
+            return "200 OK", "application/json", json.dumps(settings_json(self.settings)).encode()
         if path == "/metrics":  # `?name[]=x&name[]=y`: those series only, as prometheus_client's own server
             names = parse_qs(query).get("name[]")
             registry = self.registry.restricted_registry(names) if names else self.registry
