@@ -1,14 +1,11 @@
-"""Bus messages of the mesh: msgspec Structs (frozen, tagged), msgpack on the wire.
-
-One union per subject (see proto.subjects); receivers decode with a decoder built once and dispatch
-with `match`. Every top-level message carries `v` (SCHEMA_VERSION): a receiver that gets a newer major
-version rejects it with a clear error instead of misreading it (rolling upgrades).
-
-Life of a request (README.md): gateway --Submit--> scheduler --ReserveKv--> decode worker
-(--CreateHandle--> broker) ; scheduler --PrefillTask--> prefill worker --Mooncake write--> decode
-worker's pages ; prefill --KvReady--> decode --TokenBatch--> gateway. Short prompts skip the prefill
-worker: scheduler --DecodeDirect--> decode worker.
+"""Bus messages of the mesh: msgspec Structs (frozen, tagged), msgpack on the wire, one union per subject
+(proto.subjects). Every top-level message carries `v` (SCHEMA_VERSION); a receiver refuses a newer major
+version rather than misread it. The life of a request through these messages: docs/architecture.md.
 """
+
+# Life of a request: gateway --Submit--> scheduler --ReserveKv--> decode worker (--CreateHandle--> broker);
+# scheduler --PrefillTask--> prefill worker --Mooncake write--> decode worker's pages; prefill --KvReady-->
+# decode --TokenBatch--> gateway. Short prompts skip the prefill worker: scheduler --DecodeDirect--> decode.
 
 from __future__ import annotations
 
@@ -16,9 +13,9 @@ import enum
 
 import msgspec
 
-# 2: Sampling gained penalties, logit_bias, min_tokens and guided (structured output). A reader of 1 would
+# 2: Sampling has penalties, logit_bias, min_tokens and guided (structured output). A reader of 1 would
 # drop them without a word (map-encoded fields it does not know are skipped), so it must refuse instead.
-# also 2: per-rank KV pools (KvRankPool, KvHandle.decode_rank), landed in the same release
+# Also 2: per-rank KV pools (KvRankPool, KvHandle.decode_rank).
 SCHEMA_VERSION = 2
 
 
