@@ -1,17 +1,11 @@
-"""The NATS layer every service shares: typed publish, request/reply and subscriptions.
-
-Messages are proto Structs, msgpack-encoded through `proto.encode` / `proto.Decoder` (one decoder per
-type, built once). A subscription handler is `async def handler(msg) -> Struct | None`: a returned
-Struct is sent as the reply when the message has a reply subject. A handler that raises, or a message
-that does not decode, is logged and answered (when it has a reply subject) with `proto.messages.Rejected`;
-the subscription keeps serving. A message of a newer schema version than this service reads is refused the
-same way, logged as an error and answered with code 503 (a rolling upgrade: the sender tries another node). `request()` turns a `Rejected` answer back into `RequestRejected`.
-`request_local()` is `request()` answered by a handler of this process (a service hosting another in its
-own event loop): one answer path (`_answer`) serves both, so a caller sees the same replies and errors.
-
-Every outgoing message carries the caller's trace context and deadline (libs.telemetry.context); `request()`
-also bounds its wait by the deadline in force and tells the receiver when it will stop waiting.
+"""The NATS layer every service shares: typed publish, request/reply and subscriptions of proto Structs.
+A handler's returned Struct is the reply; a raising handler or an undecodable message is answered `Rejected`
+(503 for a newer schema version) and the subscription goes on. Messages carry trace context and deadline.
 """
+
+# Handlers are `async def handler(msg) -> Struct | None`. `request()` turns a `Rejected` answer back into
+# `RequestRejected`, and bounds its wait by the deadline in force. `request_local()` shares the answer path
+# (`_answer`) with the bus, so a service hosting another in its own loop sees the same replies and errors.
 
 from __future__ import annotations
 
@@ -210,13 +204,9 @@ class Bus:
         self.write_pending()
 
     def write_pending(self) -> None:
-        """Hand what this connection has queued to the socket now. nats-py queues each publish and its
-        writer task sends the queue on a later turn of the loop, after whatever the publishing task does
-        next: on this VM a placement's DecodeDirect waited ~0.3 ms for the rest of the submit handler.
-        This does what that task does, less its wait for the socket to drain. It leaves the queue to the
-        task (which waits for the drain, nats-py's backpressure) when the socket's buffer already holds
-        WRITE_NOW_MAX_BUFFERED bytes or more, when it is not connected, and where the client's internals
-        differ (only a TCP connection's buffer can be read here)."""
+        """Hand what this connection has queued to the socket now, rather than after whatever the publishing
+        task does next (nats-py's writer task sends on a later loop turn). Leaves the queue to that task when
+        not connected, on a non-TCP transport, or with WRITE_NOW_MAX_BUFFERED bytes already buffered."""
         nc = self.nc
         pending = getattr(nc, "_pending", None)
         transport = getattr(nc, "_transport", None)
@@ -262,18 +252,9 @@ class Bus:
         reply_type: type[T] | Any,
         timeout: float = 5.0,
     ) -> T:
-        """`request()` answered by `handler`, a handler of this process (what `subscribe(subject, msg_type,
-        handler)` runs for a message on `subject`), with no trip through NATS: the same outcomes.
-
-        The message is encoded and decoded as the wire would (the size check, validation and schema
-        version included) and handled under the context the receiver would adopt (trace context, the
-        caller's deadline); a handler that raises, or a message that does not decode, comes back as the
-        `RequestRejected` the requester would get; the wait is bounded by `timeout` and the deadline in
-        force, while the handler, as over the bus, runs to its end regardless (it counts as in flight for
-        `stop_subscriptions`). A handler that returns nothing is a `RequestTimeout` at once (over the bus
-        it would be one at the timeout). Counted in this bus's metrics under `subject`. Runs the handler
-        concurrently with other messages of its subscription (the bus delivers those one at a time).
-        """
+        """`request()` answered by `handler` of this process with no trip through NATS, with the same outcomes:
+        wire encoding and checks, the receiver's context, `RequestRejected`/`RequestTimeout` (at once for a
+        handler that returns nothing). The handler runs to its end regardless, counted in flight."""
         timeout, hdrs, data = self._outgoing_request(subject, msg, timeout, None, "not handled for")
         task = asyncio.create_task(self._answer_local(data, hdrs, subject, _decoder(msg_type), handler))
         self._inflight.add(task)
@@ -327,12 +308,9 @@ class Bus:
         concurrent: bool = False,
         max_in_flight: int = 256,
     ) -> Subscription:
-        """Handle every message on `subject` (a queue group shares them among subscribers).
-
-        By default messages are handled one at a time in arrival order (what a token stream needs);
-        `concurrent=True` runs each in its own task, at most `max_in_flight` at once (request/reply
-        services whose handlers wait on I/O).
-        """
+        """Handle every message on `subject` (a queue group shares them among subscribers): one at a time in
+        arrival order (a token stream), or with `concurrent=True` each in its own task, at most
+        `max_in_flight` at once (request/reply handlers that wait on I/O)."""
         dec = _decoder(msg_type)
         if not concurrent:
 

@@ -1,10 +1,9 @@
-"""`wait_event`: wait for an asyncio.Event with a timeout, in a loop task that may be cancelled at any moment.
+"""`wait_event`: wait for an asyncio.Event with a timeout, in a loop task that may be cancelled at any moment."""
 
-Why not `asyncio.wait_for(event.wait(), t)`: on Python 3.11 it loses a cancellation that arrives while the
-event is being set (it returns the inner result instead of raising CancelledError), so a loop task that is
-woken often (a heartbeat, a submit) can outlive its `cancel()` and hang whoever awaits it at shutdown.
-`asyncio.timeout` has no such window.
-"""
+# Not `asyncio.wait_for(event.wait(), t)`: on Python 3.11 it loses a cancellation that arrives while the
+# event is being set (it returns the inner result instead of raising CancelledError), so a loop task that is
+# woken often (a heartbeat, a submit) can outlive its `cancel()` and hang whoever awaits it at shutdown.
+# `asyncio.timeout` has no such window.
 
 from __future__ import annotations
 

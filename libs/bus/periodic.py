@@ -1,9 +1,6 @@
-"""A background task that runs a coroutine every interval (heartbeats, beacons) until stopped.
-
-A failing run (e.g. a publish while the connection is reconnecting) is logged and the next one still
-happens: liveness signals must not die with one bad moment. Runs keep a fixed rate (the next is due one
-interval after the previous was due, not after it finished), so a slow run or a busy loop does not push
-every later heartbeat back; after a stall longer than an interval the schedule restarts from now (no burst).
+"""A background task that runs a coroutine every interval (heartbeats, beacons) until stopped, at a fixed rate
+(due one interval after the previous was due; after a longer stall, from now: no burst). A failing run is
+logged and the next one still happens, so liveness signals do not die with one bad moment.
 """
 
 from __future__ import annotations

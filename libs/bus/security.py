@@ -1,9 +1,6 @@
-"""NATS credentials and TLS for every service, and keeping secrets out of logs.
-
-`nats_connect_options(settings)` turns the shared settings (`MOEMESH_NATS_USER` / `_PASSWORD` /
-`_TOKEN`, `MOEMESH_NATS_TLS_CA` / `_CERT` / `_KEY`) into nats-py connect options; `Service.run` passes
-them to `Bus.connect`. Secrets never reach a log line: settings objects print their secret fields as
-'***' (`redacted_repr`) and URLs print without their password or token (`redact_url`).
+"""NATS credentials and TLS for every service (`nats_connect_options`: MOEMESH_NATS_USER/_PASSWORD/_TOKEN,
+MOEMESH_NATS_TLS_CA/_CERT/_KEY -> nats-py options), and secrets kept out of logs: settings print secret
+fields as '***' (`redacted_repr`), URLs print without password or token (`redact_url`).
 """
 
 from __future__ import annotations

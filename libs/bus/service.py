@@ -1,28 +1,6 @@
-"""The service shell: NATS connection, subscriptions, signals, graceful drain, health and metrics.
-
-A service subclasses `Service`, sets `name` and `settings_class`, subscribes in `setup()` and cleans up
-in `on_drain()`; `python -m services.<name>` calls `<Service>.main()`. Shutdown (SIGINT/SIGTERM or
-`request_stop()`) goes: /health turns 503 -> subscriptions unsubscribe (queue-group peers take new work)
--> messages already delivered and running handlers finish, up to `drain_timeout_s` -> `on_drain()` ->
-the connection drains (pending publishes flushed) and closes -> the HTTP side port closes.
-
-HTTP side port (`http_port`; 0 off, -1 any free port): `GET /ready` is 200 when this instance takes
-work (connected, set up, not draining, and the subclass's `not_ready_reason()` is None; a worker: its
-model is loaded and its KV pool registered) and 503 otherwise with the reason as an OpenAI-style error
-body (the readiness probe); `GET /health` is 200 when connected, set up and not draining; `GET /livez`
-is 200 while the process serves (the liveness probe); `GET /metrics` is this service's prometheus
-registry; `GET /settings` its effective settings as JSON, secrets masked. With `ports_file` set, the ports the service
-bound (`bound_ports()`: "http", and the gateway's "api") are written there before it counts as started,
-so a launcher can ask for any free port and learn which one it got (libs.bus.ports).
-
-Garbage collection (libs.telemetry.gc_pauses): every service's collection pauses are on its /metrics
-(`moemesh_gc_pause_seconds`, `self.gc_pauses`); a service run as its own process (`main()`) freezes its
-start-up heap once set up (setting `gc_freeze`, on by default), so the oldest generation's collections no
-longer walk the model, the tokenizer and the imports: each such walk of a worker's heap was a pause of
-hundreds of milliseconds in whichever decode step met it.
-
-Tracing: `self.telemetry` (libs.telemetry) is built from the OTEL_* environment with `service.name` =
-`name`; it is a no-op unless an OTLP endpoint is configured, and is flushed after the bus closes.
+"""The service shell: NATS connection, subscriptions, signals, graceful drain, GC pause metrics, tracing, and
+an HTTP side port (/ready, /health, /livez, /metrics, /settings; docs/operations.md). A service subclasses
+`Service` (`name`, `settings_class`), subscribes in `setup()`, cleans up in `on_drain()`; `main()` runs it.
 """
 
 from __future__ import annotations
@@ -144,8 +122,10 @@ class Service:
             self.startup_stage = "setting up"
             await self.setup()
             await self.bus.flush()  # subscriptions are known to the server before anyone is told we are ready
-            if s.ports_file:
+            if s.ports_file:  # a launcher that asked for any free port learns which one it got
                 write_ports(s.ports_file, self.bound_ports())
+            # Frozen, the start-up heap (model, tokenizer, imports) leaves the oldest generation's
+            # collections, whose walk of a worker's whole heap would stall whichever decode step met it.
             if self.freeze_heap_when_set_up and s.gc_freeze:  # after the ports: a worker heartbeats already
                 t0 = time.perf_counter()
                 frozen = freeze_startup_heap()
@@ -168,6 +148,8 @@ class Service:
             await self._shutdown(http, signals)
 
     async def _shutdown(self, http: asyncio.Server | None, signals: list[int]) -> None:
+        # Order: /health turns 503; unsubscribe (queue-group peers take new work); delivered messages and
+        # running handlers finish (up to drain_timeout_s); on_drain(); the connection drains; HTTP closes.
         self.draining = True
         self._ready_gauge.set(0)
         log.info("%s %s draining", self.name, self.instance_id)
