@@ -8,13 +8,47 @@ import argparse
 import os
 import signal
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from libs.bus.settings import (
+    CONFIG_ENV,
+    ENGINE_KEYS,
+    LAUNCHER_KEYS,
+    aliases_of,
+    describe,
+    flag_of,
+    read_config,
+)
+
 if TYPE_CHECKING:
+    from libs.launch.mesh import MeshConfig
     from libs.launch.natsauth import NatsAuth
+    from libs.worker.settings import WorkerSettings
 
 DEFAULT_TINY = Path.home() / ".cache" / "moemesh" / "tiny-v3"
+
+
+class _Default:
+    """An option's default, told apart from a value given on the command line (the file fills those)."""
+
+    def __init__(self, value: Any, tp: Callable[[Any], Any]) -> None:
+        self.value = value
+        self.type = tp
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+# up's options whose default comes from the environment when it is set (flag > env > file > default)
+_ENV_OF = {
+    "nats_user": "MOEMESH_NATS_USER", "nats_password": "MOEMESH_NATS_PASSWORD", "nats_token": "MOEMESH_NATS_TOKEN",
+}  # fmt: skip
+# worker settings `up` takes as flags, for both worker kinds (MTP drafts only on the decode workers)
+BOTH_WORKERS = ENGINE_KEYS
+DECODE_ONLY = ("mtp_k",)
+PREFILL_PREFIX, DECODE_PREFIX = "MOEMESH_PREFILL_WORKER_", "MOEMESH_DECODE_WORKER_"
 
 
 def add_parser(subparsers: Any) -> None:
@@ -23,105 +57,195 @@ def add_parser(subparsers: Any) -> None:
         help="run the whole mesh (nats-server, kv-broker, scheduler, workers, gateway) on this machine",
         description="Starts the embedded default: every service as its own process on 127.0.0.1. Without "
         "--model it serves the trained demo model when `moemesh demo-model` has cached it, else a tiny "
-        "random DeepSeek-V3-architecture model (written in seconds on first use).",
+        "random DeepSeek-V3-architecture model (written in seconds on first use). Settings: flag > env var > "
+        "--config file > default (docs/configuration.md).",
     )
     p.add_argument(
-        "--model", default=None,
+        "--config", default=os.environ.get(CONFIG_ENV, ""), metavar="FILE",
+        help=f"YAML config file: up's options and worker settings at the top level, a section per service; "
+        f"every service reads it too (default: ${CONFIG_ENV})",
+    )  # fmt: skip
+    opt = _option(p)
+    opt(
+        "--model", None,
         help="checkpoint folder, or 'tiny' (random), or 'demo' (trained on first use, minutes); "
         "default: demo if cached, else tiny",
     )  # fmt: skip
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="gateway port (0: any free port)")
-    p.add_argument("--nats-port", type=int, default=0, help="nats-server port (0: any free port)")
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=1)
-    p.add_argument("--schedulers", type=int, default=1, help="scheduler replicas (one queue group)")
-    p.add_argument(
-        "--scheduler", choices=["process", "embedded"], default="process",
+    opt("--host", "127.0.0.1")
+    opt("--port", 8000, type=int, help="gateway port (0: any free port)")
+    opt("--nats-port", 0, type=int, help="nats-server port (0: any free port)")
+    opt("--prefill-workers", 1, type=int)
+    opt("--decode-workers", 1, type=int)
+    opt("--schedulers", 1, type=int, help="scheduler replicas (one queue group)")
+    opt(
+        "--scheduler", "process", choices=["process", "embedded"],
         help="process: scheduler replicas as their own processes (--schedulers); embedded: none, each gateway "
         "hosts one in its process and submits to it without a bus hop",
     )  # fmt: skip
-    p.add_argument(
-        "--gateways", type=int, default=1,
+    opt(
+        "--gateways", 1, type=int,
         help="gateway processes sharing the API port (SO_REUSEPORT, Linux); one streams ~20k tokens/s per core",
     )  # fmt: skip
-    p.add_argument("--nats-user", default=os.environ.get("MOEMESH_NATS_USER", ""))
-    p.add_argument(
-        "--nats-password", default=None, help="default: $MOEMESH_NATS_PASSWORD (prefer it: argv is visible)"
-    )
-    p.add_argument("--nats-token", default=None, help="default: $MOEMESH_NATS_TOKEN")
-    p.add_argument("--nats-tls-cert", default="", help="server certificate of the embedded nats-server")
-    p.add_argument("--nats-tls-key", default="", help="its key")
-    p.add_argument("--nats-tls-ca", default="", help="CA the services verify the server with")
-    p.add_argument("--transfer-protocol", default="tcp", choices=["tcp", "rdma", "nvlink_intra"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument(
-        "--ep-size", type=int, default=1,
-        help="expert parallelism: rank processes per prefill and decode worker (DP attention + EP MoE)",
-    )  # fmt: skip
-    p.add_argument(
-        "--mtp-k", type=int, default=0,
-        help="MTP speculative decoding on the decode workers: draft tokens per step (needs a checkpoint with "
-        "an MTP layer, e.g. the demo model; 0: off)",
-    )  # fmt: skip
-    p.add_argument("--dp-size", type=int, default=0, help="attention DP ranks per worker: 0 or --ep-size")
-    p.add_argument("--served-model-name", default="")
-    p.add_argument("--log-dir", default=None, help="where each service writes its log (default: a temp dir)")
-    p.add_argument("--restart-backoff", type=float, default=0.5, help="seconds before the first restart")
-    p.add_argument("--restart-max-backoff", type=float, default=30.0, help="cap of the doubling backoff")
-    p.add_argument(
-        "--restart-limit", type=int, default=5,
+    opt("--nats-user", "", help="default: $MOEMESH_NATS_USER")
+    opt("--nats-password", "", help="default: $MOEMESH_NATS_PASSWORD (prefer it: argv is visible)")
+    opt("--nats-token", "", help="default: $MOEMESH_NATS_TOKEN")
+    opt("--nats-tls-cert", "", help="server certificate of the embedded nats-server")
+    opt("--nats-tls-key", "", help="its key")
+    opt("--nats-tls-ca", "", help="CA the services verify the server with")
+    opt("--served-model-name", "")
+    opt("--log-dir", None, help="where each service writes its log (default: a temp dir)")
+    opt("--restart-backoff", 0.5, type=float, help="seconds before the first restart")
+    opt("--restart-max-backoff", 30.0, type=float, help="cap of the doubling backoff")
+    opt(
+        "--restart-limit", 5, type=int,
         help="restarts of one service allowed within --restart-window; one more exit gives it up",
     )  # fmt: skip
-    p.add_argument("--restart-window", type=float, default=60.0, help="seconds")
-    p.add_argument(
-        "--ready-timeout", type=float, default=None,
+    opt("--restart-window", 60.0, type=float, help="seconds")
+    opt(
+        "--ready-timeout", None, type=float,
         help="seconds to wait for every service to be ready; default 120, or 900 with a CUDA --device (the "
         "workers load, then warm up: kernels compiled and tuned, CUDA graphs captured, before they serve)",
     )  # fmt: skip
+    _add_worker_flags(p)
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from libs.launch.mesh import Mesh, MeshConfig
+def _option(p: argparse.ArgumentParser) -> Any:
+    def opt(flag: str, default: Any, **kw: Any) -> None:
+        p.add_argument(flag, default=_Default(default, kw.get("type", str)), **kw)
+
+    return opt
+
+
+def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+    """The engine settings of WorkerSettings as flags (and vLLM's aliases), given only when set."""
+    from libs.worker.settings import WorkerSettings
+
+    g = p.add_argument_group("worker settings (both worker kinds; --mtp-k: the decode workers)")
+    for doc in describe(WorkerSettings):
+        if doc.name not in BOTH_WORKERS + DECODE_ONLY:
+            continue
+        flags = (flag_of(doc.name), *aliases_of(WorkerSettings, doc.name))
+        help_ = f"{doc.description} (default: {doc.default})".replace("%", "%%")
+        if doc.type is bool:
+            g.add_argument(
+                *flags, dest=doc.name, action=argparse.BooleanOptionalAction, default=None, help=help_
+            )
+        else:
+            g.add_argument(*flags, dest=doc.name, type=doc.type, default=None, help=help_)
+
+
+def resolve_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+    """up's options with their layers resolved in place (flag > env > config file > default); returns the
+    file's top level. Worker flags stay None unless given: the workers read env and file themselves."""
+    top = read_config(args.config) if args.config else {}
+    for key in LAUNCHER_KEYS:
+        value = getattr(args, key)
+        if not isinstance(value, _Default):
+            continue
+        if key in _ENV_OF and _ENV_OF[key] in env:
+            value = env[_ENV_OF[key]]
+        elif key in top:
+            value = _coerce(key, top[key], value.type, args.config)
+        else:
+            value = value.value
+        setattr(args, key, value)
+    return top
+
+
+def _coerce(key: str, value: Any, tp: Callable[[Any], Any], path: str) -> Any:
+    """A value from the YAML file as the option's type (what argparse does to a flag's string)."""
+    wrong = ValueError(
+        f"config file {path}: {key} must be of type {getattr(tp, '__name__', tp)}, got {value!r}"
+    )
+    if isinstance(value, bool | list | dict) or value is None:
+        raise wrong
+    try:
+        return tp(value)
+    except (TypeError, ValueError):
+        raise wrong from None
+
+
+def worker_view(
+    args: argparse.Namespace, top: Mapping[str, Any], env: Mapping[str, str], model: Path
+) -> WorkerSettings:
+    """The worker settings a decode worker will see for what `up` needs itself (device, for the ready
+    wait): the file's top level and decode-worker section < env < flags; ValueError names the problem."""
+    import msgspec
+
+    from libs.worker.settings import WorkerSettings
+
+    names = {d.name for d in describe(WorkerSettings)}
+    section = top.get("decode-worker") or {}
+    values: dict[str, Any] = {k: top[k] for k in BOTH_WORKERS if k in top}
+    values.update({k: v for k, v in section.items() if k in names})  # its own keys the worker checks
+    values.update({k: env[e] for k in names if (e := DECODE_PREFIX + k.upper()) in env})
+    values.update({k: v for k in BOTH_WORKERS + DECODE_ONLY if (v := getattr(args, k)) is not None})
+    try:
+        return msgspec.convert({**values, "model_dir": str(model)}, WorkerSettings, strict=False)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"worker settings: {e}") from None
+
+
+def worker_env(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """The worker flags given on `up` as env overrides of each worker module (they beat env and file)."""
+    out: dict[str, dict[str, str]] = {"services.prefill_worker": {}, "services.decode_worker": {}}
+    for key in BOTH_WORKERS + DECODE_ONLY:
+        value = getattr(args, key)
+        if value is None:
+            continue
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        out["services.decode_worker"][DECODE_PREFIX + key.upper()] = text
+        if key in BOTH_WORKERS:
+            out["services.prefill_worker"][PREFILL_PREFIX + key.upper()] = text
+    return {k: v for k, v in out.items() if v}
+
+
+def mesh_config(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[MeshConfig, WorkerSettings]:
+    """`up`'s parsed arguments as the mesh to start, with the decode workers' settings as `up` sees them;
+    ValueError (SettingsError) names a bad option, flag or key."""
+    from libs.launch.mesh import MeshConfig
     from libs.launch.restart_policy import RestartPolicy
 
+    top = resolve_options(args, env)
     model = _choose_model(args.model)
     if not (model / "config.json").is_file():
         raise ValueError(f"{model} is not a checkpoint folder (no config.json)")
-    if args.ep_size < 1 or args.dp_size not in (0, args.ep_size):
-        raise ValueError(
-            f"--ep-size must be >= 1 and --dp-size 0 or --ep-size, got {args.ep_size}, {args.dp_size}"
-        )
+    worker = worker_view(args, top, env, model)
     if args.gateways < 1 or args.schedulers < 1:
         raise ValueError(f"--gateways and --schedulers must be >= 1, got {args.gateways}, {args.schedulers}")
+    if args.scheduler not in ("process", "embedded"):
+        raise ValueError(f"--scheduler must be process or embedded, got {args.scheduler!r}")
     if args.scheduler == "embedded" and args.schedulers != 1:
         raise ValueError(
             "--scheduler embedded: each gateway hosts one scheduler; use --gateways, not --schedulers"
         )
-    if not 0 <= args.mtp_k <= 8:
-        raise ValueError(f"--mtp-k must be in 0..8, got {args.mtp_k}")
     cfg = MeshConfig(
         model_dir=model, host=args.host, port=args.port, nats_port=args.nats_port,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, schedulers=args.schedulers,
         gateways=args.gateways, embedded_scheduler=args.scheduler == "embedded",
-        nats_auth=_nats_auth(args),
-        served_model_name=args.served_model_name or _default_name(model), transfer_protocol=args.transfer_protocol,
-        device=args.device, dtype=args.dtype, log_dir=Path(args.log_dir) if args.log_dir else None,
-        ep_size=args.ep_size,
+        nats_auth=_nats_auth(args), served_model_name=args.served_model_name or _default_name(model),
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        config_file=Path(args.config).resolve() if args.config else None,
         restart=RestartPolicy(
             backoff_s=args.restart_backoff, max_backoff_s=args.restart_max_backoff,
             max_restarts=args.restart_limit, window_s=args.restart_window,
         ),
-        extra_env={"services.decode_worker": {"MOEMESH_DECODE_WORKER_MTP_K": str(args.mtp_k)}} if args.mtp_k else {},
+        extra_env=worker_env(args),
     )  # fmt: skip
+    return cfg, worker
+
+
+def run(args: argparse.Namespace) -> int:
+    from libs.launch.mesh import Mesh
+
+    cfg, worker = mesh_config(args, os.environ)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     mesh = Mesh(cfg, report=lambda line: print(line, flush=True))
-    print(f"starting moemesh ({model}); logs in {mesh.log_dir}", flush=True)
-    mesh.start(timeout=ready_timeout(args.ready_timeout, args.device))
+    print(f"starting moemesh ({cfg.model_dir}); logs in {mesh.log_dir}", flush=True)
+    mesh.start(timeout=ready_timeout(args.ready_timeout, worker.device))
     try:
         print(
             f"moemesh is up: {mesh.url}/v1  (model {mesh.model_name!r}, nats {mesh.nats_url}); Ctrl-C stops\n"
@@ -146,12 +270,8 @@ def ready_timeout(given: float | None, device: str) -> float:
 def _nats_auth(args: argparse.Namespace) -> NatsAuth | None:
     from libs.launch.natsauth import NatsAuth
 
-    password = (
-        args.nats_password if args.nats_password is not None else os.environ.get("MOEMESH_NATS_PASSWORD", "")
-    )
-    token = args.nats_token if args.nats_token is not None else os.environ.get("MOEMESH_NATS_TOKEN", "")
     auth = NatsAuth(
-        user=args.nats_user, password=password, token=token, tls_cert=args.nats_tls_cert,
+        user=args.nats_user, password=args.nats_password, token=args.nats_token, tls_cert=args.nats_tls_cert,
         tls_key=args.nats_tls_key, tls_ca=args.nats_tls_ca,
     )  # fmt: skip
     return auth if auth != NatsAuth() else None

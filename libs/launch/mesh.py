@@ -13,6 +13,10 @@ Ports are never picked in advance: nats-server picks its own (libs.natsd), and e
 side port (and the gateway its API port, unless one is configured) to port 0 and writes what it got to a
 ports file in the log folder (libs.bus.ports), which `side_port()` and the gateway's `url` read.
 
+Settings reach a service in its layers: `extra_env` and the MeshConfig fields the mesh sets itself as env
+vars (they beat the launcher's inherited environment), the inherited environment, `config_file` as
+`MOEMESH_CONFIG`, then the settings' defaults (libs.bus.settings).
+
 Gateways (`gateways` N > 1, as vLLM's --api-server-count): N processes "gateway-<i>" listen on the one
 API port with SO_REUSEPORT (the kernel spreads connections over them), each with its own bus id, token
 stream and side port (/metrics, /ready). With port 0, gateway-0 starts first and the others bind the
@@ -62,12 +66,16 @@ class MeshConfig:
     # gateway processes sharing the API port (SO_REUSEPORT); names "gateway" (one) or "gateway-<i>"
     gateways: int = 1
     served_model_name: str = ""
-    transfer_protocol: str = "tcp"
-    device: str = "cpu"
-    dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU
-    ep_size: int = 1  # EP ranks (processes) per prefill and decode worker; 1: the engine in the worker
+    # worker settings for both worker kinds; None leaves them to the workers' env, config file and defaults
+    transfer_protocol: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    ep_size: int | None = None  # EP ranks (processes) per prefill and decode worker
     log_dir: Path | None = None
-    # extra MOEMESH_* settings per service module name, e.g. {"services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": "8"}}
+    # a YAML config file every service reads (MOEMESH_CONFIG): below the env vars and extra_env
+    config_file: Path | None = None
+    # extra MOEMESH_* settings per service module name, e.g. {"services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": "8"}};
+    # they beat the launcher's own environment (what `moemesh up` passes its flags as)
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
     # NATS security (libs.launch.natsauth): the embedded server requires it, every service is given it
     nats_auth: NatsAuth | None = None
@@ -120,6 +128,8 @@ class Mesh:
     def _spec(self, name: str, module: str, prefix: str, **fields: object) -> ServiceSpec:
         c = self.cfg
         env = {"MOEMESH_NATS_URL": self.nats_url, "MOEMESH_LOG_LEVEL": "INFO"}
+        if c.config_file is not None:
+            env["MOEMESH_CONFIG"] = str(c.config_file)
         env.update(c.nats_auth.client_env() if c.nats_auth else {})
         if module != "services.gateway" or c.gateways > 1:  # one gateway: /health, /metrics on its API port
             fields = {"http_host": c.host, "http_port": -1, **fields}  # -1: any free port
@@ -132,14 +142,11 @@ class Mesh:
         c = self.cfg
         model = str(Path(c.model_dir).resolve())
         spec = self._spec
-        worker = dict(
-            model_dir=model,
-            served_model_name=self.model_name,
-            transfer_protocol=c.transfer_protocol,
-            device=c.device,
-            dtype=c.dtype,
-            ep_size=c.ep_size,
+        chosen = dict(
+            transfer_protocol=c.transfer_protocol, device=c.device, dtype=c.dtype, ep_size=c.ep_size
         )
+        worker: dict[str, object] = dict(model_dir=model, served_model_name=self.model_name)
+        worker.update({k: v for k, v in chosen.items() if v is not None})
         out = [spec("kv-broker", "services.kv_broker", "MOEMESH_KV_BROKER_")]
         out += [
             spec(name, "services.scheduler", "MOEMESH_SCHEDULER_", instance_id=name)
