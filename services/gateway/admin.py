@@ -1,16 +1,15 @@
-"""Admin endpoints of the gateway: worker stats and the decode slow-down control.
+"""Admin endpoints of the gateway: worker stats and the decode slow-down control."""
 
-- `GET /admin/workers`: `GetStats` to every live worker, `{"workers": [stats...], "errors": [...]}`.
-- `POST /admin/slowdown {"forward_sleep_ms": x}`: `SetSlowdown` to every live decode worker (0 turns
-  it off), answered with their stats after the change. This holds back decode so KV piles up and a full
-  batch builds (the method behind SGLang's PD + large-scale EP decode numbers); it stalls every user of
-  the mesh, hence the guards: off unless `enable_admin` is set (the routes do not exist otherwise), and
-  the API key required when one is set.
-
-Workers are learned from their heartbeats (`proto.subjects.HEARTBEAT_ALL`): one heard within
-`DEAD_AFTER_INTERVALS` of its own interval is live; `WorkerGone` forgets it at once. The directory is
-pure (`WorkerDirectory`); `AdminMesh` is its bus side.
-"""
+# - `GET /admin/workers`: `GetStats` to every live worker, `{"workers": [stats...], "errors": [...]}`.
+# - `POST /admin/slowdown {"forward_sleep_ms": x}`: `SetSlowdown` to every live decode worker (0 turns
+#   it off), answered with their stats after the change. This holds back decode so KV piles up and a full
+#   batch builds (the method behind SGLang's PD + large-scale EP decode numbers); it stalls every user of
+#   the mesh, hence the guards: off unless `enable_admin` is set (the routes do not exist otherwise), and
+#   the API key required when one is set.
+#
+# Workers are learned from their heartbeats (`proto.subjects.HEARTBEAT_ALL`): one heard within
+# `DEAD_AFTER_INTERVALS` of its own interval is live; `WorkerGone` forgets it at once. The directory is
+# pure (`WorkerDirectory`); `AdminMesh` is its bus side.
 
 from __future__ import annotations
 

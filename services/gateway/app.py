@@ -1,12 +1,10 @@
-"""The OpenAI-compatible HTTP API (FastAPI): routes, auth, body limits, errors, SSE and disconnects.
-
-Bodies are read and validated here, not by FastAPI's injection, so every refusal has OpenAI's error
-body and status (400, not FastAPI's 422) and the size limit is enforced while reading. A request is
-converted (convert.py), submitted (generation.py), then either streamed as SSE or collected.
-Disconnects: a streaming client that goes away cancels the SSE generator (Starlette), whose `finally`
-closes the generation (Cancel on the bus); a non-streaming client is watched for `http.disconnect`
-while its result is collected.
+"""The OpenAI-compatible HTTP API (FastAPI): routes, auth, body limits, errors, SSE and disconnects. A request
+is converted (convert.py), submitted (generation.py), then streamed as SSE or collected; a client that goes
+away, streaming or not, closes its generation (Cancel on the bus).
 """
+
+# Bodies are read and validated here, not by FastAPI's injection, so every refusal has OpenAI's error body
+# and status (400, not FastAPI's 422) and the size limit is enforced while reading.
 
 from __future__ import annotations
 
@@ -93,7 +91,7 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
         if len(body) > limit:
             raise ApiError(413, f"request body over the limit of {limit} bytes", code="body_too_large")
     try:
-        data = _JSON.decode(body)  # msgspec: 0.4x json.loads' time on a 2,048-id prompt; NaN is not JSON
+        data = _JSON.decode(body)  # msgspec: faster than json.loads on long id prompts; NaN is not JSON
     except msgspec.DecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
@@ -139,15 +137,14 @@ def _check_model(ctx: GatewayContext, name: str) -> None:
 
 
 class _SSEResponse(StreamingResponse):
-    """An SSE stream that owns its generation: when the response ends for any reason (done, client
-    gone, server shutdown, or never started) the event generator is closed and the generation with
-    it, now rather than at garbage collection.
+    """An SSE stream that owns its generation: when the response ends for any reason (done, client gone,
+    server shutdown, never started) the event generator and the generation close now, not at GC; a client
+    disconnect cancels the stream (499)."""
 
-    Its own ASGI call rather than StreamingResponse's: that one runs the body in a second task of an anyio
-    task group beside a disconnect listener (~70 us of the gateway's CPU per response here), one loop turn
-    before the headers go out, and ends with an empty body message, a socket write of its own. Here the body
-    is sent from the calling task, the last event (the one ending in `data: [DONE]`) closes the response in
-    the same write, and one plain task waits for the client's disconnect, which cancels the stream (499)."""
+    # Its own ASGI call rather than StreamingResponse's, which runs the body in a second task of an anyio
+    # task group beside a disconnect listener (CPU per response), one loop turn before the headers go out,
+    # and ends with an empty body message (a socket write of its own). Here the calling task sends the body
+    # and the last event (`data: [DONE]`) closes the response in the same write.
 
     def __init__(self, events: AsyncIterator[bytes], gen: Generation, done: Callable[[int], None]) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -455,11 +452,9 @@ _GENERATION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # 
 
 
 class _GenerationRoutes:
-    """POST to the two generation endpoints straight from the ASGI call, past Starlette's exception
-    middleware, its router and FastAPI's request handling: on this VM those layers took ~0.25 ms of a
-    request arriving after idle (a stamp probe), ~30 µs back to back. The same handler (`_generate`) and the
-    same error answers (`_error_response`, the app's exception handlers); the routes stay registered for
-    /openapi.json. Anything else, other methods on these paths included, goes on to the app."""
+    """POST to the two generation endpoints straight from the ASGI call, past Starlette's middleware, router
+    and FastAPI's request handling (their cost per request), with the same handler (`_generate`) and error
+    answers; the routes stay registered for /openapi.json. Anything else goes on to the app."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Any], ctx: GatewayContext) -> None:
         self.app, self.ctx = app, ctx

@@ -1,10 +1,9 @@
-"""OpenAI request -> what the mesh runs: prompt token ids and one `proto.messages.Sampling` per choice.
+"""OpenAI request -> what the mesh runs: prompt token ids and one `proto.messages.Sampling` per choice."""
 
-Pure code (the tokenizer is a CPU-only library, no I/O): every check that needs the prompt's length
-(context limit, token-id range, empty prompt) happens here, before anything is sent on the bus.
-Choice `i` of prompt `p` gets index `p * n + i` (OpenAI's layout for completions with several prompts)
-and, when the request has a seed, seed + i, so n samples of one request differ but are reproducible.
-"""
+# Pure code (the tokenizer is a CPU-only library, no I/O): every check that needs the prompt's length
+# (context limit, token-id range, empty prompt) happens here, before anything is sent on the bus.
+# Choice `i` of prompt `p` gets index `p * n + i` (OpenAI's layout for completions with several prompts)
+# and, when the request has a seed, seed + i, so n samples of one request differ but are reproducible.
 
 from __future__ import annotations
 

@@ -1,19 +1,18 @@
-"""A scheduler hosted in the gateway's process (`embedded_scheduler`), as Dynamo's frontend hosts its router.
+"""A scheduler hosted in the gateway's process (`embedded_scheduler`), as Dynamo's frontend hosts its router."""
 
-Opt-in: it saves the gateway's own submits a bus hop each way (on a loaded small machine most of a hop is
-waking another process). It is a full scheduler replica all the same: its own bus connection, a member of
-the SCHED_SUBMIT queue group (other gateways' submits and failover reach it as any replica), its own
-heartbeat; only the host gateway's submits come in directly (`MeshClient` through `submit`).
-
-Settings: `MOEMESH_SCHEDULER_*` as for a scheduler process, except what ties it to its host: the NATS
-connection (URL, credentials, TLS) is the gateway's, and without an `instance_id` it is named
-`scheduler-<gateway id>`. Life: started before the gateway takes work (a failed start fails the
-gateway's), stopped after the gateway's HTTP has drained; if it ends on its own the gateway stops too,
-so the supervisor restarts the pair.
-
-The one place a service imports another: the two still meet only through proto messages (Submit,
-SubmitReply), the scheduler side through `SchedulerService.submit_local`.
-"""
+# Opt-in: it saves the gateway's own submits a bus hop each way (on a loaded small machine most of a hop is
+# waking another process). It is a full scheduler replica all the same: its own bus connection, a member of
+# the SCHED_SUBMIT queue group (other gateways' submits and failover reach it as any replica), its own
+# heartbeat; only the host gateway's submits come in directly (`MeshClient` through `submit`).
+#
+# Settings: `MOEMESH_SCHEDULER_*` as for a scheduler process, except what ties it to its host: the NATS
+# connection (URL, credentials, TLS) is the gateway's, and without an `instance_id` it is named
+# `scheduler-<gateway id>`. Life: started before the gateway takes work (a failed start fails the
+# gateway's), stopped after the gateway's HTTP has drained; if it ends on its own the gateway stops too,
+# so the supervisor restarts the pair.
+#
+# The one place a service imports another: the two still meet only through proto messages (Submit,
+# SubmitReply), the scheduler side through `SchedulerService.submit_local`.
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""One HTTP request in flight on the mesh: its n (x prompts) choices, their queue and its deadline.
+"""One HTTP request in flight on the mesh: its n (x prompts) choices, their queue and its deadline."""
 
-`start()` registers every choice and submits them (n separate mesh requests); if any is refused the
-others are cancelled and the refusal is raised. `steps()` yields (choice, Step) as deltas arrive,
-until every choice is done, raising ApiError on a mesh error or when the deadline passes. `close()`
-must run whichever way the request ends (the HTTP layer calls it in `finally`): it cancels the
-choices still running and removes every entry from the mesh client's table.
-"""
+# `start()` registers every choice and submits them (n separate mesh requests); if any is refused the
+# others are cancelled and the refusal is raised. `steps()` yields (choice, Step) as deltas arrive,
+# until every choice is done, raising ApiError on a mesh error or when the deadline passes. `close()`
+# must run whichever way the request ends (the HTTP layer calls it in `finally`): it cancels the
+# choices still running and removes every entry from the mesh client's table.
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""The request's output constraints as wire values: structured output (`proto.messages.Guided`) and logit bias.
+"""The request's output constraints as wire values: structured output (`proto.messages.Guided`) and logit bias."""
 
-Structured output comes from OpenAI's `response_format` (json_object, json_schema) or vLLM's extras
-(`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, or `structured_outputs`); at most one
-may be given. The gateway checks shape only (it never imports the grammar engine, which needs torch): a
-schema or regex the grammar engine cannot compile comes back from the worker as a 400.
-"""
+# Structured output comes from OpenAI's `response_format` (json_object, json_schema) or vLLM's extras
+# (`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, or `structured_outputs`); at most one
+# may be given. The gateway checks shape only (it never imports the grammar engine, which needs torch): a
+# schema or regex the grammar engine cannot compile comes back from the worker as a 400.
 
 from __future__ import annotations
 

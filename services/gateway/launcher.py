@@ -1,14 +1,13 @@
 """Which services the embedded launcher (`moemesh up`) has up, restarting or given up on, exported on
-the gateway's /metrics:
+the gateway's /metrics:"""
 
-- `moemesh_launcher_service_status{launcher, service, status}`: 1 for the service's current status
-  (up / restarting / given_up / stopped), 0 for the others;
-- `moemesh_launcher_service_restarts{launcher, service}`: restarts since that launcher started.
-
-Learned from `LauncherStatus` on proto.subjects.LAUNCHER_STATUS; a launcher not heard from for three of
-its own intervals is dropped (it stopped, or the mesh runs under compose/Kubernetes with no launcher).
-`LauncherView` is pure; `LauncherCollector` is its Prometheus side.
-"""
+# - `moemesh_launcher_service_status{launcher, service, status}`: 1 for the service's current status
+#   (up / restarting / given_up / stopped), 0 for the others;
+# - `moemesh_launcher_service_restarts{launcher, service}`: restarts since that launcher started.
+#
+# Learned from `LauncherStatus` on proto.subjects.LAUNCHER_STATUS; a launcher not heard from for three of
+# its own intervals is dropped (it stopped, or the mesh runs under compose/Kubernetes with no launcher).
+# `LauncherView` is pure; `LauncherCollector` is its Prometheus side.
 
 from __future__ import annotations
 

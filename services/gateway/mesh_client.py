@@ -1,23 +1,22 @@
-"""The gateway's side of the bus: submit to the scheduler, route streamed tokens, cancel.
+"""The gateway's side of the bus: submit to the scheduler, route streamed tokens, cancel."""
 
-One subscription to `proto.subjects.stream(gateway_id)` receives every TokenBatch / RequestError
-meant for this gateway; the bus decodes each message once and `_on_stream` routes each delta to the
-queue its request registered with `open()`. A delta for a request no longer in the table (finished,
-cancelled, timed out) is dropped: the table is the only per-request state, and `close()` always
-removes the entry, so nothing leaks whichever way a request ends.
-
-Invariant: a request is registered *before* its Submit is sent, so no early token can be missed.
-
-Holders: each request's current holder is known (the scheduler replica named in SubmitReply until a
-TokenBatch names its decode worker) and watched through heartbeats (libs.liveness). When a holder
-dies, or this gateway's own connection comes back (messages may have been lost), each affected request
-gets a retryable RequestError in its queue, and the Generation migrates it.
-
-Local scheduler (`embedded_scheduler`): when this process hosts a scheduler that takes work, a Submit is
-handed to it directly (`LocalScheduler.submit`) instead of going over the bus; it answers with the same
-SubmitReply or raises the same bus errors, so `submit` turns both into the same outcomes. While it does not
-take work (starting, draining), submits go over the bus to the other replicas.
-"""
+# One subscription to `proto.subjects.stream(gateway_id)` receives every TokenBatch / RequestError
+# meant for this gateway; the bus decodes each message once and `_on_stream` routes each delta to the
+# queue its request registered with `open()`. A delta for a request no longer in the table (finished,
+# cancelled, timed out) is dropped: the table is the only per-request state, and `close()` always
+# removes the entry, so nothing leaks whichever way a request ends.
+#
+# Invariant: a request is registered *before* its Submit is sent, so no early token can be missed.
+#
+# Holders: each request's current holder is known (the scheduler replica named in SubmitReply until a
+# TokenBatch names its decode worker) and watched through heartbeats (libs.liveness). When a holder
+# dies, or this gateway's own connection comes back (messages may have been lost), each affected request
+# gets a retryable RequestError in its queue, and the Generation migrates it.
+#
+# Local scheduler (`embedded_scheduler`): when this process hosts a scheduler that takes work, a Submit is
+# handed to it directly (`LocalScheduler.submit`) instead of going over the bus; it answers with the same
+# SubmitReply or raises the same bus errors, so `submit` turns both into the same outcomes. While it does not
+# take work (starting, draining), submits go over the bus to the other replicas.
 
 from __future__ import annotations
 

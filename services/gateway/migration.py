@@ -1,15 +1,14 @@
-"""Request migration at the gateway (Dynamo-style), as pure bookkeeping for one choice.
+"""Request migration at the gateway (Dynamo-style), as pure bookkeeping for one choice."""
 
-The gateway is the one place that knows what the client already received, so it drives migration: a
-choice that loses its holder (decode worker or scheduler replica dead, or a retryable RequestError:
-code 503) is re-submitted under a new mesh request id as prompt + every token already streamed, with
-max_tokens reduced by as many, and the client's stream simply continues. With greedy sampling the
-continuation equals an undisturbed run. At most `max_migrations` times; then the error ends the stream.
-
-Deltas carry `offset` (index of their first token in the current attempt's output): a repeated delta is
-trimmed, a gap (a lost message) forces a migration from the tokens held, so the client never sees a
-token twice or misses one. Deltas of an attempt that is no longer current are ignored by the caller.
-"""
+# The gateway is the one place that knows what the client already received, so it drives migration: a
+# choice that loses its holder (decode worker or scheduler replica dead, or a retryable RequestError:
+# code 503) is re-submitted under a new mesh request id as prompt + every token already streamed, with
+# max_tokens reduced by as many, and the client's stream simply continues. With greedy sampling the
+# continuation equals an undisturbed run. At most `max_migrations` times; then the error ends the stream.
+#
+# Deltas carry `offset` (index of their first token in the current attempt's output): a repeated delta is
+# trimmed, a gap (a lost message) forces a migration from the tokens held, so the client never sees a
+# token twice or misses one. Deltas of an attempt that is no longer current are ignored by the caller.
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""The gateway's OpenAPI document with real request bodies.
+"""The gateway's OpenAPI document with real request bodies."""
 
-The routes read and validate their bodies themselves (app.py: OpenAI's 400s, size limits while
-reading), so FastAPI cannot infer the bodies; this puts the pydantic request models and the possible
-error statuses into /openapi.json, so clients and API fuzzers (schemathesis) see the actual contract:
-parameters accepted at their neutral value only (schemas.py, `check_unsupported`) are documented as
-such, and a prompt's token ids are bounded by the served model's vocabulary.
-"""
+# The routes read and validate their bodies themselves (app.py: OpenAI's 400s, size limits while
+# reading), so FastAPI cannot infer the bodies; this puts the pydantic request models and the possible
+# error statuses into /openapi.json, so clients and API fuzzers (schemathesis) see the actual contract:
+# parameters accepted at their neutral value only (schemas.py, `check_unsupported`) are documented as
+# such, and a prompt's token ids are bounded by the served model's vocabulary.
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""One choice's output, assembled from the mesh's TokenDeltas: text, stop strings, logprobs, finish.
+"""One choice's output, assembled from the mesh's TokenDeltas: text, stop strings, logprobs, finish."""
 
-Pure code. Token ids become text through libs.tokenizer's IncrementalDetokenizer, then pass a
-StopMatcher, so every text returned is final (never retracted): text that might begin a stop string
-is held back until the next delta decides. When a stop string matches, the choice ends there with
-finish_reason "stop" even though the decode worker has not finished: `Step.cancel` tells the caller
-to send a Cancel so the worker stops spending steps on it.
-"""
+# Pure code. Token ids become text through libs.tokenizer's IncrementalDetokenizer, then pass a
+# StopMatcher, so every text returned is final (never retracted): text that might begin a stop string
+# is held back until the next delta decides. When a stop string matches, the choice ends there with
+# finish_reason "stop" even though the decode worker has not finished: `Step.cancel` tells the caller
+# to send a Cancel so the worker stops spending steps on it.
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
-"""When the gateway can serve a request, for `GET /ready` (the readiness probe; /health stays liveness).
+"""When the gateway can serve a request, for `GET /ready` (the readiness probe; /health stays liveness)."""
 
-Ready means a request admitted now could run: a scheduler replica is live (SchedulerHeartbeat), and a
-decode worker serving this gateway's model is live and not draining (WorkerHeartbeat). A prompt then
-has a path: a live prefill worker of the model, or else the decode worker prefills it itself (the
-scheduler's decode-local fallback, services/scheduler/failover.py), so no prefill worker is required;
-/ready names which path prompts take. Liveness is libs.liveness's rule: unheard for
-`dead_after_intervals` heartbeat periods, or gone at once on WorkerGone.
-
-`MeshReadiness` is pure (times passed in); `ReadinessWatch` feeds it from the bus.
-"""
+# Ready means a request admitted now could run: a scheduler replica is live (SchedulerHeartbeat), and a
+# decode worker serving this gateway's model is live and not draining (WorkerHeartbeat). A prompt then
+# has a path: a live prefill worker of the model, or else the decode worker prefills it itself (the
+# scheduler's decode-local fallback, services/scheduler/failover.py), so no prefill worker is required;
+# /ready names which path prompts take. Liveness is libs.liveness's rule: unheard for
+# `dead_after_intervals` heartbeat periods, or gone at once on WorkerGone.
+#
+# `MeshReadiness` is pure (times passed in); `ReadinessWatch` feeds it from the bus.
 
 from __future__ import annotations
 

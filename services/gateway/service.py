@@ -1,13 +1,12 @@
-"""The gateway process: the Service shell (bus, signals, drain) around uvicorn serving the API.
+"""The gateway process: the Service shell (bus, signals, drain) around uvicorn serving the API."""
 
-Shutdown order matters here: HTTP stops first (no new requests; requests in flight may finish, up to
-drain_timeout_s), and only then does the Service shell unsubscribe the token stream and drain the bus,
-so a stream in progress keeps receiving tokens while it winds down.
-
-With `embedded_scheduler` a scheduler replica runs in this event loop (embedded_scheduler.py): started
-before the API takes requests, drained after HTTP has stopped (requests still finishing may re-submit to
-it) and before the gateway's own connection drains.
-"""
+# Shutdown order matters here: HTTP stops first (no new requests; requests in flight may finish, up to
+# drain_timeout_s), and only then does the Service shell unsubscribe the token stream and drain the bus,
+# so a stream in progress keeps receiving tokens while it winds down.
+#
+# With `embedded_scheduler` a scheduler replica runs in this event loop (embedded_scheduler.py): started
+# before the API takes requests, drained after HTTP has stopped (requests still finishing may re-submit to
+# it) and before the gateway's own connection drains.
 
 from __future__ import annotations
 

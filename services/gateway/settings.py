@@ -1,10 +1,9 @@
-"""Gateway settings: env `MOEMESH_GATEWAY_<FIELD>` or `--<field>` flags (libs.bus.load_settings).
+"""Gateway settings: env `MOEMESH_GATEWAY_<FIELD>` or `--<field>` flags (libs.bus.load_settings)."""
 
-The gateway's id on the bus is `instance_id` (random per process unless set): tokens for this
-gateway arrive on `mesh.stream.<instance_id>`, so two gateways must never share one. The Service
-side port (`http_port`) stays off by default: the API port serves /health and /metrics itself; replicas
-sharing one API port (`reuse_port`) turn it on, so each one's /metrics and /ready can be asked directly.
-"""
+# The gateway's id on the bus is `instance_id` (random per process unless set): tokens for this
+# gateway arrive on `mesh.stream.<instance_id>`, so two gateways must never share one. The Service
+# side port (`http_port`) stays off by default: the API port serves /health and /metrics itself; replicas
+# sharing one API port (`reuse_port`) turn it on, so each one's /metrics and /ready can be asked directly.
 
 from __future__ import annotations
 

@@ -1,22 +1,21 @@
-"""Tool calls parsed out of a choice's text by one incremental parser, streamed or whole.
+"""Tool calls parsed out of a choice's text by one incremental parser, streamed or whole."""
 
-Streamed as vLLM and OpenAI stream them: a call's first delta carries `index`, `id`, `type` and
-`function.name` (with empty `arguments`), later deltas only `index` and `function.arguments` fragments as
-the model writes them. A whole (non-streamed) choice runs the same parser over its text at once, so the
-concatenated fragments are exactly the non-streamed `arguments`.
-
-By tool_choice (services.gateway.tools):
-- auto: DeepSeek-V3's `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>TYPE<｜tool▁sep｜>NAME\\n```json\\nARGS
-  \\n```<｜tool▁call▁end｜>...` after the message content; text that could begin a marker is held back.
-  Output that begins the calls section but never names a call is content after all.
-- named: the whole output (constrained to the function's parameters) is the one call's arguments.
-- required: the output (constrained to `[{"name": ..., "parameters": {...}}, ...]`) is scanned as JSON;
-  each element's `parameters` text is a call's arguments.
-- none: all content.
-Arguments are the model's text with surrounding whitespace stripped (trailing whitespace is held back
-until more text follows). A call cut short (max_tokens) keeps the arguments written so far.
-Pure code: no I/O, no tokenizer.
-"""
+# Streamed as vLLM and OpenAI stream them: a call's first delta carries `index`, `id`, `type` and
+# `function.name` (with empty `arguments`), later deltas only `index` and `function.arguments` fragments as
+# the model writes them. A whole (non-streamed) choice runs the same parser over its text at once, so the
+# concatenated fragments are exactly the non-streamed `arguments`.
+#
+# By tool_choice (services.gateway.tools):
+# - auto: DeepSeek-V3's `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>TYPE<｜tool▁sep｜>NAME\n```json\nARGS
+#   \n```<｜tool▁call▁end｜>...` after the message content; text that could begin a marker is held back.
+#   Output that begins the calls section but never names a call is content after all.
+# - named: the whole output (constrained to the function's parameters) is the one call's arguments.
+# - required: the output (constrained to `[{"name": ..., "parameters": {...}}, ...]`) is scanned as JSON;
+#   each element's `parameters` text is a call's arguments.
+# - none: all content.
+# Arguments are the model's text with surrounding whitespace stripped (trailing whitespace is held back
+# until more text follows). A call cut short (max_tokens) keeps the arguments written so far.
+# Pure code: no I/O, no tokenizer.
 
 from __future__ import annotations
 

@@ -1,16 +1,15 @@
 """Tool calling for DeepSeek-V3's chat format: what the request asks (`ToolPlan`); the tool calls are
-parsed out of the output, whole or streamed, by services.gateway.tool_parser.
+parsed out of the output, whole or streamed, by services.gateway.tool_parser."""
 
-tool_choice, as vLLM implements it:
-- "auto" (the default with tools): the template renders the tools; the output is scanned for DeepSeek-V3
-  tool calls (`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```
-  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`); text before them is the message content.
-- "none": no tools rendered, nothing parsed.
-- "required" / a named function: the output is constrained by a JSON schema (structured output) — a
-  non-empty array of {"name", "parameters"} for required, the function's parameters for a named one —
-  and becomes the tool calls.
-Pure code: no I/O, no tokenizer.
-"""
+# tool_choice, as vLLM implements it:
+# - "auto" (the default with tools): the template renders the tools; the output is scanned for DeepSeek-V3
+#   tool calls (`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```
+#   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`); text before them is the message content.
+# - "none": no tools rendered, nothing parsed.
+# - "required" / a named function: the output is constrained by a JSON schema (structured output) — a
+#   non-empty array of {"name", "parameters"} for required, the function's parameters for a named one —
+#   and becomes the tool calls.
+# Pure code: no I/O, no tokenizer.
 
 from __future__ import annotations
 
