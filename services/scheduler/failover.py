@@ -1,18 +1,17 @@
-"""What the scheduler adds for failover, kept out of the policy and the service shell.
+"""What the scheduler adds for failover, kept out of the policy and the service shell."""
 
-- `place`: the policy's decision for a request, without the workers the request must avoid (a
-  migrating request names the worker it lost; the scheduler may not have seen that death yet; an avoided
-  decode worker is still tried when no other live one serves the model), without
-  decode workers whose waiting line is full (`max_waiting`: requests placed but not yet running; free
-  pages alone do not bound it, since a decode-direct request takes its pages only when it starts;
-  `waiting_line` estimates it between heartbeats), and
-  with decode-local prefill as the fallback when no prefill worker can take it (all dead or avoided):
-  any decode worker can prefill a prompt itself, only slower. Pure.
-- `placed_notice`: the message that tells the gateway which decode worker now holds a request, so the
-  gateway can watch that worker from placement on (not only from the first token).
-- `SchedulerBeacon`: this replica's heartbeat (SchedulerHeartbeat), so gateways see a replica die with
-  requests still in its queue.
-"""
+# - `place`: the policy's decision for a request, without the workers the request must avoid (a
+#   migrating request names the worker it lost; the scheduler may not have seen that death yet; an avoided
+#   decode worker is still tried when no other live one serves the model), without
+#   decode workers whose waiting line is full (`max_waiting`: requests placed but not yet running; free
+#   pages alone do not bound it, since a decode-direct request takes its pages only when it starts;
+#   `waiting_line` estimates it between heartbeats), and
+#   with decode-local prefill as the fallback when no prefill worker can take it (all dead or avoided):
+#   any decode worker can prefill a prompt itself, only slower. Pure.
+# - `placed_notice`: the message that tells the gateway which decode worker now holds a request, so the
+#   gateway can watch that worker from placement on (not only from the first token).
+# - `SchedulerBeacon`: this replica's heartbeat (SchedulerHeartbeat), so gateways see a replica die with
+#   requests still in its queue.
 
 from __future__ import annotations
 

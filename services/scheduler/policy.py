@@ -1,34 +1,30 @@
-"""Placement policy of the scheduler: pure code, no I/O, no tensors.
+"""Placement policy of the scheduler, pure code (no I/O, no tensors): `schedule(workers, request, config,
+prefix_hits)` over a heartbeat-built `WorkerTable` gives a `Plan` (direct, or a (prefill, decode) pair),
+`Wait` (no capacity now) or `Refuse` (503: no live worker of a role; 400: it can never fit any worker)."""
 
-`WorkerTable` is the scheduler's view of the workers, built from heartbeats; `schedule(workers, request,
-config, prefix_hits)` decides for one request: a `Plan` (direct on a decode worker, or a
-disaggregated (prefill, decode) pair), `Wait` (no capacity now; retry on the next heartbeat), or
-`Refuse` (503: no live worker of a role; 400: the request can never fit any worker).
-
-Times are monotonic seconds passed in by the caller (`now`), never read here, so tests drive the clock.
-
-Rules (why, where it is not obvious):
-- Liveness: a worker is dead once unheard for `dead_after_intervals` x its own heartbeat interval, or at
-  once on `WorkerGone`. Receive time is local, so clock skew between hosts does not matter.
-- Heartbeats are stale the moment the scheduler acts on them: every placement made since a worker's last
-  heartbeat counts as load on it (`inflight`) and its pages as used (`inflight_pages`) until the next
-  heartbeat, which reports the truth. A worker that refused or timed out a reservation is `suspended`
-  (treated as full) until its next heartbeat, so the retry goes elsewhere instead of hammering it.
-- Draining workers take no new work and do not count as live for admission.
-- Cache-aware score (`placement_score`): `prefix_weight` x (the worker's cached share of the prompt)
-  minus its load, so a full prefix hit is worth `prefix_weight` queued requests; the cache wins while
-  the imbalance it causes stays below that, and load wins past it. `prefix_weight` 0 is load-only
-  placement (the cache is not even a tie-breaker; the scheduler service then asks for no hits at all).
-- Decode choice: enough free pages for prompt + max_tokens (capped at its max_context), then best score
-  with load = running + pending + inflight, then most free pages, then most cached prefix, then worker id.
-- Conditional disaggregation: when the chosen decode worker's uncached prompt part (prompt length minus
-  its cached prefix) is at most `direct_prefill_threshold` tokens, prefill runs on the decode worker
-  itself; a threshold of 0 disables this.
-- Prefill choice: best score with load = queued work (running + waiting + inflight, in prompts), then
-  fewest prompt tokens still to compute (the heartbeat's waiting_tokens plus the uncached tokens placed
-  since), so of two workers with as many prompts the one with less prefill work takes the next, then most
-  cached prefix, then id.
-"""
+# Times are monotonic seconds passed in by the caller (`now`), never read here, so tests drive the clock.
+#
+# Rules (why, where it is not obvious):
+# - Liveness: a worker is dead once unheard for `dead_after_intervals` x its own heartbeat interval, or at
+#   once on `WorkerGone`. Receive time is local, so clock skew between hosts does not matter.
+# - Heartbeats are stale the moment the scheduler acts on them: every placement made since a worker's last
+#   heartbeat counts as load on it (`inflight`) and its pages as used (`inflight_pages`) until the next
+#   heartbeat, which reports the truth. A worker that refused or timed out a reservation is `suspended`
+#   (treated as full) until its next heartbeat, so the retry goes elsewhere instead of hammering it.
+# - Draining workers take no new work and do not count as live for admission.
+# - Cache-aware score (`placement_score`): `prefix_weight` x (the worker's cached share of the prompt)
+#   minus its load, so a full prefix hit is worth `prefix_weight` queued requests; the cache wins while
+#   the imbalance it causes stays below that, and load wins past it. `prefix_weight` 0 is load-only
+#   placement (the cache is not even a tie-breaker; the scheduler service then asks for no hits at all).
+# - Decode choice: enough free pages for prompt + max_tokens (capped at its max_context), then best score
+#   with load = running + pending + inflight, then most free pages, then most cached prefix, then worker id.
+# - Conditional disaggregation: when the chosen decode worker's uncached prompt part (prompt length minus
+#   its cached prefix) is at most `direct_prefill_threshold` tokens, prefill runs on the decode worker
+#   itself; a threshold of 0 disables this.
+# - Prefill choice: best score with load = queued work (running + waiting + inflight, in prompts), then
+#   fewest prompt tokens still to compute (the heartbeat's waiting_tokens plus the uncached tokens placed
+#   since), so of two workers with as many prompts the one with less prefill work takes the next, then most
+#   cached prefix, then id.
 
 from __future__ import annotations
 

@@ -1,20 +1,20 @@
-"""The scheduler's side of prefix-aware routing: how much of a prompt each worker already caches, from
-the scheduler's own replica of the prefix index (libs/prefix/replica.py, fed by the workers' KV events
-and resynced from their snapshots on a gap: no bus round trip per placement), or, with
-prefix_index=broker, asked of the kv-broker's index (PrefixQuery on proto.subjects.BROKER_PREFIX); plus
-the prefixes this scheduler itself just sent to prefill workers.
+"""The scheduler's side of prefix-aware routing: how much of a prompt each worker already caches, from the
+scheduler's own replica of the prefix index (or, with prefix_index=broker, the kv-broker's), plus the
+prefixes this scheduler itself just sent to prefill workers. An unanswered broker query means no hits."""
 
-The prompt is hashed here (libs.prefix, once per page size the live workers use). The last prompt token
-is left out: an engine always computes it, so it is never a hit. Placement must not stall on the
-broker: a query has a short timeout, and an unanswered one means no hits (the request is placed on load
-alone). Lookups are counted in `moemesh_scheduler_prefix_queries_total{outcome}` (local, ok, failed).
-
-Why `RecentPlacements`: a worker reports a prompt's blocks once its prefill has finished, so a burst of
-requests sharing a new prefix would find nothing in the index and spread over every prefill worker, each
-computing the prefix again. A placement is a promise that the blocks are coming (the worker runs its
-prompts in order, so a follow-up queued behind finds them cached); for `ttl_s` it counts as a hit, as
-SGLang's router counts a prompt in its tree from the moment it routes it.
-"""
+# The replica (libs/prefix/replica.py) is fed by the workers' KV events and resynced from their snapshots on
+# a gap: no bus round trip per placement. The broker is asked with PrefixQuery on BROKER_PREFIX, with a
+# short timeout so placement never stalls on it (the request is placed on load alone).
+#
+# The prompt is hashed here (libs.prefix, once per page size the live workers use). The last prompt token
+# is left out: an engine always computes it, so it is never a hit. Lookups are counted in
+# `moemesh_scheduler_prefix_queries_total{outcome}` (local, ok, failed).
+#
+# Why `RecentPlacements`: a worker reports a prompt's blocks once its prefill has finished, so a burst of
+# requests sharing a new prefix would find nothing in the index and spread over every prefill worker, each
+# computing the prefix again. A placement is a promise that the blocks are coming (the worker runs its
+# prompts in order, so a follow-up queued behind finds them cached); for `ttl_s` it counts as a hit, as
+# SGLang's router counts a prompt in its tree from the moment it routes it.
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""The scheduler's admission queue: pure bookkeeping, no I/O; times are monotonic seconds passed in.
+"""The scheduler's admission queue: pure bookkeeping, no I/O; times are monotonic seconds passed in."""
 
-Entries are either pending (waiting for a placement, FIFO by admission order) or placing (a placement
-is in flight: a ReserveKv round trip). The bound `max_queue` counts both, since both hold a promise to
-the gateway. A pending entry past its deadline is expired (the caller fails it with a 504-like error).
-A placement that fails puts the entry back at its original place in line, up to `max_retries` times;
-after that the caller fails the request. Cancel removes a pending entry at once and marks a placing
-one so its in-flight placement is not carried on.
-"""
+# Entries are either pending (waiting for a placement, FIFO by admission order) or placing (a placement
+# is in flight: a ReserveKv round trip). The bound `max_queue` counts both, since both hold a promise to
+# the gateway. A pending entry past its deadline is expired (the caller fails it with a 504-like error).
+# A placement that fails puts the entry back at its original place in line, up to `max_retries` times;
+# after that the caller fails the request. Cancel removes a pending entry at once and marks a placing
+# one so its in-flight placement is not carried on.
 
 from __future__ import annotations
 

@@ -1,24 +1,23 @@
-"""The scheduler service: the NATS shell around the pure policy (policy.py) and queue (queue.py).
+"""The scheduler service: the NATS shell around the pure policy (policy.py) and queue (queue.py)."""
 
-Subscriptions: SCHED_SUBMIT in queue group QUEUE_SCHEDULER (replicas share the work; each request is
-answered at once with SubmitReply: admitted, or refused 400 / 429 / 503 / 504), HEARTBEAT (the worker
-view) and CANCEL (drop a queued request). A submit with nothing queued ahead of it is placed by its own
-handler (its DecodeDirect or ReserveKv leaves ahead of the SubmitReply: no pass of the loop on the TTFT
-path). Otherwise one
-placement loop walks the queue in FIFO order whenever something changes (a submit, a heartbeat, a cancel, a
-finished placement: an asyncio.Event) or a deadline / worker expiry comes due, and stops at the first
-request that must wait, so a large request is not starved by small ones behind it.
-
-Placing a request: direct -> publish DecodeDirect to the decode worker; disaggregated -> ReserveKv
-request/reply to the decode worker (bounded by reserve_timeout_s and the request's deadline), then
-PrefillTask with the returned KvHandle to the prefill worker. A refused or unanswered reservation
-suspends that decode worker until its next heartbeat and puts the request back in line (up to
-max_retries); a request that is not placed before its deadline, or runs out of retries, gets a
-RequestError on its stream subject, which ends the gateway's stream.
-
-Embedded (a gateway's `embedded_scheduler`): the same service in the gateway's event loop, still a member
-of the queue group; the host gateway's own submits arrive through `submit_local` instead of the bus.
-"""
+# Subscriptions: SCHED_SUBMIT in queue group QUEUE_SCHEDULER (replicas share the work; each request is
+# answered at once with SubmitReply: admitted, or refused 400 / 429 / 503 / 504), HEARTBEAT (the worker
+# view) and CANCEL (drop a queued request). A submit with nothing queued ahead of it is placed by its own
+# handler (its DecodeDirect or ReserveKv leaves ahead of the SubmitReply: no pass of the loop on the TTFT
+# path). Otherwise one
+# placement loop walks the queue in FIFO order whenever something changes (a submit, a heartbeat, a cancel, a
+# finished placement: an asyncio.Event) or a deadline / worker expiry comes due, and stops at the first
+# request that must wait, so a large request is not starved by small ones behind it.
+#
+# Placing a request: direct -> publish DecodeDirect to the decode worker; disaggregated -> ReserveKv
+# request/reply to the decode worker (bounded by reserve_timeout_s and the request's deadline), then
+# PrefillTask with the returned KvHandle to the prefill worker. A refused or unanswered reservation
+# suspends that decode worker until its next heartbeat and puts the request back in line (up to
+# max_retries); a request that is not placed before its deadline, or runs out of retries, gets a
+# RequestError on its stream subject, which ends the gateway's stream.
+#
+# Embedded (a gateway's `embedded_scheduler`): the same service in the gateway's event loop, still a member
+# of the queue group; the host gateway's own submits arrive through `submit_local` instead of the bus.
 
 from __future__ import annotations
 
