@@ -1,20 +1,19 @@
-"""KV-handle lifecycle as pure functions of (record, now_ms): no I/O, no clock of its own.
+"""KV-handle lifecycle as pure functions of (record, now_ms): no I/O, no clock of its own."""
 
-    reserved --HandleWritten--> written --HandleConsumed--> consumed --(retention)--> forgotten
-        |                          |
-        +------ lease passes ------+--> expired (owner told to free the pages) --(retention)--> forgotten
-    ReleaseHandle: forgotten at once, from any state.
-
-A decode worker that registers again from a new process (another Mooncake session: it restarted) is a
-new incarnation: every live handle into its old pool is expired at once, since those pages belonged to a
-process that is gone and nothing may be written into or claimed from them.
-
-A handle past its lease is expired even before the sweeper gets to it: written/consumed on it are
-refused, so nobody uses pages the owner may already be reusing. Consumed straight from reserved is
-allowed: KvReady reaching the decode worker proves the write happened, and the hot path need not wait
-for the prefill worker's HandleWritten to reach the broker first. Consumed and expired records are kept
-for `retention_ms` so a late message gets "expired"/"consumed" rather than "unknown handle".
-"""
+#     reserved --HandleWritten--> written --HandleConsumed--> consumed --(retention)--> forgotten
+#         |                          |
+#         +------ lease passes ------+--> expired (owner told to free the pages) --(retention)--> forgotten
+#     ReleaseHandle: forgotten at once, from any state.
+#
+# A decode worker that registers again from a new process (another Mooncake session: it restarted) is a
+# new incarnation: every live handle into its old pool is expired at once, since those pages belonged to a
+# process that is gone and nothing may be written into or claimed from them.
+#
+# A handle past its lease is expired even before the sweeper gets to it: written/consumed on it are
+# refused, so nobody uses pages the owner may already be reusing. Consumed straight from reserved is
+# allowed: KvReady reaching the decode worker proves the write happened, and the hot path need not wait
+# for the prefill worker's HandleWritten to reach the broker first. Consumed and expired records are kept
+# for `retention_ms` so a late message gets "expired"/"consumed" rather than "unknown handle".
 
 from __future__ import annotations
 

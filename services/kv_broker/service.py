@@ -1,18 +1,17 @@
 """The kv-broker service: the KV directory of the mesh, over proto.subjects.BROKER (request/reply,
-queue group QUEUE_BROKER, so replicas share the load).
+queue group QUEUE_BROKER, so replicas share the load)."""
 
-- Worker registry: RegisterWorker / LookupWorker (Mooncake session id, KV pool geometry).
-- KV handles with leases: CreateHandle -> HandleWritten -> HandleConsumed, ReleaseHandle, LookupHandle,
-  ListHandles; the rules are in handles.py (pure). Every answer is a BrokerReply; a refusal is
-  ok=False with the reason, and the current record when there is one.
-- Lease expiry: a sweeper wakes when the next lease comes due, marks overdue handles expired
-  (compare-and-set, so one replica wins) and sends HandleExpired to the owning decode worker's inbox.
-- All state lives in two JetStream KV buckets (store.py); a restarted broker reloads it and resumes
-  sweeping. Expired records are re-announced at start (at-least-once: a crash between marking and
-  announcing loses nothing; decode workers treat a repeat as a no-op).
-- Prefix index (prefix.py): which worker caches which KV block, from the workers' KV events, answering
-  PrefixQuery on BROKER_PREFIX; soft state rebuilt from worker snapshots, not kept in JetStream.
-"""
+# - Worker registry: RegisterWorker / LookupWorker (Mooncake session id, KV pool geometry).
+# - KV handles with leases: CreateHandle -> HandleWritten -> HandleConsumed, ReleaseHandle, LookupHandle,
+#   ListHandles; the rules are in handles.py (pure). Every answer is a BrokerReply; a refusal is
+#   ok=False with the reason, and the current record when there is one.
+# - Lease expiry: a sweeper wakes when the next lease comes due, marks overdue handles expired
+#   (compare-and-set, so one replica wins) and sends HandleExpired to the owning decode worker's inbox.
+# - All state lives in two JetStream KV buckets (store.py); a restarted broker reloads it and resumes
+#   sweeping. Expired records are re-announced at start (at-least-once: a crash between marking and
+#   announcing loses nothing; decode workers treat a repeat as a no-op).
+# - Prefix index (prefix.py): which worker caches which KV block, from the workers' KV events, answering
+#   PrefixQuery on BROKER_PREFIX; soft state rebuilt from worker snapshots, not kept in JetStream.
 
 from __future__ import annotations
 
@@ -226,7 +225,7 @@ class KvBroker(Service):
         """A new handle is written at once: the write is create-only on the server, so a handle that exists
         there already (a retry, a concurrent twin, or one another replica wrote that this mirror has not
         seen yet) comes back as a Conflict, and is then read and answered as a retry. No read from the
-        server before the write: that was a JetStream round trip for every handle, each a miss."""
+        server before the write: it would be a JetStream round trip for every handle, almost always a miss."""
         bucket = self._buckets()[0]
         worker = await self._worker(h.decode_worker)
         existing = bucket.get(handles.check_id("handle_id", h.handle_id))

@@ -1,10 +1,9 @@
-"""JetStream KV buckets as the broker's only state, mirrored in memory.
+"""JetStream KV buckets as the broker's only state, mirrored in memory."""
 
-Each bucket holds one record type (msgpack). A watcher keeps an in-memory mirror of every key, so reads
-cost no round trip and a freshly started broker (or a second replica) sees everything the others
-wrote. Writes are compare-and-set on the revision the writer read: two replicas (or two concurrent
-handlers) changing one handle cannot both win; the loser re-reads and re-decides (`Conflict`).
-"""
+# Each bucket holds one record type (msgpack). A watcher keeps an in-memory mirror of every key, so reads
+# cost no round trip and a freshly started broker (or a second replica) sees everything the others
+# wrote. Writes are compare-and-set on the revision the writer read: two replicas (or two concurrent
+# handlers) changing one handle cannot both win; the loser re-reads and re-decides (`Conflict`).
 
 from __future__ import annotations
 
