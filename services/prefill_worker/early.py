@@ -1,10 +1,9 @@
 """Prompts started before their KV handle is known (PrefillStart, the scheduler's overlap_prefill): the
-prefill runs while the decode worker reserves pages; the PrefillTask that follows takes its result.
+prefill runs while the decode worker reserves pages; the PrefillTask that follows takes its result."""
 
-Invariants: at most one started prompt per request id; a dropped one (PrefillAbandon, Cancel, no
-PrefillTask within `ttl_s`, shutdown) has its pages released on the engine thread exactly once, and a
-new start for the same id waits for that release (the engine refuses an id still pinned).
-"""
+# Invariants: at most one started prompt per request id; a dropped one (PrefillAbandon, Cancel, no
+# PrefillTask within `ttl_s`, shutdown) has its pages released on the engine thread exactly once, and a
+# new start for the same id waits for that release (the engine refuses an id still pinned).
 
 from __future__ import annotations
 

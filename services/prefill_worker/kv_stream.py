@@ -1,22 +1,21 @@
-"""`KvStream`: one prompt's KV written into its decode handle chunk by chunk, while the prompt still computes.
+"""`KvStream`: one prompt's KV written into its decode handle chunk by chunk, while the prompt still computes."""
 
-Per chunk, not per layer. After every batched step the prefill loop reads which of a prompt's pages are
-final (all their rows computed; later chunks write only past them) and the stream writes those at once, off
-the engine thread, while the next chunk computes; once the last chunk has run only the pages since then
-are left to send. Why per chunk: the step boundary already exists (and on CUDA one event after the step
-fences every layer), each write carries every layer of the new pages as one batch of merged runs, and
-everything but the last chunk's KV leaves the critical path, which is where a long prompt's transfer time
-was. Per layer would need a hook and a CUDA event inside the model's forward for each of 61 layers and pay
-Mooncake's per-batch cost 61 times per chunk, to also hide the last chunk's transfer, which is at most one
-chunk's KV. SGLang's Mooncake backend likewise sends KV per chunk. A prompt that fits one chunk still
-overlaps with the rest of its batch (its result comes back as soon as its step returns).
-
-Order and safety: one write at a time per prompt, in order. A page goes again whenever the source page at
-its index changed, and after a preemption (the loop reports [] pages) every page goes again, so the decode
-side ends with exactly the prompt's final pages. Every write first passes `check` (lease margin, cancel);
-a failed write fails the prompt at once (`on_error`), and `close` waits for a write in flight, so the
-caller tells the decode side to free its pages only once nothing can land in them any more.
-"""
+# Per chunk, not per layer. After every batched step the prefill loop reads which of a prompt's pages are
+# final (all their rows computed; later chunks write only past them) and the stream writes those at once, off
+# the engine thread, while the next chunk computes; once the last chunk has run only the pages since then
+# are left to send. Why per chunk: the step boundary already exists (and on CUDA one event after the step
+# fences every layer), each write carries every layer of the new pages as one batch of merged runs, and
+# everything but the last chunk's KV leaves the critical path, which is where a long prompt's transfer time
+# lies. Per layer would need a hook and a CUDA event inside the model's forward for each of 61 layers and pay
+# Mooncake's per-batch cost 61 times per chunk, to also hide the last chunk's transfer, which is at most one
+# chunk's KV. SGLang's Mooncake backend likewise sends KV per chunk. A prompt that fits one chunk still
+# overlaps with the rest of its batch (its result comes back as soon as its step returns).
+#
+# Order and safety: one write at a time per prompt, in order. A page goes again whenever the source page at
+# its index changed, and after a preemption (the loop reports [] pages) every page goes again, so the decode
+# side ends with exactly the prompt's final pages. Every write first passes `check` (lease margin, cancel);
+# a failed write fails the prompt at once (`on_error`), and `close` waits for a write in flight, so the
+# caller tells the decode side to free its pages only once nothing can land in them any more.
 
 from __future__ import annotations
 

@@ -1,27 +1,26 @@
-"""`PrefillLoop`: the prefill worker's batched prefill over the engine thread.
+"""`PrefillLoop`: the prefill worker's batched prefill over the engine thread."""
 
-Tasks call `prefill(rid, prompt, params)` and await their own `PrefillResult`. One loop task drives the
-engine: each round, on the engine thread, it aborts what was dropped, queues every prompt that arrived
-since the last round (`Engine.add_prefill`) and runs one `Engine.step()`, so prompts that arrive while a
-forward runs share the next one: the engine's Batcher packs their chunks under `max_prefill_tokens`
-(long prompts chunked, prefix cache reused). A prompt's result is handed back from the round whose step
-ran its last chunk; its pages stay pinned until `release(rid)`.
-
-A task gets its result as soon as the step that finished its prompt returns, so its KV write starts off
-the engine thread while the loop's next round computes the other prompts. A prompt longer than one chunk
-starts earlier still: after every step the loop reads which of its pages are final
-(`Engine.prefill_progress`) and hands them to the prompt's watcher (`watch`; kv_stream.py writes them),
-so its earlier chunks' KV travels while its later chunks compute. On CUDA the pages come with a fence
-(an event recorded after the step) that the writer waits on before reading them.
-
-A round with few prompt tokens left (`inline_max_tokens`) runs on the event loop when the engine thread is
-idle (`EngineThread.run_inline`): a lone short prompt on an idle worker pays no thread hand-off before its
-first token.
-
-Failures: a prompt the engine refuses (ValueError) fails alone; a step that raises fails every prompt in
-the engine with that error (they are aborted in the next round, so no page stays held). `drop` (a
-cancel) fails a queued prompt at once and aborts one already in the engine before the next step.
-"""
+# Tasks call `prefill(rid, prompt, params)` and await their own `PrefillResult`. One loop task drives the
+# engine: each round, on the engine thread, it aborts what was dropped, queues every prompt that arrived
+# since the last round (`Engine.add_prefill`) and runs one `Engine.step()`, so prompts that arrive while a
+# forward runs share the next one: the engine's Batcher packs their chunks under `max_prefill_tokens`
+# (long prompts chunked, prefix cache reused). A prompt's result is handed back from the round whose step
+# ran its last chunk; its pages stay pinned until `release(rid)`.
+#
+# A task gets its result as soon as the step that finished its prompt returns, so its KV write starts off
+# the engine thread while the loop's next round computes the other prompts. A prompt longer than one chunk
+# starts earlier still: after every step the loop reads which of its pages are final
+# (`Engine.prefill_progress`) and hands them to the prompt's watcher (`watch`; kv_stream.py writes them),
+# so its earlier chunks' KV travels while its later chunks compute. On CUDA the pages come with a fence
+# (an event recorded after the step) that the writer waits on before reading them.
+#
+# A round with few prompt tokens left (`inline_max_tokens`) runs on the event loop when the engine thread is
+# idle (`EngineThread.run_inline`): a lone short prompt on an idle worker pays no thread hand-off before its
+# first token.
+#
+# Failures: a prompt the engine refuses (ValueError) fails alone; a step that raises fails every prompt in
+# the engine with that error (they are aborted in the next round, so no page stays held). `drop` (a
+# cancel) fails a queued prompt at once and aborts one already in the engine before the next step.
 
 from __future__ import annotations
 

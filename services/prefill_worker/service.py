@@ -1,17 +1,16 @@
-"""The prefill worker's bus shell around the engine.
+"""The prefill worker's bus shell around the engine."""
 
-Inbox (`proto.subjects.prefill_inbox(id)`): PrefillTask, and with the scheduler's overlap_prefill a
-PrefillStart before it (the prompt is queued into the batch while the decode worker reserves; early.py)
-or PrefillAbandon (the reservation failed). For each PrefillTask: look up the decode worker's pool
-geometry at the kv-broker (cached), run the prompt in the next batched forward of the `PrefillLoop`
-(prefill_loop.py: prompts that arrive together share forwards, prefix cache reused; its pages stay
-pinned), writing its pages into the handle's pages with the transfer engine as they become final
-(kv_stream.py: a long prompt's earlier chunks travel while its later chunks compute; each write a plan of
-merged contiguous runs, off the engine thread), the rest as soon as its own result is back. The first
-token goes to the gateway the moment the prompt's result is back, before the rest of its KV travels; then
-KvReady (first token, already streamed) to the decode worker, the handle marked written, unpin. Failures
-send PrefillFailed to the decode worker and RequestError to the gateway. `Cancel` drops a queued or running task before its KvReady.
-"""
+# Inbox (`proto.subjects.prefill_inbox(id)`): PrefillTask, and with the scheduler's overlap_prefill a
+# PrefillStart before it (the prompt is queued into the batch while the decode worker reserves; early.py)
+# or PrefillAbandon (the reservation failed). For each PrefillTask: look up the decode worker's pool
+# geometry at the kv-broker (cached), run the prompt in the next batched forward of the `PrefillLoop`
+# (prefill_loop.py: prompts that arrive together share forwards, prefix cache reused; its pages stay
+# pinned), writing its pages into the handle's pages with the transfer engine as they become final
+# (kv_stream.py: a long prompt's earlier chunks travel while its later chunks compute; each write a plan of
+# merged contiguous runs, off the engine thread), the rest as soon as its own result is back. The first
+# token goes to the gateway the moment the prompt's result is back, before the rest of its KV travels; then
+# KvReady (first token, already streamed) to the decode worker, the handle marked written, unpin. Failures
+# send PrefillFailed to the decode worker and RequestError to the gateway. `Cancel` drops a queued or running task before its KvReady.
 
 from __future__ import annotations
 
