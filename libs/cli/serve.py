@@ -7,7 +7,8 @@ graceful drain directly) with two defaults a container needs and a plain process
   re-registers under the same id at the kv-broker and the scheduler;
 - for workers, `MOEMESH_<SERVICE>_TRANSFER_HOSTNAME` from the address the hostname resolves to (the
   container's own IP), which peers' Mooncake engines can reach, instead of 127.0.0.1.
-Values already in the environment win.
+Values already in the environment, or in the service's section of its config file (`--config FILE` among
+its flags, or `MOEMESH_CONFIG`), win.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import os
 import re
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from libs.bus.settings import env_prefix
+from libs.bus.settings import CONFIG_ENV, env_prefix, read_config
 
 # service name (as in `service.name` and the compose/Kubernetes names) -> module under services/
 SERVICES: dict[str, str] = {
@@ -39,7 +40,7 @@ def add_parser(subparsers: Any) -> None:
         help="run one service in the foreground (the entry point of its container)",
         description="Runs `python -m services.<SERVICE>`, with the instance id taken from the hostname and, "
         "for workers, the KV transfer address from the host's IP, unless set in the environment. Flags after "
-        "SERVICE are the service's own (`--model-dir DIR` ...).",
+        "SERVICE are the service's own (`--model-dir DIR`, `--config FILE` ...; docs/configuration.md).",
     )
     p.add_argument("service", choices=sorted(SERVICES), help="which service")
     p.add_argument(
@@ -57,17 +58,37 @@ def instance_id_of(hostname: str) -> str:
     return token
 
 
-def container_env(service: str, env: Mapping[str, str], hostname: str, address: str | None) -> dict[str, str]:
-    """The settings `serve` adds for `service` (nothing the environment already sets)."""
+def container_env(
+    service: str, env: Mapping[str, str], hostname: str, address: str | None, in_file: Collection[str] = ()
+) -> dict[str, str]:
+    """The settings `serve` adds for `service`: nothing the environment or the config file (`in_file`: the
+    keys of the service's section) already sets."""
     if service not in SERVICES:
         raise ValueError(f"unknown service {service!r}; one of {', '.join(sorted(SERVICES))}")
     prefix = env_prefix(service)
     added: dict[str, str] = {}
-    if not env.get(prefix + "INSTANCE_ID"):
+    if not env.get(prefix + "INSTANCE_ID") and "instance_id" not in in_file:
         added[prefix + "INSTANCE_ID"] = instance_id_of(hostname)
-    if service in WORKERS and not env.get(prefix + "TRANSFER_HOSTNAME") and address:
+    wants_address = service in WORKERS and "transfer_hostname" not in in_file
+    if wants_address and not env.get(prefix + "TRANSFER_HOSTNAME") and address:
         added[prefix + "TRANSFER_HOSTNAME"] = address
     return added
+
+
+def config_file(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """The config file the service will read: its last `--config FILE` flag, else $MOEMESH_CONFIG."""
+    path = env.get(CONFIG_ENV, "")
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.removeprefix("--config=")
+    return path
+
+
+def section_keys(service: str, path: str) -> set[str]:
+    """The keys of `service`'s section in the config file at `path` (none without a file)."""
+    return set(read_config(path).get(service) or {}) if path else set()
 
 
 def _address(hostname: str) -> str | None:
@@ -79,8 +100,10 @@ def _address(hostname: str) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     hostname = socket.gethostname()
-    added = container_env(args.service, os.environ, hostname, _address(hostname))
-    argv = [sys.executable, "-m", SERVICES[args.service], *[a for a in args.args if a != "--"]]
+    flags = [a for a in args.args if a != "--"]
+    in_file = section_keys(args.service, config_file(flags, os.environ))
+    added = container_env(args.service, os.environ, hostname, _address(hostname), in_file)
+    argv = [sys.executable, "-m", SERVICES[args.service], *flags]
     if args.dry_run:
         for k, v in added.items():
             print(f"{k}={v}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from libs.cli.main import main
-from libs.cli.serve import container_env, instance_id_of
+from libs.cli.serve import config_file, container_env, instance_id_of, section_keys
 from libs.launch.supervisor import ServiceSpec, Supervisor
 from tests.deploy.checks import check_settings
 
@@ -33,6 +33,23 @@ def test_container_env_fills_in_what_the_environment_leaves_unset() -> None:
     assert container_env("gateway", {}, "gw-abc", "10.0.0.8") == {"MOEMESH_GATEWAY_INSTANCE_ID": "gw-abc"}
     with pytest.raises(ValueError, match="unknown service"):
         container_env("router", {}, "x", None)
+
+
+def test_a_config_file_section_beats_what_serve_would_add(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("MOEMESH_DECODE_WORKER_INSTANCE_ID", raising=False)
+    cfg = tmp_path / "moemesh.yaml"
+    cfg.write_text("max_num_seqs: 8\ndecode-worker:\n  instance_id: d7\n")
+    assert (
+        config_file(["--config", str(cfg)], {}) == config_file([], {"MOEMESH_CONFIG": str(cfg)}) == str(cfg)
+    )
+    keys = section_keys("decode-worker", str(cfg))
+    assert container_env("decode-worker", {}, "host", "10.0.0.7", keys) == {
+        "MOEMESH_DECODE_WORKER_TRANSFER_HOSTNAME": "10.0.0.7"
+    }
+    assert main(["serve", "--dry-run", "decode-worker", "--config", str(cfg), "--max-num-seqs", "5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert not any(line.startswith("MOEMESH_DECODE_WORKER_INSTANCE_ID=") for line in out)
+    assert out[-1].endswith(f"-m services.decode_worker --config {cfg} --max-num-seqs 5")
 
 
 def test_dry_run_prints_the_service_command(capsys, monkeypatch) -> None:
