@@ -1,22 +1,21 @@
 """KV transfer interface: moves finished prompt KV pages from a prefill worker's pool into the pages a
-decode worker reserved, without the bytes touching the bus.
+decode worker reserved, without the bytes touching the bus."""
 
-Who calls what:
-- decode worker (receiver): `register(pool_ptr, pool_nbytes)` once at start, then announces
-  `session_id` and its pool geometry at the kv-broker; it makes no call per request (the writer
-  writes straight into its memory; the decode worker learns of it from `KvReady` on the bus).
-- prefill worker (writer): `register(...)` its own pool once (RDMA/NVLink need the source registered),
-  then per request `write(decode_session_id, plan_page_runs(...))`, then publishes `KvReady`.
-- both: `close()` on shutdown.
-
-`write` blocks until every run has landed (or raises TransferError); asyncio callers run it in a thread
-(`await asyncio.to_thread(t.write, session, runs)`). Mooncake's Python binding (0.3.13) holds the GIL for part
-or all of a batch call, so MooncakeTransport cuts a write into batches of at most `MAX_BATCH_BYTES` over TCP
-(64 MiB over RDMA / NVLink, whose calls finish that much sooner)
-(`split_batches`): between them the event loop and the engine thread run, instead of stalling for the
-whole prompt's KV.
-Implementations: MooncakeTransport (libs.kvtransfer.mooncake), InProcessTransport for unit tests.
-"""
+# Who calls what:
+# - decode worker (receiver): `register(pool_ptr, pool_nbytes)` once at start, then announces
+#   `session_id` and its pool geometry at the kv-broker; it makes no call per request (the writer
+#   writes straight into its memory; the decode worker learns of it from `KvReady` on the bus).
+# - prefill worker (writer): `register(...)` its own pool once (RDMA/NVLink need the source registered),
+#   then per request `write(decode_session_id, plan_page_runs(...))`, then publishes `KvReady`.
+# - both: `close()` on shutdown.
+#
+# `write` blocks until every run has landed (or raises TransferError); asyncio callers run it in a thread
+# (`await asyncio.to_thread(t.write, session, runs)`). Mooncake's Python binding (0.3.13) holds the GIL for part
+# or all of a batch call, so MooncakeTransport cuts a write into batches of at most `MAX_BATCH_BYTES` over TCP
+# (64 MiB over RDMA / NVLink, whose calls finish that much sooner)
+# (`split_batches`): between them the event loop and the engine thread run, instead of stalling for the
+# whole prompt's KV.
+# Implementations: MooncakeTransport (libs.kvtransfer.mooncake), InProcessTransport for unit tests.
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ class TransferError(RuntimeError):
     """A transfer engine call failed (engine start, registration, or a write)."""
 
 
-MAX_BATCH_BYTES = 2 << 20  # beside one 8 MiB Mooncake TCP write Python stalled 0.5-11 ms here (bench.mesh_floors)
+MAX_BATCH_BYTES = 2 << 20  # a larger TCP write holds the GIL long enough to stall the loop (bench.mesh_floors)
 
 
 def split_batches(runs: Sequence[Run], max_bytes: int = MAX_BATCH_BYTES) -> list[list[Run]]:

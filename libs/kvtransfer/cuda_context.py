@@ -1,9 +1,10 @@
-"""Make a GPU's primary CUDA context current on the calling thread, for a library that calls the CUDA driver
-API there: Mooncake's nvlink_intra transport asks `cuMemGetAddressRange` about the memory it registers, which
-fails with error 201 (CUDA_ERROR_INVALID_CONTEXT) on a thread where nothing made a context current, such as
-a worker's event-loop thread when the engine was loaded on another (seen on the H200). The CUDA runtime (and
-so torch) binds the primary context to a thread lazily, on its first runtime call; this binds it at once,
-through the driver (ctypes: no CUDA Python package needed)."""
+"""Make a GPU's primary CUDA context current on the calling thread, through the driver (ctypes: no CUDA Python
+package needed), for a library that calls the CUDA driver API there (Mooncake's nvlink_intra transport)."""
+
+# Mooncake asks `cuMemGetAddressRange` about the memory it registers, which fails with error 201
+# (CUDA_ERROR_INVALID_CONTEXT) on a thread where nothing made a context current, such as a worker's
+# event-loop thread when the engine was loaded on another. The CUDA runtime (and so torch) binds the primary
+# context to a thread lazily, on its first runtime call; this binds it at once.
 
 from __future__ import annotations
 

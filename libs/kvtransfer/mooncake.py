@@ -1,10 +1,9 @@
-"""KV transport over the Mooncake transfer engine (`mooncake.engine.TransferEngine`).
+"""KV transport over the Mooncake transfer engine (`mooncake.engine.TransferEngine`)."""
 
-Metadata mode P2PHANDSHAKE: no etcd/metadata server; a peer is named by "host:rpc_port" and the engines
-exchange segment descriptors directly on first contact. Protocols: "tcp" (any machine, the non-cuda
-wheel; tests and CI), "rdma" (across hosts; `device_name` picks the NIC(s), e.g. "mlx5_0"), and
-"nvlink_intra" (GPUs of one host; the CUDA wheel with MC_INTRANODE_NVLINK=1).
-"""
+# Metadata mode P2PHANDSHAKE: no etcd/metadata server; a peer is named by "host:rpc_port" and the engines
+# exchange segment descriptors directly on first contact. Protocols: "tcp" (any machine, the non-cuda
+# wheel; tests and CI), "rdma" (across hosts; `device_name` picks the NIC(s), e.g. "mlx5_0"), and
+# "nvlink_intra" (GPUs of one host; the CUDA wheel with MC_INTRANODE_NVLINK=1).
 
 from __future__ import annotations
 
@@ -36,9 +35,9 @@ class MooncakeTransport(KvTransport):
         if not hostname:
             raise ValueError("hostname must be the address peers reach this engine at")
         self.protocol = protocol
-        # the binding holds the GIL for part or all of a call (base.py): bound each call to ~a few ms of
-        # transfer at the protocol's speed (TCP ~1 GB/s here; RDMA / NVLink tens to hundreds of GB/s, where
-        # each extra call would cost more than the GIL it frees)
+        # the binding holds the GIL for part or all of a call (base.py): bound each call to a short transfer
+        # at the protocol's speed (RDMA / NVLink move far more per call than TCP, and there each extra call
+        # would cost more than the GIL it frees)
         self.max_batch_bytes = MAX_BATCH_BYTES if protocol == "tcp" else 64 << 20
         self._engine = _load_engine_class()()
         rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)

@@ -1,9 +1,8 @@
-"""Pure planning of a KV page transfer: which byte runs to copy, merged as far as memory allows.
+"""Pure planning of a KV page transfer: which byte runs to copy, merged as far as memory allows."""
 
-Both pools have the KVPool layout (libs.engine.kv_pool): page p of layer l starts at
-base_addr + l * layer_stride + p * page_bytes, so within a layer a stretch of pages that is consecutive on
-both sides is one contiguous run. Layers are separate runs (the layer stride spans other pages).
-"""
+# Both pools have the KVPool layout (libs.engine.kv_pool): page p of layer l starts at
+# base_addr + l * layer_stride + p * page_bytes, so within a layer a stretch of pages that is consecutive on
+# both sides is one contiguous run. Layers are separate runs (the layer stride spans other pages).
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Which pool a KV handle's pages live in: the worker's one pool, or one rank's own pool in an EP worker
 whose DP-attention ranks keep their pools apart (proto `KvRankPool`; on GPUs each pool is on its rank's
-device and registered with Mooncake by that rank's process). Pure functions over the wire records.
+device and registered with Mooncake by that rank's process). Pure functions over the wire records."""
 
-Who uses what: the decode worker turns the global page ids its EP engine hands out into (rank, that rank's
-pages) with `split_rank_pages` and names the rank in the KvHandle; the kv-broker checks a handle against
-`target_pool`; the prefill worker writes into the session and layout `target_pool` gives.
-"""
+# Who uses what: the decode worker turns the global page ids its EP engine hands out into (rank, that rank's
+# pages) with `split_rank_pages` and names the rank in the KvHandle; the kv-broker checks a handle against
+# `target_pool`; the prefill worker writes into the session and layout `target_pool` gives.
 
 from __future__ import annotations
 
