@@ -1,11 +1,10 @@
-"""A benchmark run: warm-up, then the requests on their arrival schedule under a concurrency limit.
+"""A benchmark run: warm-up, then the requests on their arrival schedule under a concurrency limit."""
 
-`run_load` is the loop (used as-is by the slow-down experiment, which watches the server while it
-runs); `run_split` is the same over client processes (procs.py); `run_benchmark` adds the streaming
-client, warm-up, progress bar and the summary. A request is released at its arrival time (schedule.py),
-then waits for a free slot when `max_concurrency` is set. Clients (`Clients`): raw_client.RawClient for
-http:// (a few us of CPU per streamed event), client.HttpxClient for https:// or when asked.
-"""
+# `run_load` is the loop (used as-is by the slow-down experiment, which watches the server while it
+# runs); `run_split` is the same over client processes (procs.py); `run_benchmark` adds the streaming
+# client, warm-up, progress bar and the summary. A request is released at its arrival time (schedule.py),
+# then waits for a free slot when `max_concurrency` is set. Clients (`Clients`): raw_client.RawClient for
+# http:// (the least CPU per streamed event), client.HttpxClient for https:// or when asked.
 
 from __future__ import annotations
 

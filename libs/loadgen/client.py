@@ -1,14 +1,13 @@
-"""One streamed request against an OpenAI-compatible server, timed chunk by chunk.
+"""One streamed request against an OpenAI-compatible server, timed chunk by chunk."""
 
-Backends: `openai` posts to `/v1/completions` (prompt as text or token ids), `openai-chat` to
-`/v1/chat/completions` (one user message of text). Every request streams with
-`stream_options.include_usage`, so the token counts come from the server's usage, and sets
-`ignore_eos: true` so each output runs to its max_tokens (vLLM and SGLang accept the field; a strict
-OpenAI server may not, which `extra_body` cannot remove: use it against servers that do).
-
-Parsing (`parse_chunk`) is pure; `send` does the I/O and never raises for a failed request: the
-failure is recorded in the RequestRecord (HTTP status, error event, broken stream).
-"""
+# Backends: `openai` posts to `/v1/completions` (prompt as text or token ids), `openai-chat` to
+# `/v1/chat/completions` (one user message of text). Every request streams with
+# `stream_options.include_usage`, so the token counts come from the server's usage, and sets
+# `ignore_eos: true` so each output runs to its max_tokens (vLLM and SGLang accept the field; a strict
+# OpenAI server may not, which `extra_body` cannot remove: use it against servers that do).
+#
+# Parsing (`parse_chunk`) is pure; `send` does the I/O and never raises for a failed request: the
+# failure is recorded in the RequestRecord (HTTP status, error event, broken stream).
 
 from __future__ import annotations
 

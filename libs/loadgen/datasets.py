@@ -1,14 +1,13 @@
-"""Benchmark prompts: random token ids, shared-prefix groups, or a JSONL file.
+"""Benchmark prompts: random token ids, shared-prefix groups, or a JSONL file."""
 
-Lengths follow SGLang's bench_serving: with `range_ratio` r, an input (or output) length is drawn
-uniformly from [max(int(L * r), 1), L], both ends included, so r = 1 fixes every length at L and
-r = 0 spreads them over [1, L]. Every generator takes a seed and uses its own numpy Generator, so the
-same arguments give the same prompts in any process.
-
-Prompts are token ids where they can be (random, shared-prefix): an OpenAI completions server takes
-them as-is, so the input length is exact without a tokenizer. A chat endpoint needs text: `to_text`
-decodes the ids with the model's tokenizer (the server's own count then comes back in `usage`).
-"""
+# Lengths follow SGLang's bench_serving: with `range_ratio` r, an input (or output) length is drawn
+# uniformly from [max(int(L * r), 1), L], both ends included, so r = 1 fixes every length at L and
+# r = 0 spreads them over [1, L]. Every generator takes a seed and uses its own numpy Generator, so the
+# same arguments give the same prompts in any process.
+#
+# Prompts are token ids where they can be (random, shared-prefix): an OpenAI completions server takes
+# them as-is, so the input length is exact without a tokenizer. A chat endpoint needs text: `to_text`
+# decodes the ids with the model's tokenizer (the server's own count then comes back in `usage`).
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""PNG plots of benchmark results with matplotlib (Figure objects, no pyplot state, no display).
+"""PNG plots of benchmark results with matplotlib (Figure objects, no pyplot state, no display)."""
 
-- latency CDFs: TTFT, TPOT, ITL and E2E, one line per run (e.g. per concurrency of a sweep);
-- sweep: output throughput against concurrency, median TPOT and median E2E latency;
-- slow-down: the decode batch and the token rate over time, with the release marked.
-"""
+# - latency CDFs: TTFT, TPOT, ITL and E2E, one line per run (e.g. per concurrency of a sweep);
+# - sweep: output throughput against concurrency, median TPOT and median E2E latency;
+# - slow-down: the decode batch and the token rate over time, with the release marked.
 
 from __future__ import annotations
 

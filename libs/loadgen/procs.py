@@ -1,15 +1,14 @@
-"""A run's requests split over client processes (`moemesh bench --client-procs N`), merged into one run.
+"""A run's requests split over client processes (`moemesh bench --client-procs N`), merged into one run."""
 
-One asyncio process streams at most ~1/(CPU per event) events/s (raw client: a few us; httpx: ~75 us), so
-a server faster than that is measured as slow as its client. `ClientProcs` starts N children
-(`python -m libs.loadgen.procs SPEC OUT`, the spec a JSON file: no pickled arguments), deals request i to
-child i % N with its arrival time from the one schedule of the run and 1/N of the concurrency limit, and
-waits until every child says it is ready; `run(t0)` then sends each the run's clock base and start time,
-counts their finished requests (one line each on stdout) and merges their records (a JSON file each) in
-request order. Times are seconds of time.monotonic (CLOCK_MONOTONIC: one clock for every process of the
-machine) minus t0, so the children's chunk times line up with the parent's own clock (the slow-down
-release). The parent keeps everything else: warm-up, admin calls, the summary.
-"""
+# One asyncio process streams at most 1/(CPU per event) events/s, so a server faster than that is measured
+# as slow as its client. `ClientProcs` starts N children
+# (`python -m libs.loadgen.procs SPEC OUT`, the spec a JSON file: no pickled arguments), deals request i to
+# child i % N with its arrival time from the one schedule of the run and 1/N of the concurrency limit, and
+# waits until every child says it is ready; `run(t0)` then sends each the run's clock base and start time,
+# counts their finished requests (one line each on stdout) and merges their records (a JSON file each) in
+# request order. Times are seconds of time.monotonic (CLOCK_MONOTONIC: one clock for every process of the
+# machine) minus t0, so the children's chunk times line up with the parent's own clock (the slow-down
+# release). The parent keeps everything else: warm-up, admin calls, the summary.
 
 from __future__ import annotations
 

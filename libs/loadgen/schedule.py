@@ -1,9 +1,8 @@
-"""When each request is released: a Poisson process at `request_rate`, or all at once.
+"""When each request is released: a Poisson process at `request_rate`, or all at once."""
 
-As in SGLang's bench_serving, the first request goes at t = 0 and the gap before each next one is
-exponential with mean 1 / rate, so arrivals form a Poisson process. A concurrency limit applies on top:
-a released request still waits for a free slot.
-"""
+# As in SGLang's bench_serving, the first request goes at t = 0 and the gap before each next one is
+# exponential with mean 1 / rate, so arrivals form a Poisson process. A concurrency limit applies on top:
+# a released request still waits for a free slot.
 
 from __future__ import annotations
 

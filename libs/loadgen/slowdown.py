@@ -1,14 +1,13 @@
-"""The seed's way to measure decode at a full batch: hold decode back, let the batch fill, release.
+"""The seed's way to measure decode at a full batch: hold decode back, let the batch fill, release."""
 
-With the gateway's admin endpoints (`POST /admin/slowdown`, `GET /admin/workers`, enabled by
-`MOEMESH_GATEWAY_ENABLE_ADMIN`), every decode worker sleeps before each forward, so requests keep
-joining (their KV arrives from prefill) while few tokens are produced. Once the running batch reaches
-the target (or stops growing: the workers' maximum), the sleep is switched off and the client measures
-decode tokens/s while every request is still running: from the release to the first completion.
-The same requests without slow-down give the comparison.
-
-`release_reason` is the pure policy; `run_phase` does the I/O.
-"""
+# With the gateway's admin endpoints (`POST /admin/slowdown`, `GET /admin/workers`, enabled by
+# `MOEMESH_GATEWAY_ENABLE_ADMIN`), every decode worker sleeps before each forward, so requests keep
+# joining (their KV arrives from prefill) while few tokens are produced. Once the running batch reaches
+# the target (or stops growing: the workers' maximum), the sleep is switched off and the client measures
+# decode tokens/s while every request is still running: from the release to the first completion.
+# The same requests without slow-down give the comparison.
+#
+# `release_reason` is the pure policy; `run_phase` does the I/O.
 
 from __future__ import annotations
 
@@ -121,8 +120,8 @@ async def _watch(
             why = release_reason(batch, peak, now - grown_at, now - started, prefilling, cfg)
             if why is not None:
                 # Stamped before the call: the workers run at full speed from some moment inside it, and a short
-                # decode can finish before the reply is back (a loaded CI box: every request ended "before"
-                # a release stamped after the call, and the full-batch window was empty).
+                # decode can finish before the reply is back (on a loaded machine, a release stamped after the
+                # call can come after every request ended, leaving the full-batch window empty).
                 released = clock()
                 await admin.set_slowdown(0)
                 w.release_s, w.reason, w.batch_at_release = released, why, batch
@@ -163,7 +162,7 @@ def decode_phase(records: Sequence[RequestRecord]) -> dict[str, Any]:
 def slowdown_endpoint(ep: Endpoint) -> Endpoint:
     """Exact tokens per chunk (the window counts tokens, not chunks) from the usage on every chunk, not
     from logprobs, which cost the server their computation (and, in an engine that computes them apart from
-    sampling, as this one did before 2026-12-02, its fast decode path)."""
+    sampling, its fast decode path)."""
     return replace(ep, chunk_usage=True, chunk_logprobs=False)
 
 

@@ -1,15 +1,14 @@
-"""Per-request timings and the serving metrics computed from them (pure arithmetic, no I/O).
+"""Per-request timings and the serving metrics computed from them (pure arithmetic, no I/O)."""
 
-Times are seconds on one monotonic clock shared by every request of a run. Definitions (SGLang's
-bench_serving, vLLM's benchmark_serving):
-- TTFT: first content chunk's arrival minus the send time.
-- E2E: the stream's end minus the send time.
-- TPOT: (E2E - TTFT) / (output tokens - 1), for requests with more than one output token.
-- ITL: gaps between consecutive content chunks of one request (a chunk may carry several tokens).
-- Throughput: completed requests, input tokens and output tokens per second of wall time.
-- Achieved concurrency: the sum of request durations over the wall time (mean requests in flight).
-Distributions report mean, median, p90 and p99 (numpy's linear interpolation), in milliseconds.
-"""
+# Times are seconds on one monotonic clock shared by every request of a run. Definitions (SGLang's
+# bench_serving, vLLM's benchmark_serving):
+# - TTFT: first content chunk's arrival minus the send time.
+# - E2E: the stream's end minus the send time.
+# - TPOT: (E2E - TTFT) / (output tokens - 1), for requests with more than one output token.
+# - ITL: gaps between consecutive content chunks of one request (a chunk may carry several tokens).
+# - Throughput: completed requests, input tokens and output tokens per second of wall time.
+# - Achieved concurrency: the sum of request durations over the wall time (mean requests in flight).
+# Distributions report mean, median, p90 and p99 (numpy's linear interpolation), in milliseconds.
 
 from __future__ import annotations
 
