@@ -1,17 +1,16 @@
-"""When a supervised service that exited is started again, as pure functions of (record, policy, now).
+"""When a supervised service that exited is started again, as pure functions of (record, policy, now)."""
 
-The rule is systemd's `Restart=always` with `StartLimitBurst` / `StartLimitIntervalSec`, plus
-Kubernetes' CrashLoopBackOff delays:
-
-- every exit is restarted after a delay that doubles with each exit still inside the window
-  (`backoff_s`, `2 * backoff_s`, ... capped at `max_backoff_s`);
-- an exit that would make more than `max_restarts` restarts inside `window_s` gives the service up: it
-  stays down (loudly, the caller prints why) and the rest of the mesh keeps serving;
-- exits older than the window are forgotten, so a service that crashes once a day is always restarted
-  at the first delay.
-
-The supervisor (libs.launch.supervisor) owns the processes and the clock; this module owns no I/O.
-"""
+# The rule is systemd's `Restart=always` with `StartLimitBurst` / `StartLimitIntervalSec`, plus
+# Kubernetes' CrashLoopBackOff delays:
+#
+# - every exit is restarted after a delay that doubles with each exit still inside the window
+#   (`backoff_s`, `2 * backoff_s`, ... capped at `max_backoff_s`);
+# - an exit that would make more than `max_restarts` restarts inside `window_s` gives the service up: it
+#   stays down (loudly, the caller prints why) and the rest of the mesh keeps serving;
+# - exits older than the window are forgotten, so a service that crashes once a day is always restarted
+#   at the first delay.
+#
+# The supervisor (libs.launch.supervisor) owns the processes and the clock; this module owns no I/O.
 
 from __future__ import annotations
 

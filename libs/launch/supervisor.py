@@ -1,13 +1,12 @@
 """Start, watch, restart and stop the mesh's service processes (`python -m services.<name>`, or any
-command such as the embedded nats-server).
+command such as the embedded nats-server)."""
 
-Used by `moemesh up`, the e2e tests and the chaos benchmark alike (through libs.launch.mesh). Each child
-gets its own log file and its own process group, so a stop reaches whatever it spawned (e.g. EP ranks).
-`poll()` is the supervision step: a child that exited is restarted after its backoff or given up on, by
-the pure rule in libs.launch.restart_policy; it returns what happened, for the caller to print.
-Stopping is SIGTERM (the services drain), then SIGKILL after a grace period. A spec's ports file is
-removed before each start, so what is read from it afterwards comes from the process now running.
-"""
+# Used by `moemesh up`, the e2e tests and the chaos benchmark alike (through libs.launch.mesh). Each child
+# gets its own log file and its own process group, so a stop reaches whatever it spawned (e.g. EP ranks).
+# `poll()` is the supervision step: a child that exited is restarted after its backoff or given up on, by
+# the pure rule in libs.launch.restart_policy; it returns what happened, for the caller to print.
+# Stopping is SIGTERM (the services drain), then SIGKILL after a grace period. A spec's ports file is
+# removed before each start, so what is read from it afterwards comes from the process now running.
 
 from __future__ import annotations
 
