@@ -1,12 +1,11 @@
 """Overload for a fixed time: open-loop arrivals at a multiple of the mesh's measured capacity, and the
-resident memory of every service process sampled from /proc while it lasts.
+resident memory of every service process sampled from /proc while it lasts."""
 
-Capacity is measured first (requests/s finished with a fixed concurrency). During the overload each
-arrival is one short non-streaming completion; the answers are counted by status (200, 429 with
-Retry-After, other), and every admitted request must finish (200, or a clean error) before its
-deadline. Client concurrency is capped, so the load generator itself stays bounded: arrivals due while
-`max_in_flight` requests are open are not sent (`client_capped`), and `sent_rps` is the rate delivered.
-"""
+# Capacity is measured first (requests/s finished with a fixed concurrency). During the overload each
+# arrival is one short non-streaming completion; the answers are counted by status (200, 429 with
+# Retry-After, other), and every admitted request must finish (200, or a clean error) before its
+# deadline. Client concurrency is capped, so the load generator itself stays bounded: arrivals due while
+# `max_in_flight` requests are open are not sent (`client_capped`), and `sent_rps` is the rate delivered.
 
 from __future__ import annotations
 

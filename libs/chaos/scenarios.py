@@ -1,13 +1,12 @@
-"""The fault scenarios on a running, supervised Mesh, shared by the chaos e2e tests and bench/chaos.py.
+"""The fault scenarios on a running, supervised Mesh, shared by the chaos e2e tests and bench/chaos.py."""
 
-Every fault is a SIGKILL, as a crash would be: of a decode worker, a prefill worker, a scheduler replica,
-the kv-broker or the nats-server. Nothing here starts the killed service again: the launcher's
-supervisor (libs.launch.supervisor, the same one `moemesh up` runs) does, and `run_fault` measures it.
-`run_fault` streams every prompt (greedy, ignore_eos, long enough that none has finished when the fault
-strikes), strikes once the traffic reaches a point (`after` = so many requests with so many chunks each),
-waits until the supervisor has the killed service back and serving, waits for the leak check on every
-worker, and returns the table row.
-"""
+# Every fault is a SIGKILL, as a crash would be: of a decode worker, a prefill worker, a scheduler replica,
+# the kv-broker or the nats-server. Nothing here starts the killed service again: the launcher's
+# supervisor (libs.launch.supervisor, the same one `moemesh up` runs) does, and `run_fault` measures it.
+# `run_fault` streams every prompt (greedy, ignore_eos, long enough that none has finished when the fault
+# strikes), strikes once the traffic reaches a point (`after` = so many requests with so many chunks each),
+# waits until the supervisor has the killed service back and serving, waits for the leak check on every
+# worker, and returns the table row.
 
 from __future__ import annotations
 
