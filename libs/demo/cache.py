@@ -1,10 +1,9 @@
-"""Where the demo model lives: built on first use under ~/.cache/moemesh, reused while its key matches.
+"""Where the demo model lives: built on first use under ~/.cache/moemesh, reused while its key matches."""
 
-The key hashes what determines the weights (the corpus, the training settings, the torch version), so
-a changed Python (another pydoc corpus) or a changed recipe builds a new folder instead of serving a
-stale one. The folder is written beside its final name and renamed into place, so an interrupted
-build never leaves a half-written model where `moemesh up` would serve it.
-"""
+# The key hashes what determines the weights (the corpus, the training settings, the torch version), so
+# a changed Python (another pydoc corpus) or a changed recipe builds a new folder instead of serving a
+# stale one. The folder is written beside its final name and renamed into place, so an interrupted
+# build never leaves a half-written model where `moemesh up` would serve it.
 
 from __future__ import annotations
 

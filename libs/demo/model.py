@@ -1,17 +1,16 @@
-"""A trainable DeepSeek-V3 (plain torch, autograd) whose parameters carry the checkpoint's names.
+"""A trainable DeepSeek-V3 (plain torch, autograd) whose parameters carry the checkpoint's names."""
 
-The serving model (libs/engine/models/deepseek_v3.py) is inference-only (paged KV, no autograd), so
-training uses this compact twin over whole sequences: the same MLA math in expanded form, the engine's
-own YaRN RoPE (`RotaryEmbedding`) and noaux_tc gate (`select_experts`), routed experts stacked per layer,
-shared experts, and one MTP module (DeepSeek-V3's multi-token prediction: enorm, hnorm, eh_proj, one
-decoder block, shared_head) that predicts token i+2 from the main model's final hidden state at i and
-the embedding of token i+1. `state_dict_hf()` returns the tensors under DeepSeek's checkpoint names
-(experts one tensor each, the MTP module as layer `num_hidden_layers`), which the engine's loader and
-transformers both read.
-
-Legend: B batch, T tokens, D hidden, H heads, N qk_nope_head_dim, r qk_rope_head_dim, R kv_lora_rank,
-V v_head_dim, E routed experts, I moe_intermediate_size, K experts per token.
-"""
+# The serving model (libs/engine/models/deepseek_v3.py) is inference-only (paged KV, no autograd), so
+# training uses this compact twin over whole sequences: the same MLA math in expanded form, the engine's
+# own YaRN RoPE (`RotaryEmbedding`) and noaux_tc gate (`select_experts`), routed experts stacked per layer,
+# shared experts, and one MTP module (DeepSeek-V3's multi-token prediction: enorm, hnorm, eh_proj, one
+# decoder block, shared_head) that predicts token i+2 from the main model's final hidden state at i and
+# the embedding of token i+1. `state_dict_hf()` returns the tensors under DeepSeek's checkpoint names
+# (experts one tensor each, the MTP module as layer `num_hidden_layers`), which the engine's loader and
+# transformers both read.
+#
+# Legend: B batch, T tokens, D hidden, H heads, N qk_nope_head_dim, r qk_rope_head_dim, R kv_lora_rank,
+# V v_head_dim, E routed experts, I moe_intermediate_size, K experts per token.
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""The demo model's text: the pydoc topics every CPython ships (`pydoc_data.topics`, about 465 KB).
+"""The demo model's text: the pydoc topics every CPython ships (`pydoc_data.topics`, about 465 KB)."""
 
-The text is split into paragraphs (blank-line separated, topic order, sorted by topic name); every
-`HELD_OUT_EVERY`-th paragraph is held out for the evaluation loss and never trained on, tokenizer
-included. Different Python versions ship slightly different topics, so the corpus digest is part of
-the demo model's cache key.
-"""
+# The text is split into paragraphs (blank-line separated, topic order, sorted by topic name); every
+# `HELD_OUT_EVERY`-th paragraph is held out for the evaluation loss and never trained on, tokenizer
+# included. Different Python versions ship slightly different topics, so the corpus digest is part of
+# the demo model's cache key.
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
-"""Train the demo model on the pydoc corpus and write it as a DeepSeek-V3 checkpoint folder.
+"""Train the demo model on the pydoc corpus and write it as a DeepSeek-V3 checkpoint folder."""
 
-`build_demo_model(out_dir)` trains the byte-level BPE tokenizer (libs/tokenizer/build.py) and the
-model (libs/demo/model.py) on the training paragraphs, measures the held-out loss, and writes
-config.json (DeepSeek's keys, `num_nextn_predict_layers: 1`), model.safetensors in DeepSeek's names
-(MTP module as layer `num_hidden_layers`), generation_config.json, the tokenizer files and
-`training.json` (settings, losses, wall time). Deterministic in the seed on one machine and torch build.
-
-Loss: next-token cross-entropy plus `mtp_weight` times the MTP module's t+2 cross-entropy, as DeepSeek-V3
-trains; expert load is balanced by the bias rule (no auxiliary loss).
-"""
+# `build_demo_model(out_dir)` trains the byte-level BPE tokenizer (libs/tokenizer/build.py) and the
+# model (libs/demo/model.py) on the training paragraphs, measures the held-out loss, and writes
+# config.json (DeepSeek's keys, `num_nextn_predict_layers: 1`), model.safetensors in DeepSeek's names
+# (MTP module as layer `num_hidden_layers`), generation_config.json, the tokenizer files and
+# `training.json` (settings, losses, wall time). Deterministic in the seed on one machine and torch build.
+#
+# Loss: next-token cross-entropy plus `mtp_weight` times the MTP module's t+2 cross-entropy, as DeepSeek-V3
+# trains; expert load is balanced by the bias rule (no auxiliary loss).
 
 from __future__ import annotations
 
@@ -52,7 +51,7 @@ class TrainSettings:
     mtp_weight: float = 0.3
     bias_rate: float = 1e-3  # noaux_tc correction-bias step per balance
     seed: int = 0
-    threads: int = 1  # on a shared 2-core machine one thread ran 3-5x faster than two
+    threads: int = 1  # on a small shared machine, more threads contend for the same cores
     config: tuple[tuple[str, Any], ...] = ()  # overrides of DEMO_CONFIG (tests shrink the model)
 
     def model_config(self) -> dict[str, Any]:
