@@ -1,18 +1,17 @@
-"""A monotonic clock that stands still while this process's event loop is stalled.
+"""A monotonic clock that stands still while this process's event loop is stalled."""
 
-Silence from a peer proves it dead only while we were listening. When our own loop is blocked or
-saturated (a long callback, a GC pause, a starved CPU on a loaded host), the peer's heartbeats wait
-unread in the socket, and a wall clock would count that time as the peer's silence: the false deaths a
-loaded process sees. This clock excludes those stalls, so a liveness table fed with its readings counts
-missed heartbeat intervals, not our own jitter.
-
-How: a monitor task wakes every `tick_s`; a wake later than `slack_s` past its due time is a stall,
-and that excess is subtracted. A reading taken while the monitor is overdue (inside a stall that has
-not ended yet) already stands still, so the first callback after a stall never sees the stall's time.
-Without a running monitor (not started) it reads the base clock.
-
-Side: the owner `start()`s and `stop()`s it on its loop; anyone may read it (`clock()`).
-"""
+# Silence from a peer proves it dead only while we were listening. When our own loop is blocked or
+# saturated (a long callback, a GC pause, a starved CPU on a loaded host), the peer's heartbeats wait
+# unread in the socket, and a wall clock would count that time as the peer's silence: the false deaths a
+# loaded process sees. This clock excludes those stalls, so a liveness table fed with its readings counts
+# missed heartbeat intervals, not our own jitter.
+#
+# How: a monitor task wakes every `tick_s`; a wake later than `slack_s` past its due time is a stall,
+# and that excess is subtracted. A reading taken while the monitor is overdue (inside a stall that has
+# not ended yet) already stands still, so the first callback after a stall never sees the stall's time.
+# Without a running monitor (not started) it reads the base clock.
+#
+# Side: the owner `start()`s and `stop()`s it on its loop; anyone may read it (`clock()`).
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """The liveness rule, as pure code: a node is dead once unheard for `dead_after_intervals` times its own
 heartbeat interval, or at once when it says it is gone. Times are local monotonic seconds passed in
-(receive time, so clock skew between hosts does not matter).
+(receive time, so clock skew between hosts does not matter)."""
 
-A node can be `assume`d alive before it was ever heard (a request names a holder this process has not
-heard from yet): it gets one grace period from then, with a default interval, and is declared dead if
-no heartbeat follows. After this process's own outage (its bus was disconnected, so silence proves
-nothing) `restart_clock` gives every node a fresh grace period.
-"""
+# A node can be `assume`d alive before it was ever heard (a request names a holder this process has not
+# heard from yet): it gets one grace period from then, with a default interval, and is declared dead if
+# no heartbeat follows. After this process's own outage (its bus was disconnected, so silence proves
+# nothing) `restart_clock` gives every node a fresh grace period.
 
 from __future__ import annotations
 

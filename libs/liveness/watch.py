@@ -1,17 +1,16 @@
 """A LivenessTable fed from the bus: worker heartbeats of the roles the caller relies on
 (proto.subjects.heartbeat: WorkerHeartbeat / WorkerGone) and, when asked, scheduler heartbeats
-(SCHED_HEARTBEAT), with a timer that declares the silent dead.
+(SCHED_HEARTBEAT), with a timer that declares the silent dead."""
 
-Silence is measured on a StallClock: time this process's own event loop spent stalled (heartbeats
-waiting unread) does not count against anyone, so a loaded process does not declare its peers dead.
-A process that already subscribes to heartbeats passes `subscribe=False` to `start` and hands each
-message to `on_worker` / `on_scheduler` (one delivery per heartbeat per process, not one per user).
-
-Caller side: `watch(node)` before relying on a node (an unknown one gets a grace period), and the
-callbacks `on_dead(node_ids)` (once per death) and `on_reconnect()` (this process's own bus
-connection came back: messages may have been lost meanwhile). While our own connection is down, silence
-proves nothing, so nobody is declared dead then; afterwards everyone gets a fresh grace period.
-"""
+# Silence is measured on a StallClock: time this process's own event loop spent stalled (heartbeats
+# waiting unread) does not count against anyone, so a loaded process does not declare its peers dead.
+# A process that already subscribes to heartbeats passes `subscribe=False` to `start` and hands each
+# message to `on_worker` / `on_scheduler` (one delivery per heartbeat per process, not one per user).
+#
+# Caller side: `watch(node)` before relying on a node (an unknown one gets a grace period), and the
+# callbacks `on_dead(node_ids)` (once per death) and `on_reconnect()` (this process's own bus
+# connection came back: messages may have been lost meanwhile). While our own connection is down, silence
+# proves nothing, so nobody is declared dead then; afterwards everyone gets a fresh grace period.
 
 from __future__ import annotations
 
