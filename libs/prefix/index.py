@@ -1,25 +1,24 @@
 """The prefix index (the kv-broker's, and each scheduler's replica of it): which worker holds which KV
-block, built from the workers' KV events. Pure: no I/O; times (monotonic seconds) are passed in.
+block, built from the workers' KV events. Pure: no I/O; times (monotonic seconds) are passed in."""
 
-Per worker it keeps the epoch and last seq applied, the set of block hashes held, and whether it is
-resyncing. Rules:
-- The next seq (last + 1) applies; an older or repeated one is ignored (a snapshot already covered it).
-- A seq jump means missed events: the worker is *resyncing*. Its later events are buffered (bounded)
-  and `apply` returns True: the caller asks the worker for a KvSnapshot (keeping at most one request in
-  flight; `needs_snapshot` says whether one is still wanted). Until it arrives the old blocks still
-  answer queries: slightly stale beats empty.
-- A first event of an unknown worker or a new epoch (the worker restarted, its cache is empty): the old
-  blocks are dropped; seq 1 applies at once, anything later starts a resync.
-- A snapshot replaces the worker's blocks as of its seq, then the buffered events after it are replayed
-  in order (a gap among them starts another resync). A snapshot of the same epoch older than what is
-  applied already is ignored, as the events it would undo are already in.
-- Liveness: every message from a worker (heartbeat, event, snapshot) moves its deadline to now +
-  `dead_after_intervals` x its heartbeat interval; `expire` drops workers past it, `drop_worker` one that
-  said WorkerGone. A dead worker's blocks must not attract requests.
-
-Overlap: for a prompt's block hashes (in order), each worker's run of leading blocks it holds; radix
-caches evict leaves first, so a worker holding block i almost always holds 0..i-1 too.
-"""
+# Per worker it keeps the epoch and last seq applied, the set of block hashes held, and whether it is
+# resyncing. Rules:
+# - The next seq (last + 1) applies; an older or repeated one is ignored (a snapshot already covered it).
+# - A seq jump means missed events: the worker is *resyncing*. Its later events are buffered (bounded)
+#   and `apply` returns True: the caller asks the worker for a KvSnapshot (keeping at most one request in
+#   flight; `needs_snapshot` says whether one is still wanted). Until it arrives the old blocks still
+#   answer queries: slightly stale beats empty.
+# - A first event of an unknown worker or a new epoch (the worker restarted, its cache is empty): the old
+#   blocks are dropped; seq 1 applies at once, anything later starts a resync.
+# - A snapshot replaces the worker's blocks as of its seq, then the buffered events after it are replayed
+#   in order (a gap among them starts another resync). A snapshot of the same epoch older than what is
+#   applied already is ignored, as the events it would undo are already in.
+# - Liveness: every message from a worker (heartbeat, event, snapshot) moves its deadline to now +
+#   `dead_after_intervals` x its heartbeat interval; `expire` drops workers past it, `drop_worker` one that
+#   said WorkerGone. A dead worker's blocks must not attract requests.
+#
+# Overlap: for a prompt's block hashes (in order), each worker's run of leading blocks it holds; radix
+# caches evict leaves first, so a worker holding block i almost always holds 0..i-1 too.
 
 from __future__ import annotations
 

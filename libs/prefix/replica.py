@@ -1,18 +1,17 @@
 """A prefix index kept current from the bus (index.py holds the rules): the kv-broker's directory and
-each scheduler's local replica are one of these.
+each scheduler's local replica are one of these."""
 
-Subscriptions, on the owner's connection:
-- proto.subjects.KV_EVENTS_ALL (no queue group: every replica builds the whole index): BlocksStored /
-  BlocksRemoved, applied in arrival order.
-- proto.subjects.HEARTBEAT_ALL: liveness (a worker silent for dead_after_intervals heartbeats, or one that
-  sent WorkerGone, leaves the index), and discovery: a worker heard but not indexed (a replica that just
-  started, a worker with an empty cache that never sent an event) is asked for a snapshot.
-Snapshots (on a gap or discovery): KvSnapshotRequest to proto.subjects.kv_snapshot(worker), the worker
-being the source of truth, at most one in flight per worker and at most one attempt per
-`resync_backoff_s` for a worker that does not answer. The index is soft state, rebuilt from the workers.
-Metrics are named `<metric_prefix>_blocks`, `_entries`, `_workers`, `_events`, `_resyncs{reason}`,
-`_resync_failures`, `_workers_dropped{reason}`.
-"""
+# Subscriptions, on the owner's connection:
+# - proto.subjects.KV_EVENTS_ALL (no queue group: every replica builds the whole index): BlocksStored /
+#   BlocksRemoved, applied in arrival order.
+# - proto.subjects.HEARTBEAT_ALL: liveness (a worker silent for dead_after_intervals heartbeats, or one that
+#   sent WorkerGone, leaves the index), and discovery: a worker heard but not indexed (a replica that just
+#   started, a worker with an empty cache that never sent an event) is asked for a snapshot.
+# Snapshots (on a gap or discovery): KvSnapshotRequest to proto.subjects.kv_snapshot(worker), the worker
+# being the source of truth, at most one in flight per worker and at most one attempt per
+# `resync_backoff_s` for a worker that does not answer. The index is soft state, rebuilt from the workers.
+# Metrics are named `<metric_prefix>_blocks`, `_entries`, `_workers`, `_events`, `_resyncs{reason}`,
+# `_resync_failures`, `_workers_dropped{reason}`.
 
 from __future__ import annotations
 
