@@ -1,13 +1,12 @@
 """DeepSeek-V3's FP8 formats, the one home of their constants and torch math (no Triton: the CPU image
-imports this; libs/kernels holds the Triton kernels of the same math and tests them against it).
+imports this; libs/kernels holds the Triton kernels of the same math and tests them against it)."""
 
-- Activations, 1x128: x [..., D] -> float8_e4m3fn [..., D] plus one float32 scale per row and 128-wide
-  group ([..., D/128]); scale = max(amax, min_amax) / 448, x ~= q * scale. The engine's FP8 GEMMs
-  quantize their inputs this way on the fly, and EP dispatch sends hidden states this way (DeepEP's format).
-- Weights, 128x128 blocks: a weight W [M, N] is stored as `<name>` (float8_e4m3fn [M, N]) plus
-  `<name>_scale_inv` (float32 [ceil(M/bm), ceil(N/bn)], block (bm, bn) = quantization_config's
-  weight_block_size, 128x128 in DeepSeek-V3). W = fp8 * scale_inv of its block; edge blocks are partial.
-"""
+# - Activations, 1x128: x [..., D] -> float8_e4m3fn [..., D] plus one float32 scale per row and 128-wide
+#   group ([..., D/128]); scale = max(amax, min_amax) / 448, x ~= q * scale. The engine's FP8 GEMMs
+#   quantize their inputs this way on the fly, and EP dispatch sends hidden states this way (DeepEP's format).
+# - Weights, 128x128 blocks: a weight W [M, N] is stored as `<name>` (float8_e4m3fn [M, N]) plus
+#   `<name>_scale_inv` (float32 [ceil(M/bm), ceil(N/bn)], block (bm, bn) = quantization_config's
+#   weight_block_size, 128x128 in DeepSeek-V3). W = fp8 * scale_inv of its block; edge blocks are partial.
 
 from __future__ import annotations
 
