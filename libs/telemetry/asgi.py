@@ -1,16 +1,15 @@
-"""`TracedApp`: the gateway's HTTP edge of a trace, as an ASGI wrapper around the API app.
+"""`TracedApp`: the gateway's HTTP edge of a trace, as an ASGI wrapper around the API app."""
 
-For each generation request (`POST /v1/chat/completions`, `/v1/completions`) it opens a SERVER span that
-is the root of the request's trace (or the child of the client's own `traceparent` header), and hands
-the span's traceparent to the app in place of the client's header, so the app, which already adopts
-that header as the context of what it sends on the bus, makes every later hop a child of this span.
-The span lasts until the response is fully sent (for SSE, until the last event), like the request.
-
-Metrics, in the app's registry: `moemesh_gateway_requests_received_total{endpoint}` counted on arrival,
-before the app sees the request (so `received == sum(moemesh_gateway_requests_total) + in flight`
-checks the app's own accounting), and `moemesh_gateway_e2e_request_latency_seconds{endpoint}` (vLLM's
-`e2e_request_latency_seconds`): arrival to the last byte sent.
-"""
+# For each generation request (`POST /v1/chat/completions`, `/v1/completions`) it opens a SERVER span that
+# is the root of the request's trace (or the child of the client's own `traceparent` header), and hands
+# the span's traceparent to the app in place of the client's header, so the app, which already adopts
+# that header as the context of what it sends on the bus, makes every later hop a child of this span.
+# The span lasts until the response is fully sent (for SSE, until the last event), like the request.
+#
+# Metrics, in the app's registry: `moemesh_gateway_requests_received_total{endpoint}` counted on arrival,
+# before the app sees the request (so `received == sum(moemesh_gateway_requests_total) + in flight`
+# checks the app's own accounting), and `moemesh_gateway_e2e_request_latency_seconds{endpoint}` (vLLM's
+# `e2e_request_latency_seconds`): arrival to the last byte sent.
 
 from __future__ import annotations
 

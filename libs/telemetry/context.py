@@ -1,9 +1,8 @@
-"""Request context that rides in NATS headers from hop to hop: W3C trace context and a deadline.
+"""Request context that rides in NATS headers from hop to hop: W3C trace context and a deadline."""
 
-While the bus runs a handler, the incoming message's `traceparent` and `Moemesh-Deadline` (epoch ms)
-are set in contextvars; every publish/request made from that handler carries them on. So a deadline
-set once at the gateway bounds every hop below it without being passed around by hand.
-"""
+# While the bus runs a handler, the incoming message's `traceparent` and `Moemesh-Deadline` (epoch ms)
+# are set in contextvars; every publish/request made from that handler carries them on. So a deadline
+# set once at the gateway bounds every hop below it without being passed around by hand.
 
 from __future__ import annotations
 

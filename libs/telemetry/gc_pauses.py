@@ -1,14 +1,13 @@
 """Python's garbage collector in a serving process: its pauses measured (every collection stops every thread
-of the process while it holds the GIL: the engine thread's step included), and the start-up heap frozen.
+of the process while it holds the GIL: the engine thread's step included), and the start-up heap frozen."""
 
-`GcPauses` hooks `gc.callbacks`: each collection's duration goes to the histogram
-`moemesh_gc_pause_seconds{generation}` and to a running total that a step trace reads before and after a
-step. `freeze_startup_heap` collects once and moves every object alive then (the model's modules, the
-tokenizer, compiled kernels' wrappers, warm-up leftovers) into the permanent generation, so later
-collections of the oldest generation do not walk them again: one such walk of a worker's start-up heap costs
-hundreds of milliseconds, and it lands in whichever decode step triggers it. vLLM freezes its engine's
-start-up heap the same way (`gc.freeze()` after start-up).
-"""
+# `GcPauses` hooks `gc.callbacks`: each collection's duration goes to the histogram
+# `moemesh_gc_pause_seconds{generation}` and to a running total that a step trace reads before and after a
+# step. `freeze_startup_heap` collects once and moves every object alive then (the model's modules, the
+# tokenizer, compiled kernels' wrappers, warm-up leftovers) into the permanent generation, so later
+# collections of the oldest generation do not walk them again: one such walk of a worker's start-up heap costs
+# hundreds of milliseconds, and it lands in whichever decode step triggers it. vLLM freezes its engine's
+# start-up heap the same way (`gc.freeze()` after start-up).
 
 from __future__ import annotations
 

@@ -1,20 +1,19 @@
-"""Per-request span and outcome metrics of a worker role, kept in one place so they always agree.
+"""Per-request span and outcome metrics of a worker role, kept in one place so they always agree."""
 
-A worker calls `start(rid, kind)` when a request becomes its own, `first_token(rid)` when it emits the
-first token, and `finish(rid, reason)` however it ends (finish reason, "cancelled", "error", ...);
-`request(rid, kind)` is the same as a `with` block for work that ends within one handler (a prefill).
-`finish` is idempotent and ignores unknown ids, so every path that may end a request can call it
-without double counting: `received_total == sum(finished_total) + running` always holds.
-
-Metric names (role = prefill | decode), after vLLM's / SGLang's where one exists:
-- `moemesh_<role>_requests_received_total{kind}`, `moemesh_<role>_requests_finished_total{reason}`
-  (vLLM `request_success_total{finished_reason}`), `moemesh_<role>_requests_running`
-- `moemesh_<role>_request_time_seconds` (received to finished on this worker)
-- `moemesh_<role>_time_to_first_token_seconds` (received to first token on this worker),
-  `moemesh_<role>_time_per_output_token_seconds` (first token to finish over the later tokens, vLLM's TPOT)
-- `moemesh_<role>_prefix_cache_queries_total` / `_hits_total` (prompt tokens looked up / found, as vLLM)
-  and `moemesh_<role>_prefix_cache_hit_rate` (hits / queries since start, as SGLang's cache_hit_rate)
-"""
+# A worker calls `start(rid, kind)` when a request becomes its own, `first_token(rid)` when it emits the
+# first token, and `finish(rid, reason)` however it ends (finish reason, "cancelled", "error", ...);
+# `request(rid, kind)` is the same as a `with` block for work that ends within one handler (a prefill).
+# `finish` is idempotent and ignores unknown ids, so every path that may end a request can call it
+# without double counting: `received_total == sum(finished_total) + running` always holds.
+#
+# Metric names (role = prefill | decode), after vLLM's / SGLang's where one exists:
+# - `moemesh_<role>_requests_received_total{kind}`, `moemesh_<role>_requests_finished_total{reason}`
+#   (vLLM `request_success_total{finished_reason}`), `moemesh_<role>_requests_running`
+# - `moemesh_<role>_request_time_seconds` (received to finished on this worker)
+# - `moemesh_<role>_time_to_first_token_seconds` (received to first token on this worker),
+#   `moemesh_<role>_time_per_output_token_seconds` (first token to finish over the later tokens, vLLM's TPOT)
+# - `moemesh_<role>_prefix_cache_queries_total` / `_hits_total` (prompt tokens looked up / found, as vLLM)
+#   and `moemesh_<role>_prefix_cache_hit_rate` (hits / queries since start, as SGLang's cache_hit_rate)
 
 from __future__ import annotations
 

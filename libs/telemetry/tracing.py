@@ -1,23 +1,22 @@
-"""OpenTelemetry tracing for one service, joined across processes through the bus's `traceparent`.
+"""OpenTelemetry tracing for one service, joined across processes through the bus's `traceparent`."""
 
-Each service owns a `Telemetry` (the Service shell makes one from the environment). Spans are started
-as children of the W3C `traceparent` in force (libs.telemetry.context: the one that came in the NATS headers
-of the message being handled), and while a span is open *its* context is the traceparent in force, so
-every message sent from inside it carries it on: one request is one trace across every process.
-
-Configuration is OpenTelemetry's own environment (read by the SDK and the OTLP exporters themselves):
-- `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`: export is on only when one is set
-  (or `OTEL_TRACES_EXPORTER=console`); otherwise `Telemetry` is a no-op whose spans cost an attribute
-  check and nothing is imported from the SDK.
-- `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL`: `http/protobuf` (default) or `grpc`.
-- `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` turn tracing off; `OTEL_TRACES_SAMPLER`,
-  `OTEL_BSP_*`, `OTEL_EXPORTER_OTLP_HEADERS` / `_TIMEOUT` / `_INSECURE` and `OTEL_RESOURCE_ATTRIBUTES` work
-  as documented by OpenTelemetry. `service.name` is always the service's own (gateway, scheduler,
-  kv-broker, prefill-worker, decode-worker), so one environment can be shared by every container.
-
-A disabled service still passes the incoming traceparent on unchanged, so a traced service downstream
-of an untraced one stays in the caller's trace.
-"""
+# Each service owns a `Telemetry` (the Service shell makes one from the environment). Spans are started
+# as children of the W3C `traceparent` in force (libs.telemetry.context: the one that came in the NATS headers
+# of the message being handled), and while a span is open *its* context is the traceparent in force, so
+# every message sent from inside it carries it on: one request is one trace across every process.
+#
+# Configuration is OpenTelemetry's own environment (read by the SDK and the OTLP exporters themselves):
+# - `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`: export is on only when one is set
+#   (or `OTEL_TRACES_EXPORTER=console`); otherwise `Telemetry` is a no-op whose spans cost an attribute
+#   check and nothing is imported from the SDK.
+# - `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL`: `http/protobuf` (default) or `grpc`.
+# - `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` turn tracing off; `OTEL_TRACES_SAMPLER`,
+#   `OTEL_BSP_*`, `OTEL_EXPORTER_OTLP_HEADERS` / `_TIMEOUT` / `_INSECURE` and `OTEL_RESOURCE_ATTRIBUTES` work
+#   as documented by OpenTelemetry. `service.name` is always the service's own (gateway, scheduler,
+#   kv-broker, prefill-worker, decode-worker), so one environment can be shared by every container.
+#
+# A disabled service still passes the incoming traceparent on unchanged, so a traced service downstream
+# of an untraced one stays in the caller's trace.
 
 from __future__ import annotations
 
