@@ -1,11 +1,10 @@
-"""Build the tiny byte-level BPE tokenizer that tiny checkpoints ship, locally and deterministically.
+"""Build the tiny byte-level BPE tokenizer that tiny checkpoints ship, locally and deterministically."""
 
-Nothing is downloaded: BPE is trained with `tokenizers` on the fixed text in corpus.py, so every run
-writes the same bytes (the trainer breaks count ties by pair id, and the files are written with a
-fixed key order). The special tokens and the chat template follow DeepSeek-V3's: begin/end of
-sentence are ids 0 and 1 as in DeepSeek's config.json, `<｜User｜>`/`<｜Assistant｜>` are added
-non-special tokens (so `decode(skip_special_tokens=True)` keeps them, as DeepSeek's tokenizer does).
-"""
+# Nothing is downloaded: BPE is trained with `tokenizers` on the fixed text in corpus.py, so every run
+# writes the same bytes (the trainer breaks count ties by pair id, and the files are written with a
+# fixed key order). The special tokens and the chat template follow DeepSeek-V3's: begin/end of
+# sentence are ids 0 and 1 as in DeepSeek's config.json, `<｜User｜>`/`<｜Assistant｜>` are added
+# non-special tokens (so `decode(skip_special_tokens=True)` keeps them, as DeepSeek's tokenizer does).
 
 from __future__ import annotations
 

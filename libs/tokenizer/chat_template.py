@@ -1,11 +1,10 @@
-"""Render Hugging Face chat templates (jinja2) the way transformers does, without transformers.
+"""Render Hugging Face chat templates (jinja2) the way transformers does, without transformers."""
 
-Templates are untrusted code from checkpoint folders, so they run in jinja's immutable sandbox with
-the same environment transformers builds (trim_blocks, lstrip_blocks, loopcontrols, a no-op
-`{% generation %}` tag, `raise_exception`, a `tojson` that does not HTML-escape, `strftime_now`), and
-everything the template sees is rebuilt from plain JSON types first. A template error (including
-`raise_exception`) surfaces as ValueError, which the gateway reports as a 400.
-"""
+# Templates are untrusted code from checkpoint folders, so they run in jinja's immutable sandbox with
+# the same environment transformers builds (trim_blocks, lstrip_blocks, loopcontrols, a no-op
+# `{% generation %}` tag, `raise_exception`, a `tojson` that does not HTML-escape, `strftime_now`), and
+# everything the template sees is rebuilt from plain JSON types first. A template error (including
+# `raise_exception`) surfaces as ValueError, which the gateway reports as a 400.
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""The fixed training text for the built-in tiny tokenizer (see build.py).
+"""The fixed training text for the built-in tiny tokenizer (see build.py)."""
 
-Hand-written English prose, Python, JSON and shell, so the merges look like a real tokenizer's
-(common words, indentation, punctuation) while the whole thing stays a few KB. Changing one character
-changes the tokenizer and every tiny checkpoint made from it, so edit only on purpose.
-"""
+# Hand-written English prose, Python, JSON and shell, so the merges look like a real tokenizer's
+# (common words, indentation, punctuation) while the whole thing stays a few KB. Changing one character
+# changes the tokenizer and every tiny checkpoint made from it, so edit only on purpose.
 
 CORPUS = r'''
 The model reads a prompt, one token at a time, and writes the next token. A serving system keeps many

@@ -1,17 +1,16 @@
-"""Streaming detokenization: text deltas from token ids, as vLLM's detokenize_incrementally does.
+"""Streaming detokenization: text deltas from token ids, as vLLM's detokenize_incrementally does."""
 
-Decoding token by token is wrong twice over: byte-level tokens can end inside a multi-byte UTF-8
-character (decoding alone gives U+FFFD), and sentencepiece-style decoders change a token's text by
-what precedes it (leading spaces). So each step decodes a short window of tokens twice, from
-`prefix_offset` to `read_offset` (text already emitted) and from `prefix_offset` to the end, and
-emits the difference. A delta ending in U+FFFD is held back until the character completes, so the
-concatenated deltas always equal a full decode of every token so far, minus a trailing partial
-character; `flush()` releases what is still held (a genuinely invalid byte sequence) at the end.
-Cost per step is bounded by the window, not by the length of the output.
-
-Ids the tokenizer does not know decode to nothing (a model's vocab may be padded past the tokenizer's,
-as DeepSeek-V3's is), so a stream never fails halfway; `Tokenizer.decode` itself stays strict.
-"""
+# Decoding token by token is wrong twice over: byte-level tokens can end inside a multi-byte UTF-8
+# character (decoding alone gives U+FFFD), and sentencepiece-style decoders change a token's text by
+# what precedes it (leading spaces). So each step decodes a short window of tokens twice, from
+# `prefix_offset` to `read_offset` (text already emitted) and from `prefix_offset` to the end, and
+# emits the difference. A delta ending in U+FFFD is held back until the character completes, so the
+# concatenated deltas always equal a full decode of every token so far, minus a trailing partial
+# character; `flush()` releases what is still held (a genuinely invalid byte sequence) at the end.
+# Cost per step is bounded by the window, not by the length of the output.
+#
+# Ids the tokenizer does not know decode to nothing (a model's vocab may be padded past the tokenizer's,
+# as DeepSeek-V3's is), so a stream never fails halfway; `Tokenizer.decode` itself stays strict.
 
 from __future__ import annotations
 

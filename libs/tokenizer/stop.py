@@ -1,11 +1,10 @@
-"""Stop strings matched on streamed text, with hold-back.
+"""Stop strings matched on streamed text, with hold-back."""
 
-Text that could be the start of a stop string is held back until the next delta decides it: either
-the stop string completes (the stream ends there and the stop string is cut, unless asked to keep
-it) or it does not (the held text is released). Every text the matcher returns is therefore final.
-Invariant: the held text is the longest suffix of the text seen that is a proper prefix of some stop
-string, so a match can never start inside text already returned.
-"""
+# Text that could be the start of a stop string is held back until the next delta decides it: either
+# the stop string completes (the stream ends there and the stop string is cut, unless asked to keep
+# it) or it does not (the held text is released). Every text the matcher returns is therefore final.
+# Invariant: the held text is the longest suffix of the text seen that is a proper prefix of some stop
+# string, so a match can never start inside text already returned.
 
 from __future__ import annotations
 

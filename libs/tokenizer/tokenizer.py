@@ -1,10 +1,9 @@
-"""A checkpoint folder's tokenizer: `tokenizer.json` (the `tokenizers` library) plus `tokenizer_config.json`.
+"""A checkpoint folder's tokenizer: `tokenizer.json` (the `tokenizers` library) plus `tokenizer_config.json`."""
 
-This lib never imports torch or transformers: the gateway uses it. It reads what transformers reads
-from a Hugging Face folder: the fast tokenizer, the special tokens (plain strings or AddedToken dicts),
-`add_bos_token`/`add_eos_token`, and the chat template (in tokenizer_config.json or, as newer
-transformers saves it, in chat_template.jinja).
-"""
+# This lib never imports torch or transformers: the gateway uses it. It reads what transformers reads
+# from a Hugging Face folder: the fast tokenizer, the special tokens (plain strings or AddedToken dicts),
+# `add_bos_token`/`add_eos_token`, and the chat template (in tokenizer_config.json or, as newer
+# transformers saves it, in chat_template.jinja).
 
 from __future__ import annotations
 
