@@ -75,7 +75,7 @@ def test_rank_engine_with_the_real_dispatcher_at_world_1_steps(tbo: bool):
 
 def test_the_process_group_gets_a_cuda_device_with_its_index(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch 2.11's init_process_group refuses device_id=torch.device("cuda") ("Please use a device_id with
-    index", the H200 run of --dispatch real): a bare "cuda" becomes the current device."""
+    index"): a bare "cuda" becomes the current device."""
     import bench.decode_rank as R
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)

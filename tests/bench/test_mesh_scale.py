@@ -30,7 +30,7 @@ def test_projection_scales_per_core_rates_to_the_target() -> None:
 def test_prompts_share_exactly_their_prefix_and_percentiles_pick_ranks() -> None:
     a, b = prompt(64, 1, shared=32), prompt(64, 2, shared=32)
     assert len(a) == 64 and a[:32] == b[:32] and a[32:] != b[32:]
-    salts = [s * 900 + 5 for s in range(50)] + list(range(2_000))  # the old cycle repeated every 900 salts
+    salts = [s * 900 + 5 for s in range(50)] + list(range(2_000))  # multiples of 900 apart as well
     pages = {tuple(prompt(64, s, shared=32)[32:48]) for s in salts}
     assert len(pages) == len(set(salts))  # every salt's first page after the shared part is its own
     assert all(3 <= t <= 902 for s in (0, 899, 10**6) for t in prompt(300, s, shared=100))

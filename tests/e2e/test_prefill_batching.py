@@ -32,7 +32,7 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         extra_env={
             # all disaggregated; the PrefillTask (with the decode handle) comes before the prompt is
             # queued, so the KV stream watches every chunk: with PrefillStart overlapped, a batch that
-            # finishes before the reservation returns sends all its KV after the last chunk (CI saw it)
+            # finishes before the reservation returns sends all its KV after the last chunk
             "services.scheduler": {
                 "MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": "0",
                 "MOEMESH_SCHEDULER_OVERLAP_PREFILL": "false",

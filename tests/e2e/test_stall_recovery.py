@@ -1,13 +1,13 @@
-"""The only worker of a role stalls past its liveness window, then comes back (`moemesh up` on the CPU, tiny
-model; one prefill and one decode worker, as on one GPU). SIGSTOP freezes every thread of it; once the
-gateway has migrated a stream away from it, SIGCONT.
-- The decode worker, mid-stream: the migrated requests avoid the worker they lost, yet are placed on it again
-  once its heartbeats resume, since it is the only live decode worker of the model (the scheduler used to
-  refuse them, 503, until their retries ran out).
-- The prefill worker, before the prompts reach it: the decode worker reports it dead with their KV still
-  to come, and the migrated requests prefill on the decode worker; the resumed prefill worker then finds
-  only cancelled work.
-Every stream must end with exactly the text of an undisturbed run, and no page is left held."""
+"""The only worker of a role stalls past its liveness window (SIGSTOP), then comes back (SIGCONT) once the
+gateway has migrated a stream away from it (`moemesh up` on the CPU, tiny model, one prefill and one decode
+worker). Every stream must end with exactly the text of an undisturbed run, and no page is left held."""
+
+# - The decode worker, mid-stream: the migrated requests avoid the worker they lost, yet are placed on it
+#   again once its heartbeats resume, since it is the only live decode worker of the model (not refused 503
+#   until their retries run out).
+# - The prefill worker, before the prompts reach it: the decode worker reports it dead with their KV still
+#   to come, and the migrated requests prefill on the decode worker; the resumed prefill worker then finds
+#   only cancelled work.
 
 from __future__ import annotations
 
@@ -100,10 +100,9 @@ def test_the_only_worker_of_a_role_stalls_and_every_stream_finishes(
 def test_the_only_decode_worker_killed_mid_stream_and_restarted_takes_its_streams_back(
     one_decode_mesh: Mesh, tiny_model: Path
 ) -> None:
-    """SIGKILL, as a crash: the launcher's supervisor starts it again under its old name, which takes seconds
-    (~6.5 s here: the process, torch, the model). Meanwhile the migrated streams' re-submits are refused 503
-    (no live decode worker); the gateway tries them again for `migration_wait_s` (30 s), and the restarted
-    worker takes them. Every stream ends with the undisturbed text."""
+    """SIGKILL, as a crash: the supervisor restarts it under its old name (seconds: the process, torch, the
+    model) while the migrated streams' re-submits are refused 503; the gateway retries them for
+    `migration_wait_s` (30 s), the restarted worker takes them, and every stream ends with the undisturbed text."""
     mesh = one_decode_mesh
     prompts = PROMPTS["killed"]
     want = reference(tiny_model, prompts, MAX_TOKENS)

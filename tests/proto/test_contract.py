@@ -219,7 +219,7 @@ def test_sampling_fields_are_versioned() -> None:
 
 
 def test_older_version_is_read_with_neutral_defaults() -> None:
-    """A version-1 sender (no penalties or grammar on the wire) is still served as before."""
+    """A version-1 sender (no penalties or grammar on the wire) is still served."""
 
     class OldSampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         max_tokens: int = 16

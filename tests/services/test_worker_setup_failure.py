@@ -1,6 +1,6 @@
-"""A worker whose setup fails (here: Mooncake cannot register its pool, as on the H200 before the CUDA
-context fix; simulated by a model folder that does not load) stops with its setup error and drains without a
-second error: on_drain must not assume the heartbeat that setup never started."""
+"""A worker whose setup fails (such as Mooncake unable to register its pool; simulated by a model folder that
+does not load) stops with its setup error and drains without a second error: on_drain must not assume the
+heartbeat that setup never started."""
 
 from __future__ import annotations
 

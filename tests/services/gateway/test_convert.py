@@ -279,10 +279,9 @@ def test_model_info_from_config(tmp_path: Path) -> None:
 def test_what_the_slowdown_bench_sends_takes_the_engines_fast_decode_path(
     tokenizer: Tokenizer, info: ModelInfo, counting: str, fast: bool
 ) -> None:
-    """`moemesh bench --slowdown-ms` must measure the decode path the Engine-alone comparison runs: its
-    requests (continuous usage) reach the engine as one-pass sampling with no logits processing, the
-    condition of overlapped decode (libs/engine/decode_pipeline.py). The chosen token's logprob (what the
-    bench asked before) now comes from the same pass; top alternatives still take the exact sampler."""
+    """`moemesh bench --slowdown-ms` measures the decode path the Engine-alone comparison runs: its requests
+    (continuous usage) reach the engine as one-pass sampling with no logits processing (overlapped decode's
+    condition); the chosen token's logprob comes from the same pass, top alternatives from the exact sampler."""
     from libs.engine.sampling import one_pass_ok
     from libs.loadgen.client import Endpoint, request_body
     from libs.loadgen.datasets import BenchRequest
