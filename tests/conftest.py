@@ -1,8 +1,8 @@
-"""Fixtures shared by every test folder.
+"""Fixtures shared by every test folder."""
 
-Importing the kernel tests' conftest first puts Triton in interpreter mode on machines without CUDA
-before any test module (or torch._dynamo) imports triton: the mode is fixed at triton's first import,
-and other folders are collected before tests/libs/kernels."""
+# Importing the kernel tests' conftest first puts Triton in interpreter mode on machines without CUDA
+# before any test module (or torch._dynamo) imports triton: the mode is fixed at triton's first import,
+# and other folders are collected before tests/libs/kernels.
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""The module graph of proto, libs and services: no import cycle, and one meaning per module name.
+"""The module graph of proto, libs and services: no import cycle, and one meaning per module name."""
 
-Every import statement counts, at module level or inside a function (a function-level import that closes
-a cycle is still a cycle, only a deferred one). Importing `a.b.c` also runs the `__init__` of `a` and
-`a.b`, so an import edge reaches those packages too, except the importer's own enclosing packages (they
-are already being imported when it runs).
-"""
+# Every import statement counts, at module level or inside a function (a function-level import that closes
+# a cycle is still a cycle, only a deferred one). Importing `a.b.c` also runs the `__init__` of `a` and
+# `a.b`, so an import edge reaches those packages too, except the importer's own enclosing packages (they
+# are already being imported when it runs).
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""No pickle anywhere in the tree, tests included: bus messages are msgspec/msgpack, weights are safetensors,
-and nothing that deserializes arbitrary objects is allowed, so no byte stream from the network or disk can
-run code. Pickle also hides in multiprocessing: Pipe/Connection send/recv, multiprocessing (and
-torch.multiprocessing) queues and managers, and the arguments of a spawned process (spawn/forkserver
-pickle them to the child); and in np.load(allow_pickle=True), pandas' pickles and torch.load without
-weights_only=True. Each rule has a name; a file may be allowed a rule only with a reason."""
+"""No pickle anywhere in the tree, tests included, so no byte stream from the network or disk can run code:
+bus messages are msgspec/msgpack, weights are safetensors. Each rule has a name; a file may be allowed a rule
+only with a reason."""
+
+# Pickle also hides in multiprocessing: Pipe/Connection send/recv, multiprocessing (and torch.multiprocessing)
+# queues and managers, and the arguments of a spawned process (spawn/forkserver pickle them to the child);
+# and in np.load(allow_pickle=True), pandas' pickles and torch.load without weights_only=True.
 
 from __future__ import annotations
 

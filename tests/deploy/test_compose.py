@@ -1,10 +1,10 @@
 """docker-compose.yml and deploy/compose.gpu.yml, validated against the Compose specification's JSON
 schema and checked against the project (no Docker engine or compose plugin here, so the files are made
-correct by construction and held to it by these checks).
+correct by construction and held to it by these checks)."""
 
-The schema is the compose-spec project's `schema/compose-spec.json` (Apache-2.0) as vendored by
-check-jsonschema, pinned in pyproject.toml (0.39.0: sha256 d549057e... of the file); its licence ships
-beside it (check_jsonschema/builtin_schemas/vendor/licenses/LICENSE.compose-spec)."""
+# The schema is the compose-spec project's `schema/compose-spec.json` (Apache-2.0) as vendored by
+# check-jsonschema, pinned in pyproject.toml (0.39.0: sha256 d549057e... of the file); its licence ships
+# beside it (check_jsonschema/builtin_schemas/vendor/licenses/LICENSE.compose-spec).
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Chaos on the real mesh under the launcher `moemesh up` runs (libs.launch.mesh, CPU, tiny model):
-2 prefill + 2 decode workers, 2 scheduler replicas, the kv-broker, the gateway and a nats-server requiring
-a user/password, each its own supervised process. While 24 greedy streams of 48 tokens run (ignore_eos:
-none has finished when the fault strikes), one service is killed with SIGKILL; every request must then
-finish with exactly the text of an undisturbed run (the in-process Engine on the same checkpoint), none
-hangs, none errs, the launcher's supervisor has the killed service back (restart count 1, also on the
-gateway's /metrics), and once traffic stops every worker holds no request pages (cached prefix pages
-aside). The scenarios run in turn on one mesh."""
+"""Chaos on the real mesh `moemesh up` runs (CPU, tiny model, every service supervised): one service is
+SIGKILLed while greedy streams run; every request still finishes with the undisturbed text (none hangs or
+errs), the supervisor has the service back (restart count 1), and no worker holds request pages after."""
+
+# The mesh: 2 prefill + 2 decode workers, 2 scheduler replicas, the kv-broker, the gateway and a nats-server
+# requiring a user/password. 24 streams of 48 tokens with ignore_eos, so none has finished when the fault
+# strikes; the reference text is the in-process Engine's on the same checkpoint. The scenarios run in turn
+# on one mesh.
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Two gateway replicas (`moemesh up --gateways 2`) on one API port (SO_REUSEPORT) in front of the real
-mesh with timing-model workers (engine=sim, skip transport), every service its own supervised process.
-Concurrent streams spread over both replicas (each replica's own counters say how many it took) and
-every stream's text is the SimEngine's; a replica killed mid-stream ends only its own streams (with an
-error, none hangs) while the other's finish correctly, and the supervisor brings the dead one back on
-the same port, where it serves again."""
+"""Two gateway replicas (`moemesh up --gateways 2`) on one API port (SO_REUSEPORT), sim workers: streams
+spread over both with the SimEngine's text; a replica killed mid-stream ends only its own streams (with an
+error, none hangs), and the supervisor brings it back on the same port, where it serves again."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""The mesh with MTP speculative decoding on the decode worker (`MOEMESH_DECODE_WORKER_MTP_K=2`),
-serving a briefly trained demo-recipe checkpoint: greedy text through the OpenAI API equals the plain
-in-process engine's (MTP off), on both paths (short prompts prefilled by the decode worker, long ones by
-the prefill worker and moved over Mooncake TCP: the decode side drafts after the PD handoff), drafts are
-accepted, and no page leaks. Three meshes: the decode worker's attention on the torch reference (verify
-as absorbed chunks), on the paged backend (verify and draft as decode rows, libs/engine/spec_graphs.py),
-and with 2 EP ranks per worker (every decode rank drafts with its own MTP module)."""
+"""The mesh with MTP speculative decoding on the decode worker (`MOEMESH_DECODE_WORKER_MTP_K=2`, a briefly
+trained demo-recipe checkpoint): greedy API text equals the plain in-process engine's on both the direct and
+the PD path, drafts are accepted, and no page leaks."""
+
+# Three meshes: the decode worker's attention on the torch reference (verify as absorbed chunks), on the
+# paged backend (verify and draft as decode rows, libs/engine/spec_graphs.py), and with 2 EP ranks per worker
+# (every decode rank drafts with its own MTP module). On the PD path the KV moves over Mooncake TCP and the
+# decode side drafts after the handoff.
 
 from __future__ import annotations
 

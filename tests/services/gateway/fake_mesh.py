@@ -1,9 +1,8 @@
-"""A scripted double of the scheduler + decode worker, on a real NATS server.
+"""A scripted double of the scheduler + decode worker, on a real NATS server."""
 
-It answers SCHED_SUBMIT like a scheduler and then, like a decode worker, publishes TokenBatch /
-RequestError messages to the Submit's stream subject. Each test picks a behaviour (`mode`). Every
-Submit and Cancel it sees is recorded; `wait_cancel` waits on the Cancel itself, not on time.
-"""
+# It answers SCHED_SUBMIT like a scheduler and then, like a decode worker, publishes TokenBatch /
+# RequestError messages to the Submit's stream subject. Each test picks a behaviour (`mode`). Every
+# Submit and Cancel it sees is recorded; `wait_cancel` waits on the Cancel itself, not on time.
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""The scheduler service against a real nats-server, with in-test decode and prefill worker doubles.
+"""The scheduler service against a real nats-server, with in-test decode and prefill worker doubles."""
 
-Every test uses its own model name, worker ids and stream subject, so nothing seen on the shared server
-can be placed on by mistake. Waits are on conditions (queues, the service's change notifications) with
-timeouts, never on sleeps.
-"""
+# Every test uses its own model name, worker ids and stream subject, so nothing seen on the shared server
+# can be placed on by mistake. Waits are on conditions (queues, the service's change notifications) with
+# timeouts, never on sleeps.
 
 from __future__ import annotations
 
