@@ -1,7 +1,6 @@
-"""Ports files: a service binds port 0 (the kernel picks a free port) and writes the ports it got here,
-so whoever started it learns them without a pick-a-free-port-then-close race (nats-server's
-`--ports_file_dir` does the same). The file is JSON, `{"http": 41234, "api": 41235}`, written whole
-(a temporary file renamed over it), so a reader sees either nothing or every port.
+"""Ports files: a service that bound port 0 writes the ports it got (JSON, `{"http": 41234, "api": 41235}`),
+so whoever started it learns them with no pick-then-bind race (as nats-server's `--ports_file_dir`). Written
+whole (a temporary file renamed over it): a reader sees either nothing or every port.
 """
 
 from __future__ import annotations

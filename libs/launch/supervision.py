@@ -1,10 +1,6 @@
-"""The launcher's supervision loop: a thread that runs `Supervisor.poll` a few times a second, reports
-what happened (exits with their log tails, restarts, give-ups, then the one-line summary) and publishes
-`LauncherStatus` on the bus every second and on every change, so a gateway can export which services are
-up, restarting or given up on.
-
-The bus side reconnects on its own (a restarted nats-server is one of the services it watches); while
-the bus is down the loop keeps supervising and only the publishing waits.
+"""The launcher's supervision loop: a thread that runs `Supervisor.poll` a few times a second, reports exits,
+restarts and give-ups, and publishes `LauncherStatus` every second and on every change (a gateway exports
+it). While the bus is down it keeps supervising; only the publishing waits (the bus reconnects on its own).
 """
 
 from __future__ import annotations
