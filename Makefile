@@ -16,7 +16,7 @@ demo: setup  # train the demo model once (minutes on a CPU); `make up` serves it
 
 # A Triton cache of the run's own, cold each time: a warm ~/.triton/cache must never hide a failure.
 test: setup
-	@cache=$$(mktemp -d); TRITON_CACHE_DIR=$$cache $(VENV)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); \
+	@cache=$$(mktemp -d); TRITON_CACHE_DIR=$$cache $(VENV)/python -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS); \
 	rc=$$?; rm -rf $$cache; exit $$rc
 
 lint: setup
