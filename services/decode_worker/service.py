@@ -43,6 +43,7 @@ from libs.worker.wire import to_params
 from proto import messages as m
 from proto import subjects
 from services.decode_worker.guard import LeaseBackstop, ReservationGuard
+from services.decode_worker.pacing import Action, Pacing
 from services.decode_worker.streams import Live, group_by_stream
 
 log = logging.getLogger("moemesh.decode")
@@ -50,18 +51,16 @@ log = logging.getLogger("moemesh.decode")
 Direct = tuple[
     str, list[int], SamplingParams
 ]  # a direct prompt waiting for the next step: id, prompt, params
+NO_ADDS: list[Direct] = []  # a step with no direct prompts (never appended to)
 
 
 class DecodeWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
     forward_sleep_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # slow-down (off by default)
-    # start each step before publishing the previous one's tokens (default off: publish, then step). Paired
-    # runs with sim workers on the 2-core VM showed no difference beyond their noise (bench.sim_decode);
-    # a GPU run decides the default.
+    # start each step before publishing the previous one's tokens (default off: publish, then step)
     overlap_publish: bool = False
     # direct prompts (this many tokens at most, together) that find the worker idle step on the event loop
-    # itself, not on the engine thread (EngineThread.run_inline): no thread hand-off before the first token
-    # (-0.13 ms TTFT p50 on the 2-core VM, bench.mesh_ab); bounded because the loop serves nothing meanwhile.
-    # 0: every step on the engine thread
+    # itself, not on the engine thread (EngineThread.run_inline): no thread hand-off before the first token;
+    # bounded because the loop serves nothing meanwhile. 0: every step on the engine thread
     inline_step_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 256
     # each step's timeline as JSON lines in <stem>-<instance id><suffix> of this path (libs/worker/step_trace.py)
     step_trace: str = ""
@@ -77,18 +76,17 @@ class DecodeWorker(WorkerService):
         await self.start_engine(m.Role.DECODE)
         self.live: dict[str, Live] = {}
         self.direct: list[Direct] = []  # direct prompts for the next step's engine-thread call
+        self.direct_tokens = 0  # their prompt tokens, together
         self.reserved: dict[str, str] = {}  # request id -> handle id (pages reserved, KV not yet joined)
         # Cancelled while reserved: the pages stay until the prefill side answers (KvReady / PrefillFailed)
         # or the lease expires, because a Mooncake write into them may still be landing.
         self.cancelled: set[str] = set()
         self._creates: dict[str, asyncio.Task] = {}  # handle id -> its CreateHandle call at the broker
         self._background: set[asyncio.Task] = set()
-        self.forward_sleep_ms = s.forward_sleep_ms
-        self.slowdown_changed = asyncio.Event()
-        self.work = asyncio.Event()
-        self._awaiting_work = False  # the step loop waits in work.wait()
+        self.pacing = Pacing(s.overlap_publish, s.forward_sleep_ms, s.inline_step_max_tokens)
+        self.slowdown_changed = asyncio.Event()  # ends the step loop's slow-down sleep
+        self.work = asyncio.Event()  # wakes the step loop; what is pending is `pacing`'s to say
         self._kicked: tuple[asyncio.Future, float] | None = None  # started by start_direct, for the loop
-        self._kick_only = False  # `work` is set by that kick alone (no other wake-up since)
         self.trace = StepTrace.for_worker(s.step_trace, self.instance_id) if s.step_trace else None
         # the last step's (start, end, device wait or -1, GC pauses meanwhile) on the engine thread, for the trace
         self._engine_span = (0.0, 0.0, -1.0, 0.0)
@@ -225,9 +223,8 @@ class DecodeWorker(WorkerService):
         self._broker_fire(msg.handle_id, m.HandleConsumed(handle_id=msg.handle_id))
 
     async def start_direct(self, msg: m.DecodeDirect) -> None:
-        """Queue the prompt for the next step: it is added to the engine in the same engine-thread call
-        as that step (one thread hand-off before its first token, not two). When the step loop is idle that
-        call is queued here, before the handler returns."""
+        """Queue the prompt for the next step, added to the engine in that step's own engine-thread call.
+        When the step loop is idle that step starts here, before the handler returns."""
         rid = msg.request_id
         self.tracker.start(
             rid, "direct", span_attrs.decode_start(msg.prompt_ids, msg.sampling, self.settings.model_name)
@@ -239,14 +236,11 @@ class DecodeWorker(WorkerService):
             return
         self.live[rid] = Live(msg.stream_subject, len(msg.prompt_ids))
         self.direct.append((rid, msg.prompt_ids, params))
+        self.direct_tokens += len(msg.prompt_ids)
         self._wake()
-        if self._awaiting_work and self._kicked is None and not self.forward_sleep_ms:
-            # The loop is idle: the engine thread gets the prompt now, not after a pass of the event loop
-            # that wakes the step loop (which takes this step as its own).
-            inline = sum(len(a[1]) for a in self.direct) <= self.settings.inline_step_max_tokens
-            self._kicked = self._start_step(inline=inline)
-            self.work.set()  # the loop takes the kicked step as its own
-            self._kick_only = True
+        kick = self.pacing.kick(self.direct_tokens)
+        if kick is not Action.QUEUE:  # the loop is idle: it takes this step as its own
+            self._kicked = self._start_step(inline=kick is Action.INLINE)
 
     async def _expire_unanswered(self) -> None:
         """A reservation past its backstop ends as if the broker had sent HandleExpired."""
@@ -266,7 +260,9 @@ class DecodeWorker(WorkerService):
 
     async def on_cancel(self, msg: m.Cancel) -> None:
         rid = msg.request_id
-        self.direct = [a for a in self.direct if a[0] != rid]  # not yet in the engine
+        if any(a[0] == rid for a in self.direct):  # not yet in the engine
+            self.direct = [a for a in self.direct if a[0] != rid]
+            self.direct_tokens = sum(len(a[1]) for a in self.direct)
         if rid in self.reserved:
             self.cancelled.add(rid)  # freed when the prefill side answers or the lease expires
         if self.live.pop(rid, None) is not None:
@@ -277,7 +273,7 @@ class DecodeWorker(WorkerService):
     async def on_admin(self, msg: m.AdminRequest) -> m.AdminReply:
         match msg:
             case m.SetSlowdown():
-                self.forward_sleep_ms = max(0.0, msg.forward_sleep_ms)
+                self.pacing.set_slowdown(msg.forward_sleep_ms)
                 self.slowdown_changed.set()
                 self._wake()
         return m.AdminReply(ok=True, stats=self.worker_stats())
@@ -287,110 +283,124 @@ class DecodeWorker(WorkerService):
         return m.WorkerStats(
             worker_id=self.instance_id, role=m.Role.DECODE, running=st["running"], waiting=st["waiting"],
             free_pages=st["free_pages"], total_pages=st["total_pages"], reserved_handles=len(self.reserved),
-            requests=sorted(self.live), forward_sleep_ms=self.forward_sleep_ms, **page_account(st),
+            requests=sorted(self.live), forward_sleep_ms=self.pacing.sleep_ms, **page_account(st),
         )  # fmt: skip
 
     # --- the step loop ---
-    def _step_once(self, adds: list[Direct]) -> tuple[list, bool, dict[str, tuple[int, str]]]:
+    def _step_once(self, adds: list[Direct]) -> tuple[list, bool, dict[str, tuple[int, str]] | None]:
         """On the engine thread: add the direct prompts queued since the last step, then one step. A prompt
-        the engine refuses fails alone (400 for a ValueError, else 500), not the batch."""
-        refused: dict[str, tuple[int, str]] = {}
+        the engine refuses fails alone (400 for a ValueError, else 500; in the third item), not the batch."""
+        refused: dict[str, tuple[int, str]] | None = None
         for rid, prompt, params in adds:
             try:
                 self.engine.add_request(rid, prompt, params)
             except Exception as e:
+                if refused is None:
+                    refused = {}
                 refused[rid] = (
                     (400, str(e)) if isinstance(e, ValueError) else (500, f"{type(e).__name__}: {e}")
                 )
+        engine = self.engine
+        if self.trace is None:
+            return (engine.step() if engine.has_unfinished() else []), engine.has_unfinished(), refused
         t_in, gc_in = time.perf_counter(), self.gc_pauses.total_s
-        outputs = self.engine.step() if self.engine.has_unfinished() else []
-        wait = getattr(self.engine, "last_device_wait_s", None)  # the Engine's; other engines have none
+        outputs = engine.step() if engine.has_unfinished() else []
+        wait = getattr(engine, "last_device_wait_s", None)  # the Engine's; other engines have none
         gc_s = self.gc_pauses.total_s - gc_in  # any thread's collection stopped this one too
         self._engine_span = (t_in, time.perf_counter(), -1.0 if wait is None else wait, gc_s)
-        return outputs, self.engine.has_unfinished(), refused
+        return outputs, engine.has_unfinished(), refused
 
     def _wake(self) -> None:
-        """Wake the step loop for work other than a kicked step."""
-        self._kick_only = False
+        """Work for the step loop: its next step takes it."""
+        self.pacing.wake()
         self.work.set()
 
     def _start_step(self, inline: bool = False) -> tuple[asyncio.Future, float]:
-        """Hand the engine thread the next step (with the direct prompts queued since the last one); with
+        """Hand the engine thread the next step with the direct prompts queued since the last one; with
         inline, run it here if the engine thread is idle (the future comes back done)."""
-        adds, self.direct = self.direct, []
-        # Every wake-up so far is this step's: what woke the loop was added on the engine thread (or is in
-        # `adds`) before this call, which runs after it. A wake-up from now on (a KvReady joining while the
-        # step runs) stays set for the next pass, whatever this step says of the work left.
-        self.work.clear()
+        adds = self.direct
+        if adds:
+            self.direct, self.direct_tokens = [], 0
+        else:
+            adds = NO_ADDS  # not self.direct: the engine thread must not see prompts queued from now on
         t0 = time.perf_counter()
         step = self.et.run_inline(self._step_once, adds) if inline else None
         return (step if step is not None else self.et.submit(self._step_once, adds)), t0
 
     async def _step_loop(self) -> None:
-        """Steps back to back while requests run, each step's tokens published before the next starts.
-        With overlap_publish, step N+1 starts on the engine thread as soon as step N returned and step N's
-        tokens are published meanwhile, so the event loop's share of a step (grouping, encoding, publishing,
-        bookkeeping) can overlap the engine's waits on the device. Under a slow-down each step waits for
-        its sleep first."""
+        """Runs what `pacing` decides: wait for work, sleep (slow-down), start or take a step, await it, then
+        publish its tokens (with overlap_publish, after starting the next step)."""
+        pacing = self.pacing
         running: tuple[asyncio.Future, float] | None = None
         while True:
-            if running is None:
-                self._awaiting_work = True
-                try:
-                    await self.work.wait()
-                finally:
-                    self._awaiting_work = False
-                running, self._kicked = self._kicked, None
-                if running is not None and self._kick_only:
-                    # This wake-up was the kick's alone: the kicked step is it, so no empty step follows
-                    # (what joins from now on wakes the loop again; the step's `more` covers the rest).
-                    self.work.clear()
-            if running is None:
-                if self.forward_sleep_ms:  # slow-down; a new setting (e.g. off) ends the wait at once
-                    self.slowdown_changed.clear()
-                    await wait_event(self.slowdown_changed, self.forward_sleep_ms / 1000)
+            action = pacing.next()
+            if action is Action.WAIT:
+                if self.trace is not None:
+                    self.trace.flush()  # idle: the rows so far are on disk for whoever reads them
+                self.work.clear()
+                await self.work.wait()
+                continue
+            if action is Action.SLEEP:
+                self.slowdown_changed.clear()
+                await wait_event(self.slowdown_changed, pacing.sleep_ms / 1000)
+                continue
+            if action is Action.STEP:
                 running = self._start_step()
+            elif action is Action.TAKE:
+                running, self._kicked = self._kicked, None
+            assert running is not None  # AWAIT: the step started before the last publish
             step, t0 = running
             running = None
             try:
                 outputs, more, refused = await step
             except Exception as e:  # a failed step fails its batch, never the worker
                 log.exception("engine step failed")
+                pacing.failed()
                 await self._fail_all(500, f"decode step failed: {e}")
                 continue
             seen = time.perf_counter()
             self.m_step.observe(seen - t0)
-            span, sleep_ms = self._engine_span, self.forward_sleep_ms
-            if self.settings.overlap_publish and (more or self.direct) and not self.forward_sleep_ms:
+            sleep_ms, span = pacing.sleep_ms, self._engine_span  # before a next step overwrites the span
+            if pacing.finished(more, bool(self.direct)) is Action.STEP:
                 running = self._start_step()
-            for rid, (code, why) in refused.items():
-                if (live := self.live.get(rid)) is not None:
-                    await self._error(live.stream_subject, rid, code, why)
+            if refused:
+                for rid, (code, why) in refused.items():
+                    if (live := self.live.get(rid)) is not None:
+                        await self._error(live.stream_subject, rid, code, why)
             await self._publish(outputs)
             if self.trace is not None:
-                tokens = sum(len(o.token_ids) for o in outputs)
-                e_in, e_out, wait, gc_s = span
-                self.trace.add(
-                    t0, e_in, e_out, seen, time.perf_counter(), len(outputs), tokens, sleep_ms, wait, gc_s
-                )
-            if running is None and (more or self.direct):
-                self._wake()
-            elif running is None and self.trace is not None and not self.work.is_set():
-                self.trace.flush()  # idle: the rows so far are on disk for whoever reads them
+                self._trace_step(t0, span, seen, outputs, sleep_ms)
+
+    def _trace_step(
+        self, t0: float, span: tuple[float, float, float, float], seen: float, outputs: list, sleep_ms: float
+    ) -> None:
+        """The step's row in the step trace (setting step_trace)."""
+        assert self.trace is not None
+        e_in, e_out, wait, gc_s = span
+        tokens = sum(len(o.token_ids) for o in outputs)
+        self.trace.add(t0, e_in, e_out, seen, time.perf_counter(), len(outputs), tokens, sleep_ms, wait, gc_s)
 
     async def _publish(self, outputs: list) -> None:
+        """One TokenBatch per gateway, handed to the socket at once; then first-token and finish bookkeeping."""
+        if not outputs:
+            return
         for subject, deltas in group_by_stream(outputs, self.live).items():
             await self.bus.publish(subject, m.TokenBatch(deltas=deltas, worker_id=self.instance_id))
-        if outputs:  # the batches go to the socket now, not after the bookkeeping below
-            self.bus.write_pending()
-            self.m_tokens.inc(sum(len(out.token_ids) for out in outputs))  # one locked update per step
+        self.bus.write_pending()  # the batches go to the socket now, not after the bookkeeping below
+        tokens = 0
         for out in outputs:
-            if out.token_ids:
+            n = len(out.token_ids)
+            tokens += n
+            if (live := self.live.get(out.rid)) is None:
+                continue
+            if n and live.completion_tokens == n:  # its first tokens (a prefilled one's came with KvReady)
                 self.tracker.first_token(out.rid)
-            if out.finished and (live := self.live.pop(out.rid, None)) is not None:
+            if out.finished:
+                del self.live[out.rid]
                 self.tracker.finish(
                     out.rid, out.finish_reason or "stop", output_tokens=live.completion_tokens
                 )
+        self.m_tokens.inc(tokens)  # one locked update per step
 
     async def _fail_all(self, code: int, message: str) -> None:
         for rid, live in list(self.live.items()):

@@ -139,7 +139,7 @@ async def test_an_idle_worker_hands_a_direct_prompt_to_the_engine_thread_from_th
         return step_once(adds)
 
     worker._step_once = step  # type: ignore[method-assign]
-    await rig.until(lambda: worker._awaiting_work, "the step loop to wait for work")
+    await rig.until(lambda: worker.pacing.idle, "the step loop to wait for work")
     prompt = [5, 9, 13, 17, 21]
     sampling = m.Sampling(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     await worker.on_inbox(
@@ -166,14 +166,14 @@ async def test_a_kicked_step_that_finishes_its_request_is_the_only_step(rig: Rig
     worker._step_once = step  # type: ignore[method-assign]
     prompt = [5, 9, 13, 17, 21]
     for i in range(3):  # sequential, as a benchmark's one-at-a-time requests
-        await rig.until(lambda: worker._awaiting_work and not worker.work.is_set(), "the loop idle")
+        await rig.until(lambda: worker.pacing.idle, "the loop idle")
         sampling = m.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
         msg = m.DecodeDirect(
             request_id=f"one-{i}", prompt_ids=prompt, sampling=sampling, stream_subject=STREAM
         )
         await worker.on_inbox(msg)
         await rig.until(lambda i=i: f"one-{i}" in rig.finished, "the stream to finish")
-    await rig.until(lambda: worker._awaiting_work and not worker.work.is_set(), "the loop idle")
+    await rig.until(lambda: worker.pacing.idle, "the loop idle")
     assert calls == [1, 1, 1]
     assert all(rig.tokens[f"one-{i}"] == greedy(model_dir, prompt)[:1] for i in range(3))
 
@@ -193,20 +193,20 @@ async def test_an_idle_workers_kicked_step_runs_on_the_event_loop_and_a_busy_one
 
     worker._step_once = step  # type: ignore[method-assign]
     prompt, one = [5, 9, 13, 17, 21], m.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
-    await rig.until(lambda: worker._awaiting_work and not worker.work.is_set(), "the loop idle")
+    await rig.until(lambda: worker.pacing.idle, "the loop idle")
     await worker.on_inbox(
         m.DecodeDirect(request_id="idle", prompt_ids=prompt, sampling=one, stream_subject=STREAM)
     )
     assert threads == [threading.current_thread()]  # done before the handler returned, on this thread
     await rig.until(lambda: "idle" in rig.finished, "the first stream to finish")
-    await rig.until(lambda: worker._awaiting_work and not worker.work.is_set(), "the loop idle")
+    await rig.until(lambda: worker.pacing.idle, "the loop idle")
     async with engine_held(worker.et):
         msg = m.DecodeDirect(request_id="busy", prompt_ids=prompt, sampling=one, stream_subject=STREAM)
         await worker.on_inbox(msg)
         assert len(threads) == 1  # queued behind the held call
     await rig.until(lambda: "busy" in rig.finished, "the second stream to finish")
     assert len(threads) == 2 and threads[1] is not threading.current_thread()
-    await rig.until(lambda: worker._awaiting_work and not worker.work.is_set(), "the loop idle")
+    await rig.until(lambda: worker.pacing.idle, "the loop idle")
     long = [(3 * i) % 900 + 2 for i in range(worker.settings.inline_step_max_tokens + 1)]
     await worker.on_inbox(
         m.DecodeDirect(request_id="long", prompt_ids=long, sampling=one, stream_subject=STREAM)
@@ -353,7 +353,7 @@ async def _joins_while_the_last_step_runs(rig: Rig, model_dir: Path) -> None:
     async def join() -> None:  # queued on the engine thread behind the running step, as KvReady's add is
         await worker.et.call(worker.engine.add_request, "joined", prompt, params)
         worker.live["joined"] = Live(STREAM, len(prompt))
-        worker.work.set()
+        worker._wake()
 
     joining = asyncio.create_task(join())
     release.set()
