@@ -12,11 +12,16 @@ request). No await per event: the sending coroutine waits once, for the end of t
 `RawClient.send` is the only entry the load generator uses; `RawConnection.request` streams any POST for
 other probes (bench.scale_load). A connection that was idle in the pool and turns out closed by the
 server before any byte of the answer is retried once on a fresh one, as httpx does.
+
+Each connection ACKs at once (TCP_QUICKACK, re-armed after every write and read): a reused keep-alive
+connection otherwise falls into delayed-ACK mode, and a server that leaves Nagle's algorithm on then holds
+its first SSE event behind the unacknowledged response head for the ~40 ms delayed-ACK timer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
@@ -31,6 +36,7 @@ from libs.loadgen.stats import RequestRecord
 _json = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
 _ERROR_BODY_LIMIT = 64 * 1024  # kept of a refused request's body (500 characters reach the record)
+_QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux only; elsewhere the kernel's ACK policy stands
 
 
 class BodySink(Protocol):
@@ -46,6 +52,7 @@ class RawConnection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self.sock: Any = None  # the transport's socket (uvloop: a pseudo-socket) for TCP_QUICKACK
         self.sink: BodySink | None = None
         self.done: asyncio.Future[None] | None = None
         self.parser: httptools.HttpResponseParser | None = None
@@ -68,10 +75,19 @@ class RawConnection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.done = asyncio.get_running_loop().create_future()
         self.transport.write(head + body)
+        self._quickack()
         try:
             await self.done
         finally:
             self.sink = self.done = self.parser = None
+
+    def _quickack(self) -> None:
+        """ACK what has come in now and leave delayed-ACK mode (the kernel may re-enter it: call per I/O)."""
+        if self.sock is not None and _QUICKACK is not None:
+            try:
+                self.sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
+            except OSError:
+                self.sock = None  # not a TCP socket after all
 
     def close(self) -> None:
         self.closed = True
@@ -81,9 +97,11 @@ class RawConnection(asyncio.Protocol):
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
+        self.sock = transport.get_extra_info("socket")
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        self._quickack()
         if self.parser is None:
             self.close()  # bytes nobody asked for: the connection's framing is lost
             return
