@@ -58,9 +58,7 @@ def decode_run(engine: Engine, prompts: list[list[int]], params: SamplingParams)
 
 def measure(path: Path, k: int, batch: int, args: argparse.Namespace) -> dict:
     kw: dict[str, Any] = dict(max_num_seqs=max(batch, 1), enable_prefix_cache=False)
-    engine = (
-        Engine.from_pretrained(path, **kw) if k == 0 else MTPEngine.load(path, num_speculative_tokens=k, **kw)
-    )
+    engine = Engine.from_pretrained(path, **kw) if k == 0 else MTPEngine.load(path, mtp_k=k, **kw)
     params = SamplingParams(
         max_tokens=args.decode_tokens, temperature=args.temperature, ignore_eos=True, seed=0
     )

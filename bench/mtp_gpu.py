@@ -131,7 +131,7 @@ def measure(
     if k == 0:
         engine: Engine = Engine(model, **kw)
     else:
-        engine = MTPEngine(model, mtp, num_speculative_tokens=k, **kw)
+        engine = MTPEngine(model, mtp, mtp_k=k, **kw)
     engine.kv_pool.buffer.normal_()  # as if prompts had been prefilled: attention reads real-looking rows
     _fill(engine, b, ctx, seed=b)
     step = _step_ms(engine, b, warmup, iters)

@@ -146,9 +146,7 @@ def measure(path: Path, b: int, k: int, steps: int, prompt_len: int) -> dict:
     kw: dict[str, Any] = dict(
         max_num_seqs=b, enable_prefix_cache=False, attention_backend="triton", page_size=16
     )
-    engine = (
-        Engine.from_pretrained(path, **kw) if k == 0 else MTPEngine.load(path, num_speculative_tokens=k, **kw)
-    )
+    engine = Engine.from_pretrained(path, **kw) if k == 0 else MTPEngine.load(path, mtp_k=k, **kw)
     clock = Clock()
     params = SamplingParams(temperature=0.0, max_tokens=steps * (k + 1) + 8, ignore_eos=True)
     if isinstance(engine, MTPEngine):

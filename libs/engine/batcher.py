@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from libs.engine.args import DEFAULTS
+
 
 @dataclass(frozen=True)
 class SeqView:
@@ -59,7 +61,10 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class Batcher:
-    def __init__(self, page_size: int, max_num_seqs: int = 64, max_prefill_tokens: int = 2048) -> None:
+    def __init__(
+        self, page_size: int, max_num_seqs: int = DEFAULTS.max_num_seqs,
+        max_prefill_tokens: int = DEFAULTS.max_prefill_tokens,
+    ) -> None:  # fmt: skip
         if page_size < 1 or max_num_seqs < 1 or max_prefill_tokens < 1:
             raise ValueError(
                 "page_size, max_num_seqs and max_prefill_tokens must be >= 1, got "

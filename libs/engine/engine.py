@@ -19,9 +19,11 @@ import secrets
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from libs.engine.args import EngineArgs, with_overrides
 from libs.engine.batcher import Batcher, Plan, SeqView, pages_for
 from libs.engine.config import ModelConfig
 from libs.engine.cuda_graph import capture_sizes, decode_graphs_supported
@@ -41,7 +43,7 @@ from libs.engine.two_batch_overlap import enable as enable_two_batch_overlap
 from libs.engine.validation import Limits, check_prompt, check_token
 from libs.tokenizer import Tokenizer
 
-DEFAULT_KV_BYTES = 1 << 30  # CPU default pool size cap when num_pages is not given
+DEFAULT_KV_BYTES = 1 << 30  # default pool size cap when num_pages is 0
 _gen_ids = itertools.count()
 
 
@@ -55,55 +57,40 @@ def default_num_pages(cfg: ModelConfig, page_size: int, max_num_seqs: int, bytes
 
 class Engine:
     def __init__(
-        self,
-        model: DeepseekV3ForCausalLM,
-        *,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        max_num_seqs: int = 64,
-        max_prefill_tokens: int = 2048,
-        enable_prefix_cache: bool = True,
-        tokenizer: Tokenizer | None = None,
-        attention_backend: str = "auto",
-        cuda_graphs: bool = True,
-        fast_path: bool | None = None,
-        overlap: bool = True,
-        two_batch_overlap: bool = False,
-    ) -> None:
-        """attention_backend: "auto" | "torch" | "triton" | "flashinfer" (ModelRunner). cuda_graphs: run
-        decode steps as CUDA graphs where the device, backend and model allow it (cuda_graph.py).
-        fast_path: the fused decoder path (layers/fast_path.py) where the model allows it; None: on CUDA.
-        overlap: launch each decode-graph step before reading the previous one's tokens (decode_pipeline.py).
-        two_batch_overlap: every forward as two overlapped micro-batches (two_batch_overlap.py; set before the
-        decode graphs are captured, which happens on first use)."""
+        self, model: DeepseekV3ForCausalLM, args: EngineArgs | None = None, *, tokenizer: Tokenizer | None = None,
+        **overrides: Any,
+    ) -> None:  # fmt: skip
+        """`args` (None: the defaults) with keyword overrides of its fields, as EngineArgs documents them;
+        the model is already loaded, so device, dtype, quantization and the EP fields are not read here.
+        two_batch_overlap is set before the decode graphs are captured, which happens on first use."""
+        self.args = a = with_overrides(args, overrides)
+        page_size, max_num_seqs, attention_backend = a.page_size, a.max_num_seqs, a.attention_backend
         self.model = model
-        if fast_path or (fast_path is None and model.device.type == "cuda"):
+        if a.fast_path or (a.fast_path is None and model.device.type == "cuda"):
             model.enable_fast_path()
         self.config: ModelConfig = model.config
         cfg = self.config
         dtype, device = model.dtype, model.device
         row_bytes = cfg.kv_row_dim * torch.empty((), dtype=dtype).element_size() * cfg.num_hidden_layers
-        if num_pages is None:
-            num_pages = default_num_pages(cfg, page_size, max_num_seqs, row_bytes)
-        graphs = cuda_graphs and decode_graphs_supported(model, attention_backend)
+        num_pages = a.num_pages or default_num_pages(cfg, page_size, max_num_seqs, row_bytes)
+        graphs = a.cuda_graphs and decode_graphs_supported(model, attention_backend)
         # decode graphs pad their batch with rows that write one scratch page, past the allocator's pages
         pool_pages = num_pages + 1 if graphs else num_pages
         self.kv_pool = KVPool(cfg.num_hidden_layers, pool_pages, page_size, cfg.kv_row_dim, dtype, device)
         self.page_size = page_size
         self.limits = Limits(cfg.vocab_size, cfg.max_position_embeddings, page_size, num_pages)
         self.allocator = PageAllocator(num_pages)
-        self.cache = RadixCache(self.allocator, page_size) if enable_prefix_cache else None
-        # Each eviction walks the whole tree for its LRU leaves: once the pool is full of cached prefixes
-        # (a serving worker's steady state), evicting only the pages one allocation lacks walked it for
-        # nearly every allocation. At least 1/64 of the pool per walk (the least recently used leaves)
-        # spreads one walk over many allocations (bench/prefix_evict.py).
+        self.cache = RadixCache(self.allocator, page_size) if a.enable_prefix_cache else None
+        # Each eviction walks the whole tree for its LRU leaves: with the pool full of cached prefixes (a
+        # serving worker's steady state), evicting at least 1/64 of the pool per walk spreads one walk over
+        # many allocations.
         self.evict_min_pages = max(1, num_pages // 64)
-        self.batcher = Batcher(page_size, max_num_seqs, max_prefill_tokens)
+        self.batcher = Batcher(page_size, max_num_seqs, a.max_prefill_tokens)
         self.runner = ModelRunner(
             model, self.kv_pool, attention_backend=attention_backend,
             graph_batch_sizes=capture_sizes(max_num_seqs) if graphs else (), scratch_page=num_pages,
         )  # fmt: skip
-        if two_batch_overlap:
+        if a.two_batch_overlap:
             enable_two_batch_overlap(model, self.runner.backend)
         self.tokenizer = tokenizer
         self.eos_ids: tuple[int, ...] = cfg.eos_token_ids
@@ -119,36 +106,16 @@ class Engine:
         self._pending: list[StepOutput] = []  # finished outside step(), reported by the next step()
         self._stalled = False  # the last step() had nothing to run and nothing to report
         self.num_preemptions = 0
-        self._overlap = OverlapDecoder(self) if overlap and self.runner.graphs is not None else None
+        self._overlap = OverlapDecoder(self) if a.overlap and self.runner.graphs is not None else None
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "float32",
-        *,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        max_num_seqs: int = 64,
-        max_prefill_tokens: int = 2048,
-        enable_prefix_cache: bool = True,
-        quantization: str = "auto",
-        attention_backend: str = "auto",
-        cuda_graphs: bool = True,
-        fast_path: bool | None = None,
-        two_batch_overlap: bool = False,
-    ) -> Engine:
-        """Load a Hugging Face checkpoint folder; its tokenizer too when tokenizer.json is there.
-        num_pages None sizes the pool by `default_num_pages`; quantization as `load_model` takes it."""
-        model = load_model(path, dtype=dtype, device=device, quantization=quantization)
+    def from_pretrained(cls, path: str | Path, args: EngineArgs | None = None, **overrides: Any) -> Engine:
+        """Load a Hugging Face checkpoint folder (on args.device, in args.dtype, as args.quantization says)
+        and its tokenizer when tokenizer.json is there; `args` and overrides as __init__ takes them."""
+        a = with_overrides(args, overrides)
+        model = load_model(path, dtype=a.resolved_dtype, device=a.device, quantization=a.quantization)
         tokenizer = Tokenizer.from_pretrained(path) if (Path(path) / "tokenizer.json").exists() else None
-        return cls(
-            model, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
-            max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=enable_prefix_cache, tokenizer=tokenizer,
-            attention_backend=attention_backend, cuda_graphs=cuda_graphs, fast_path=fast_path,
-            two_batch_overlap=two_batch_overlap,
-        )  # fmt: skip
+        return cls(model, a, tokenizer=tokenizer)
 
     # --- offline API ---
     def generate(

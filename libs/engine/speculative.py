@@ -44,8 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
+from libs.engine.args import EngineArgs, with_overrides
 from libs.engine.batcher import Plan, pages_for
 from libs.engine.cuda_graph import GraphCaptureError, capture_sizes
 from libs.engine.engine import Engine
@@ -204,18 +206,18 @@ def mtp_collector(read: Callable[[], tuple[int, int]]):
 
 
 class MTPEngine(Engine):
-    """The Engine with MTP speculative decoding of `num_speculative_tokens` (k) drafts per step."""
+    """The Engine with MTP speculative decoding of args.mtp_k (k >= 1) drafts per step."""
 
     def __init__(
-        self, model: DeepseekV3ForCausalLM, mtp: MTPLayer, *, num_speculative_tokens: int = 1, **engine_kwargs
-    ) -> None:
-        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
-            raise ValueError(
-                f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens!r}"
-            )
-        engine_kwargs["overlap"] = False  # the overlapped plain decode step would bypass verify and draft
-        super().__init__(model, **engine_kwargs)
-        self.mtp, self.k = mtp, num_speculative_tokens
+        self, model: DeepseekV3ForCausalLM, mtp: MTPLayer, args: EngineArgs | None = None, *,
+        tokenizer: Tokenizer | None = None, **overrides: Any,
+    ) -> None:  # fmt: skip
+        a = with_overrides(args, overrides)
+        if a.mtp_k < 1:
+            raise ValueError(f"MTPEngine needs mtp_k >= 1 draft tokens per step, got {a.mtp_k}")
+        # the overlapped plain decode step would bypass verify and draft
+        super().__init__(model, msgspec.structs.replace(a, overlap=False), tokenizer=tokenizer)
+        self.mtp, self.k = mtp, a.mtp_k
         self.mtp_pool = mtp.new_kv_pool(self.kv_pool)
         if model.fast is not None:  # the target took the fused path (on CUDA by default): the block too
             mtp.enable_fast_path(model)
@@ -227,17 +229,13 @@ class MTPEngine(Engine):
         self.num_drafted = self.num_accepted = self.num_verified = 0
 
     @classmethod
-    def load(
-        cls, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", *,
-        num_speculative_tokens: int = 1, quantization: str = "auto", **engine_kwargs,
-    ) -> MTPEngine:  # fmt: skip
-        """Engine.from_pretrained plus the checkpoint's MTP module (engine_kwargs as Engine takes them)."""
-        model = load_model(path, dtype=dtype, device=device, quantization=quantization)
-        mtp = load_mtp(path, model, quantization)
+    def load(cls, path: str | Path, args: EngineArgs | None = None, **overrides: Any) -> MTPEngine:
+        """Engine.from_pretrained plus the checkpoint's MTP module; `args` and overrides as __init__ takes them."""
+        a = with_overrides(args, overrides)
+        model = load_model(path, dtype=a.resolved_dtype, device=a.device, quantization=a.quantization)
+        mtp = load_mtp(path, model, a.quantization)
         tokenizer = Tokenizer.from_pretrained(path) if (Path(path) / "tokenizer.json").exists() else None
-        return cls(
-            model, mtp, num_speculative_tokens=num_speculative_tokens, tokenizer=tokenizer, **engine_kwargs
-        )
+        return cls(model, mtp, a, tokenizer=tokenizer)
 
     @property
     def acceptance_rate(self) -> float:

@@ -14,8 +14,8 @@ requests and KV pages, with the routed experts sharded over the group. The front
   rank between two steps, in-flight requests untouched (their KV and state never move).
 
 KV pages. Page ids the front hands out are global: rank r's page p is r * P + p (P = pages_per_rank).
-Without `kv_transfer`, on CPU, the ranks' pools are slices of one shared-memory pool owned by the front
-(`kv_pool`), so the worker registers one region with the transfer engine. With `kv_transfer` (what GPUs
+Without `ep_kv_transfer`, on CPU, the ranks' pools are slices of one shared-memory pool owned by the front
+(`kv_pool`), so the worker registers one region with the transfer engine. With `ep_kv_transfer` (what GPUs
 need: each rank's pool lives on its own device) every rank keeps its own pool and registers it on its own
 transport (rank_kv.py): `rank_pools` says where each one is, and `write_kv` / `read_kv` move a request's
 pages from or read them in the rank that holds them.
@@ -31,9 +31,11 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
+from libs.engine.args import EngineArgs, with_overrides
 from libs.engine.config import ModelConfig
 from libs.engine.engine import default_num_pages
 from libs.engine.kv_pool import KVPool
@@ -41,7 +43,6 @@ from libs.engine.loader import parse_dtype
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
 from libs.engine.sampling import SamplingParams
 from libs.ep import eplb
-from libs.ep.dispatch.factory import BACKENDS
 from libs.ep.dispatch.mooncake_ep import DEFAULT_MAX_TOKENS
 from libs.ep.group import RankGroup
 from libs.ep.placement import Placement
@@ -56,56 +57,30 @@ MTP_STAT_KEYS = ("mtp_drafted", "mtp_accepted")  # ranks running MTPEngine
 
 
 class EPEngine:
-    def __init__(
-        self,
-        model_dir: str,
-        ep_size: int,
-        *,
-        device: str = "cpu",
-        dtype: str = "float32",
-        page_size: int = 16,
-        num_pages: int | None = None,  # per rank
-        max_num_seqs: int = 64,  # per rank
-        max_prefill_tokens: int = 2048,
-        enable_prefix_cache: bool = True,
-        backend: str = "auto",
-        num_redundant_experts: int = 0,
-        fp8_dispatch: bool = False,
-        quantization: str = "auto",
-        torch_threads: int = 1,
-        eplb_interval_steps: int = 0,
-        two_batch_overlap: bool = False,
-        timeout_s: float = 300.0,
-        backend_options: dict[str, Any] | None = None,
-        kv_transfer: tuple[str, str, str] | None = None,  # (protocol, hostname, device): per-rank pools
-        mtp_k: int = 0,
-    ) -> None:
-        """mtp_k: MTP speculative decoding on every rank (libs/engine/speculative.py), k drafts per step.
-        two_batch_overlap: every rank runs its forwards as two overlapped micro-batches (not with mtp_k)."""
-        if two_batch_overlap and mtp_k:
-            raise ValueError("two_batch_overlap does not run with MTP (mtp_k) yet")
-        _check_args(
-            ep_size, backend, eplb_interval_steps, max(max_prefill_tokens, max_num_seqs), backend_options
-        )
+    def __init__(self, model_dir: str, args: EngineArgs | None = None, **overrides: Any) -> None:
+        """`args` (None: the defaults) with keyword overrides of its fields, as EngineArgs documents them:
+        ep_size ranks, each an Engine of num_pages pages and max_num_seqs sequences (0 pages: the default),
+        or with mtp_k an MTPEngine; ep_kv_transfer set: every rank registers its own KV pool."""
+        a = with_overrides(args, overrides)
+        _check_args(a)
         self.config = cfg = ModelConfig.from_pretrained(model_dir)
-        if not isinstance(mtp_k, int) or mtp_k < 0 or (mtp_k and cfg.num_nextn_predict_layers < 1):
-            raise ValueError(
-                f"mtp_k {mtp_k!r} needs an integer >= 0 and, above 0, a checkpoint with an MTP layer"
-            )
+        if a.mtp_k and cfg.num_nextn_predict_layers < 1:
+            raise ValueError(f"mtp_k {a.mtp_k} needs a checkpoint with an MTP layer")
         self.layer_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         if not self.layer_ids:
             raise ValueError(f"{model_dir} has no MoE layers: expert parallelism has nothing to shard")
         self.placement = Placement.uniform(
-            len(self.layer_ids), cfg.n_routed_experts, ep_size, num_redundant_experts
+            len(self.layer_ids), cfg.n_routed_experts, a.ep_size, a.ep_redundant_experts
         )
-        self.ep_size, self.page_size, self.eplb_interval_steps = ep_size, page_size, eplb_interval_steps
-        torch_dtype = parse_dtype(dtype)
+        self.ep_size, self.page_size, self.eplb_interval_steps = a.ep_size, a.page_size, a.eplb_interval_steps
+        torch_dtype = parse_dtype(a.resolved_dtype)
         row_bytes = cfg.kv_row_dim * torch.empty((), dtype=torch_dtype).element_size() * cfg.num_hidden_layers
-        self.pages_per_rank = num_pages or default_num_pages(cfg, page_size, max_num_seqs, row_bytes)
+        self.pages_per_rank = a.num_pages or default_num_pages(cfg, a.page_size, a.max_num_seqs, row_bytes)
+        self.args = msgspec.structs.replace(a, num_pages=self.pages_per_rank)
         # CPU: one shared-memory pool, rank r's pages a slice of it
         self._kv_pool = (
-            _shared_pool(cfg, ep_size * self.pages_per_rank, page_size, torch_dtype)
-            if device == "cpu" and kv_transfer is None
+            _shared_pool(cfg, a.ep_size * self.pages_per_rank, a.page_size, torch_dtype)
+            if a.device == "cpu" and a.ep_kv_transfer is None
             else None
         )
         shape = (len(self.layer_ids), cfg.n_routed_experts)
@@ -113,27 +88,22 @@ class EPEngine:
         self.window_load = np.zeros(shape, dtype=np.int64)  # since the last placement change
         self.num_rebalances, self.steps = 0, 0
         self.owner: dict[str, int] = {}  # request id -> rank
-        self.blocks = RankBlocks(ep_size)
-        self.affinity_slack = max(1, max_num_seqs // 16)
-        engine_kwargs = dict(
-            page_size=page_size, num_pages=self.pages_per_rank, max_num_seqs=max_num_seqs,
-            max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=enable_prefix_cache,
-            two_batch_overlap=two_batch_overlap,
-        )  # fmt: skip
+        self.blocks = RankBlocks(a.ep_size)
+        self.affinity_slack = max(1, a.max_num_seqs // 16)
         # a file store in a fresh directory: the ranks share a host, and no port can be taken in between
         self._rendezvous = tempfile.mkdtemp(prefix="moemesh-ep-")
         spec = RankSpec(
-            model_dir=str(model_dir), ep_size=ep_size, init_method=f"file://{self._rendezvous}/store",
-            placement=self.placement.to_wire(), device=device, dtype=dtype, backend=backend,
-            fp8_dispatch=fp8_dispatch, quantization=quantization, torch_threads=torch_threads, timeout_s=timeout_s,
-            engine=engine_kwargs, backend_options=dict(backend_options or {}), kv_transfer=kv_transfer, mtp_k=mtp_k,
+            model_dir=str(model_dir), init_method=f"file://{self._rendezvous}/store",
+            placement=self.placement.to_wire(), engine=self.args,
         )  # fmt: skip
-        self.mtp_k = mtp_k
+        self.mtp_k = a.mtp_k
         try:
-            self.group = RankGroup(spec, self._kv_slices(), timeout_s, self._add_load, self.blocks.apply)
+            self.group = RankGroup(spec, self._kv_slices(), a.ep_timeout_s, self._add_load, self.blocks.apply)
             # (Mooncake session, KvGeometry fields) of each rank's own pool
             self.rank_pools: list[tuple[str, dict[str, Any]]] = (
-                [] if kv_transfer is None else [self.group.call(r, "kv_endpoint") for r in range(ep_size)]
+                []
+                if a.ep_kv_transfer is None
+                else [self.group.call(r, "kv_endpoint") for r in range(a.ep_size)]
             )
         except BaseException:
             if hasattr(self, "group"):
@@ -292,7 +262,7 @@ class EPEngine:
         if self._kv_pool is None:
             raise RuntimeError(
                 "this EP group keeps a KV pool per rank (on GPUs, each on its own device): there is no one "
-                "pool to register; use rank_pools / write_kv / read_kv (built with kv_transfer), which the "
+                "pool to register; use rank_pools / write_kv / read_kv (built with ep_kv_transfer), which the "
                 "workers do"
             )
         return self._kv_pool
@@ -318,7 +288,7 @@ class EPEngine:
     def _check_rank_pools(self) -> None:
         if not self.rank_pools:
             raise RuntimeError(
-                "this EP group's ranks have no KV pools of their own (build it with kv_transfer)"
+                "this EP group's ranks have no KV pools of their own (build it with ep_kv_transfer)"
             )
 
     # --- EPLB ---
@@ -406,19 +376,13 @@ def _shared_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.
     return pool
 
 
-def _check_args(
-    ep_size: int, backend: str, eplb_interval_steps: int, forward_tokens: int, options: Any
-) -> None:
-    if ep_size < 1:
-        raise ValueError(f"ep_size must be >= 1, got {ep_size}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown EP dispatch backend {backend!r}: use one of {BACKENDS}")
-    if eplb_interval_steps < 0:
-        raise ValueError(f"eplb_interval_steps must be >= 0, got {eplb_interval_steps}")
-    if backend == "mooncake":  # low-latency only: every forward must fit its per-rank token limit
-        cap = int((options or {}).get("max_tokens", DEFAULT_MAX_TOKENS))
-        if forward_tokens > cap:
+def _check_args(a: EngineArgs) -> None:
+    """What EngineArgs cannot check alone: the backend's own limits."""
+    if a.ep_backend == "mooncake":  # low-latency only: every forward must fit its per-rank token limit
+        forward_tokens = max(a.max_prefill_tokens, a.max_num_seqs)
+        if forward_tokens > DEFAULT_MAX_TOKENS:
             raise ValueError(
-                f"EP backend 'mooncake' takes at most {cap} tokens per forward: set max_prefill_tokens and "
-                f"max_num_seqs <= {cap} (one forward here may carry {forward_tokens})"
+                f"EP backend 'mooncake' takes at most {DEFAULT_MAX_TOKENS} tokens per forward: set "
+                f"max_prefill_tokens and max_num_seqs <= {DEFAULT_MAX_TOKENS} (one forward here may carry "
+                f"{forward_tokens})"
             )

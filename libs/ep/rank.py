@@ -5,7 +5,7 @@ The front (engine.EPEngine, in the worker process) talks to each rank over a mul
 plain tuples, never tensors:
   ("call", method, args)  -> this rank alone: add_request, abort, reserve, reserve_cached,
                              cancel_reservation, add_prefilled, release, flush_prefix_cache, stats;
-                             with a pool of its own on the transfer fabric (RankSpec.kv_transfer) also
+                             with a pool of its own on the transfer fabric (EngineArgs.ep_kv_transfer) also
                              kv_endpoint, write_kv, read_kv (rank_kv.py)
   ("op", name, args)      -> a group operation: the front sends one to every rank at once (step, prefill,
                              prefill_logits, generate, rebalance, or idle for ranks with nothing to do);
@@ -28,13 +28,14 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
+from libs.engine.args import EngineArgs
 from libs.engine.engine import Engine
 from libs.engine.pages import OutOfPagesError
 from libs.engine.tbo_split import decode_round_tokens
@@ -54,26 +55,17 @@ CALLS = frozenset(
 )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class RankSpec:
-    """Everything a rank process needs to join its group (picklable: plain values only)."""
+class RankSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a rank process needs to join its group: plain values and the engine's arguments, typed."""
 
     model_dir: str
-    ep_size: int
-    init_method: str  # torch.distributed rendezvous, e.g. "tcp://127.0.0.1:29500"
-    placement: tuple  # Placement.to_wire()
-    device: str = "cpu"  # "cpu", or "cuda": rank r on cuda:r
-    dtype: str = "float32"
-    backend: str = "torch"
-    fp8_dispatch: bool = False
-    quantization: str = "auto"  # as load_model: FP8 experts kept FP8 on CUDA ("auto") or anywhere ("fp8")
-    torch_threads: int = 1
-    timeout_s: float = 300.0
-    engine: dict[str, Any] = field(default_factory=dict)  # Engine(...) keyword arguments
-    backend_options: dict[str, Any] = field(default_factory=dict)
-    # (protocol, hostname, device name): the rank registers its own KV pool on its own transport
-    kv_transfer: tuple[str, str, str] | None = None
-    mtp_k: int = 0  # MTP speculative decoding: each rank an MTPEngine, its MTP module whole (no EP hook)
+    init_method: str  # torch.distributed rendezvous, e.g. "file:///tmp/moemesh-ep-x/store"
+    placement: tuple[list[list[int]], int, int]  # Placement.to_wire()
+    engine: EngineArgs  # num_pages per rank; ep_kv_transfer set: the rank registers its own KV pool
+
+    @property
+    def ep_size(self) -> int:
+        return self.engine.ep_size
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -98,7 +90,8 @@ def rank_main(rank: int, spec: RankSpec, conn: Any, kv_buffer: torch.Tensor | No
         return
     log.info(
         "EP rank %d/%d ready on %s: %d expert slots per MoE layer, %s dispatch",
-        rank, spec.ep_size, rank_device(spec.device, rank), worker.runtime.placement.slots_per_rank, spec.backend,
+        rank, spec.ep_size, rank_device(spec.engine.device, rank), worker.runtime.placement.slots_per_rank,
+        spec.engine.ep_backend,
     )  # fmt: skip
     conn.send(("ok", None, worker.status(), None, worker.cache_events.drain()))
     worker.serve(conn)
@@ -136,27 +129,28 @@ class RankWorker:
     def start(cls, rank: int, spec: RankSpec, kv_buffer: torch.Tensor | None) -> RankWorker:
         import torch.distributed as dist
 
-        if spec.torch_threads:
-            torch.set_num_threads(spec.torch_threads)
-        device = rank_device(spec.device, rank)
+        a = spec.engine
+        if a.torch_threads:
+            torch.set_num_threads(a.torch_threads)
+        device = rank_device(a.device, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo", init_method=spec.init_method, rank=rank,
-            world_size=spec.ep_size, timeout=timedelta(seconds=spec.timeout_s),
+            world_size=a.ep_size, timeout=timedelta(seconds=a.ep_timeout_s),
             device_id=device if device.type == "cuda" else None,
         )  # fmt: skip
         comm = TorchComm(None, device)
         placement = Placement.from_wire(spec.placement)
-        model = load_rank_model(spec.model_dir, placement, rank, spec.dtype, device, spec.quantization)
-        backend, options = resolve_backend(spec.backend, device), dict(spec.backend_options)
+        model = load_rank_model(spec.model_dir, placement, rank, a.resolved_dtype, device, a.quantization)
+        backend, options = resolve_backend(a.ep_backend, device), {}
         if backend == "fixed":  # buffers for a decode batch; longer forwards take its all-to-all fallback
-            seqs, tbo = int(spec.engine.get("max_num_seqs", 64)), bool(spec.engine.get("two_batch_overlap"))
-            options.setdefault("max_tokens", decode_round_tokens(seqs, tbo))  # TBO: one micro-batch a round
+            # with two-batch overlap, one micro-batch a round
+            options["max_tokens"] = decode_round_tokens(a.max_num_seqs, a.two_batch_overlap)
             options["top_k"] = model.config.num_experts_per_tok
         dispatcher = make_dispatcher(
             backend, comm, slots_per_rank=placement.slots_per_rank, num_physical=placement.num_physical,
-            hidden=model.config.hidden_size, dtype=model.dtype, fp8=spec.fp8_dispatch,
+            hidden=model.config.hidden_size, dtype=model.dtype, fp8=a.ep_fp8_dispatch,
             group=dist.group.WORLD, **options,
         )  # fmt: skip
         runtime = enable_expert_parallel(model, placement, rank, dispatcher, comm)
@@ -167,7 +161,7 @@ class RankWorker:
             if kv_buffer.shape != engine.kv_pool.buffer.shape or kv_buffer.dtype != engine.kv_pool.dtype:
                 raise ValueError(f"shared KV slice {tuple(kv_buffer.shape)} does not match the rank's pool")
             engine.kv_pool.buffer = kv_buffer
-        kv = None if spec.kv_transfer is None else RankKv(engine.kv_pool, *spec.kv_transfer)
+        kv = None if a.ep_kv_transfer is None else RankKv(engine.kv_pool, *a.ep_kv_transfer)
         return cls(rank, engine, runtime, kv)
 
     def serve(self, conn: Any) -> None:
@@ -251,13 +245,13 @@ class RankWorker:
 def _rank_engine(spec: RankSpec, model: Any, tokenizer: Tokenizer | None) -> Engine:
     """The rank's Engine; with mtp_k an MTPEngine whose MTP module holds all its experts and runs them
     locally (no collective: only the target's MoE layers take part in the group's lockstep rounds)."""
-    if not spec.mtp_k:
-        return Engine(model, tokenizer=tokenizer, **spec.engine)
+    if not spec.engine.mtp_k:
+        return Engine(model, spec.engine, tokenizer=tokenizer)
     from libs.engine.models.mtp import load_mtp
     from libs.engine.speculative import MTPEngine
 
     mtp = load_mtp(spec.model_dir, model, quantization="none")  # dense, as the rank's target is
-    return MTPEngine(model, mtp, num_speculative_tokens=spec.mtp_k, tokenizer=tokenizer, **spec.engine)
+    return MTPEngine(model, mtp, spec.engine, tokenizer=tokenizer)
 
 
 _PORTABLE: tuple[type[Exception], ...] = (OutOfPagesError, ValueError, TypeError, TimeoutError, RuntimeError)

@@ -18,9 +18,12 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import torch
 
+from libs.engine.args import EngineArgs, with_overrides
 from libs.engine.config import ModelConfig
 from libs.engine.engine import Engine
 from libs.engine.runner import Chunk
@@ -87,32 +90,28 @@ class _PoolOnly:
 
 class SimEngine(Engine):
     def __init__(
-        self,
-        config: ModelConfig,
-        timing: StepTimeModel | None = None,
-        *,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        max_num_seqs: int = 64,
-        max_prefill_tokens: int = 2048,
-        enable_prefix_cache: bool = True,
-        tokenizer: Tokenizer | None = None,
-    ) -> None:
+        self, config: ModelConfig, timing: StepTimeModel | None = None, args: EngineArgs | None = None, *,
+        tokenizer: Tokenizer | None = None, **overrides: Any,
+    ) -> None:  # fmt: skip
+        """`args` and overrides as Engine takes them; there are no decode graphs to capture."""
+        a = msgspec.structs.replace(with_overrides(args, overrides), cuda_graphs=False)
         pool_cfg = dataclasses.replace(config, num_hidden_layers=1, kv_lora_rank=1, qk_rope_head_dim=0)
-        super().__init__(
-            _PoolOnly(pool_cfg), page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,  # type: ignore[arg-type]
-            max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=enable_prefix_cache,
-            tokenizer=tokenizer, cuda_graphs=False,
-        )  # fmt: skip
+        super().__init__(_PoolOnly(pool_cfg), a, tokenizer=tokenizer)  # type: ignore[arg-type]
         self.config = config  # the served model's vocab, context and end ids; only the pool is scaled down
         self.timing = timing or StepTimeModel()
         self.runner = SimRunner(self.timing, config.vocab_size, self.eos_ids)  # type: ignore[assignment]
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, timing: StepTimeModel | None = None, **kw) -> SimEngine:
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        timing: StepTimeModel | None = None,
+        args: EngineArgs | None = None,
+        **overrides: Any,
+    ) -> SimEngine:
         """A checkpoint folder's config.json and tokenizer; its weights are never read."""
         tok = Tokenizer.from_pretrained(path) if (Path(path) / "tokenizer.json").exists() else None
-        return cls(ModelConfig.from_pretrained(path), timing, tokenizer=tok, **kw)
+        return cls(ModelConfig.from_pretrained(path), timing, args, tokenizer=tok, **overrides)
 
     def _sample(self, logits: torch.Tensor, reqs: list) -> SampleOutput:
         params = [r.params for r in reqs]

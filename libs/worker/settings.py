@@ -8,6 +8,7 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from libs.bus.settings import ServiceSettings
+from libs.engine.args import DEFAULTS as _E  # the engine's defaults, written once there
 
 
 class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
@@ -23,34 +24,36 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     served_model_name: Annotated[
         str, msgspec.Meta(description="the model name clients use; empty: the folder's name")
     ] = ""
-    device: Annotated[str, msgspec.Meta(description="cpu, cuda or cuda:N")] = "cpu"
+    device: Annotated[str, msgspec.Meta(description="cpu, cuda or cuda:N")] = _E.device
     dtype: Annotated[
         str,
         msgspec.Meta(
             description="activation dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16"
         ),
-    ] = "auto"
+    ] = _E.dtype
     quantization: Annotated[
         str,
         msgspec.Meta(description="FP8 checkpoints: auto (FP8 on CUDA), fp8, or none (dequantize to dtype)"),
-    ] = "auto"
-    page_size: Annotated[int, msgspec.Meta(ge=1, le=1024, description="tokens per KV page")] = 16
+    ] = _E.quantization
+    page_size: Annotated[int, msgspec.Meta(ge=1, le=1024, description="tokens per KV page")] = _E.page_size
     num_pages: Annotated[
         int, msgspec.Meta(ge=0, description="KV pages in the pool; 0: the engine's default")
-    ] = 0
-    max_num_seqs: Annotated[int, msgspec.Meta(ge=1, description="most sequences in one running batch")] = 64
+    ] = _E.num_pages
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1, description="most sequences in one running batch")] = (
+        _E.max_num_seqs
+    )
     max_prefill_tokens: Annotated[
         int, msgspec.Meta(ge=1, description="most prompt tokens in one forward (chunked prefill)")
-    ] = 2048
+    ] = _E.max_prefill_tokens
     enable_prefix_cache: Annotated[
         bool, msgspec.Meta(description="reuse cached KV pages of shared prompt prefixes")
-    ] = True
+    ] = _E.enable_prefix_cache
     attention_backend: Annotated[
         str,
         msgspec.Meta(
             description="auto, torch, triton or flashinfer (single-rank engines; EP ranks use auto)"
         ),
-    ] = "auto"
+    ] = _E.attention_backend
     transfer_protocol: Annotated[
         str,
         msgspec.Meta(
@@ -63,7 +66,7 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     transfer_device: Annotated[str, msgspec.Meta(description="RDMA device names, e.g. mlx5_0")] = ""
     torch_threads: Annotated[
         int, msgspec.Meta(ge=0, description="torch intra-op threads on CPU; 0: torch's default")
-    ] = 1
+    ] = _E.torch_threads
     heartbeat_interval_ms: Annotated[
         int, msgspec.Meta(ge=10, description="milliseconds between heartbeats to the mesh")
     ] = 250
@@ -87,27 +90,29 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
         msgspec.Meta(
             ge=1, description="expert parallelism: rank processes, each with 1/ep_size of the routed experts"
         ),
-    ] = 1
+    ] = _E.ep_size
     dp_size: Annotated[int, msgspec.Meta(ge=0, description="attention data-parallel ranks: 0 or ep_size")] = 0
     ep_backend: Annotated[
         str, msgspec.Meta(description="EP dispatch/combine: auto, fixed, torch, deepep or mooncake")
-    ] = "auto"
+    ] = _E.ep_backend
     ep_redundant_experts: Annotated[
         int, msgspec.Meta(ge=0, description="extra physical expert slots for EPLB")
-    ] = 0
-    ep_fp8_dispatch: Annotated[bool, msgspec.Meta(description="send dispatched tokens in FP8")] = False
+    ] = _E.ep_redundant_experts
+    ep_fp8_dispatch: Annotated[bool, msgspec.Meta(description="send dispatched tokens in FP8")] = (
+        _E.ep_fp8_dispatch
+    )
     ep_kv_per_rank: Annotated[
         bool, msgspec.Meta(description="each EP rank registers its own KV pool (always on with a GPU device)")
     ] = False
     eplb_interval_steps: Annotated[
         int, msgspec.Meta(ge=0, description="rebalance experts every N steps; 0: never")
-    ] = 0
+    ] = _E.eplb_interval_steps
     two_batch_overlap: Annotated[
         bool,
         msgspec.Meta(
             description="run each forward as two micro-batches, one's EP exchange overlapping the other's compute"
         ),
-    ] = False
+    ] = _E.two_batch_overlap
     engine: Annotated[
         str, msgspec.Meta(description="model (run the checkpoint) or sim (timing model of the forward pass)")
     ] = "model"
@@ -122,7 +127,7 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     ] = 5.0
     mtp_k: Annotated[
         int, msgspec.Meta(ge=0, le=8, description="MTP speculative decoding: draft tokens per step; 0: off")
-    ] = 0
+    ] = _E.mtp_k
     warmup: Annotated[
         str, msgspec.Meta(description="warm-up before serving: auto (on for a model on CUDA), on or off")
     ] = "auto"

@@ -9,6 +9,7 @@ import torch
 
 from libs.bus import Bus
 from libs.engine import Engine
+from libs.engine.args import EngineArgs
 from libs.engine.protocol import EngineLike
 from libs.ep.engine import EPEngine
 from libs.kvtransfer import KvTransport, MooncakeTransport, SkipTransport, make_transport
@@ -18,46 +19,41 @@ from proto import messages as m
 from proto import subjects
 
 
+def engine_args(s: WorkerSettings) -> EngineArgs:
+    """The engine's arguments from a worker's settings (an EP group's ranks run the auto attention backend)."""
+    kv_transfer = (s.transfer_protocol, s.transfer_hostname, s.transfer_device) if s.kv_per_rank else None
+    return EngineArgs(
+        page_size=s.page_size, num_pages=s.num_pages, max_num_seqs=s.max_num_seqs,
+        max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
+        device=s.device, dtype=s.dtype, quantization=s.quantization,
+        attention_backend=s.engine_attention_backend if s.ep_size == 1 else "auto", torch_threads=s.torch_threads,
+        two_batch_overlap=s.two_batch_overlap, mtp_k=s.mtp_k, ep_size=s.ep_size, ep_backend=s.ep_backend,
+        ep_redundant_experts=s.ep_redundant_experts, ep_fp8_dispatch=s.ep_fp8_dispatch,
+        eplb_interval_steps=s.eplb_interval_steps, ep_kv_transfer=kv_transfer,
+    )  # fmt: skip
+
+
 def load_engine(s: WorkerSettings) -> EngineLike:
     """The engine in this process, or with ep_size > 1 the front of a group of EP rank processes
     (libs.ep.engine.EPEngine, the same worker-facing API), or with engine=sim the timing-model engine."""
+    args = engine_args(s)
     if s.engine == "sim":
         from libs.sim import sim_engine
 
-        return sim_engine(s)
+        return sim_engine(s, args)
     # The grammar engine's import holds the GIL for seconds: done here, before heartbeats start, rather
     # than on the first structured-output request (which would stall the event loop past liveness).
     import libs.engine.grammar  # noqa: F401
 
-    if s.ep_size > 1:
-        return EPEngine(
-            s.model_dir, s.ep_size, device=s.device, dtype=s.activation_dtype, page_size=s.page_size,
-            num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
-            max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
-            backend=s.ep_backend, num_redundant_experts=s.ep_redundant_experts, fp8_dispatch=s.ep_fp8_dispatch,
-            torch_threads=s.torch_threads, eplb_interval_steps=s.eplb_interval_steps, mtp_k=s.mtp_k,
-            quantization=s.quantization,
-            kv_transfer=(s.transfer_protocol, s.transfer_hostname, s.transfer_device) if s.kv_per_rank else None,
-            two_batch_overlap=s.two_batch_overlap,
-        )  # fmt: skip
-    if s.torch_threads and s.device == "cpu":
-        torch.set_num_threads(s.torch_threads)
-    if s.mtp_k:
+    if args.ep_size > 1:
+        return EPEngine(s.model_dir, args)
+    if args.torch_threads and args.device == "cpu":
+        torch.set_num_threads(args.torch_threads)
+    if args.mtp_k:
         from libs.engine.speculative import MTPEngine
 
-        return MTPEngine.load(
-            s.model_dir, device=s.device, dtype=s.activation_dtype, num_speculative_tokens=s.mtp_k, page_size=s.page_size,
-            num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
-            max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
-            quantization=s.quantization, attention_backend=s.engine_attention_backend,
-        )  # fmt: skip
-    return Engine.from_pretrained(
-        s.model_dir, device=s.device, dtype=s.activation_dtype, page_size=s.page_size,
-        num_pages=s.num_pages or None, max_num_seqs=s.max_num_seqs,
-        max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
-        quantization=s.quantization, attention_backend=s.engine_attention_backend,
-        two_batch_overlap=s.two_batch_overlap,
-    )  # fmt: skip
+        return MTPEngine.load(s.model_dir, args)
+    return Engine.from_pretrained(s.model_dir, args)
 
 
 def register_engine_metrics(engine: EngineLike, registry: Any) -> None:

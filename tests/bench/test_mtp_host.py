@@ -27,7 +27,7 @@ def path(tmp_path_factory):
 
 
 def _graphed(path, k: int) -> tuple[MTPEngine, mtp_host.Clock]:
-    engine = MTPEngine.load(path, num_speculative_tokens=k, **KW)
+    engine = MTPEngine.load(path, mtp_k=k, **KW)
     clock = mtp_host.Clock()
     mtp_host.host_graphs(engine, clock, max_len=96)
     return engine, clock

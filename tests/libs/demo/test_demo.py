@@ -37,7 +37,7 @@ def test_corpus_split_is_disjoint_and_stable():
 def test_checkpoint_matches_transformers_and_training_model(trained):
     path, settings = trained
     ids = Tokenizer.from_pretrained(path).encode("A list is a mutable sequence of objects.")
-    engine = MTPEngine.load(path, num_speculative_tokens=1)
+    engine = MTPEngine.load(path, mtp_k=1)
     pages = engine._alloc(4)
     chunk = Chunk(ids, 0, pages)
     hidden = engine._target([chunk])

@@ -225,7 +225,9 @@ def test_expert_parallel_hook_on_fp8_experts_gets_the_picks_and_the_shared_exper
     moe.ep = hook
     try:
         torch.testing.assert_close(moe(x), want, atol=0, rtol=0)
-        assert seen == [moe.shared_experts is not None] and not moe.graph_safe  # a plain hook is not graph-safe
+        assert (
+            seen == [moe.shared_experts is not None] and not moe.graph_safe
+        )  # a plain hook is not graph-safe
     finally:
         moe.ep = None
 
@@ -274,7 +276,9 @@ def test_engine_generates_with_fp8_weights_consistently_with_prefill(ckpt) -> No
     does not change the math)."""
     from libs.engine import Engine, SamplingParams
 
-    engine = Engine.from_pretrained(ckpt["fp8"], device=DEVICE, quantization="fp8", max_num_seqs=2)
+    engine = Engine.from_pretrained(
+        ckpt["fp8"], device=DEVICE, dtype="float32", quantization="fp8", max_num_seqs=2
+    )
     assert engine.model.model.layers[1].mlp.experts.is_fp8
     prompt = [0, 17, 300, 2, 999, 41, 7, 123]
     (out,) = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))

@@ -29,7 +29,7 @@ def assert_no_leak(engine: Engine) -> None:
 
 def generate_both(path, prompts, params, k, **kw):
     base = Engine.from_pretrained(path, page_size=4, **kw)
-    spec = MTPEngine.load(path, num_speculative_tokens=k, page_size=4, **kw)
+    spec = MTPEngine.load(path, mtp_k=k, page_size=4, **kw)
     ref = [o.token_ids for o in base.generate(prompts, params)]
     got = [o.token_ids for o in spec.generate(prompts, params)]
     return ref, got, spec
@@ -100,7 +100,7 @@ def test_stops_inside_an_accepted_run_and_logprobs(demo, demo_prompts):
     stop_id = full.token_ids[6]
     params = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stop_id,), logprobs=2)
     (ref,) = base.generate([demo_prompts[0]], params)
-    spec = MTPEngine.load(demo, num_speculative_tokens=3)
+    spec = MTPEngine.load(demo, mtp_k=3)
     (got,) = spec.generate([demo_prompts[0]], params)
     assert got.token_ids == ref.token_ids and got.finish_reason == ref.finish_reason == "stop"
     assert ref.logprobs is not None and got.logprobs is not None
@@ -123,7 +123,7 @@ def test_prefix_cache_chunked_prefill_and_preemption(demo, demo_prompts):
 def test_pd_decode_side_drafts(demo, demo_prompts):
     """Prefill on a plain engine, copy its KV into pages reserved on an MTP engine, decode there."""
     prefill_side = Engine.from_pretrained(demo, page_size=4, num_pages=64)
-    decode_side = MTPEngine.load(demo, num_speculative_tokens=2, page_size=4, num_pages=64)
+    decode_side = MTPEngine.load(demo, mtp_k=2, page_size=4, num_pages=64)
     ref = [o.token_ids for o in Engine.from_pretrained(demo).generate(demo_prompts, GREEDY)]
     src = prefill_side.kv_pool.buffer.view(prefill_side.kv_pool.num_layers, 64, 4, -1)
     dst = decode_side.kv_pool.buffer.view(decode_side.kv_pool.num_layers, 64, 4, -1)
@@ -171,7 +171,7 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
 
 
 def test_sampled_requests_run_and_stay_in_vocabulary(demo, demo_prompts):
-    spec = MTPEngine.load(demo, num_speculative_tokens=2)
+    spec = MTPEngine.load(demo, mtp_k=2)
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=1, ignore_eos=True)
     outs = spec.generate(demo_prompts, params)
     assert all(len(o.token_ids) == 16 for o in outs)
@@ -182,9 +182,9 @@ def test_sampled_requests_run_and_stay_in_vocabulary(demo, demo_prompts):
 
 def test_fp8_checkpoint_mtp_weights(tmp_path):
     path = write_tiny_model(tmp_path, seed=4, fp8=True, num_nextn_predict_layers=1, hidden_size=256)
-    kept = MTPEngine.load(path, num_speculative_tokens=1, quantization="fp8")
+    kept = MTPEngine.load(path, mtp_k=1, quantization="fp8")
     assert kept.mtp.eh_proj.is_fp8
-    dense = MTPEngine.load(path, num_speculative_tokens=1, quantization="none")
+    dense = MTPEngine.load(path, mtp_k=1, quantization="none")
     x = torch.randn(3, 512)
     a, b = kept.mtp.eh_proj(x), dense.mtp.eh_proj(x)  # FP8 GEMM (activations quantized too) vs dequantized
     assert (a - b).norm() / b.norm() < 0.05
@@ -198,8 +198,8 @@ def test_clear_errors(tmp_path):
     path = write_tiny_model(tmp_path, seed=0)
     with pytest.raises(ValueError, match="num_nextn_predict_layers is 0"):
         MTPEngine.load(path)
-    with pytest.raises(ValueError, match="num_speculative_tokens"):
-        MTPEngine(Engine.from_pretrained(path).model, None, num_speculative_tokens=0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mtp_k >= 1"):
+        MTPEngine(Engine.from_pretrained(path).model, None, mtp_k=0)  # type: ignore[arg-type]
     assert WorkerSettings(model_dir=str(path), mtp_k=2, ep_size=2).mtp_k == 2  # EP ranks draft too
 
 
@@ -211,7 +211,7 @@ def test_engine_sampled_tokens_keep_the_target_distribution(demo, demo_prompts):
 
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
     prompt = demo_prompts[0]
-    spec = MTPEngine.load(demo, num_speculative_tokens=1, max_num_seqs=64)
+    spec = MTPEngine.load(demo, mtp_k=1, max_num_seqs=64)
     n = 400
     outs = spec.generate([prompt] * n, [dataclasses.replace(params, seed=i) for i in range(n)])
     assert spec.num_drafted >= n and 0 < spec.num_accepted < spec.num_drafted

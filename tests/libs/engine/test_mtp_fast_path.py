@@ -38,7 +38,7 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 def engine(tmp_path_factory) -> MTPEngine:
     path = write_tiny_model(tmp_path_factory.mktemp("mtp-fast") / "m", seed=11, fp8=True, **FAST)
     return MTPEngine.load(
-        path, device=DEVICE, dtype=DTYPE, quantization="fp8", num_speculative_tokens=2, page_size=16,
+        path, device=DEVICE, dtype=DTYPE, quantization="fp8", mtp_k=2, page_size=16,
         num_pages=32, max_num_seqs=4, attention_backend="triton", cuda_graphs=False, fast_path=True,
     )  # fmt: skip
 

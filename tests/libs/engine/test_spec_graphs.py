@@ -74,7 +74,7 @@ def test_mtp_engine_on_the_paged_backend_is_greedy_identical(tmp_path, k):
     path = write_tiny_model(tmp_path, seed=3, num_nextn_predict_layers=1)
     kw = dict(page_size=4, max_prefill_tokens=16, attention_backend="triton")
     ref = [o.token_ids for o in Engine.from_pretrained(path, **kw).generate(PROMPTS, GREEDY)]
-    spec = MTPEngine.load(path, num_speculative_tokens=k, **kw)
+    spec = MTPEngine.load(path, mtp_k=k, **kw)
     assert spec._rows and spec.verify_graphs is None and spec.draft_graphs is None  # CPU: eager rows
     assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == ref
     assert spec.num_drafted > 0
@@ -89,9 +89,7 @@ def test_mtp_engine_rows_agree_with_the_reference_path_on_a_trained_model(tmp_pa
     path = build_demo_model(
         tmp_path / "demo", quick_settings(steps=60, batch_size=4, seq_len=64), log=lambda _: None
     )
-    engines = [
-        MTPEngine.load(path, num_speculative_tokens=2, attention_backend=b) for b in ("torch", "triton")
-    ]
+    engines = [MTPEngine.load(path, mtp_k=2, attention_backend=b) for b in ("torch", "triton")]
     tok = engines[0].tokenizer
     assert tok is not None
     prompts = [tok.encode(t) for t in ("A list is", "The import statement", "class")]
@@ -112,9 +110,7 @@ def test_captured_bodies_on_padded_inputs_equal_the_eager_rows(tmp_path):
     rows. Real rows give the eager rows' hidden states, logits and MTP states; padding writes only the
     scratch page."""
     path = write_tiny_model(tmp_path, seed=3, num_nextn_predict_layers=1)
-    engine = MTPEngine.load(
-        path, num_speculative_tokens=2, page_size=4, num_pages=32, attention_backend="triton"
-    )
+    engine = MTPEngine.load(path, mtp_k=2, page_size=4, num_pages=32, attention_backend="triton")
     pages = engine.allocator.alloc(3)
     prompt = Chunk([5, 6, 7, 8, 9, 10], 0, pages)
     engine._target([prompt])
@@ -230,8 +226,8 @@ def test_mtp_engine_with_graphs_gives_the_plain_greedy_tokens(tmp_path, untimed_
     ref = [
         o.token_ids for o in Engine.from_pretrained(path, cuda_graphs=False, **kw).generate(PROMPTS, params)
     ]
-    eager = MTPEngine.load(path, num_speculative_tokens=2, cuda_graphs=False, **kw)
-    graphed = MTPEngine.load(path, num_speculative_tokens=2, **kw)
+    eager = MTPEngine.load(path, mtp_k=2, cuda_graphs=False, **kw)
+    graphed = MTPEngine.load(path, mtp_k=2, **kw)
     assert eager.verify_graphs is None and graphed.verify_graphs is not None
     assert [o.token_ids for o in eager.generate(PROMPTS, params)] == ref
     assert [o.token_ids for o in graphed.generate(PROMPTS, params)] == ref

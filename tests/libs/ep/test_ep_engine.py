@@ -40,7 +40,7 @@ def group(request: pytest.FixtureRequest, tiny: Path) -> Iterator[EPEngine]:
     ranks, redundant, backend = request.param
     seqs = {"max_num_seqs": 4} if backend == "fixed" else {}
     with EPEngine(
-        str(tiny), ranks, num_pages=PAGES, max_prefill_tokens=32, num_redundant_experts=redundant, backend=backend,
+        str(tiny), ep_size=ranks, num_pages=PAGES, max_prefill_tokens=32, ep_redundant_experts=redundant, ep_backend=backend,
         **seqs,
     ) as ep:  # fmt: skip
         yield ep
@@ -168,9 +168,9 @@ def test_expert_load_and_stats_add_up_over_ranks(group: EPEngine, request: pytes
 
 def test_bad_settings_are_refused_before_any_process_starts(tiny: Path) -> None:
     with pytest.raises(ValueError, match="do not divide over 4 EP ranks"):
-        EPEngine(str(tiny), 4, num_redundant_experts=2)
-    with pytest.raises(ValueError, match="unknown EP dispatch backend"):
-        EPEngine(str(tiny), 2, backend="nvshmem")
+        EPEngine(str(tiny), ep_size=4, ep_redundant_experts=2)
+    with pytest.raises(ValueError, match="ep_backend must be one of"):
+        EPEngine(str(tiny), ep_size=2, ep_backend="nvshmem")
 
 
 def test_a_request_goes_to_the_rank_that_caches_its_prefix(group: EPEngine) -> None:

@@ -48,8 +48,8 @@ def ref(tiny_fp8: Path) -> tuple[list[torch.Tensor], list[list[int]]]:
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
 def group(request: pytest.FixtureRequest, tiny_fp8: Path) -> Iterator[EPEngine]:
     with EPEngine(
-        str(tiny_fp8), request.param, num_pages=PAGES, max_num_seqs=SEQS, quantization="fp8", backend="fixed",
-        fp8_dispatch=True, timeout_s=120,
+        str(tiny_fp8), ep_size=request.param, num_pages=PAGES, max_num_seqs=SEQS, quantization="fp8", ep_backend="fixed",
+        ep_fp8_dispatch=True, ep_timeout_s=120,
     ) as ep:  # fmt: skip
         yield ep
 

@@ -30,7 +30,7 @@ def _no_leak(ep: EPEngine) -> None:
 def test_ep_mtp_greedy_equals_the_single_rank_plain_engine(tmp_path: Path) -> None:
     path = write_tiny_model(tmp_path / "tiny", seed=3, num_nextn_predict_layers=1)
     want = [o.token_ids for o in Engine.from_pretrained(path, num_pages=PAGES).generate(PROMPTS, GREEDY)]
-    with EPEngine(str(path), 2, num_pages=PAGES, max_prefill_tokens=16, mtp_k=2) as ep:
+    with EPEngine(str(path), ep_size=2, num_pages=PAGES, max_prefill_tokens=16, mtp_k=2) as ep:
         assert [o.token_ids for o in ep.generate(PROMPTS, GREEDY)] == want
         stats = ep.stats()
         assert stats["mtp_drafted"] > 0 and 0 <= stats["mtp_accepted"] <= stats["mtp_drafted"]
@@ -49,7 +49,7 @@ def test_ep_mtp_on_a_trained_model_accepts_drafts_and_drafts_after_pd(tmp_path: 
         ref.tokenizer.encode(t) for t in ("A list is", "The import statement", "class", "Dictionaries")
     ]
     want = [o.token_ids for o in ref.generate(prompts, GREEDY)]
-    with EPEngine(str(path), 2, num_pages=PAGES, mtp_k=2) as ep:
+    with EPEngine(str(path), ep_size=2, num_pages=PAGES, mtp_k=2) as ep:
         assert [o.token_ids for o in ep.generate(prompts, GREEDY)] == want
         registry = CollectorRegistry()
         ep.register_metrics(registry)
@@ -77,4 +77,4 @@ def test_ep_mtp_on_a_trained_model_accepts_drafts_and_drafts_after_pd(tmp_path: 
 def test_ep_mtp_needs_an_mtp_layer(tmp_path: Path) -> None:
     path = write_tiny_model(tmp_path / "no-mtp", seed=0)
     with pytest.raises(ValueError, match="MTP layer"):
-        EPEngine(str(path), 2, mtp_k=2)
+        EPEngine(str(path), ep_size=2, mtp_k=2)

@@ -28,11 +28,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("redundant", [0, 2])
 def test_nccl_ep2_equals_single_gpu(tiny: Path, redundant: int) -> None:
-    ref = Engine.from_pretrained(tiny, device="cuda:0", num_pages=64, max_prefill_tokens=32)
+    ref = Engine.from_pretrained(tiny, device="cuda:0", dtype="float32", num_pages=64, max_prefill_tokens=32)
     want_logits = [ref.prefill_logits(p).cpu() for p in RAGGED]
     want_tokens = [o.token_ids for o in ref.generate(RAGGED, GREEDY)]
     with EPEngine(
-        str(tiny), 2, device="cuda", num_pages=64, max_prefill_tokens=32, num_redundant_experts=redundant
+        str(tiny),
+        ep_size=2,
+        device="cuda",
+        dtype="float32",
+        num_pages=64,
+        max_prefill_tokens=32,
+        ep_redundant_experts=redundant,
     ) as ep:
         got = ep.prefill_logits_many(RAGGED)
         for g, w in zip(got, want_logits, strict=True):
@@ -44,14 +50,18 @@ def test_nccl_ep2_equals_single_gpu(tiny: Path, redundant: int) -> None:
 def test_nccl_ep2_fp8_experts_equal_single_gpu_fp8(tmp_path: Path, backend: str) -> None:
     """FP8 experts kept FP8 on both ranks (quantization auto on CUDA), the grouped GEMMs, FP8 dispatch (the
     fixed dispatcher is the CUDA default; its fallback carries the forwards above max_num_seqs tokens)."""
-    fp8 = write_tiny_model(tmp_path / "fp8", seed=1, fp8=True, moe_intermediate_size=128, intermediate_size=256)
-    ref = Engine.from_pretrained(fp8, device="cuda:0", num_pages=64, max_prefill_tokens=32, max_num_seqs=8)
+    fp8 = write_tiny_model(
+        tmp_path / "fp8", seed=1, fp8=True, moe_intermediate_size=128, intermediate_size=256
+    )
+    ref = Engine.from_pretrained(
+        fp8, device="cuda:0", dtype="float32", num_pages=64, max_prefill_tokens=32, max_num_seqs=8
+    )
     assert ref.model.model.layers[1].mlp.experts.is_fp8
     want_logits = [ref.prefill_logits(p).cpu() for p in RAGGED]
     want_tokens = [o.token_ids for o in ref.generate(RAGGED, GREEDY)]
     with EPEngine(
-        str(fp8), 2, device="cuda", num_pages=64, max_prefill_tokens=32, max_num_seqs=8, backend=backend,
-        fp8_dispatch=True,
+        str(fp8), ep_size=2, device="cuda", dtype="float32", num_pages=64, max_prefill_tokens=32, max_num_seqs=8, ep_backend=backend,
+        ep_fp8_dispatch=True,
     ) as ep:  # fmt: skip
         for g, w in zip(ep.prefill_logits_many(RAGGED), want_logits, strict=True):
             torch.testing.assert_close(g.cpu(), w, atol=2e-3, rtol=2e-3)

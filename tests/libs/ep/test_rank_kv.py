@@ -31,8 +31,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def groups(tiny: Path) -> Iterator[tuple[EPEngine, EPEngine]]:
     with (
-        EPEngine(str(tiny), 2, num_pages=PAGES, max_prefill_tokens=32, kv_transfer=TCP) as prefill,
-        EPEngine(str(tiny), 2, num_pages=PAGES, max_prefill_tokens=32, kv_transfer=TCP) as decode,
+        EPEngine(str(tiny), ep_size=2, num_pages=PAGES, max_prefill_tokens=32, ep_kv_transfer=TCP) as prefill,
+        EPEngine(str(tiny), ep_size=2, num_pages=PAGES, max_prefill_tokens=32, ep_kv_transfer=TCP) as decode,
     ):
         yield prefill, decode
 

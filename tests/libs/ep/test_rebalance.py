@@ -146,7 +146,7 @@ def test_generation_across_a_rebalance_with_tbo_keeps_every_request_exact(tiny: 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     ref = Engine.from_pretrained(tiny, num_pages=48, max_prefill_tokens=32)
     want = {f"r{i}": o.token_ids for i, o in enumerate(ref.generate(prompts, params))}
-    with EPEngine(str(tiny), 2, num_pages=48, max_prefill_tokens=32, num_redundant_experts=2,
+    with EPEngine(str(tiny), ep_size=2, num_pages=48, max_prefill_tokens=32, ep_redundant_experts=2,
                   two_batch_overlap=True) as ep:  # fmt: skip
         for rid, p in zip(want, prompts, strict=True):
             ep.add_request(rid, p, params)

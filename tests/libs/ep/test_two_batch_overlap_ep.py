@@ -60,7 +60,7 @@ def test_ranks_with_tbo_running_uneven_work_equal_the_single_rank_engine(tiny: P
 
 
 def test_gloo_group_with_tbo_equals_the_single_rank_engine(tiny: Path, want) -> None:
-    with EPEngine(str(tiny), 2, num_pages=48, max_prefill_tokens=32, two_batch_overlap=True) as ep:
+    with EPEngine(str(tiny), ep_size=2, num_pages=48, max_prefill_tokens=32, two_batch_overlap=True) as ep:
         assert [o.token_ids for o in ep.generate(PROMPTS, GREEDY)] == want
         ref = Engine.from_pretrained(tiny, num_pages=48, max_prefill_tokens=32)
         for p, got in zip(PROMPTS[1:3], ep.prefill_logits_many(PROMPTS[1:3]), strict=True):
@@ -71,7 +71,7 @@ def test_gloo_group_with_tbo_on_the_fixed_dispatcher_equals_the_single_rank_engi
     """The fixed-capacity dispatcher under TBO, sized for one micro-batch a round (max_tokens half of
     max_num_seqs, 4 here, so prompts' micro-batches exceed it and decode's fit): greedy tokens equal one
     engine's. Which path each micro-batch's rounds take is asserted in test_fixed_dispatch.py."""
-    with EPEngine(str(tiny), 2, num_pages=48, max_prefill_tokens=32, max_num_seqs=8, backend="fixed",
+    with EPEngine(str(tiny), ep_size=2, num_pages=48, max_prefill_tokens=32, max_num_seqs=8, ep_backend="fixed",
                   two_batch_overlap=True) as ep:  # fmt: skip
         assert [o.token_ids for o in ep.generate(PROMPTS, GREEDY)] == want
 
@@ -108,7 +108,9 @@ def test_a_tbo_rank_whose_experts_fail_finishes_its_rounds_then_reports(tiny: Pa
     """The failing rank's other micro-batch has rounds in flight: it finishes the forward (nobody hangs) and
     raises once the operation's rounds are over; the healthy rank completes."""
     model = load_model(tiny, progress=False)
-    workers = inprocess_group(copy.deepcopy(model), Placement.uniform(2, E, 2), num_pages=48, max_prefill_tokens=32)
+    workers = inprocess_group(
+        copy.deepcopy(model), Placement.uniform(2, E, 2), num_pages=48, max_prefill_tokens=32
+    )
     for w in workers:
         enable(w.engine.model, w.engine.runner.backend)
     broken = workers[1].runtime.experts[0]
