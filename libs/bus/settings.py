@@ -42,9 +42,10 @@ ENGINE_KEYS = (
     "enable_prefix_cache", "attention_backend", "ep_size", "dp_size", "ep_backend", "two_batch_overlap",
     "warmup", "transfer_protocol",
 )  # fmt: skip
-# `moemesh up`'s own options a config file may set at its top level (libs/cli/up.py; a test keeps them equal)
+# `moemesh up`'s own options a config file may set at its top level, by dest (libs/cli/up.py; a test keeps
+# them equal): `--scheduler` is scheduler_mode, the `scheduler` section being the scheduler service's
 LAUNCHER_KEYS = (
-    "model", "host", "port", "nats_port", "prefill_workers", "decode_workers", "schedulers", "scheduler",
+    "model", "host", "port", "nats_port", "prefill_workers", "decode_workers", "schedulers", "scheduler_mode",
     "gateways", "nats_user", "nats_password", "nats_token", "nats_tls_cert", "nats_tls_key", "nats_tls_ca",
     "served_model_name", "log_dir", "restart_backoff", "restart_max_backoff", "restart_limit",
     "restart_window", "ready_timeout",
@@ -131,10 +132,11 @@ def describe(cls: type) -> list[FieldDoc]:
 
 def _default(cls: type, name: str) -> Any:
     if dataclasses.is_dataclass(cls):
-        f = {f.name: f for f in dataclasses.fields(cls)}[name]
-        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    f = {f.name: f for f in msgspec.structs.fields(cls)}[name]  # type: ignore[arg-type]
-    return f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+        d = {f.name: f for f in dataclasses.fields(cls)}[name]
+        factory: Any = d.default_factory
+        return factory() if factory is not dataclasses.MISSING else d.default
+    m = {f.name: f for f in msgspec.structs.fields(cls)}[name]  # type: ignore[arg-type]
+    return m.default_factory() if m.default_factory is not msgspec.NODEFAULT else m.default
 
 
 def _fields(cls: type) -> dict[str, Any]:

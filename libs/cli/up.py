@@ -71,14 +71,14 @@ def add_parser(subparsers: Any) -> None:
         help="checkpoint folder, or 'tiny' (random), or 'demo' (trained on first use, minutes); "
         "default: demo if cached, else tiny",
     )  # fmt: skip
-    opt("--host", "127.0.0.1")
+    opt("--host", "127.0.0.1", help="address the gateway and the side ports listen on")
     opt("--port", 8000, type=int, help="gateway port (0: any free port)")
     opt("--nats-port", 0, type=int, help="nats-server port (0: any free port)")
-    opt("--prefill-workers", 1, type=int)
-    opt("--decode-workers", 1, type=int)
+    opt("--prefill-workers", 1, type=int, help="prefill worker processes (0: decode workers prefill)")
+    opt("--decode-workers", 1, type=int, help="decode worker processes")
     opt("--schedulers", 1, type=int, help="scheduler replicas (one queue group)")
     opt(
-        "--scheduler", "process", choices=["process", "embedded"],
+        "--scheduler", "process", choices=["process", "embedded"], dest="scheduler_mode",
         help="process: scheduler replicas as their own processes (--schedulers); embedded: none, each gateway "
         "hosts one in its process and submits to it without a bus hop",
     )  # fmt: skip
@@ -92,7 +92,7 @@ def add_parser(subparsers: Any) -> None:
     opt("--nats-tls-cert", "", help="server certificate of the embedded nats-server")
     opt("--nats-tls-key", "", help="its key")
     opt("--nats-tls-ca", "", help="CA the services verify the server with")
-    opt("--served-model-name", "")
+    opt("--served-model-name", "", help="the model name clients use; default: the folder's name")
     opt("--log-dir", None, help="where each service writes its log (default: a temp dir)")
     opt("--restart-backoff", 0.5, type=float, help="seconds before the first restart")
     opt("--restart-max-backoff", 30.0, type=float, help="cap of the doubling backoff")
@@ -100,7 +100,7 @@ def add_parser(subparsers: Any) -> None:
         "--restart-limit", 5, type=int,
         help="restarts of one service allowed within --restart-window; one more exit gives it up",
     )  # fmt: skip
-    opt("--restart-window", 60.0, type=float, help="seconds")
+    opt("--restart-window", 60.0, type=float, help="seconds over which --restart-limit counts")
     opt(
         "--ready-timeout", None, type=float,
         help="seconds to wait for every service to be ready; default 120, or 900 with a CUDA --device (the "
@@ -214,16 +214,16 @@ def mesh_config(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[MeshC
     worker = worker_view(args, top, env, model)
     if args.gateways < 1 or args.schedulers < 1:
         raise ValueError(f"--gateways and --schedulers must be >= 1, got {args.gateways}, {args.schedulers}")
-    if args.scheduler not in ("process", "embedded"):
-        raise ValueError(f"--scheduler must be process or embedded, got {args.scheduler!r}")
-    if args.scheduler == "embedded" and args.schedulers != 1:
+    if args.scheduler_mode not in ("process", "embedded"):
+        raise ValueError(f"--scheduler must be process or embedded, got {args.scheduler_mode!r}")
+    if args.scheduler_mode == "embedded" and args.schedulers != 1:
         raise ValueError(
             "--scheduler embedded: each gateway hosts one scheduler; use --gateways, not --schedulers"
         )
     cfg = MeshConfig(
         model_dir=model, host=args.host, port=args.port, nats_port=args.nats_port,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, schedulers=args.schedulers,
-        gateways=args.gateways, embedded_scheduler=args.scheduler == "embedded",
+        gateways=args.gateways, embedded_scheduler=args.scheduler_mode == "embedded",
         nats_auth=_nats_auth(args), served_model_name=args.served_model_name or _default_name(model),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         config_file=Path(args.config).resolve() if args.config else None,

@@ -13,6 +13,7 @@ from libs.bus import Service
 from libs.bus.settings import (
     ENGINE_KEYS,
     LAUNCHER_KEYS,
+    SECTIONS,
     ServiceSettings,
     SettingsError,
     describe,
@@ -118,6 +119,8 @@ def test_engine_and_launcher_keys_name_real_settings():
     worker_fields = {d.name for d in describe(WorkerSettings)}
     assert set(ENGINE_KEYS) <= worker_fields
     assert not set(ENGINE_KEYS) & set(LAUNCHER_KEYS)
+    top = {k.replace("_", "-") for k in (*ENGINE_KEYS, *LAUNCHER_KEYS)}
+    assert not top & set(SECTIONS)  # a top-level key never reads as a section, nor a section as a key
 
 
 def test_every_field_has_a_description():
