@@ -12,11 +12,11 @@ Three layouts share one kernel body:
 Program order keeps the row tiles of one column tile adjacent, so a weight tile read from HBM is reused
 from L2 by every row tile of its expert: for decode the weights are the bytes that matter.
 
-On a GPU the dense and masked entry points tune on first use (libs/kernels/gemm_tuning.py): the Triton
-kernel's tile config (`_triton_config`), and on SM90 `fp8_gemm_sm90`'s Gluon WGMMA configs and (dense)
-split-K against it (`_choose`, `_measured_split`), each timed from CUDA-graph replays, the fastest kept per
-(layout, bucket of M, N, K, experts); later calls, and CUDA-graph captures after a warm-up, reuse it. The
-contiguous layout tunes likewise with its row tile fixed at the block_m its padding used.
+On a GPU the dense and masked entry points pick their kernel per (layout, bucket of M, N, K, experts)
+through libs/kernels/gemm_tuning.py: the Triton kernel's tile config (`_launch_triton`), and on SM90
+`fp8_gemm_sm90`'s Gluon WGMMA configs and (dense) split-K (`_choose`, `_split_choice`). A tuning table's
+entry wins; a shape without one takes a fixed default (`default_config`, the Triton kernel, `split_k_for`),
+the same in every process. The contiguous layout picks likewise with its row tile fixed at its padding's.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from libs.kernels import gemm_tuning
-from libs.kernels.gemm_tuning import m_bucket
+from libs.kernels.gemm_tuning import M_BUCKET_MAX, m_bucket
 from libs.quant.fp8 import FP8_DTYPE as FP8
 from libs.quant.fp8 import FP8_GROUP as GROUP
 from libs.quant.fp8 import dequantize_fp8_groups
@@ -37,7 +37,7 @@ DENSE, MASKED, CONTIGUOUS = 0, 1, 2
 
 
 def _on_gpu() -> bool:
-    """Whether to time and pick kernels (autotuning, Gluon, split-K): a real GPU, not the interpreter."""
+    """Whether to pick kernels (tile configs, Gluon, split-K): a real GPU, not the interpreter."""
     return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 
 
@@ -53,8 +53,7 @@ def triton_usable(t: torch.Tensor) -> bool:
 
 
 # M (rows; rows per expert in the masked layout) changes with every batch: unspecialized, one compile serves
-# every M (Triton otherwise compiles M == 1, M % 16 == 0 and the rest apart: on the H200 the warm-up's
-# prefills of 1, 2 and 16 tokens each spent ~45 s compiling the candidates again, 4 and 8 ~7 s timing them).
+# every M (Triton otherwise compiles M == 1, M % 16 == 0 and the rest apart, each compile tens of seconds).
 # M only bounds masks and the tile count here, no address's alignment.
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_body(
@@ -118,8 +117,7 @@ _CONFIGS = [
         (16, 128, 4, 5), (64, 64, 4, 5), (32, 64, 4, 6), (16, 64, 4, 6),
     ]
 ]  # fmt: skip
-# (layout, m bucket, n, k, experts) -> the fastest of _CONFIGS: the Triton autotuner's job, keyed by a bucket
-# of M instead of M itself (gemm_tuning says why) and timed as the Gluon configs are
+# (layout, m bucket, n, k, experts[, block_m]) -> the chosen one of _CONFIGS
 _TRITON_CONFIG: dict[tuple, triton.Config] = {}
 
 
@@ -132,8 +130,27 @@ def configs_for(m: int) -> list[triton.Config]:
     return [c for c in _CONFIGS if low <= c.kwargs["BLOCK_M"] <= top]
 
 
-def tuning_key(layout: int, m: int, n: int, k: int, experts: int, block_m: int | None = None) -> tuple[int, ...]:
-    """The key of every first-use choice for a GEMM shape: M by its bucket; a fixed row tile (the contiguous
+_DEFAULT_TILES = {16: (16, 64, 4, 6), 32: (32, 64, 4, 6), 128: (64, 64, 4, 5), M_BUCKET_MAX: (64, 128, 4, 3)}
+
+
+def default_config(m: int, block_m: int | None = None) -> triton.Config:
+    """The tile config of a shape no table answers: by bucket of M, the tile most often tuned fastest on
+    Hopper for that class; with a fixed row tile, that tile's config of BLOCK_N 128."""
+    if block_m is not None:
+        fits = [c for c in _CONFIGS if c.kwargs["BLOCK_M"] == block_m]
+        return next((c for c in fits if c.kwargs["BLOCK_N"] == 128), fits[0])
+    b = m_bucket(m)
+    bm, bn, warps, stages = next(t for top, t in _DEFAULT_TILES.items() if b <= top)
+    return next(
+        c for c in _CONFIGS
+        if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == (bm, bn, warps, stages)
+    )  # fmt: skip
+
+
+def tuning_key(
+    layout: int, m: int, n: int, k: int, experts: int, block_m: int | None = None
+) -> tuple[int, ...]:
+    """The key of every kernel choice for a GEMM shape: M by its bucket; a fixed row tile (the contiguous
     layout's padding) appended."""
     key = (layout, m_bucket(m), n, k, experts)
     return key if block_m is None else (*key, block_m)
@@ -159,7 +176,7 @@ def _launch(a, a_s, w, w_s, out, m, counts, tile_expert, layout, grid_e, block_m
     a3, s3, w3, ws3, c3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (a, a_s, w, w_s, out))
     if _tunable(layout, block_m):
         choice = _choose(layout, a3, s3, w3, ws3, c3, m, counts, tile_expert, grid_e, block_m)
-        if choice is not None:  # the Gluon WGMMA kernel measured faster on this shape
+        if choice is not None:  # the table's Gluon WGMMA config for this shape
             _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, choice)
             return
     _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, block_m)
@@ -186,7 +203,8 @@ def _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, 
             )  # fmt: skip
 
         key = tuning_key(layout, m, n, k, grid_e, block_m)
-        run(gemm_tuning.fastest(_TRITON_CONFIG, key, candidates, run, table="triton_config"))
+        default = default_config(m, block_m)
+        run(gemm_tuning.choose(_TRITON_CONFIG, key, candidates, run, table="triton_config", default=default))
     else:
         bm = block_m or _default_block_m(m)
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, 128), grid_e)
@@ -205,7 +223,7 @@ def _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cf
     )  # fmt: skip
 
 
-# (layout, m bucket, n, k, experts) -> the Gluon config measured fastest, or None for the Triton kernel
+# (layout, m bucket, n, k, experts[, block_m]) -> the chosen Gluon config, or None for the Triton kernel
 _KERNEL_CHOICE: dict[tuple, tuple | None] = {}
 
 
@@ -219,9 +237,8 @@ def _sm90_candidates(layout, a3, w3, k_blocks) -> list[tuple]:
 
 
 def _choose(layout, a3, s3, w3, ws3, c3, m, counts, tile_expert, grid_e, block_m=None):
-    """The Triton kernel or the fastest Gluon config for this shape's bucket (timed once per bucket, first
-    use in warm-up, never under graph capture); everything but SM90 keeps the Triton kernel. A fixed
-    block_m admits only the Gluon configs of that row tile."""
+    """The Triton kernel (the default) or the table's Gluon config for this shape's bucket; everything but
+    SM90 keeps the Triton kernel. A fixed block_m admits only the Gluon configs of that row tile."""
     key = tuning_key(layout, m, w3.shape[1], w3.shape[2], grid_e, block_m)
     if key not in _KERNEL_CHOICE:
         cands = _sm90_candidates(layout, a3, w3, w3.shape[2] // GROUP)
@@ -236,7 +253,7 @@ def _choose(layout, a3, s3, w3, ws3, c3, m, counts, tile_expert, grid_e, block_m
             else:
                 _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cfg)
 
-        gemm_tuning.fastest(_KERNEL_CHOICE, key, [None, *cands], run, table="kernel_choice")
+        gemm_tuning.choose(_KERNEL_CHOICE, key, [None, *cands], run, table="kernel_choice", default=None)
     return _KERNEL_CHOICE[key]
 
 
@@ -254,7 +271,7 @@ NUM_SMS = 132  # H100 / H200 SXM: the split-K heuristic's target
 
 def split_k_for(m: int, n: int, k: int) -> int:
     """Decode-sized dense GEMMs make too few 64x128 tiles to keep 132 SMs busy through a long K loop
-    (measured: 256x4096x7168 ran at ~130 TFLOP/s with one tile per SM); split K until ~4 tiles per SM."""
+    (one tile per SM leaves most of each SM idle); split K until ~4 tiles per SM."""
     tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
     return max(1, min(triton.cdiv(4 * NUM_SMS, tiles), k // GROUP // 4))
 
@@ -262,11 +279,10 @@ def split_k_for(m: int, n: int, k: int) -> int:
 _SPLIT_CHOICE: dict[tuple, int] = {}  # tuning_key of the dense GEMM -> split-K factor
 
 
-def _measured_split(xq, xs, w, w_s, out) -> int:
-    """Split-K helps some decode shapes and hurts others (atomics, zero-fill, cast); time no split,
-    `split_k_for`'s split and the splits up to twice it that divide the K blocks evenly (the only ones the
-    Gluon kernel takes) once per bucket of M on first use (never during graph capture: callers warm up
-    first), and keep the fastest."""
+def _split_choice(xq, xs, w, w_s, out) -> int:
+    """Split-K helps some decode shapes and hurts others (zero-fill, the planes' sum): the candidates are no
+    split, `split_k_for`'s split (the default) and the splits up to twice it that divide the K blocks evenly
+    (the only ones the Gluon kernel takes); the table picks among them per bucket of M."""
     m, k = xq.shape
     key = ("split", *tuning_key(DENSE, m, w.shape[0], k, 1))
     if key not in _SPLIT_CHOICE:
@@ -285,7 +301,7 @@ def _measured_split(xq, xs, w, w_s, out) -> int:
                 else:
                     _fp8_gemm_split_k(xq, xs, w, w_s, out, s)
 
-            gemm_tuning.fastest(_SPLIT_CHOICE, key, [1, *splits[:6]], run, table="split_k")
+            gemm_tuning.choose(_SPLIT_CHOICE, key, [1, *splits[:6]], run, table="split_k", default=target)
     return _SPLIT_CHOICE[key]
 
 
@@ -332,7 +348,7 @@ def fp8_gemm(xq, xs, w, w_s, out_dtype=torch.bfloat16, out=None, block_m=None, s
     _check_weight(w, w_s, k)
     out = out if out is not None else torch.empty(m, w.shape[0], dtype=out_dtype, device=xq.device)
     if split_k is None:
-        split_k = _measured_split(xq, xs, w, w_s, out) if _on_gpu() and block_m is None else 1
+        split_k = _split_choice(xq, xs, w, w_s, out) if _on_gpu() and block_m is None else 1
     if split_k > 1:
         _fp8_gemm_split_k(xq, xs, w, w_s, out, split_k)
         return out

@@ -1,21 +1,18 @@
-"""First-use tuning of the FP8 GEMMs (libs/kernels/fp8_gemm.py): each candidate (a Triton config, a Gluon
-config, a split-K factor) timed from CUDA-graph replays and the fastest kept per key, and remembered across
-processes in a tuning table (as SGLang and vLLM ship per-device config files for their Triton GEMMs).
+"""Kernel choices of the FP8 GEMMs (libs/kernels/fp8_gemm.py): a pure function of (shape key, device name,
+Triton version, tuning tables), so every process that serves a model picks the same tiles and sums in the
+same order (temperature 0 gives one answer whichever worker serves it).
 
-Keys hold a bucket of M (`m_bucket`), never M itself: in prefill M is a batch's token count, different
-almost every step, and an exact-M key re-ran the whole sweep (every candidate compiled and timed, for every
-GEMM shape) on each new count, minutes of tuning spread over a server's first requests. Powers of two keep
-their own bucket, so each captured decode batch size is still tuned for itself; rows past M_BUCKET_MAX
-share one bucket (the tile choice stops changing long before; SGLang and vLLM tune such M likewise).
+`choose` returns a table's entry for the key, else the caller's fixed default for the shape. Only inside
+`tuning(table_dir)`, the offline step of `moemesh tune` (libs/kernels/tune.py), are candidates timed from
+CUDA-graph replays (`graph_time`, the one function that touches the GPU: CPU tests fake it) and the fastest
+written to the table in `table_dir`; a serving process never times anything.
 
-Tables: one JSON file per device name and Triton version, {table: {key: chosen candidate}}, read from the
-project's shipped folder (libs/kernels/tuning/, measured with `python -m bench.tune_gemm`) and from the user
-cache (MOEMESH_TUNING_DIR, default ~/.cache/moemesh/tuning; empty turns it off), the cache winning. A choice
-tuned here is added to the cache file at once (merged under a lock: the prefill and decode workers of one
-GPU tune side by side), so a restart, or the other worker, compiles and times nothing for it. On the H200 a
-cold mesh spent ~490 s warming up with both workers tuning at once.
+Keys hold a bucket of M (`m_bucket`), never M itself: prefill's token count changes almost every step.
+Powers of two keep their own bucket (each captured decode batch size); rows past M_BUCKET_MAX share one.
 
-`graph_time` is the only function that touches the GPU: tests on the CPU replace it with a fake.
+Tables: one JSON file per device name and Triton version, {"tables": {table: {key: chosen candidate}}},
+read once per process from the shipped folder (libs/kernels/tuning/) and the user's folder
+(MOEMESH_TUNING_DIR, default ~/.cache/moemesh/tuning; empty: none), the user's entries winning.
 """
 
 from __future__ import annotations
@@ -23,11 +20,14 @@ from __future__ import annotations
 import fcntl
 import functools
 import json
+import logging
 import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -39,14 +39,24 @@ CACHE_ENV = "MOEMESH_TUNING_DIR"
 
 C = TypeVar("C")
 
-TIMINGS: dict[tuple, dict[str, float]] = {}  # what was measured per key (ms), for benchmarks to record
+TIMINGS: dict[tuple, dict[str, float]] = {}  # what was measured per key (ms), for tune records
 REJECTED: dict[tuple, str] = {}  # (key, candidate) -> why it could not run
-# wall time of this process's sweeps (compiles included; a sweep nested in another's timing, as the Triton
-# tile sweep inside the kernel choice's, counted once, in the outer one) and candidates timed
+DEFAULTED: dict[tuple[str, tuple], str] = {}  # (table, key) -> the default taken: no table entry for it
+# wall time of this process's sweeps (a sweep nested in another's timing counted once, in the outer one)
+# and candidates timed
 SPENT = {"seconds": 0.0, "timings": 0}
 _DEPTH = [0]  # sweeps in progress on this thread's stack
 # table -> key text -> chosen candidate's text, from the files (None: not read yet in this process)
 _STORED: dict[str, dict[str, str]] | None = None
+
+
+@dataclass(frozen=True)
+class _Tuning:
+    table_dir: Path  # where tuned choices are written
+    retune: bool  # time keys the tables already answer, too
+
+
+_TUNING: _Tuning | None = None  # set only inside `tuning()`
 
 
 def m_bucket(m: int) -> int:
@@ -64,9 +74,8 @@ def graph_time(fn: Callable[[], object]) -> float:
 
     # do_bench_cudagraph runs the candidates on a stream of its own, unordered with this one: without the
     # first sync their writes to `out` can land while kernels queued here still read what the caching
-    # allocator gave `out` from (a just-freed temporary), corrupting them; seen on the H200 as NaN tiles in
-    # a float32 matmul queued just before a first-use FP8 GEMM. The second keeps the timing's work off
-    # whatever runs next.
+    # allocator gave `out` from (a just-freed temporary). The second keeps the timing's work off whatever
+    # runs next.
     torch.cuda.synchronize()
     ms = float(triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median"))
     torch.cuda.synchronize()
@@ -82,11 +91,15 @@ def device_tag() -> str:
 
 
 def cache_dir() -> Path | None:
-    """The user cache folder of tuning tables, None when MOEMESH_TUNING_DIR is set empty."""
+    """The user's folder of tuning tables, None when MOEMESH_TUNING_DIR is set empty."""
     value = os.environ.get(CACHE_ENV)
     if value is None:
         return Path.home() / ".cache" / "moemesh" / "tuning"
     return Path(value) if value else None
+
+
+def table_path(folder: Path) -> Path:
+    return folder / f"{device_tag()}.json"
 
 
 def _read(path: Path) -> dict[str, dict[str, str]]:
@@ -94,22 +107,21 @@ def _read(path: Path) -> dict[str, dict[str, str]]:
         tables = json.loads(path.read_text())["tables"]
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError, KeyError, TypeError) as err:  # a damaged file tunes again, never fails a step
-        import logging
-
+    except (OSError, ValueError, KeyError, TypeError) as err:  # a damaged file takes defaults, never fails
         logging.getLogger("moemesh.kernels").warning("ignoring tuning table %s: %s", path, err)
         return {}
     return {str(t): {str(k): str(v) for k, v in keys.items()} for t, keys in tables.items()}
 
 
 def stored() -> dict[str, dict[str, str]]:
-    """The choices of the shipped and cached tables for this device (read once per process)."""
+    """The choices of the shipped and user tables for this device (and, while tuning, of the table being
+    written), read once per process."""
     global _STORED
     if _STORED is None:
         _STORED = {}
-        folders = [SHIPPED_DIR, cache_dir()]
+        folders = [SHIPPED_DIR, cache_dir(), _TUNING.table_dir if _TUNING else None]
         for folder in (f for f in folders if f is not None):
-            for table, keys in _read(folder / f"{device_tag()}.json").items():
+            for table, keys in _read(table_path(folder)).items():
                 _STORED.setdefault(table, {}).update(keys)
     return _STORED
 
@@ -118,29 +130,34 @@ def _key_text(key: tuple) -> str:
     return ",".join(str(part) for part in key)
 
 
-def _lookup(table: str, key: tuple) -> str | None:
-    """The stored choice for a key; on a miss the cache file is read again first, since another process (the
-    other worker of this GPU) may have tuned the key since this one read it. Only misses read, and each is
-    followed by a sweep of seconds."""
-    text = _key_text(key)
-    hit = stored().get(table, {}).get(text)
-    folder = cache_dir()
-    if hit is None and folder is not None:
-        hit = _read(folder / f"{device_tag()}.json").get(table, {}).get(text)
-        if hit is not None:
-            stored().setdefault(table, {})[text] = hit
-    return hit
+@contextmanager
+def tuning(table_dir: str | Path, retune: bool = False) -> Iterator[Path]:
+    """The offline tune step: inside it, a key no table answers (every key, with `retune`) is timed and its
+    fastest candidate written to `table_dir`'s table at once (a run cut short keeps what it tuned).
+    -> the table file's path."""
+    global _TUNING, _STORED
+    if _TUNING is not None:
+        raise RuntimeError("tuning() does not nest")
+    _TUNING, _STORED = _Tuning(Path(table_dir), retune), None
+    try:
+        yield table_path(Path(table_dir))
+    finally:
+        _TUNING, _STORED = None, None
+
+
+def tuning_active() -> bool:
+    return _TUNING is not None
 
 
 def remember(table: str, key: tuple, choice: str) -> None:
-    """Add one choice to this process's view and to the cache file, merged with what other processes wrote
-    there meanwhile (an exclusive lock around read-merge-replace)."""
+    """Add one choice to this process's view and to the table being tuned, merged with what other processes
+    wrote there meanwhile (an exclusive lock around read-merge-replace). Only inside `tuning()`."""
+    if _TUNING is None:
+        raise RuntimeError("tuning tables are written only by the tune step (gemm_tuning.tuning)")
     stored().setdefault(table, {})[_key_text(key)] = choice
-    folder = cache_dir()
-    if folder is None:
-        return
+    folder = _TUNING.table_dir
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{device_tag()}.json"
+    path = table_path(folder)
     with open(folder / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         tables = _read(path)
@@ -151,36 +168,49 @@ def remember(table: str, key: tuple, choice: str) -> None:
         os.replace(tmp, path)
 
 
-def fastest(
-    cache: dict[tuple, C], key: tuple, candidates: Sequence[C], run: Callable[[C], object], table: str
-) -> C:
-    """cache[key]: a table's stored choice when it is one of `candidates`, else each candidate timed with
-    `run(candidate)` on the first call of a key and the fastest remembered. A candidate that fails (compile or
-    resource limits for this shape) is skipped and its error kept in REJECTED. Callers reach this first
-    outside CUDA-graph capture (warm-up), never inside it."""
+def choose(
+    cache: dict[tuple, C], key: tuple, candidates: Sequence[C], run: Callable[[C], object], table: str,
+    default: C,
+) -> C:  # fmt: skip
+    """cache[key]: the table's choice when it is one of `candidates`, else `default` (the same in every
+    process); inside `tuning()`, a key without a usable entry is timed instead (`fastest`). Callers reach
+    this first outside CUDA-graph capture (warm-up), never inside it."""
     if key not in cache:
         texts = [str(c) for c in candidates]
-        known = _lookup(table, key)
-        if known in texts:
+        known = stored().get(table, {}).get(_key_text(key))
+        if _TUNING is not None and (_TUNING.retune or known not in texts):
+            cache[key] = fastest(key, candidates, run, table)
+        elif known in texts:
             cache[key] = candidates[texts.index(known)]
-            return cache[key]
-        times: list[float] = []
-        t0 = time.perf_counter()
-        _DEPTH[0] += 1
-        try:
-            for cand in candidates:
-                try:
-                    times.append(graph_time(functools.partial(run, cand)))
-                except Exception as err:  # noqa: BLE001 - recorded; the others still compete
-                    REJECTED[(key, str(cand))] = f"{type(err).__name__}: {str(err)[:200]}"
-                    times.append(float("inf"))
-        finally:
-            _DEPTH[0] -= 1
-        SPENT["seconds"] += 0.0 if _DEPTH[0] else time.perf_counter() - t0
-        SPENT["timings"] += len(candidates)
-        best = min(range(len(candidates)), key=times.__getitem__)
-        cache[key] = candidates[best]
-        TIMINGS[key] = dict(zip(texts, times, strict=True))
-        if times[best] != float("inf"):
-            remember(table, key, texts[best])
+        else:
+            cache[key] = default
+            DEFAULTED[(table, key)] = str(default)
     return cache[key]
+
+
+def fastest(key: tuple, candidates: Sequence[C], run: Callable[[C], object], table: str) -> C:
+    """Each candidate timed with `run(candidate)`; the fastest written to the table being tuned. A candidate
+    that fails (compile or resource limits for this shape) is skipped and its error kept in REJECTED; when
+    all fail, the first is returned and nothing is written. Only inside `tuning()`."""
+    if _TUNING is None:
+        raise RuntimeError("kernel candidates are timed only in the tune step (gemm_tuning.tuning)")
+    texts = [str(c) for c in candidates]
+    times: list[float] = []
+    t0 = time.perf_counter()
+    _DEPTH[0] += 1
+    try:
+        for cand in candidates:
+            try:
+                times.append(graph_time(functools.partial(run, cand)))
+            except Exception as err:  # noqa: BLE001 - recorded; the others still compete
+                REJECTED[(key, str(cand))] = f"{type(err).__name__}: {str(err)[:200]}"
+                times.append(float("inf"))
+    finally:
+        _DEPTH[0] -= 1
+    SPENT["seconds"] += 0.0 if _DEPTH[0] else time.perf_counter() - t0
+    SPENT["timings"] += len(candidates)
+    best = min(range(len(candidates)), key=times.__getitem__)
+    TIMINGS[key] = dict(zip(texts, times, strict=True))
+    if times[best] != float("inf"):
+        remember(table, key, texts[best])
+    return candidates[best]

@@ -1,9 +1,12 @@
-"""First-use GEMM tuning keyed by a bucket of M: one sweep per bucket (not per exact M), the fastest
-candidate kept, failing candidates skipped, outputs unchanged. The GPU timing is faked (graph_time); the
-kernels run on the GPU where there is one, else under Triton's interpreter on the CPU (the kernel conftest),
-with the Triton kernel's sweep alone (MOEMESH_FP8_GEMM=triton: no Gluon candidates on SM90 either)."""
+"""FP8 GEMM kernel choices keyed by a bucket of M: in the tune step one sweep per bucket (not per exact M),
+the fastest candidate kept; while serving a shape without a table entry takes a fixed default and nothing is
+timed; outputs unchanged either way. The GPU timing is faked (graph_time); the kernels run on the GPU where
+there is one, else under Triton's interpreter on the CPU (the kernel conftest), with the Triton kernel's
+sweep alone (MOEMESH_FP8_GEMM=triton: no Gluon candidates on SM90 either)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,15 +21,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where Triton runs (th
 
 
 @pytest.fixture
-def timed(monkeypatch) -> list[int]:
-    """Fresh tuning caches, the tuning path on (as on a GPU) and a fake clock: each timing call returns a
-    smaller time than the one before, so the last candidate of a sweep wins; -> the calls, one per timing."""
+def fresh(monkeypatch) -> None:
+    """Fresh choice caches and the choosing path on (as on a GPU), Triton candidates only."""
     for name in ("_TRITON_CONFIG", "_KERNEL_CHOICE", "_SPLIT_CHOICE"):
         monkeypatch.setattr(G, name, {})
-    monkeypatch.setattr(gemm_tuning, "TIMINGS", {})
-    monkeypatch.setattr(gemm_tuning, "REJECTED", {})
+    for name in ("TIMINGS", "REJECTED", "DEFAULTED"):
+        monkeypatch.setattr(gemm_tuning, name, {})
     monkeypatch.setattr(G, "_on_gpu", lambda: True)
     monkeypatch.setenv("MOEMESH_FP8_GEMM", "triton")  # the sweeps below count the Triton candidates only
+
+
+@pytest.fixture
+def timed(fresh, monkeypatch, tmp_path) -> Iterator[list[int]]:
+    """Inside the tune step, with a fake clock: each timing call returns a smaller time than the one before,
+    so the last candidate of a sweep wins; -> the calls, one per timing."""
     calls: list[int] = []
 
     def fake_time(fn) -> float:
@@ -34,7 +42,8 @@ def timed(monkeypatch) -> list[int]:
         return 1000.0 - len(calls)
 
     monkeypatch.setattr(gemm_tuning, "graph_time", fake_time)
-    return calls
+    with gemm_tuning.tuning(tmp_path / "tuned"):
+        yield calls
 
 
 def _weights(e, n, k, seed=0):
@@ -99,26 +108,7 @@ def test_split_k_is_chosen_once_per_bucket(timed):
     assert G._SPLIT_CHOICE[("split", G.DENSE, 4, 128, 2048, 1)] > 1  # the fake clock's last candidate
 
 
-def test_fastest_skips_a_failing_candidate(monkeypatch):
-    monkeypatch.setattr(gemm_tuning, "REJECTED", {})
-    monkeypatch.setattr(gemm_tuning, "TIMINGS", {})
-    ran: list[str] = []
-
-    def run(c: str) -> None:
-        ran.append(c)
-        if c == "b":
-            raise RuntimeError("out of shared memory")
-
-    monkeypatch.setattr(gemm_tuning, "graph_time", lambda fn: (fn(), {"a": 2.0, "c": 3.0}[ran[-1]])[1])
-    cache: dict[tuple, str] = {}
-    assert gemm_tuning.fastest(cache, ("k",), ["a", "b", "c"], run, table="t") == "a"
-    assert gemm_tuning.fastest(cache, ("k",), ["a", "b", "c"], run, table="t") == "a"
-    assert ran == ["a", "b", "c"]  # timed once
-    assert "out of shared memory" in gemm_tuning.REJECTED[(("k",), "b")]
-    assert gemm_tuning.TIMINGS[("k",)] == {"a": 2.0, "b": float("inf"), "c": 3.0}
-
-
-def test_first_use_timing_is_fenced_from_queued_work(monkeypatch):
+def test_timing_is_fenced_from_queued_work(monkeypatch):
     """The graph timing of candidate kernels runs on a side stream: it must start only after everything
     queued on the caller's stream finished (a candidate's write to `out` could otherwise land in memory a
     queued kernel still reads: NaN tiles in a float32 matmul on the H200) and end before the caller goes on."""
@@ -187,3 +177,36 @@ def test_contiguous_layout_tunes_all_but_its_row_tile(timed):
             assert out[rows].isnan().all() if e < 0 else _rel(out[rows], ref[e, rows]) < 1e-2
     assert len(timed) == len(with_tile_16)  # the second call reused the bucket's choice
     assert {(G.CONTIGUOUS, 64, 128, 256, 1, 16): with_tile_16[-1]} == G._TRITON_CONFIG
+
+
+def test_serving_takes_fixed_defaults_and_times_nothing(fresh, monkeypatch):
+    """No table entry, no tune step: each shape takes its default (a candidate of its own bucket, the
+    split-K heuristic's factor), graph_time is never called, and the product is right."""
+
+    def no_timing(fn):
+        raise AssertionError("graph_time called while serving")
+
+    monkeypatch.setattr(gemm_tuning, "graph_time", no_timing)
+    for m, k in ((3, 2048), (40, 256)):  # split-K by default; one K loop through a default tile
+        w, ws = _weights(1, 128, k)
+        xq, xs = _acts((m, k), seed=m)
+        out = G.fp8_gemm(xq, xs, w[0], ws[0])
+        assert _rel(out, G.fp8_gemm_reference(xq, xs, w[0], ws[0])) < 1e-2
+    assert {
+        ("split", G.DENSE, 4, 128, 2048, 1): G.split_k_for(4, 128, 2048),
+        ("split", G.DENSE, 64, 128, 256, 1): 1,
+    } == G._SPLIT_CHOICE
+    assert G.split_k_for(4, 128, 2048) > 1
+    assert {(G.DENSE, 64, 128, 256, 1): G.default_config(64)} == G._TRITON_CONFIG
+    assert G.default_config(64) in G.configs_for(64)
+    assert gemm_tuning.DEFAULTED and not gemm_tuning.TIMINGS
+
+
+def test_default_configs_are_candidates_of_their_bucket_and_fixed():
+    for i in range(13):
+        b = 1 << i
+        assert G.default_config(b) in G.configs_for(b)
+        assert G.default_config(b) is G.default_config(b)  # one object: the same text in every process
+    for bm in (16, 32, 64, 128):
+        cfg = G.default_config(4096, block_m=bm)
+        assert cfg.kwargs["BLOCK_M"] == bm and cfg in G._CONFIGS
