@@ -27,7 +27,10 @@ def test_every_setting_has_a_one_line_description() -> None:
     for section in SETTINGS_CLASSES:
         docs = describe(settings_class(section))
         missing = {d.name for d in docs if not d.description}
-        assert missing == UNDESCRIBED.get(section, set()), section
+        assert missing == UNDESCRIBED.get(section, set()), (
+            f"{section}: fields without Meta(description=...): {sorted(missing)} (a described field leaves "
+            "UNDESCRIBED here; then regenerate docs/configuration.md)"
+        )
         assert all("\n" not in d.description for d in docs), section
 
 
