@@ -19,6 +19,7 @@ COMMANDS: list[str] = [
     "libs.cli.generate",
     "libs.cli.serve",
     "libs.cli.tiny_model",
+    "libs.cli.tune",
     "libs.cli.up",
 ]
 
