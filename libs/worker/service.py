@@ -54,13 +54,13 @@ class WorkerService(Service):
         self.startup_stage = "subscribing"
 
     async def warm_up(self, role: m.Role) -> None:
-        """Kernels compiled and tuned, graphs captured, before the first heartbeat (libs/worker/warmup.py);
+        """Kernels compiled, graphs captured, before the first heartbeat (libs/worker/warmup.py);
         its seconds in `moemesh_worker_warmup_seconds` (0: not run) and the log."""
         s = self.settings
         gauge = Gauge("moemesh_worker_warmup_seconds", "start-up warm-up (0: off)", registry=self.registry)
         if not warmup_enabled(s.warmup, s.device, s.engine):
             return
-        self.startup_stage = "warming up (kernel compilation and tuning, CUDA graphs)"
+        self.startup_stage = "warming up (kernel compilation, CUDA graphs)"
         st = self.engine.stats()
         plan = plan_warmup(
             s.max_prefill_tokens, s.max_num_seqs, page_size=self.engine.page_size, free_pages=st["free_pages"],

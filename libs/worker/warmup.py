@@ -1,16 +1,17 @@
-"""Worker warm-up before the first heartbeat: a few forwards through the engine so that Triton compiles, the
-FP8 GEMMs' first-use tuning (one per bucket of M, libs/kernels/gemm_tuning.py), FlashInfer's JIT and the
-decode CUDA-graph captures happen while the mesh is coming up, not on a user's first requests (SGLang and
-vLLM warm up and profile before serving likewise). The mesh counts a worker ready at its first heartbeat,
-which starts only after `WorkerService.start_engine` returns; `/ready` names the stage meanwhile.
+"""Worker warm-up before the first heartbeat: a few forwards through the engine so that Triton's compiles
+(one per FP8 GEMM kernel chosen per bucket of M: a table's entry or the fixed default, never timed here;
+libs/kernels/gemm_tuning.py), FlashInfer's JIT and the decode CUDA-graph captures happen while the mesh is
+coming up, not on a user's first requests. The mesh counts a worker ready at its first heartbeat, which
+starts only after `WorkerService.start_engine` returns; `/ready` names the stage meanwhile.
 
 The plan is pure (`plan_warmup`); `run_warmup` drives it through the engine's own `generate` on the engine
-thread, then empties the prefix cache, so the pool is as it was before (checked: a page held afterwards is
-an error, not a slow leak found later).
+thread, one log line with seconds per stage, then empties the prefix cache, so the pool is as it was before
+(checked: a page held afterwards is an error, not a slow leak found later). Tuning is `moemesh tune`'s job.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,6 +19,9 @@ from libs.engine.batcher import pages_for
 from libs.engine.cuda_graph import capture_sizes
 from libs.engine.protocol import EngineLike
 from libs.engine.sampling import SamplingParams
+from libs.kernels import gemm_tuning
+
+log = logging.getLogger("moemesh.worker.warmup")
 
 DECODE_TOKENS = 3  # tokens per decode-batch request: the first from prefill, then a capture and a replay;
 # every other request of a batch makes one more, so the batch's last step changes size: the overlapped
@@ -43,10 +47,12 @@ class WarmupReport:
     seconds: float
     prompts: int  # prompts run (each at least one forward)
     plan: WarmupPlan
+    stages: tuple[tuple[str, float], ...] = ()  # (stage, seconds) in the order run
+    defaulted: int = 0  # GEMM kernel choices no tuning table answered (the fixed default taken)
 
 
 def warmup_enabled(mode: str, device: str, engine: str) -> bool:
-    """auto: on for a model on a GPU (where first-use compilation and tuning take minutes), off on the CPU
+    """auto: on for a model on a GPU (where first-use compilation and graph capture take minutes), off on the CPU
     (nothing is tuned there; tests stay fast) and for the timing-model engine."""
     if mode == "auto":
         return device.startswith("cuda") and engine == "model"
@@ -72,32 +78,49 @@ def run_warmup(engine: EngineLike, plan: WarmupPlan) -> WarmupReport:
     """The plan through `engine.generate` (greedy, ignore_eos), then the prefix cache emptied. Call it on the
     engine's thread, before any request. RuntimeError naming the step that failed (a worker that cannot run
     its own max_prefill_tokens or decode batch should not start), or when pages stay held afterwards."""
-    t0 = time.perf_counter()
+    t0, defaulted0 = time.perf_counter(), len(gemm_tuning.DEFAULTED)
     span = max(engine.config.vocab_size - FIRST_TOKEN, 1)
+    stages: list[tuple[str, float]] = []
     prompts = 0
     prefill_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for n in plan.prefill_lens:
         batch = [[FIRST_TOKEN + (7 * i + 13 * c) % span for i in range(n)] for c in range(plan.copies)]
-        prompts += _generate(engine, batch, prefill_only, f"a prefill of {n} tokens")
+        prompts += _stage(engine, batch, prefill_only, f"a prefill of {n} tokens", stages)
     decoding = [
         SamplingParams(max_tokens=DECODE_TOKENS + k, temperature=0.0, ignore_eos=True) for k in (0, 1)
     ]
     for b in plan.decode_batches:
         batch = [[FIRST_TOKEN + i % span] for i in range(b * plan.copies)]
         params = [decoding[i % 2] for i in range(len(batch))]
-        prompts += _generate(engine, batch, params, f"a decode batch of {b}")
+        prompts += _stage(engine, batch, params, f"a decode batch of {b}", stages)
     engine.flush_prefix_cache()
     st = engine.stats()
     if st.get("used_pages", 0) or st.get("running", 0) or st.get("waiting", 0):
         raise RuntimeError(f"warm-up left work or pages behind: {st}")
-    return WarmupReport(seconds=time.perf_counter() - t0, prompts=prompts, plan=plan)
+    defaulted = len(gemm_tuning.DEFAULTED) - defaulted0
+    if defaulted:
+        log.info("warm-up: %d GEMM kernel choices had no tuning-table entry and took the default "
+                 "(`moemesh tune` writes one)", defaulted)  # fmt: skip
+    return WarmupReport(
+        seconds=time.perf_counter() - t0,
+        prompts=prompts,
+        plan=plan,
+        stages=tuple(stages),
+        defaulted=defaulted,
+    )
 
 
-def _generate(
-    engine: EngineLike, batch: list[list[int]], params: SamplingParams | list[SamplingParams], what: str
-) -> int:
+def _stage(
+    engine: EngineLike, batch: list[list[int]], params: SamplingParams | list[SamplingParams], what: str,
+    stages: list[tuple[str, float]],
+) -> int:  # fmt: skip
+    """One stage through `engine.generate`, its seconds appended to `stages` and logged."""
+    t0 = time.perf_counter()
     try:
         engine.generate(batch, params)
     except Exception as err:
         raise RuntimeError(f"warm-up failed on {what}: {type(err).__name__}: {err}") from err
+    seconds = time.perf_counter() - t0
+    stages.append((what, seconds))
+    log.info("warm-up: %s: %.2f s", what, seconds)
     return len(batch)

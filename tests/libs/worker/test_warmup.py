@@ -120,3 +120,20 @@ def test_every_ep_rank_gets_each_decode_graph_size() -> None:
     assert [n for n, t in rec.calls if t == 1] == [2] * len(plan.prefill_lens)
     # each decode batch ends in two lengths: its last step runs a smaller batch than the one before
     assert rec.lengths[-3:] == [[DECODE_TOKENS, DECODE_TOKENS + 1]] * 3
+
+
+def test_each_stage_is_timed_in_the_log(caplog) -> None:
+    """One log line with seconds per stage, in the report too."""
+    import logging
+
+    plan = plan_warmup(4, 2, page_size=16, free_pages=10, context_len=8192, decode=True)
+    with caplog.at_level(logging.INFO, logger="moemesh.worker.warmup"):
+        report = run_warmup(_Recorder(), plan)  # type: ignore[arg-type]
+    names = [f"a prefill of {n} tokens" for n in plan.prefill_lens] + [
+        f"a decode batch of {b}" for b in plan.decode_batches
+    ]
+    assert [name for name, _ in report.stages] == names and all(s >= 0 for _, s in report.stages)
+    lines = [r.getMessage() for r in caplog.records if r.name == "moemesh.worker.warmup"]
+    assert len(lines) == len(names)
+    for line, name in zip(lines, names, strict=True):
+        assert line.startswith(f"warm-up: {name}: ") and line.endswith(" s")
