@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the whole mesh on one GPU against the Engine alone (bench/serving_gpu.py), installed from
 # the offline bundle that `bash scripts/gpu_wheels.sh mesh` gathers into .whl-mesh/ (carry it):
-#   bash bench/gpu_mesh.sh [bench.serving_gpu flags, e.g. --concurrency 128]
+#   bash bench/gpu_mesh.sh [bench.serving_gpu flags, e.g. --concurrency 128; --cold: a first start, with the
+#   Triton, tuning and FlashInfer JIT caches emptied first]
 # Installs the wheels into /tmp/site, puts on LD_LIBRARY_PATH torch's libcudart.so.13 and, of the bundle's
 # Debian libraries, only those Mooncake's engine.so does not find on this machine (saying which), then runs
 # the benchmark within what is left of BUDGET seconds (default 570: the device call's 600 less a margin).

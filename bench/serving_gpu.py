@@ -6,8 +6,8 @@
 1. writes the checkpoint (`moemesh tiny-model --preset v3-width`, or the tiny model with --smoke);
 2. `moemesh up --device D` with the prefill and the decode worker as separate processes, KV pushed by
    Mooncake (`--transport auto`: nvlink_intra with MC_INTRANODE_NVLINK=1 on CUDA, tcp if that mesh fails
-   to start or to serve; tcp on CPU), up once the workers warmed up (on CUDA: kernels tuned and graphs
-   captured, seconds per worker recorded); the GPU processes and their memory are recorded;
+   to start or to serve; tcp on CPU), up once the workers warmed up (on CUDA: kernels compiled and graphs
+   captured, seconds per worker recorded; seconds to ready in `timings`); the GPU processes and their memory are recorded;
 3. greedy token ids of a few prompts (below and above the scheduler's direct-prefill threshold, so both
    PD paths) through the gateway; the Mooncake transfer of one `--input-len` prompt's KV (all layers),
    from the prefill worker's transfer counters;
@@ -15,6 +15,9 @@
    measure) at concurrency `--concurrency`, input/output `--input-len`/`--output-len`;
 5. the mesh stopped, the slowed run's requests through the in-process Engine (bench.serving_gpu_engine),
    and the greedy prompts compared.
+
+`--cold` first empties the Triton cache, the user's GEMM tuning folder and (where FLASHINFER_WORKSPACE_BASE
+is set) FlashInfer's JIT cache, as on a fresh machine; the record says `cold` and which folders it emptied.
 
 The record (`benchmark` "serving_gpu") goes to $OUT/serving_gpu.json when OUT is set, else to
 bench/results/serving_gpu_<device>.json; logs stay in a temp folder (their tails, with each service's native
@@ -103,7 +106,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="take the Engine-alone phase (numbers and greedy ids) from an earlier record of the same preset, "
         "device and settings instead of running it (device time is scarce); the record names it",
     )  # fmt: skip
+    ap.add_argument(
+        "--cold", action="store_true",
+        help="empty the Triton cache, the user's tuning folder and FlashInfer's JIT cache (when "
+        "FLASHINFER_WORKSPACE_BASE is set) first: a first start on a fresh machine",
+    )  # fmt: skip
     return ap.parse_args(argv)
+
+
+def cold_caches() -> dict[str, Path]:
+    """The compile and tuning caches a first start fills: Triton's, the user's GEMM tuning tables, and
+    FlashInfer's JIT cache where FLASHINFER_WORKSPACE_BASE names its base."""
+    from libs.kernels import gemm_tuning
+
+    try:
+        from triton import knobs
+
+        triton_dir = Path(knobs.cache.dir)
+    except ImportError:
+        triton_dir = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    caches = {"triton_cache": triton_dir}
+    tuning = gemm_tuning.cache_dir()
+    if tuning is not None:
+        caches["tuning"] = tuning
+    if os.environ.get("FLASHINFER_WORKSPACE_BASE"):
+        caches["flashinfer_jit"] = Path(os.environ["FLASHINFER_WORKSPACE_BASE"]) / ".cache" / "flashinfer"
+    return caches
+
+
+def empty_caches(caches: dict[str, Path]) -> dict[str, str]:
+    """Each folder's contents removed (the folder kept); -> name: path of those emptied. Refuses a folder
+    that holds the home folder or this checkout (a misset variable must not wipe them)."""
+    guarded = {Path.home().resolve(), Path.cwd().resolve(), Path(__file__).resolve().parents[1]}
+    emptied = {}
+    for name, folder in caches.items():
+        folder = folder.expanduser().resolve()
+        if any(folder == g or folder in g.parents for g in guarded):
+            raise ValueError(f"--cold: refusing to empty {folder} ({name}): it holds {guarded}")
+        if folder.is_dir():
+            for entry in folder.iterdir():
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        emptied[name] = str(folder)
+    return emptied
 
 
 def settings(a: argparse.Namespace) -> Settings:
@@ -291,6 +335,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "output_len": s.output_len, "slowdown_ms": s.slowdown_ms, "timings": {}, "transport_failures": {},
         "errors": [],
     }  # fmt: skip
+    if a.cold:
+        rec["cold"], rec["emptied"] = True, empty_caches(cold_caches())
+        print(f"cold start: emptied {rec['emptied']}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="serving-gpu-"))
     try:
         rec["model"] = write_model(a, tmp)

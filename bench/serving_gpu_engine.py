@@ -1,7 +1,7 @@
 """serving_gpu's reference: the same requests through the in-process Engine on the same device and model,
 decode tokens/s measured as the mesh's slow-down experiment measures it (libs.loadgen.slowdown): from the
 moment every request is decoding, while FULL_BATCH_SHARE of them still run. On a GPU the Engine first runs
-the workers' start-up warm-up (libs/worker/warmup.py), so both sides are timed with kernels tuned."""
+the workers' start-up warm-up (libs/worker/warmup.py), so both sides are timed with kernels compiled."""
 
 from __future__ import annotations
 

@@ -270,7 +270,7 @@ def complete(mesh: MeshProcess, prompt: list[int], max_tokens: int, timeout: flo
 
 def greedy_through_mesh(mesh: MeshProcess, s: Settings) -> list[list[int]]:
     return [
-        # the workers warmed up (kernels tuned, graphs captured) before the mesh came up: seconds each
+        # the workers warmed up (kernels compiled, graphs captured) before the mesh came up
         complete(mesh, p, s.greedy_tokens, min(180.0, s.left(s.engine_reserve_s)))
         for p in s.greedy_prompts()
     ]
