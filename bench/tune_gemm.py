@@ -1,5 +1,5 @@
 """Tune a model's FP8 GEMMs ahead of serving into a tuning table: serving_gpu's preset model and settings
-through libs/kernels/tune.py (the workers' warm-up stage by stage inside the tune step, each stage timed).
+through libs/kernels/tune_step.py (the workers' warm-up stage by stage inside the tune step, each stage timed).
 
     python -m bench.tune_gemm [--layers 4 --experts 16 --top-k 8] [--table-dir libs/kernels/tuning]
     python -m bench.tune_gemm --smoke --device cpu       # the tiny model: runs the stages, tunes nothing
@@ -37,7 +37,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     from bench.serving_gpu import parse_args as serving_args
     from bench.serving_gpu import settings, write_model
     from libs.engine import Engine
-    from libs.kernels.tune import tune_engine
+    from libs.kernels.tune_step import tune_engine
 
     flags = ["--device", a.device, "--layers", str(a.layers), "--experts", str(a.experts)]
     flags += ["--top-k", str(a.top_k), "--concurrency", str(a.concurrency)] + (["--smoke"] if a.smoke else [])

@@ -1,4 +1,4 @@
-"""`moemesh tune --model DIR`: the offline tune step of the FP8 GEMMs (libs/kernels/tune.py). Every GEMM
+"""`moemesh tune --model DIR`: the offline tune step of the FP8 GEMMs (libs/kernels/tune_step.py). Every GEMM
 shape the worker settings given here meet is timed on this GPU and the fastest kernel written to a tuning
 table in --table-dir (default: the user's MOEMESH_TUNING_DIR), which serving processes read at start."""
 
@@ -36,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from libs.engine import Engine
     from libs.kernels import gemm_tuning
-    from libs.kernels.tune import tune_engine
+    from libs.kernels.tune_step import tune_engine
 
     table_dir = args.table_dir or gemm_tuning.cache_dir()
     if table_dir is None:

@@ -3,7 +3,7 @@ Triton version, tuning tables), so every process that serves a model picks the s
 same order (temperature 0 gives one answer whichever worker serves it).
 
 `choose` returns a table's entry for the key, else the caller's fixed default for the shape. Only inside
-`tuning(table_dir)`, the offline step of `moemesh tune` (libs/kernels/tune.py), are candidates timed from
+`tuning(table_dir)`, the offline step of `moemesh tune` (libs/kernels/tune_step.py), are candidates timed from
 CUDA-graph replays (`graph_time`, the one function that touches the GPU: CPU tests fake it) and the fastest
 written to the table in `table_dir`; a serving process never times anything.
 
