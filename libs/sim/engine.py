@@ -1,16 +1,11 @@
-"""The timing-model engine ("mocker"): the real Engine (admission, continuous batching, paging, radix prefix
-cache and its events, PD reserve/prefill/add_prefilled, stop checks) with the model's forward pass
-replaced by a wait from a step-time model and its logits by deterministic tokens.
-
-What is real: everything in libs/engine except the runner and sampling, so pages are allocated, shared,
-cached, evicted and freed as a GPU worker's are, and the prefix cache reports the same KV events. What
-is modeled: each forward sleeps `StepTimeModel.forward_ms` on the engine thread (which, as on a GPU
-worker, holds the thread for the step), and the next token is a hash of (previous token, position),
-never an end-of-sequence id, so one prompt yields the same text on every path (direct or PD).
-
-The KV pool is scaled down to one layer of one byte per token: the page geometry, handles and transfer
-plans are real, while the bytes a transfer moves are 1/(layers * row bytes) of the real model's.
+"""The timing-model engine ("mocker"): the real Engine (admission, batching, paging, prefix cache and its
+events, PD reserve/add_prefilled, stop checks) with each forward replaced by a wait from a StepTimeModel
+and its logits by deterministic tokens (a hash of previous token and position, never an end id).
 """
+
+# The engine thread sleeps the modeled time, holding it for the step as a GPU worker's forward does. The KV
+# pool is one layer of one byte per token: page geometry, handles and transfer plans are real; the bytes a
+# transfer moves are 1/(layers * row bytes) of the real model's.
 
 from __future__ import annotations
 

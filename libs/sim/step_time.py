@@ -1,13 +1,12 @@
-"""How long a worker's forward pass takes, as a pure function of what it runs (the timing-model engine's clock).
-
-Decode: one step of B sequences whose contexts sum to C tokens costs `fixed + per_seq * B + per_ctx * C`
-milliseconds: the attention part grows with the KV read (C), the MoE and dense GEMMs and the host part with
-the batch, and launch/sync costs are fixed. `fit_decode` fits the three numbers by least squares to
-bench/decode_rank records (one EP-72 rank of DeepSeek-V3 671B on one H200: step_ms and attention_ms at
-batch 64..512, context ~2,048); `H200_DECODE` holds the fit of the committed records, and a unit test
-re-fits them. Prefill: `prefill_fixed + prefill_per_token * T` for T new prompt tokens in one forward
-(a setting: no prefill record is committed; the default is about 25,000 prompt tokens/s per GPU).
+"""How long a worker's forward pass takes, as a pure function of what it runs (the timing-model engine's clock):
+a decode step of B sequences with C context tokens costs `fixed + per_seq * B + per_ctx * C` ms; a prefill
+of T new tokens `prefill_fixed + prefill_per_token * T` ms.
 """
+
+# The decode terms: attention grows with the KV read (C), the GEMMs and host work with the batch, launch and
+# sync costs are fixed. `fit_decode` fits them by least squares to bench/decode_rank records; `H200_DECODE`
+# is the fit of the committed record below (a unit test re-fits it). No prefill record is committed, so the
+# prefill terms are settings.
 
 from __future__ import annotations
 

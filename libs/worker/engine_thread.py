@@ -1,14 +1,11 @@
-"""One thread owns the engine: every engine call from the asyncio side goes through `EngineThread.call`.
+"""One thread owns the engine: every engine call from the asyncio side goes through `EngineThread.call`,
+so calls are serialized (a reserve never races a step) while the event loop keeps serving the bus.
+`run_inline` runs a call on the event loop itself when the engine thread is idle and nothing is queued."""
 
-The engine is synchronous torch code and not thread-safe; running all of it on one dedicated thread
-serializes calls (a reserve never races a step) while the event loop keeps serving the bus.
-
-`run_inline` is the exception: when nothing is queued for or running on the engine thread, the caller
-(the event loop) runs the call itself, saving the two thread hand-offs (wake the engine thread, wake the
-loop with the result) that a lone request on an idle worker pays before its first token, as SGLang's and
-vLLM's engine loops run their model in the thread that took the request. One lock held around every call,
-on either thread, keeps them serialized; a count of calls queued keeps their order.
-"""
+# The engine is synchronous torch code and not thread-safe. run_inline saves a lone request on an idle
+# worker the two thread hand-offs before its first token, as SGLang's and vLLM's loops run the model in the
+# thread that took the request. One lock around every call, on either thread, serializes them; a count of
+# queued calls keeps their order.
 
 from __future__ import annotations
 

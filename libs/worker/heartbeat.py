@@ -1,11 +1,10 @@
-"""Worker liveness on the bus: a WorkerHeartbeat every interval, WorkerGone on a clean stop, on the
-subject of the worker's role (proto.subjects.heartbeat).
+"""Worker liveness on the bus: a WorkerHeartbeat every interval and WorkerGone on a clean stop, on the
+subject of the worker's role (proto.subjects.heartbeat); with stall_dump_s > 0 every thread's stack is
+dumped to stderr when no beat has gone out for that long."""
 
-With stall_dump_s > 0 each beat also re-arms a stall watchdog (faulthandler.dump_traceback_later): when no beat
-has gone out for that long, every thread's Python stack is written to stderr (the service's log) from
-faulthandler's own C thread, which needs neither the event loop nor the GIL. The mesh declares a silent worker
-dead after a few intervals; the dump says where it was (a native call holding the GIL, a blocked loop, a stuck
-publish) without a debugger attached. One such timer exists per process."""
+# The dump (faulthandler.dump_traceback_later, re-armed each beat) runs on faulthandler's own C thread,
+# needing neither the loop nor the GIL, so it says where a silent worker was (a native call holding the GIL,
+# a blocked loop, a stuck publish) before the mesh declares it dead. One such timer exists per process.
 
 from __future__ import annotations
 

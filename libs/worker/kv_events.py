@@ -1,17 +1,12 @@
-"""A worker's prefix-cache events on the bus, for the kv-broker's prefix index.
+"""A worker's prefix-cache events on the bus (proto.subjects.kv_events) for the kv-broker's prefix index:
+runs of BlocksStored / BlocksRemoved numbered by (epoch, seq), and the numbered set of blocks as the answer
+to a KvSnapshotRequest, so the broker tells a restart (new epoch) from missed events (a seq jump)."""
 
-Who calls what: the engine's radix cache calls `blocks_stored` / `blocks_removed` on the engine thread
-as it changes; after each engine call returns (`EngineThread.after_call`, on the event loop) `flush`
-numbers what the call produced and queues it, and one sender task publishes it in order on
-proto.subjects.kv_events(worker): one BlocksStored / BlocksRemoved per run of the same kind (at most
-`max_hashes` hashes each), so a decode step or a prefill costs one or two messages, not one per page.
-
-Numbering: `seq` counts this worker's events from 1 within `epoch`, a random id of this process, so the
-broker tells a restart (new epoch, empty cache) from missed events (a seq jump). The publisher keeps the
-set of blocks its numbered events add up to; a KvSnapshotRequest on proto.subjects.kv_snapshot(worker)
-is answered with that set and its seq (exact: both change only in `flush`, on the event loop). Events
-that could not be published are dropped; the broker sees the gap and asks for a snapshot.
-"""
+# Who calls what: the radix cache calls blocks_stored / blocks_removed on the engine thread; after each
+# engine call (EngineThread.after_call, on the event loop) `flush` numbers what it produced, and one sender
+# task publishes in order, one message per run of a kind (at most max_hashes each): a step costs one or two
+# messages, not one per page. The snapshot is exact because set and seq change only in `flush`. Events that
+# fail to publish are dropped; the broker sees the gap and asks for a snapshot.
 
 from __future__ import annotations
 

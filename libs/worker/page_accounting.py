@@ -1,10 +1,6 @@
-"""Page accounting for the leak check: pages held by requests vs requests alive on a worker.
-
-Pages in the prefix cache are not leaks (they stay cached until evicted), so they are counted apart:
-`request_pages` = used - cached are the pages only requests hold (running, waiting, PD reservations,
-pinned prefills). Once traffic stops, every worker must reach request_pages == 0 and live == 0;
-`leaked_pages` is request_pages while no request is alive (the gauge an alert fires on).
-"""
+"""Page accounting for the leak check: `request_pages` = used - cached (pages only requests hold; the prefix
+cache's are not leaks) and `leaked_pages` = request_pages while no request is alive, the gauge an alert
+fires on. Once traffic stops, every worker reaches request_pages == 0."""
 
 from __future__ import annotations
 

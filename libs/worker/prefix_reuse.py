@@ -1,11 +1,9 @@
 """PD prefix reuse: a decode worker that still caches a prompt's prefix receives only the rest of its KV.
+Decode side (`reserve_for`, engine thread): reserve the pages after the longest cached whole-page prefix,
+its length in the KvHandle's `cached_tokens`; prefill side (`pages_to_send`): send the pages from there on."""
 
-Decode side (`reserve_for`, on the engine thread): with the prompt in ReserveKv, the longest cached
-whole-page prefix is reused and only the pages after it are reserved; the KvHandle says how many tokens
-the decode worker holds already (`cached_tokens`). Prefill side (`pages_to_send`): its pages from
-cached_tokens // page_size on go, in order, into the handle's pages. A ReserveKv without the prompt (an
-older scheduler, or `decode_prefix_reuse` off) reserves everything, as before.
-"""
+# A ReserveKv without the prompt (`decode_prefix_reuse` off, or a scheduler that does not send it) reserves
+# every page.
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
-"""PD with per-rank KV pools: an EP worker whose DP-attention ranks each register their own pool
-(libs.ep.rank_kv; what GPUs need) names, for every request, the rank whose pool holds it.
+"""PD with per-rank KV pools (libs.ep.rank_kv): an EP worker whose DP-attention ranks each register their
+own pool names, for every request, the rank whose pool holds it: at start-up (`rank_pools`), in the decode
+side's KvHandle (`handle_place`) and on the prefill side's write (`write_pages`)."""
 
-- start-up: the ranks' pools go to the kv-broker in RegisterWorker.ranks (`rank_pools`); the worker's own
-  session/geometry fields carry rank 0's, and the worker process itself registers no memory;
-- decode worker: the global pages its engine reserved become (that rank's session, rank, its own pages)
-  in the KvHandle (`handle_place`);
-- prefill worker: the write is issued by the rank holding the prompt, into the session and layout the
-  handle names (`write_pages`); a single-pool worker writes from its own transport as before.
-"""
+# RegisterWorker.ranks carries the ranks' pools; the worker's own session and geometry fields carry rank 0's
+# and the worker process registers no memory. A single-pool worker writes from its own transport.
 
 from __future__ import annotations
 

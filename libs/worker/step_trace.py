@@ -1,11 +1,9 @@
-"""An opt-in timeline of a decode worker's steps (setting `step_trace`: a file of JSON lines), to tell where
-a served step's time goes: the hand-off to the engine thread, the engine's step, the hand-back to the event
-loop, and the publishing of its tokens. Times are `time.perf_counter()` seconds: on Linux that is
-CLOCK_MONOTONIC, `time.monotonic()`'s clock, one for every process of the machine.
+"""An opt-in timeline of a decode worker's steps (setting `step_trace`: JSON lines): hand-off to the engine
+thread, engine step, hand-back, publishing. `StepTrace` buffers rows and appends them every `every` steps;
+`full_batch` is the pure analysis of a finished trace. Times are perf_counter seconds (CLOCK_MONOTONIC)."""
 
-`StepTrace` buffers rows and appends them every `every` steps (one write; the rows of an unfinished batch are
-lost when the process is killed); `full_batch` is the pure analysis of a finished trace.
-"""
+# CLOCK_MONOTONIC is time.monotonic()'s clock on Linux, one for every process of the machine, so traces of
+# several processes line up. The rows of an unfinished buffer are lost when the process is killed.
 
 from __future__ import annotations
 
@@ -83,7 +81,7 @@ def _after_release(rows: Sequence[dict[str, float]]) -> Sequence[dict[str, float
 
 
 def _wait(row: dict[str, float]) -> float | None:
-    """The step's device wait in seconds; None where the engine does not say (or an older trace)."""
+    """The step's device wait in seconds; None where the engine or the trace does not say."""
     w = row.get("device_wait", -1.0)
     return w if w >= 0 else None
 

@@ -1,13 +1,11 @@
-"""Worker warm-up before the first heartbeat: a few forwards through the engine so that Triton's compiles
-(one per FP8 GEMM kernel chosen per bucket of M: a table's entry or the fixed default, never timed here;
-libs/kernels/gemm_tuning.py), FlashInfer's JIT and the decode CUDA-graph captures happen while the mesh is
-coming up, not on a user's first requests. The mesh counts a worker ready at its first heartbeat, which
-starts only after `WorkerService.start_engine` returns; `/ready` names the stage meanwhile.
+"""Worker warm-up before the first heartbeat: a few forwards through the engine's own `generate` so Triton
+compiles, FlashInfer's JIT and decode CUDA-graph captures happen while the mesh comes up, not on a user's
+first requests. `plan_warmup` is pure; `run_warmup` runs it and leaves the pool as it found it."""
 
-The plan is pure (`plan_warmup`); `run_warmup` drives it through the engine's own `generate` on the engine
-thread, one log line with seconds per stage, then empties the prefix cache, so the pool is as it was before
-(checked: a page held afterwards is an error, not a slow leak found later). Tuning is `moemesh tune`'s job.
-"""
+# Kernel choices come from the tuning tables or the fixed default, never timed here (tuning is `moemesh
+# tune`'s job; libs/kernels/gemm_tuning.py). The mesh counts a worker ready at its first heartbeat, sent
+# only after start_engine returns; /ready names the stage meanwhile. A page still held after warm-up is an
+# error, not a slow leak found later.
 
 from __future__ import annotations
 
@@ -31,13 +29,12 @@ FIRST_TOKEN = 3  # prompt ids from here up: clear of the usual special ids, insi
 
 @dataclass(frozen=True)
 class WarmupPlan:
-    """prefill_lens: one prompt of each length, alone: a forward of every bucket of M up to the worker's
-    max_prefill_tokens (its batched prefill steps take any token count up to it). decode_batches: that many
-    one-token prompts together per copy, decoded DECODE_TOKENS - 1 steps: each captured decode graph size
-    (and its masked-layout GEMMs) on every EP rank (the EP engine places each prompt on the least busy
-    rank, so `copies` x b prompts give each rank b)."""
+    """What to run: one prompt of each `prefill_lens` alone (a forward of every bucket of M up to the worker's
+    max_prefill_tokens), then each of `decode_batches` one-token prompts together per copy, decoded
+    DECODE_TOKENS - 1 steps (each captured decode graph size, with its GEMMs, on every EP rank)."""
 
     prefill_lens: tuple[int, ...]
+    # the EP engine places each prompt on the least busy rank, so `copies` x b prompts give each rank b
     decode_batches: tuple[int, ...]
     copies: int = 1  # prompts per length: one per EP rank, so every rank runs it
 
