@@ -1,10 +1,6 @@
-"""`moemesh bench --base-url URL`: SGLang bench_serving's flags against any OpenAI-compatible server.
-
-One run, a concurrency sweep (`--sweep 1,8,32,64`), or the slow-down experiment
-(`--slowdown-ms X --release-at-batch N`, moemesh gateways with admin enabled). Prints the summary,
-writes JSON (`--output-file`) and PNG plots (`--plot-dir`). `--client raw|httpx` picks the streaming
-client, `--client-procs N` splits the requests over N client processes (libs/loadgen/procs.py).
-"""
+"""`moemesh bench --base-url URL`: SGLang bench_serving's flags against any OpenAI-compatible server: one
+run, a concurrency sweep (`--sweep`) or the slow-down experiment (`--slowdown-ms`, `--release-at-batch`);
+prints the summary, writes JSON (`--output-file`) and PNG plots (`--plot-dir`)."""
 
 from __future__ import annotations
 
@@ -76,16 +72,15 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
         "--client",
         default=None,
         choices=["raw", "httpx"],
-        help="streaming client: raw (lean HTTP/1.1, ~20 us of CPU per streamed event on a 2-core VM; http:// "
-        "only) or httpx (~80 us; https://). Default: raw for http://, httpx for https://",
+        help="streaming client: raw (lean HTTP/1.1, a few us of CPU per streamed event; http:// only) or httpx "
+        "(several times that; https://). Default: raw for http://, httpx for https://",
     )
     p.add_argument(
         "--client-procs",
         type=int,
         default=1,
         help="split the requests over this many client processes, merged into one result; raise it when "
-        "one process cannot keep up (tok/s x CPU per token near one core: ~40k tok/s raw, ~12k httpx on a "
-        "2-core VM), one per idle core at most",
+        "one process cannot keep up (tokens/s x CPU per token near one core), one per idle core at most",
     )
     p.add_argument(
         "--event-loop",

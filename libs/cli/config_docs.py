@@ -1,8 +1,7 @@
 """`python -m libs.cli.config_docs > docs/configuration.md`: the configuration reference, generated from the
-settings classes (their fields, defaults and `Meta(description=...)`) and `moemesh up`'s parser.
+settings classes (fields, defaults, `Meta(description=...)`) and `moemesh up`'s parser."""
 
-The service classes are found by module name, as `moemesh serve` runs them (libs never imports services).
-"""
+# The service classes are found by module name, as `moemesh serve` runs them (libs never imports services).
 
 from __future__ import annotations
 

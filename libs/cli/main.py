@@ -1,10 +1,8 @@
-"""The `moemesh` command: one argparse subcommand per module in COMMANDS.
+"""The `moemesh` command: one argparse subcommand per module in COMMANDS. Each exposes
+`add_parser(subparsers)`, which sets `func=run` on its subparser; `main` exits with `args.func(args)`.
+To add a command, write `libs/cli/<cmd>.py` and append its module name to COMMANDS."""
 
-Each command module exposes `add_parser(subparsers)`, which adds its subparser and sets
-`func=run` on it; `main` calls `args.func(args)` and exits with its return code. Command modules
-import heavy things (torch, the engine, services) inside `run`, so `moemesh --help` stays fast.
-To add a command, write `libs/cli/<cmd>.py` and append its module name here.
-"""
+# Command modules import heavy things (torch, the engine, services) inside `run`, so `moemesh --help` is fast.
 
 from __future__ import annotations
 

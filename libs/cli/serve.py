@@ -1,15 +1,11 @@
-"""`moemesh serve SERVICE [flags]`: run one service as a container's main process (compose, Kubernetes).
+"""`moemesh serve SERVICE [flags]`: run one service as a container's main process (compose, Kubernetes):
+`python -m services.<service>` in place of this process, with the instance id (and a worker's transfer
+hostname) from the container's hostname where neither the environment nor the config file sets them."""
 
-It is `python -m services.<service> [flags]` (the process is replaced, so SIGTERM reaches the service's
-graceful drain directly) with two defaults a container needs and a plain process does not:
-- `MOEMESH_<SERVICE>_INSTANCE_ID` from the hostname: unique per container, and stable across restarts
-  where the orchestrator keeps the name (a StatefulSet pod `decode-worker-0`), so a restarted worker
-  re-registers under the same id at the kv-broker and the scheduler;
-- for workers, `MOEMESH_<SERVICE>_TRANSFER_HOSTNAME` from the address the hostname resolves to (the
-  container's own IP), which peers' Mooncake engines can reach, instead of 127.0.0.1.
-Values already in the environment, or in the service's section of its config file (`--config FILE` among
-its flags, or `MOEMESH_CONFIG`), win.
-"""
+# exec, so SIGTERM reaches the service's graceful drain directly. The hostname is stable across restarts
+# where the orchestrator keeps the name (a StatefulSet pod decode-worker-0): a restarted worker re-registers
+# under the same id. The address it resolves to is the container's own IP, which peers' Mooncake engines
+# can reach, unlike 127.0.0.1.
 
 from __future__ import annotations
 
