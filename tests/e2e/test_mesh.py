@@ -19,6 +19,7 @@ from libs.launch.mesh import Mesh
 from libs.tokenizer import Tokenizer
 from proto import decoder, encode, subjects
 from proto import messages as m
+from tests.e2e import listening
 from tests.e2e.conftest import DIRECT_THRESHOLD
 
 pytestmark = pytest.mark.e2e
@@ -274,3 +275,39 @@ def test_broker_restart_mid_traffic_loses_no_handle(mesh: Mesh, client, engine, 
     lost = {h: s for h, s in before.items() if h not in after}
     assert not lost, f"handles lost across the broker restart: {lost}"
     assert all(after[h] == s for h, s in before.items())
+
+
+async def _sessions(mesh: Mesh) -> dict[str, str]:
+    """Each worker's Mooncake session ("host:rpc_port") as it registered it at the kv-broker."""
+    nc = await nats.connect(mesh.nats_url)
+    try:
+        out = {}
+        for w in mesh.worker_ids(m.Role.PREFILL) + mesh.worker_ids(m.Role.DECODE):
+            r = await nc.request(subjects.BROKER, encode(m.LookupWorker(worker_id=w)), timeout=10)
+            reply = decoder(m.BrokerReply).decode(r.data)
+            assert reply.ok and reply.worker is not None, reply.message
+            out[w] = reply.worker.session_id
+        return out
+    finally:
+        await nc.close()
+
+
+def test_every_listening_socket_binds_the_mesh_address_but_mooncakes_two(mesh: Mesh) -> None:
+    """On loopback nothing the mesh opens listens on a wildcard, save the named exception: Mooncake's
+    transfer engine (mooncake-transfer-engine 0.3.x) binds its P2P handshake port on 0.0.0.0 and its
+    TcpTransport data port on [::] (dual stack) whatever address it is given (docs/operations.md#security)."""
+    sessions = asyncio.run(_sessions(mesh))
+    for name, proc in mesh.sup.procs.items():
+        pids = listening.group_pids(proc.proc.pid)
+        socks = listening.listening(pids)
+        assert socks, f"{name} listens on nothing we can see"
+        wild = [s for s in socks if s.wildcard]
+        if name in sessions:
+            host, rpc_port = sessions[name].rsplit(":", 1)
+            assert host == mesh.cfg.host, sessions[name]  # the session names the configured address
+            handshake = [s for s in wild if (s.proto, s.address, s.port) == ("tcp", "0.0.0.0", int(rpc_port))]
+            data = [s for s in wild if (s.proto, s.address) == ("tcp6", "::") and s.port != int(rpc_port)]
+            assert len(handshake) == 1 and len(data) == 1, f"{name}: Mooncake's listeners changed: {wild}"
+            wild = [s for s in wild if s not in handshake + data]
+        assert not wild, f"{name} listens on a wildcard address: {wild}"
+        assert {s.address for s in socks if not s.wildcard} == {mesh.cfg.host}, (name, socks)
