@@ -1,11 +1,9 @@
-"""Reservations waiting for their KV, watched so that none hangs (README: "Failures, overload and security").
+"""Reservations waiting for their KV, watched so that none hangs (docs/operations.md, "What survives what"):
+when the prefill worker named in ReserveKv dies or the lease runs out first, the request's stream gets a
+retryable 503 RequestError naming that worker, and the reservation counts as cancelled."""
 
-A reservation knows who fills its pages (the prefill worker named in ReserveKv) and whom to tell (the
-request's stream subject). When that prefill worker dies (heartbeats, libs.liveness) or the lease runs
-out first, the gateway gets a retryable RequestError (503, naming the prefill worker so the retry avoids
-it) and migrates the request; the reservation is marked cancelled here. Its pages are still freed only
-when the prefill side answers or the lease expires: a Mooncake write into them may still be landing.
-"""
+# The gateway migrates the request, avoiding the named worker. The pages are still freed only when the
+# prefill side answers or the lease expires: a Mooncake write into them may still be landing.
 
 from __future__ import annotations
 
@@ -41,7 +39,7 @@ class ReservationGuard:
 
     def track(self, rid: str, prefill_worker: str, stream_subject: str) -> None:
         if not stream_subject:
-            return  # an older scheduler: nobody to tell; the lease still frees the pages
+            return  # a ReserveKv naming no stream: nobody to tell; the lease still frees the pages
         self._streams[rid] = stream_subject
         if prefill_worker:
             self.holders.set(rid, prefill_worker)
@@ -71,11 +69,12 @@ class ReservationGuard:
 
 @dataclass
 class LeaseBackstop:
-    """The decode side's own end for reservations nobody answers (pure). The broker's HandleExpired is the
-    normal end of a lease; when the bus loses it, or the CreateHandle that would have let the broker expire
-    the handle (a nats-server restart), the pages would stay reserved for good. `due` names the
-    reservations past their backstop deadline (set one more lease length after the lease ends, so no late
-    Mooncake write can still land) and forgets those that ended otherwise."""
+    """The decode side's own end for reservations nobody answers (pure): `due` names those past their
+    backstop deadline (one more lease length after the lease ends, so no late Mooncake write can still land)
+    and forgets those that ended otherwise."""
+
+    # The broker's HandleExpired is the normal end of a lease; when the bus loses it, or the CreateHandle that
+    # would have let the broker expire the handle (a nats-server restart), the pages would stay reserved.
 
     _deadlines: dict[str, tuple[str, float]] = field(default_factory=dict)  # handle id -> (request id, when)
 

@@ -1,15 +1,11 @@
-"""The decode worker's bus shell around the engine.
+"""The decode worker's bus shell around the engine: its inbox (proto.subjects.decode_inbox, union DecodeInbox:
+ReserveKv, KvReady, DecodeDirect, PrefillFailed, HandleExpired), Cancel and admin; one loop steps the engine
+while any request is live and publishes one TokenBatch per (step, gateway)."""
 
-Inbox (`proto.subjects.decode_inbox(id)`, union DecodeInbox):
-- ReserveKv (request/reply): allocate pages for a prompt, register the KV handle at the kv-broker.
-- KvReady: the prefill worker wrote the pages; join the request to the running batch (its first token
-  was streamed by the prefill worker; an older one's is streamed here at once).
-- DecodeDirect: a short prompt, prefilled here (conditional disaggregation), added to the engine in the
-  next step's engine-thread call.
-- PrefillFailed / HandleExpired: free the reservation.
-Plus `Cancel` (broadcast) and admin (stats, slow-down). One loop runs `engine.step()` on the engine
-thread while any request is live and publishes one TokenBatch per (step, gateway).
-"""
+# ReserveKv (request/reply) allocates pages and registers the KV handle at the kv-broker; KvReady joins the
+# prefilled request to the batch (its first token streamed by the prefill worker, or here at once when the
+# message says it was not); DecodeDirect is prefilled here (conditional disaggregation) in the next step's
+# engine-thread call; PrefillFailed / HandleExpired free the reservation.
 
 from __future__ import annotations
 
@@ -55,15 +51,28 @@ NO_ADDS: list[Direct] = []  # a step with no direct prompts (never appended to)
 
 
 class DecodeWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
-    forward_sleep_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # slow-down (off by default)
-    # start each step before publishing the previous one's tokens (default off: publish, then step)
-    overlap_publish: bool = False
-    # direct prompts (this many tokens at most, together) that find the worker idle step on the event loop
-    # itself, not on the engine thread (EngineThread.run_inline): no thread hand-off before the first token;
-    # bounded because the loop serves nothing meanwhile. 0: every step on the engine thread
-    inline_step_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 256
-    # each step's timeline as JSON lines in <stem>-<instance id><suffix> of this path (libs/worker/step_trace.py)
-    step_trace: str = ""
+    forward_sleep_ms: Annotated[
+        float, msgspec.Meta(ge=0, description="slow-down: sleep this long before each step (0: off)")
+    ] = 0.0
+    overlap_publish: Annotated[
+        bool, msgspec.Meta(description="start each step before publishing the previous step's tokens")
+    ] = False
+    # Bounded because the event loop serves nothing while it runs the step itself.
+    inline_step_max_tokens: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="direct prompts of at most this many tokens together that find the worker idle are "
+            "stepped on the event loop itself, not the engine thread (0: never)",
+        ),
+    ] = 256
+    step_trace: Annotated[
+        str,
+        msgspec.Meta(
+            description="write each step's timeline as JSON lines to <stem>-<instance id><suffix> of this "
+            "path (empty: off)"
+        ),
+    ] = ""
 
 
 class DecodeWorker(WorkerService):
@@ -199,7 +208,7 @@ class DecodeWorker(WorkerService):
             rid, "prefilled", span_attrs.decode_start(msg.prompt_ids, msg.sampling, model, msg.cached_tokens)
         )
         self.live[rid] = Live(msg.stream_subject, len(msg.prompt_ids), msg.cached_tokens, completion_tokens=1)
-        if not msg.first_token_streamed:  # an older prefill worker: stream it now, before the engine step
+        if not msg.first_token_streamed:  # stream it now, before the engine step
             first = m.TokenDelta(
                 rid, [msg.first_token.token_id], [msg.first_token] if msg.sampling.logprobs else [], offset=0
             )
