@@ -1,11 +1,10 @@
-"""Imported once by the forkserver that forks the EP rank processes (group.py), never anywhere else.
+"""Imported once by the forkserver that forks the EP rank processes (group.py), never anywhere else: it
+loads what every rank needs (torch, the engine, libs.ep.rank) once, and makes the forkserver ignore
+SIGINT/SIGTERM so it outlives the worker's drain."""
 
-It loads what every rank needs (torch, the engine, libs.ep.rank) once, so a rank starts in milliseconds
-instead of re-importing torch (under Triton's interpreter, patched as the tests' own), and it makes the forkserver ignore SIGINT/SIGTERM: the supervisor signals a
-worker's whole process group on shutdown, and the ranks' parent (this forkserver) must outlive the worker's
-drain. The forkserver still exits when the worker does (its pipe from the worker closes); the ranks, which
-inherit the ignored signals, exit when the worker stops them or their pipe closes.
-"""
+# A rank then starts without re-importing torch (under Triton's interpreter, patched as the tests' own). The
+# supervisor signals a worker's whole process group on shutdown; the forkserver still exits when its pipe
+# from the worker closes, and the ranks (which inherit the ignored signals) when stopped or orphaned.
 
 import os
 import signal

@@ -1,13 +1,8 @@
-"""The collectives an EP rank needs, over torch.distributed (gloo on CPU, NCCL on GPU) or in one process.
+"""The collectives an EP rank needs, over torch.distributed (gloo on CPU, NCCL on GPU) or, for unit tests,
+`InProcessHub` (N ranks as N threads: a barrier and a mailbox; a broken barrier raises instead of hanging).
+Every rank of a group calls the same collectives in the same order (runtime.py's lockstep)."""
 
-Every rank of a group calls the same collectives in the same order (the dispatcher and the weight exchange
-do; the lockstep protocol in runtime.py makes idle ranks join too). Tensors go as raw bytes (rows viewed as
-uint8), so any dtype (fp8, bf16) crosses gloo and NCCL alike.
-
-`InProcessHub` runs N ranks as N threads of one process, for unit tests of the dispatch logic: a barrier
-and a shared mailbox stand in for the network, and a broken barrier (a rank that never arrives) raises
-instead of hanging.
-"""
+# Tensors go as raw bytes (rows viewed as uint8), so any dtype (fp8, bf16) crosses gloo and NCCL alike.
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""An emulated EP rank for one GPU: the tokens a balanced EP-N deployment would send this rank's experts,
-stood in for by this rank's own tokens.
-
-A rank of EP-N with S local experts receives, per MoE layer, about B x K token-expert pairs (its share of
-every rank's B tokens x top-K picks, EPLB-balanced). Mapping each of the rank's own picks onto its local
-experts (logical id mod S) gives exactly B x K pairs spread evenly over the S experts: the expert GEMMs see
-the shapes and counts a real rank sees, with no bytes moved. What it leaves out: the dispatch and combine
-traffic itself, and the imbalance a real routing has before EPLB.
-"""
+"""An emulated EP rank for one GPU: each of the rank's own top-K picks mapped onto its S local experts
+(logical id mod S), so the expert GEMMs see the B x K evenly spread pairs a balanced EP-N rank receives.
+It leaves out the dispatch and combine traffic, and routing's imbalance before EPLB."""
 
 from __future__ import annotations
 

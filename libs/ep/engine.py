@@ -1,28 +1,15 @@
 """`EPEngine`: the Engine API over a group of EP rank processes (DP attention + EP MoE), for the workers.
+Every call must come from one thread (the worker's engine thread); only stats(), has_unfinished() and the
+metrics collector may be read from others."""
 
-The worker process holds only this front; `ep_size` rank processes (rank.py) each run an Engine on their own
-requests and KV pages, with the routed experts sharded over the group. The front:
-- hands each new request (add_request, reserve, prefill) to a rank (rank_routing.py: the least busy, or the
-  one caching most of its prefix) and remembers its owner, so later calls for that request (abort,
-  add_prefilled, release, ...) go to the same rank;
-- runs group operations (step, prefill, generate, rebalance) on every rank at once, ranks with nothing to
-  do joining as idle (see runtime.py), and merges their outputs;
-- keeps each rank's stats from its last reply, so `stats()` and `has_unfinished()` never wait on a rank
-  (the heartbeat reads them from the event loop while a step runs on the engine thread);
-- sums the expert load every op reply carries, and runs EPLB every `eplb_interval_steps` steps (or when
-  `rebalance()` is called): a new placement computed from the load since the last one, swapped in on every
-  rank between two steps, in-flight requests untouched (their KV and state never move).
-
-KV pages. Page ids the front hands out are global: rank r's page p is r * P + p (P = pages_per_rank).
-Without `ep_kv_transfer`, on CPU, the ranks' pools are slices of one shared-memory pool owned by the front
-(`kv_pool`), so the worker registers one region with the transfer engine. With `ep_kv_transfer` (what GPUs
-need: each rank's pool lives on its own device) every rank keeps its own pool and registers it on its own
-transport (rank_kv.py): `rank_pools` says where each one is, and `write_kv` / `read_kv` move a request's
-pages from or read them in the rank that holds them.
-
-Every call must come from one thread (the worker's engine thread); only stats()/has_unfinished() and the
-metrics collector may be read from others.
-"""
+# The front hands each new request to a rank (rank_routing.py) and sends that request's later calls to the
+# same rank; runs group operations (step, prefill, generate, rebalance) on every rank at once, idle ranks
+# joining (runtime.py), and merges the outputs; keeps each rank's stats from its last reply, so stats()
+# never waits on a rank; sums the expert load and runs EPLB every `eplb_interval_steps` steps, swapping the
+# placement in between two steps (requests, their KV and state never move).
+# KV pages: global ids, rank r's page p is r * P + p. Without `ep_kv_transfer` (CPU) the ranks' pools are
+# slices of one shared-memory pool the front owns (`kv_pool`); with it (GPUs: each pool on its own device)
+# every rank registers its own pool (rank_kv.py), and `rank_pools`, `write_kv`, `read_kv` reach them.
 
 from __future__ import annotations
 

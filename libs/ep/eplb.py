@@ -1,17 +1,12 @@
-"""EPLB: a new expert placement from measured expert load, as DeepSeek's expert-parallel load balancer does.
-Pure functions of numbers: no devices, no communication.
+"""EPLB: a new expert placement from the expert load counted since the last one, as DeepSeek's
+expert-parallel load balancer (`rebalance_experts`) does. Pure functions of numbers: no devices, no
+communication."""
 
-Legend: L MoE layers, E logical experts, P physical slots, G expert groups, N EP ranks (GPUs), M nodes.
-
-Per layer, two policies (chosen like DeepSeek's `rebalance_experts`):
-- hierarchical, when the node count divides the group count: pack whole expert groups onto nodes (so a
-  token's group-limited routing stays inside few nodes), replicate the heaviest experts inside each node
-  until the node's slots are full, then pack the node's physical experts onto its ranks;
-- global otherwise: replicate over all slots, then pack onto all ranks.
-Replication gives one more copy to the expert whose per-copy load is largest, until every slot is used.
-Packing is greedy longest-processing-time: items by descending load, each to the lightest pack that still
-has room (every pack gets the same number of items, since every rank has the same number of slots).
-"""
+# Legend: L MoE layers, E logical experts, P physical slots, G expert groups, N EP ranks (GPUs), M nodes.
+# Hierarchical when the node count divides the group count: pack whole groups onto nodes (group-limited
+# routing stays inside few nodes), replicate the heaviest experts within each node, pack onto its ranks;
+# global otherwise. Replication gives one more copy to the expert with the largest per-copy load until every
+# slot is used; packing is greedy longest-processing-time with the same number of items per pack.
 
 from __future__ import annotations
 

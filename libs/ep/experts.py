@@ -1,10 +1,8 @@
-"""This rank's routed experts over what dispatch delivered (the middle of router -> dispatch -> experts ->
-combine). Same SwiGLU math as the model's `Experts`, over the rank's S local slots: dense weights expert by
-expert (`run_local_experts`, the CPU reference), FP8 weights through the grouped GEMMs the single-rank engine
-runs (`run_fp8_experts`: masked layout for decode-sized rounds, no host sync; contiguous for prefill).
+"""This rank's routed experts over what dispatch delivered (router -> dispatch -> experts -> combine), the
+model's SwiGLU over its S local slots: dense weights expert by expert (`run_local_experts`, the CPU
+reference), FP8 weights through the single-rank engine's grouped GEMMs (`run_fp8_experts`)."""
 
-Legend: S local slots, I moe_intermediate_size, D hidden, M received rows, K experts per token.
-"""
+# Legend: S local slots, I moe_intermediate_size, D hidden, M received rows, K experts per token.
 
 from __future__ import annotations
 
@@ -21,11 +19,9 @@ def count_load(load: torch.Tensor, ids: torch.Tensor) -> None:
 
 
 def run_fp8_experts(experts, d: Dispatched, rows_per_expert: int | None = None) -> torch.Tensor:
-    """FP8 stacked experts (gate_up_proj [S, 2I, D] + block scales, as the model's `Experts` holds them) over
-    a round: "tokens" -> [M, D] weighted sum per row (ids -1 skipped); "experts" -> [S, cap, D] unweighted,
-    rows past counts zero. Decode-sized rounds take the masked grouped GEMM (fixed buffers, graph-safe),
-    prefill-sized ones the contiguous layout (libs.engine.layers.fp8_linear.use_masked_moe decides).
-    rows_per_expert: the masked layout's rows per expert (default M: a row reaches an expert once)."""
+    """The model's FP8 stacked experts over a round: "tokens" -> [M, D] weighted sum per row (ids -1 skipped);
+    "experts" -> [S, cap, D] unweighted, rows past counts zero. rows_per_expert: the masked layout's rows per
+    expert (default M). Masked (graph-safe) or contiguous GEMM: fp8_linear.use_masked_moe decides."""
     from libs.engine.layers.fp8_linear import use_masked_moe
     from libs.kernels.backend import fp8_moe
 

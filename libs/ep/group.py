@@ -1,16 +1,11 @@
-"""The front's side of the rank processes: start them (forked by a forkserver), talk to them over pipes,
-stop them.
+"""The front's side of the rank processes: start them (forked by a forkserver), talk to them over pipes with
+rank.py's tuples (`call` one rank, `op` every rank at once), stop them. A rank that exits marks the group
+broken: the call that noticed raises, and so does every later one."""
 
-Messages are the tuples described in rank.py. `call` talks to one rank; `op` sends a group operation to
-every rank at once (ranks not named join idle) and reads every reply before raising the first error, so
-the pipes never fall out of step. Each reply carries the rank's stats (kept in `status`), and may carry
-expert load and prefix-cache events, handed to `on_load` / `on_events` as they arrive (on the calling
-thread, the worker's engine thread).
-
-A rank that exits marks the group broken: the call that noticed raises, and so does every later one.
-Waiting on a rank has no deadline of its own (a long prefill is legitimate; a hung collective ends at the
-torch.distributed timeout and comes back as an error); only start-up has one.
-"""
+# `op` reads every reply before raising the first error, so the pipes never fall out of step. Replies carry
+# the rank's stats (`status`), expert load and prefix-cache events (to `on_load` / `on_events`, on the
+# calling thread). Only start-up has a deadline: a long prefill is legitimate, and a hung collective ends at
+# the torch.distributed timeout as an error.
 
 from __future__ import annotations
 

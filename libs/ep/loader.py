@@ -1,10 +1,6 @@
-"""Load one EP rank's model: every dense weight, but only the routed experts this rank's slots hold.
-
-The model is built, its stacked experts are cut to the rank's S slots before any weight is read, and the
-checkpoint is streamed: a routed expert's tensor is copied into each local slot holding that expert (two
-slots when the rank holds two copies) and dropped otherwise. A missing tensor or unfilled slot is a
-ValueError naming it, as in the single-rank loader.
-"""
+"""Load one EP rank's model: every dense weight, but only the routed experts this rank's slots hold (each
+copied into every local slot holding it, the rest dropped as the checkpoint streams). A missing tensor or
+an unfilled slot is a ValueError naming it, as in the single-rank loader."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Prometheus view of an EP group: tokens per logical expert per layer, the rank imbalance the current
-placement gives on the load since it was applied, and how many times EPLB changed the placement.
+placement gives on the load since it was applied, and how many times EPLB changed the placement."""
 
-A custom collector reads the front's counters at scrape time (no per-step metric updates on the engine
-thread; a scrape may see one step's load half-added, which a counter tolerates)."""
+# A custom collector reads the front's counters at scrape time: no per-step metric updates on the engine
+# thread (a scrape may see one step's load half-added, which a counter tolerates).
 
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
-"""Expert placement: which logical expert each physical expert slot holds, per MoE layer.
+"""Expert placement: which logical expert each physical slot holds, per MoE layer. Rank r owns slots
+[r*S, (r+1)*S); every logical expert has at least one slot, some several (EPLB's copies); every rank of a
+group holds the same Placement, swapped in on all at the same step boundary."""
 
-Legend: L MoE layers, E logical (routed) experts, P physical slots per layer, N EP ranks, S = P / N slots per
-rank, T tokens, K experts per token.
-
-An EP group of N ranks has P = n_routed + redundant physical slots per MoE layer, with P divisible by N.
-Rank r owns slots [r*S, (r+1)*S) and holds those experts' weights. Several slots may hold the same logical
-expert (redundant copies, chosen by EPLB); every logical expert has at least one. Every rank of a group
-must hold the same Placement: the front builds it and sends it to each rank as plain lists (`to_wire` /
-`from_wire`), and a new one is swapped in on every rank at the same step boundary.
-
-Token routing: the router picks logical experts; `to_physical` picks one replica per (token, k). A logical
-expert's tokens are spread evenly over its replicas (replica = (token index + rank) mod copies), which is
-the even split EPLB assumes when it decides how many copies an expert gets.
-"""
+# Legend: L MoE layers, E logical (routed) experts, P physical slots per layer (P divisible by N), N EP
+# ranks, S = P / N slots per rank, T tokens, K experts per token.
+# The front builds the placement and sends it as plain lists (`to_wire` / `from_wire`). `to_physical`
+# spreads a logical expert's tokens evenly over its copies (copy = (token index + rank) mod copies), the even
+# split EPLB assumes when it decides how many copies an expert gets.
 
 from __future__ import annotations
 
@@ -54,7 +48,7 @@ class Placement:
     @classmethod
     def uniform(cls, num_layers: int, num_logical: int, ep_size: int, num_redundant: int = 0) -> Placement:
         """Slot p holds expert p mod E: expert e on rank e // S, the first `num_redundant` experts copied
-        into the last slots (the start-up placement, before any load has been measured)."""
+        into the last slots (the start-up placement, before any load is known)."""
         if num_redundant < 0:
             raise ValueError(f"num_redundant must be >= 0, got {num_redundant}")
         num_physical = num_logical + num_redundant

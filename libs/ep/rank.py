@@ -1,24 +1,16 @@
-"""One EP rank as a process: its own Engine (requests, KV pool, prefix cache, scheduler; DP attention) over a
-model whose routed experts are this rank's slots, joined to the group through torch.distributed.
+"""One EP rank as a process: its own Engine (requests, KV pool, prefix cache; DP attention) over a model
+whose routed experts are this rank's slots, joined to the group through torch.distributed and driven by
+the front (engine.EPEngine) over a pipe with plain tuples, never tensors."""
 
-The front (engine.EPEngine, in the worker process) talks to each rank over a multiprocessing pipe with
-plain tuples, never tensors:
-  ("call", method, args)  -> this rank alone: add_request, abort, reserve, reserve_cached,
-                             cancel_reservation, add_prefilled, release, flush_prefix_cache, stats;
-                             with a pool of its own on the transfer fabric (EngineArgs.ep_kv_transfer) also
-                             kv_endpoint, write_kv, read_kv (rank_kv.py)
-  ("op", name, args)      -> a group operation: the front sends one to every rank at once (step, prefill,
-                             prefill_logits, generate, rebalance, or idle for ranks with nothing to do);
-                             each rank does its part, then serves rounds until every rank is done
-                             (runtime.EPRuntime.idle_until_all_done), so the MoE collectives line up
-  ("stop",)               -> leave the group and exit
-Every reply is ("ok" | "err", result or exception, the engine's stats + whether it has unfinished work,
-expert load counted since the last op reply or None, the prefix-cache events since the last reply: a list
-of (stored?, block hashes), which the front uses to route requests to the rank holding their prefix).
-
-A rank ignores SIGINT/SIGTERM (the worker above it drains first, then stops it) and exits when its pipe
-closes or its parent (the forkserver, group.py, which lives as long as the worker) is gone.
-"""
+#   ("call", method, args) -> this rank alone (add_request, abort, reserve, add_prefilled, release, stats,
+#                             ...; with EngineArgs.ep_kv_transfer also kv_endpoint, write_kv, read_kv)
+#   ("op", name, args)     -> a group operation sent to every rank at once (step, prefill, generate,
+#                             rebalance, or idle): each rank does its part, then serves rounds until every
+#                             rank is done (runtime.EPRuntime.idle_until_all_done), so collectives line up
+#   ("stop",)              -> leave the group and exit
+# Replies: ("ok" | "err", result or exception, stats + has-unfinished, expert load since the last reply or
+# None, prefix-cache events since the last reply as (stored?, block hashes)). A rank ignores SIGINT/SIGTERM
+# (the worker drains first, then stops it) and exits when its pipe closes or its parent forkserver is gone.
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""One EP rank's own KV pool on the transfer fabric, for workers whose DP-attention ranks keep their pools
-apart (on GPUs each pool lives on its rank's device, where only the rank's process can register it).
+"""One EP rank's own KV pool on the transfer fabric, where DP-attention ranks keep their pools apart (on GPUs
+only the rank's process can register its device's memory): `kv_endpoint`, `write_kv` (a prefill rank's
+write into a decode rank's pool, issued where the source is) and `read_kv`, in the rank's own page ids."""
 
-The rank process opens its own transport (a Mooncake engine in P2PHANDSHAKE mode, or any
-libs.kvtransfer transport), registers its pool once, and answers the front's calls:
-  kv_endpoint            -> (session id, pool layout as a KvGeometry dict): announced by the worker
-  write_kv(src pages, dst session, dst layout, dst pages, layers) -> bytes written: the prefill side's
-                            write of a request's pages into a decode rank's pool, issued where the
-                            source memory is
-  read_kv(pages)         -> the pages' bytes over all layers: what landed, for checks and tests
-Page ids here are the rank's own (0..num_pages-1).
-"""
+# The rank opens its own transport (a Mooncake engine in P2PHANDSHAKE mode, or any libs.kvtransfer
+# transport) and registers its pool once; kv_endpoint returns (session id, pool layout as a KvGeometry dict).
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""Which rank of an EP group gets a new request, and which prefix blocks each rank's cache holds. Pure.
+"""Which rank of an EP group gets a new request (pure): the rank caching most of its prefix unless it is
+busier than the least busy by more than `slack`, else the least busy. `RankBlocks` merges the ranks' cache
+events into one stream: a block is stored when the first rank caches it, removed when the last drops it."""
 
-Each rank has its own KV pool and prefix cache (DP attention), so a request only reuses a cached prefix on
-the rank that cached it. The front learns every rank's cached blocks from the cache events the ranks send
-back (libs.prefix block hashes) and places a request on the rank holding most of its prefix, unless that
-rank is busier than the least busy one by more than `slack` requests; without a match, the least busy rank
-(ties: more free pages, then the lower rank).
-
-`RankBlocks` also merges the ranks' events into one stream for the worker's own listener (the kv-broker's
-prefix index knows workers, not ranks): a block is reported stored when the first rank caches it and
-removed when the last rank drops it.
-"""
+# Each rank has its own KV pool and prefix cache (DP attention), so a prefix is reused only on the rank that
+# cached it. Ties: more free pages, then the lower rank. The kv-broker's index knows workers, not ranks.
 
 from __future__ import annotations
 

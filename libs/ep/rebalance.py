@@ -1,21 +1,13 @@
-"""A new expert placement applied to a running EP rank between two steps (EPLB's output, eplb.py).
+"""A new expert placement (eplb.py) applied to a running EP rank between two steps: per MoE layer, every rank
+computes the same plan (`plan_layer`, pure) and moves the rows in one all-to-all, in place, then rewrites
+the routing tables in place; requests, their KV and their state never move."""
 
-Legend: L MoE layers, E logical experts, P physical slots per layer, N ranks, S slots per rank, C most copies.
-
-Per MoE layer, every rank computes the same plan from the old and new placements (`plan_layer`, pure): each
-of its new slots is filled from a slot it already holds (a local copy) or from a rank that holds the
-expert (a receive; that rank sends). The layer's stacked expert tensors, whatever their dtype (bf16/fp32,
-or FP8 weights with their float32 block scales), travel as raw bytes in one all-to-all per layer over the
-rank's Comm: device to device (NCCL between GPUs, gloo on CPU), a local gather alone at world 1.
-
-In place. The new rows are written into the tensors the model already holds (`copy_`), never into new
-ones: views into them (the fast path stacks the shared expert after the routed ones in one tensor) and
-CUDA graphs captured over them stay valid. Every source row is gathered before any slot is written, so a
-slot whose old expert is another slot's source is safe. The routing tables (`RoutingTables`: log2phy
-padded to a fixed width of P - E + 1 copies, and the copy counts) are rewritten in place once every
-layer's weights have moved. All of it runs between two steps, as a group operation: the next forward
-routes with the new tables over the new weights; requests, their KV and their state never move.
-"""
+# Legend: L MoE layers, E logical experts, P physical slots per layer, N ranks, S slots per rank, C most copies.
+# Each new slot is filled from a slot the rank holds or received from a rank that holds the expert. The
+# stacked tensors (bf16/fp32, or FP8 with float32 block scales) travel as raw bytes over the rank's Comm.
+# In place (`copy_`) because views into the tensors (the fast path's shared expert stacked after the routed
+# ones) and CUDA graphs captured over them must stay valid; every source row is gathered before any slot is
+# written, so a slot that is another's source is safe. RoutingTables: log2phy padded to P - E + 1 copies.
 
 from __future__ import annotations
 

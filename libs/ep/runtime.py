@@ -1,23 +1,14 @@
-"""One rank's expert parallelism: the model's MoE hook, the lockstep rounds, expert load, placement swaps.
+"""One rank's expert parallelism: the model's MoE hook (router -> dispatch -> local experts -> combine), the
+lockstep rounds, expert load and placement swaps, applied from outside the model (`shard_experts`,
+`enable_expert_parallel`); attention, dense layers and shared experts stay data-parallel."""
 
-Legend: T tokens, D hidden, K experts per token, L MoE layers, E logical experts, S local slots.
-
-Applied from outside the model (gpt-fast `tp.py` style): `shard_experts` cuts every MoE layer's stacked
-experts down to this rank's slots, and `enable_expert_parallel` sets each `MoE.ep` to a hook that runs
-router output -> dispatch -> local experts -> combine. Shared experts, attention, dense layers and the LM
-head are untouched: they stay data-parallel, each rank running them on its own requests.
-
-Lockstep. Every MoE layer is a collective over the group, so the ranks must run the same sequence of
-rounds. A "round" is one dispatch + combine; within a group operation (one engine step, one prefill, ...)
-rank r's forward f reaches MoE layer j in round f*L + j. A rank that has run out of forwards (or had none)
-calls `idle_until_all_done`: it joins each further round with no tokens, serving the layer `round mod L`
-for the active ranks, until a round in which no rank is active; that round ends the operation on every
-rank at once. Nothing else needs agreeing in advance: not how many forwards each rank runs, nor their
-sizes. With two-batch overlap (the model's `tbo`, set on every rank of a group or none) each MoE layer is
-two rounds, micro-batch A's then B's, started in that order (`moe_stages` is the started-and-finished-later
-form of `moe`), and an idle rank serves layer `(round // 2) mod L`. A failure in a rank's local expert
-computation still completes its combine, so the others never hang on it.
-"""
+# Legend: T tokens, D hidden, K experts per token, L MoE layers, E logical experts, S local slots.
+# Lockstep: every MoE layer is a collective, so within a group operation rank r's forward f reaches layer j
+# in round f*L + j (a round: one dispatch + combine). A rank out of forwards calls `idle_until_all_done`,
+# joining each further round with no tokens (serving layer round mod L) until a round with no rank active,
+# which ends the operation everywhere: no forward counts or sizes are agreed in advance. With two-batch
+# overlap (`tbo`, on every rank or none) a layer is two rounds, A's then B's (`moe_stages`), and an idle
+# rank serves layer (round // 2) mod L. A failing local expert computation still completes its combine.
 
 from __future__ import annotations
 

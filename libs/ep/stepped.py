@@ -1,15 +1,11 @@
-"""EP MoE hooks for ranks that run every forward in step, so no round needs a header: what a CUDA graph
-captures (one forward = L fixed-capacity rounds, no host reads), and what bench/decode_rank runs at world 1.
+"""EP MoE hooks for ranks that run every forward in step, so no round needs a header: one forward is L
+fixed-capacity rounds with no host reads (`graph_safe`), what a decode CUDA graph captures and what
+bench/decode_rank runs. Ranks with uneven work (prefill, idle ranks) take runtime.py's lockstep."""
 
-Legend: T tokens, K experts per token, D hidden, S local slots.
-
-`SteppedEPHook` is `MoE.ep` for layer j: router picks -> (an optional remap, e.g. an emulated EP-N rank's
-`ids mod S`) -> physical slots (placement tables on the device) -> `FixedDispatcher.exchange` -> this rank's
-FP8 experts through the grouped GEMMs (libs.ep.experts.run_fp8_experts) -> `combine` with the shared
-expert's output added. Expert load is counted with a scatter-add. Every op is a device op with shapes fixed
-by T, so `graph_safe` is True and the engine captures decode graphs with it (libs.engine.cuda_graph).
-The lockstep runtime (runtime.py) remains the path for ranks with uneven work (prefill, idle ranks).
-"""
+# Legend: T tokens, K experts per token, D hidden, S local slots.
+# `SteppedEPHook` is layer j's `MoE.ep`: router picks -> optional remap (an emulated EP-N rank's ids mod S)
+# -> physical slots -> FixedDispatcher.exchange -> FP8 experts (experts.run_fp8_experts) -> combine, plus
+# the shared expert; load counted by scatter-add.
 
 from __future__ import annotations
 

@@ -1,38 +1,19 @@
-"""Dispatch/combine: moving tokens to the ranks that hold their experts and the results back.
+"""Dispatch/combine: moving tokens to the ranks that hold their experts and the results back. `Dispatcher`
+is the interface the EP MoE layer (runtime.EPRuntime) calls on every rank, once per MoE layer per forward;
+its backends sit beside this module and factory.py picks one."""
 
-Legend: T tokens on this rank, D hidden, K experts per token, N ranks, S slots (physical experts) per rank,
-M token rows received by this rank.
-
-Who calls what. The EP MoE layer (runtime.EPRuntime, on every rank) calls, once per MoE layer per forward:
-  d = dispatch(x [T, D], slots [T, K] physical slot ids, weights [T, K])   # router -> dispatch
-  y = <this rank's experts over d>                                           # local experts
-  out = combine(y, d) -> [T, D]                                              # combine
-and nothing else of the group in between. A rank with no forward to run (an idle rank in a step) calls the
-same pair with `active=False` and no tokens, so that it still serves the tokens routed to its experts;
-`dispatch` returns None when no rank of the group was active (the round is over). Every backend exchanges
-that activity flag (and each rank's token count) in a small header first, so all ranks agree on it.
-
-`Dispatched` comes in two layouts: "tokens" (DeepEP normal, all-to-all): M rows, each token once per rank it
-visits, with local slot ids (-1: the expert lives elsewhere) and weights; the experts return the weighted sum
-per row. "experts" (DeepEP/Mooncake low latency): [S, cap, D] rows grouped by local expert with counts; the
-experts return [S, cap, D] unweighted and combine applies the weights.
-
-Backends, one module each beside this one: all_to_all.py (`AllToAllDispatcher` over a Comm:
-torch.distributed all_to_all_single on gloo/NCCL, or the in-process hub for tests), fixed.py
-(`FixedDispatcher`: fixed-capacity buffers, counts and rows exchanged on the device, CUDA-graph capturable;
-the default on CUDA), deepep.py
-(`DeepEPDispatcher`), mooncake_ep.py (`MooncakeEPDispatcher`). factory.py picks one by name (`make_dispatcher`)
-and says clearly when the chosen library is missing.
-
-Two-batch overlap (libs/engine/two_batch_overlap.py) starts a round and finishes it later, computing the
-other micro-batch in between: `dispatch_start` / `combine_start` return a `Pending` whose wait() gives what
-dispatch / combine return. By default they run the whole exchange at once (no overlap, same results); a
-backend with asynchronous collectives overrides them (all_to_all.py). Rounds still start in the same order
-on every rank.
-
-FP8 dispatch sends hidden states in DeepSeek's 1x128 format (libs.quant.fp8) with DeepEP's amax floor,
-through `quantize_for_dispatch` here, so every backend puts the same bytes on the wire.
-"""
+# Legend: T tokens on this rank, D hidden, K experts per token, N ranks, S slots per rank, M rows received.
+#   d = dispatch(x [T, D], slots [T, K], weights [T, K]); y = this rank's experts over d; out = combine(y, d)
+# and nothing else of the group in between. An idle rank calls the pair with `active=False` and no tokens,
+# so it still serves the tokens routed to its experts; every backend exchanges activity and token counts in
+# a small header first, and `dispatch` returns None when no rank was active (the round is over).
+# Layouts of `Dispatched`: "tokens" (M rows, each token once per rank it visits, local slot ids with -1 for
+# elsewhere, weights; experts return the weighted sum per row) and "experts" ([S, cap, D] per local expert
+# with counts; experts return unweighted rows, combine applies the weights).
+# Two-batch overlap (libs/engine/two_batch_overlap.py) uses `dispatch_start` / `combine_start`, whose
+# `Pending.wait()` gives what dispatch / combine return; by default they run the whole exchange at once.
+# Rounds start in the same order on every rank.
+# FP8 dispatch sends DeepSeek's 1x128 format through `quantize_for_dispatch`: the same bytes on every backend.
 
 from __future__ import annotations
 

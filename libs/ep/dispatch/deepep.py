@@ -1,21 +1,12 @@
-"""DeepEP backend: `deep_ep.Buffer` normal kernels for prefill-sized rounds, low-latency kernels for decode.
+"""DeepEP V1 backend (`deep_ep.Buffer`): the normal kernels ("tokens" layout) for prefill-sized rounds, the
+low-latency kernels ("experts" layout) when the largest token count of any rank fits `ll_max_tokens`, chosen
+per round from the exchanged header so every rank launches the same collective. What ran where: NOTES-ep.md."""
 
-Written against DeepEP's documented Python API (deep_ep/buffer.py: get_dispatch_layout / dispatch / combine,
-low_latency_dispatch / low_latency_combine, the buffer size hints); what has run where: bench/NOTES-ep.md.
-
-The mode is picked per round from the header every rank exchanges first (runtime.py's lockstep): when the
-largest token count on any rank fits `ll_max_tokens`, every rank uses the low-latency kernels, else every
-rank uses the normal ones, so all ranks always launch the same collective. Normal mode returns the "tokens"
-layout (each token once per rank, local expert ids, weights; the experts return the weighted sum and
-combine adds without weights); low-latency returns the "experts" layout ([S, cap, D] per local expert with
-counts; combine applies the top-k weights). FP8 dispatch uses DeepEP's per-128 scales; combine is BF16.
-Two separate buffers (normal, low-latency) so switching modes needs no buffer cleaning.
-
-Which deep_ep: DeepEP's V1 Python API (`deep_ep.Buffer`), as PyPI's `deep-ep` 1.0.0 and DeepEP up to its
-V2 rewrite have it; scripts/build_deep_ep.sh builds it on the GPU machine. 1.0.0's low_latency_dispatch
-always casts to FP8 (no `use_fp8` argument); later V1 releases take the flag, which is passed when present.
-DeepEP V2 (`EPBuffer`, no `Buffer`) goes through deepep_v2.py instead (factory.py picks).
-"""
+# Written against DeepEP's documented Python API (get_dispatch_layout / dispatch / combine,
+# low_latency_dispatch / low_latency_combine, the buffer size hints). FP8 dispatch uses DeepEP's per-128
+# scales; combine is BF16. Two buffers (normal, low-latency), so switching modes needs no buffer cleaning.
+# PyPI's deep-ep 1.0.0's low_latency_dispatch always casts to FP8; later V1 releases take `use_fp8`, passed
+# when present. scripts/build_deep_ep.sh builds it; DeepEP V2 (`EPBuffer`) goes through deepep_v2.py.
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""DeepEP V2 backend: `deep_ep.EPBuffer` (DeepEP 2.x, e.g. PyPI's `deepinfer-ep`: NCCL instead of NVSHMEM,
-kernels JIT-compiled at run time), where V1's `deep_ep.Buffer` (deepep.py) is not available.
+"""DeepEP V2 backend (`deep_ep.EPBuffer`, e.g. PyPI's `deepinfer-ep`), where V1's `deep_ep.Buffer` is not
+available: one dispatch/combine for prefill and decode, in base.py's "tokens" layout with exact receive
+counts. `mode` is accepted for parity with deepep.py and does not change the kernels."""
 
-V2 has one dispatch/combine for prefill and decode. This backend uses its non-expanded layout with exact
-receive counts (`do_cpu_sync=True`), which is base.py's "tokens" layout: each token once per rank it
-visits, local expert ids (-1: elsewhere) and weights; the experts return the weighted sum per row and
-combine adds the rows up (no weights). FP8 dispatch sends base.py's 1x128 format as (fp8, scales); combine
-is BF16. The buffer is built at the first round (every rank reaches it in the same round: the header
-exchange comes first), sized for `max_tokens` tokens per rank and the round's top-k.
-
-Who calls what: as base.py says; factory.py picks this module when the installed deep_ep has EPBuffer and
-no Buffer. `mode` is accepted for parity with deepep.py and does not change the kernels.
-"""
+# The non-expanded layout with do_cpu_sync=True. FP8 dispatch sends base.py's 1x128 format as (fp8, scales);
+# combine is BF16. The buffer is built at the first round (every rank reaches it in the same round: the
+# header exchange comes first), sized for `max_tokens` tokens per rank and the round's top-k.
 
 from __future__ import annotations
 

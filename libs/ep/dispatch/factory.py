@@ -1,8 +1,6 @@
 """The one place an EP dispatch backend is chosen by name ("auto", "fixed", "torch", "deepep", "mooncake").
-
-Every backend module imports without its library (DeepEP and Mooncake EP load theirs when a dispatcher is
-built), so this module imports them all and a missing library is reported only for the backend asked for.
-"""
+Backend modules import without their library (it loads when a dispatcher is built), so a missing library
+is reported only for the backend asked for."""
 
 from __future__ import annotations
 

@@ -1,40 +1,21 @@
-"""The fixed-capacity dispatch backend: no host sync inside a round, every size fixed by shapes, so a round can
-be captured in a CUDA graph. The "tokens" layout of base.py.
+"""The fixed-capacity dispatch backend ("tokens" layout): every size fixed by shapes and no host sync inside
+a round, so a round can be captured in a CUDA graph. Overflow raises a device flag that `check()` turns into
+a RuntimeError; a forward with more than max_tokens tokens on some rank takes the fallback dispatcher."""
 
-Legend: T tokens on this rank (T <= max_tokens), D hidden, K experts per token, N ranks, S slots per rank,
-C rows per (sender, receiver) pair, M = N * C rows received, B bytes per row.
-
-Buffers. Rank r sends peer j at most C rows (one per token that has an expert there: a token visits a rank
-once, however many of its K experts live there), so every rank sends and receives exactly N x C rows of B
-bytes: hidden state (FP8 with 1x128 scales, or the activation dtype), then K local slot ids (int32, -1: the
-expert lives elsewhere) and K weights (float32). C defaults to max_tokens, which no round can exceed;
-`capacity_factor` shrinks the buffers to max_tokens x min(K, N) x factor rows received (C = that / N):
-a pair that would need more rows than C drops the rest and raises a device flag, which `check()` turns into
-a RuntimeError at the next point the host reads anyway (the EP runtime calls it after every group
-operation), never a silent wrong answer.
-
-One round, all on the device:
-  1. routing: each token's K slots -> destination ranks, the first pick per (token, rank) gets the token's row
-     in that rank's block (a running count down the tokens), the other picks ride in that row's id list;
-  2. counts: [N] int32 rows per peer through one equal-split all_to_all_single (receivers mask rows past the
-     count, so the padding is never cleared);
-  3. payload: one equal-split all_to_all_single of the [N * C, B] bytes;
-  4. the experts run on the received rows (`Dispatched.x`, with the FP8 rows in `quantized`);
-  5. combine: the [M, D] weighted rows back through one equal-split all_to_all_single (activation dtype, or
-     `combine_dtype`), each token summing its rows from every rank it visited.
-
-Rounds and the lockstep (runtime.py). `dispatch(..., active)` keeps the interface's contract: it returns None
-when no rank is active. The header that says so (activity, token count) is exchanged once per forward, at
-the first MoE layer of each (the runtime tells the dispatcher how many MoE layers a forward has), not per
-round. A forward in which some rank has more than max_tokens tokens (a long prefill chunk) takes the
-fallback dispatcher for all its layers, on every rank alike (by default AllToAllDispatcher: exact splits,
-host reads), so prefill-sized rounds never need buffers of their size. With two-batch overlap a forward's
-rounds alternate between its micro-batches A and B (`rounds_per_layer` 2): the header goes at each
-micro-batch's first round (rounds 0 and 1), and each micro-batch takes the fixed buffers or the fallback on
-its own, so max_tokens need only hold a micro-batch (half a decode batch: rank.py sizes it so) and an uneven
-split whose larger part does not fit sends only that part through the fallback. `exchange` + `combine` is the
-header-free round for callers that run every rank in step themselves (CUDA-graph capture, bench/decode_rank).
-"""
+# Legend: T tokens on this rank (<= max_tokens), D hidden, K experts per token, N ranks, S slots per rank,
+# C rows per (sender, receiver) pair, M = N * C rows received, B bytes per row.
+# Buffers: rank r sends peer j at most C rows (a token visits a rank once, whatever its K picks there): the
+# hidden state (FP8 + 1x128 scales, or the activation dtype), K local slot ids (int32, -1: elsewhere) and K
+# weights (float32). C defaults to max_tokens; `capacity_factor` shrinks the buffers, and a pair needing more
+# than C drops the rest and raises the flag (the runtime calls `check()` after every group operation).
+# One round, on the device: route each token's K slots to ranks (first pick per (token, rank) takes a row,
+# the others ride in its id list); counts through one equal-split all_to_all_single; the [N * C, B] payload
+# through another; the experts; combine's [M, D] weighted rows back through a third.
+# The header (activity, token count) goes once per forward, at its first MoE layer, not per round. A forward
+# too large for the buffers takes the fallback (AllToAllDispatcher by default) for all its layers on every
+# rank. With two-batch overlap each micro-batch has its own header and its own choice, so max_tokens need
+# only hold a micro-batch (rank.py sizes it so). `exchange` + `combine` is the header-free round for callers
+# that run every rank in step themselves (CUDA-graph capture, bench/decode_rank).
 
 from __future__ import annotations
 

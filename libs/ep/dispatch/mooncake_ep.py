@@ -1,15 +1,9 @@
-"""Mooncake EP backend: `mooncake.mooncake_ep_buffer.Buffer`, Mooncake's DeepEP-style low-latency kernels
-(IBGDA, with per-rank activity for fault tolerance). Available when `mooncake.ep` imports (the CUDA wheel
-built with EP).
+"""Mooncake EP backend (`mooncake.mooncake_ep_buffer.Buffer`: DeepEP-style low-latency kernels with per-rank
+activity for fault tolerance), "experts" layout. No normal mode: every forward on every rank must fit
+`max_tokens` (at most 1024), which EPEngine checks at start. What ran where: bench/NOTES-ep.md."""
 
-Follows Mooncake's documented Buffer API (dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
-num_experts, timeout_us, use_fp8) / combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)) as
-SGLang's Mooncake dispatcher uses it; what has run where, and its timings: bench/NOTES-ep.md.
-
-Mooncake EP has no normal (prefill) mode: every forward on every rank must fit `max_tokens` tokens (at most
-1024), which EPEngine checks against max_prefill_tokens and max_num_seqs at start. The "experts" layout:
-[S, cap, D] per local expert with counts; combine applies the top-k weights.
-"""
+# Follows Mooncake's documented Buffer API (dispatch / combine with active_ranks and timeout_us) as SGLang's
+# Mooncake dispatcher uses it. Available when `mooncake.ep` imports (the CUDA wheel built with EP).
 
 from __future__ import annotations
 
