@@ -12,11 +12,8 @@ overhead (layout, header exchange, pack/unpack, the host sync for split sizes).
     torchrun --nproc-per-node 2 -m bench.ep_dispatch
     python -m bench.ep_dispatch --device cpu --hidden 1024 --iters 3   # gloo smoke run, no GPU
 
-Results: bench/results/ep_dispatch-<time>.json (or under $OUT). Run on nvidia-h200-x2 (2x H200):
-`python -m bench.ep_dispatch --backends torch` -> bench/results/ep_dispatch-h200x2-20261130T194752.json;
-`python -m bench.ep_dispatch --iters 20 --backends torch,mooncake` ->
-bench/results/ep_dispatch-mooncake-h200x2-20261130T201138.json (log: ep_dispatch_mooncake-h200x2-20261130.log).
-Both predate the all-to-all dispatcher quantizing each token once rather than once per destination rank.
+Results: bench/results/ep_dispatch-<time>.json (or under $OUT). The committed runs, their commands and
+what they predate: docs/gpu.md ("Expert parallelism") and bench/NOTES-ep.md.
 """
 
 from __future__ import annotations

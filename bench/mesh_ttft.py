@@ -25,7 +25,7 @@ Mooncake TCP between the workers) on the tiny model, then:
    model's step as the mesh ran it (on the direct path the decode step's time includes the hand-off).
    With `--per-request-step`, that worker's step-time sum is read after every request (a /metrics scrape of
    that one series, `?name[]=`, over one kept client, between two requests, served on the worker's loop
-   while it idles; the README shows what it may disturb): the growth is that request's own step, and
+   while it idles; bench/NOTES-mesh.md says what it may disturb): the growth is that request's own step, and
    `own_share` per client summarizes, request by request, TTFT less its own step (p50 / p99 / mean).
 2. `--clients` concurrent streaming clients, each generating `--gen-tokens`: total streamed tokens/s.
 Writes bench/results/mesh_ttft.json.
