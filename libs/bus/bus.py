@@ -197,9 +197,8 @@ class Bus:
         self, subject: str, msg: msgspec.Struct, headers: dict[str, str] | None = None
     ) -> None:
         """publish, handed to the socket before returning (`write_pending`; no server round trip like
-        flush()). For a message on the TTFT path whose publisher goes on working, or that must leave
-        before something that blocks the process, such as a KV write (Mooncake holds the GIL for part or
-        all of a call)."""
+        flush()): for a message on the TTFT path whose publisher goes on working, or that must leave before
+        something that blocks the process, such as a KV write (Mooncake holds the GIL during a call)."""
         await self.publish(subject, msg, headers)
         self.write_pending()
 
@@ -228,10 +227,8 @@ class Bus:
         headers: dict[str, str] | None = None,
     ) -> T:
         """Send and wait for one typed reply, for at most `timeout` s and never past the deadline in force.
-
-        Raises DeadlineExceeded (nothing sent), RequestTimeout, NoResponders, RequestRejected (the
-        receiver answered Rejected), PayloadTooLarge, or BusError for a reply that does not decode.
-        """
+        Raises DeadlineExceeded (nothing sent), RequestTimeout, NoResponders, RequestRejected (the receiver
+        answered Rejected), PayloadTooLarge, or BusError for a reply that does not decode."""
         timeout, hdrs, data = self._outgoing_request(subject, msg, timeout, headers, "not sent to")
         try:
             resp = await self.nc.request(subject, data, timeout=timeout, headers=hdrs)

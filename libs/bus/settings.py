@@ -1,14 +1,10 @@
-"""Service settings: one frozen, validated object per service, from flags, env vars and a config file.
+"""Service settings: one frozen, validated object per service, layered highest first: `--<field>` flags (and
+FLAG_ALIASES), `MOEMESH_<SERVICE>_<FIELD>` env vars, the YAML config file (`--config FILE` or MOEMESH_CONFIG),
+the default. A key, env var or flag that names nothing is an error, so typos fail at start."""
 
-`load_settings(cls, "kv-broker", argv)` layers, highest first: `--<field>` flags (and the aliases a class
-declares in FLAG_ALIASES), `MOEMESH_KV_BROKER_<FIELD>` env vars, the YAML config file (`--config FILE` or
-`MOEMESH_CONFIG`), the field's default; msgspec validates the result (types, `Meta` constraints,
-`__post_init__`). The fields in SHARED_FIELDS may also come from the unprefixed `MOEMESH_<FIELD>`.
-
-Config file: top-level keys are `moemesh up`'s options (LAUNCHER_KEYS) and the worker engine settings
-both worker kinds read (ENGINE_KEYS); a section per service (SECTIONS) holds its settings by field name
-and beats the top level. A key, env var or flag that names nothing is an error, so typos fail at start.
-"""
+# msgspec validates the result (types, Meta constraints, __post_init__). SHARED_FIELDS may also come from the
+# unprefixed MOEMESH_<FIELD>. In the config file, top-level keys are `moemesh up`'s options (LAUNCHER_KEYS)
+# and the engine settings both worker kinds read (ENGINE_KEYS); a section per service (SECTIONS) beats them.
 
 from __future__ import annotations
 
@@ -222,12 +218,9 @@ def config_values(path: str | Path, section: str, fields: Collection[str]) -> di
 def load_settings(
     cls: type[S], prefix: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> S:
-    """Build `cls` (a frozen msgspec Struct or dataclass) from flags > env vars > config file > defaults.
-
-    `prefix` is the service name or its env prefix ("kv-broker" == "MOEMESH_KV_BROKER_"), which also
-    names its config-file section. `argv` defaults to no flags (not sys.argv); `env` to os.environ.
-    Raises SettingsError naming the offending key, flag, file or value.
-    """
+    """Build `cls` (a frozen msgspec Struct or dataclass) from flags > env vars > config file > defaults;
+    `prefix` ("kv-broker" or "MOEMESH_KV_BROKER_") also names the file's section; `argv` defaults to no flags,
+    `env` to os.environ. Raises SettingsError naming the offending key, flag, file or value."""
     fields = _fields(cls)
     prefix = env_prefix(prefix)
     env = os.environ if env is None else env

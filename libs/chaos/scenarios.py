@@ -169,12 +169,11 @@ def chaos_config(
     model_dir: Path, log_dir: Path | None, *, password: str, lease_ms: int = 4000, deadline_s: float = 60.0,
     extra_env: dict[str, dict[str, str]] | None = None,
 ) -> MeshConfig:  # fmt: skip
-    """2 prefill + 2 decode workers, 2 scheduler replicas, nats with a user/password; a slower decode
-    step, so streams run long enough to be cut mid-way; a decode batch of 4 requests and a waiting line of
-    1: until the next heartbeat a scheduler replica places at most 5 requests on a decode worker (4 into
-    its batch, 1 waiting), so of 24 streams submitted at once at least 4 wait in the replicas' queues
-    until the first streams end (a scheduler kill strikes the replica holding them); short leases so lost
-    reservations come back within seconds."""
+    """2 prefill + 2 decode workers, 2 scheduler replicas, nats with a user/password, a slower decode step
+    (streams live long enough to be cut mid-way), decode batches of 4 with a waiting line of 1, short leases
+    (lost reservations come back within seconds)."""
+    # A replica places at most 5 requests on a decode worker until its next heartbeat, so of 24 streams
+    # submitted at once at least 4 wait in the replicas' queues: a scheduler kill strikes the one holding them.
     env = {
         "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": "16",
                                "MOEMESH_SCHEDULER_LEASE_MS": str(lease_ms),

@@ -1,8 +1,6 @@
-"""In-process KV transport for unit tests: endpoints in one process, memcpy between registered regions.
-
-It enforces what the real fabric does: the destination must lie inside a region the remote endpoint
-registered, and (stricter than Mooncake TCP, as RDMA is) the source inside one this endpoint registered.
-"""
+"""In-process KV transport for unit tests: endpoints in one process, memcpy between registered regions. As
+the real fabric does, it refuses a destination outside the remote endpoint's registered regions, and (as
+RDMA does, stricter than Mooncake TCP) a source outside this endpoint's."""
 
 from __future__ import annotations
 

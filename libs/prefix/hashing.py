@@ -33,10 +33,10 @@ def root_hash(page_size: int) -> int:
 
 
 def extend_hashes(parent: int, tokens: Sequence[int], page_size: int) -> list[int]:
-    """Hashes of the full pages of `tokens`, chained from `parent` (the hash of the page before
-    tokens[0], or root_hash(page_size) at the start of a sequence); a partial last page is ignored.
-    The tokens are packed once (an array of uint32, little-endian) and hashed page by page from slices of
-    it: a decode worker hashes every finished sequence (~130 pages at 2,000 tokens) on its engine thread."""
+    """Hashes of the full pages of `tokens`, chained from `parent` (the hash of the page before tokens[0], or
+    root_hash(page_size) at the start of a sequence); a partial last page is ignored."""
+    # Packed once (uint32, little-endian) and hashed from slices: a decode worker hashes every finished
+    # sequence on its engine thread.
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     full = len(tokens) // page_size * page_size

@@ -7,11 +7,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 
 def leading(hashes: Sequence[int], holds: Mapping[int, Iterable[str]]) -> dict[str, int]:
-    """Holder -> how many of `hashes`, from the first, it holds (holders of none left out). `holds`
-    maps a block hash to its holders (a set, or a dict keyed by holder).
-
-    One set intersection per block, and the holders that drop out are looked at only when some do (a
-    shared prefix held by every worker costs no per-holder work until the prompts diverge)."""
+    """Holder -> how many of `hashes`, from the first, it holds (holders of none left out). `holds` maps a
+    block hash to its holders (a set, or a dict keyed by holder)."""
+    # One set intersection per block; holders that drop out are looked at only when some do, so a prefix
+    # every worker holds costs no per-holder work until the prompts diverge.
     out: dict[str, int] = {}
     if not hashes or not (first := holds.get(hashes[0])):
         return out

@@ -162,9 +162,9 @@ class Tokenizer:
 
     def decode_known(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """`decode` for ids the caller already checked are in range (the streaming detokenizer's hot path,
-        twice per token: no per-id check). A single id's text is cached; with a ByteLevel decoder a
-        window of ids whose texts are each complete is the concatenation of the cached texts, so the
-        steady state of a stream calls no decoder at all."""
+        twice per token: no per-id check)."""
+        # A single id's text is cached; with a ByteLevel decoder a window of ids whose texts are each complete
+        # is the concatenation of the cached texts, so the steady state of a stream calls no decoder at all.
         if len(ids) == 1:
             return self._one_text(ids[0], skip_special_tokens)
         if self._concat and len(ids) <= _CONCAT_MAX:
@@ -190,10 +190,8 @@ class Tokenizer:
         **kwargs: Any,
     ) -> str:
         """The prompt text for a conversation, rendered as transformers renders it (tools=, documents= too).
-
-        The text already holds BOS when the template writes it, so encode it with
-        add_special_tokens=False (or use encode_chat).
-        """
+        It already holds BOS when the template writes it: encode it with add_special_tokens=False (or use
+        encode_chat)."""
         if self.chat_template is None:
             raise ValueError(
                 "this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)"
