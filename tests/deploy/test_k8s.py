@@ -18,6 +18,7 @@ pytestmark = needs_kubectl
 API = {
     "Namespace": "v1", "ConfigMap": "v1", "Service": "v1", "PersistentVolumeClaim": "v1",
     "Deployment": "apps/v1", "StatefulSet": "apps/v1", "HorizontalPodAutoscaler": "autoscaling/v2",
+    "NetworkPolicy": "networking.k8s.io/v1",
 }  # fmt: skip
 WORKLOADS = ("Deployment", "StatefulSet")
 MESH = {"kv-broker": "Deployment", "scheduler": "Deployment", "gateway": "Deployment",
