@@ -16,7 +16,9 @@ import msgspec
 # 2: Sampling has penalties, logit_bias, min_tokens and guided (structured output). A reader of 1 would
 # drop them without a word (map-encoded fields it does not know are skipped), so it must refuse instead.
 # Also 2: per-rank KV pools (KvRankPool, KvHandle.decode_rank).
-SCHEMA_VERSION = 2
+# 3: Guided.start_after (the constraint starts after the reasoning ends): a reader of 2 would constrain the
+# reasoning too.
+SCHEMA_VERSION = 3
 
 
 class Kind(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -54,10 +56,12 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 class Guided(msgspec.Struct, frozen=True):
     """Structured output: `kind` json | json_object | regex | choice | grammar; `value` the JSON schema,
-    regex, JSON list of choices or EBNF grammar as text ("" for json_object)."""
+    regex, JSON list of choices or EBNF grammar as text ("" for json_object). With `start_after`, the
+    constraint applies only once the output has emitted those token ids (the end of the reasoning)."""
 
     kind: str
     value: str = ""
+    start_after: list[int] = []
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -121,11 +125,9 @@ class KvRankPool(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class KvHandle(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a request's prompt KV must be written: pages reserved in a decode worker's pool.
-
-    The decode worker already holds the prompt's first `cached_tokens` tokens (whole pages, from its own
-    prefix cache); `page_ids` are the pages for the tokens after them, so the prefill side writes its
-    pages from index cached_tokens // page_size on, into page_ids in order."""
+    """Where a request's prompt KV must be written: pages reserved in a decode worker's pool. The decode worker
+    holds the first `cached_tokens` tokens already (whole pages); the prefill side writes its pages from
+    cached_tokens // page_size on into `page_ids`, in order."""
 
     handle_id: str
     request_id: str
@@ -377,11 +379,9 @@ class _TokenBatchFields(Kind, frozen=True, array_like=True, omit_defaults=True, 
 
 
 class TokenBatch(_TokenBatchFields, frozen=True, kw_only=True):
-    """All deltas for one gateway from one decode step (one message per step and gateway).
-
-    `worker_id` is the decode worker holding these requests (the gateway watches its heartbeats and
-    migrates the requests when it dies). Array layout [tag, deltas, v, worker_id]: fields are only
-    ever appended after `v`, so older and newer readers decode each other's messages."""
+    """All deltas for one gateway from one decode step; `worker_id` is the decode worker holding them (the
+    gateway migrates them when it dies). Array layout [tag, deltas, v, worker_id]: fields are only appended
+    after `v`, so readers of other versions decode each other's messages."""
 
     worker_id: str = ""
 
@@ -515,10 +515,9 @@ class HandleExpired(Kind, frozen=True):
 
 
 class BlocksStored(Kind, frozen=True):
-    """Full KV pages that entered a worker's prefix cache, by block hash (libs.prefix: the hash of page i
-    stands for the tokens of pages 0..i, the same on every worker). `seq` numbers one worker's events
-    from 1 within its `epoch` (one process lifetime, so a restart is told apart from a gap); a receiver
-    that sees a seq jump has missed events and asks for a KvSnapshot."""
+    """Full KV pages that entered a worker's prefix cache, by block hash (libs.prefix: page i's hash stands for
+    pages 0..i, the same on every worker). `seq` counts one worker's events from 1 within its `epoch` (one
+    process lifetime); a receiver that sees a seq jump has missed events and asks for a KvSnapshot."""
 
     worker_id: str
     epoch: str

@@ -1,8 +1,6 @@
-"""Every NATS subject of the mesh, in one place.
-
-Routing data (worker id, gateway id) sits in the subject so NATS does the routing; request ids ride in
-the message bodies. Each subject carries exactly one union of message types (see proto.messages).
-"""
+"""Every NATS subject of the mesh, in one place. Routing data (worker id, gateway id) sits in the subject so
+NATS does the routing; request ids ride in the message bodies. Each subject carries exactly one union of
+message types (proto.messages)."""
 
 from __future__ import annotations
 

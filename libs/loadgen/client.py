@@ -27,13 +27,9 @@ BACKENDS = ("openai", "openai-chat")
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where and how to send: base URL (without /v1), backend, model, key, extra body fields.
-
-    `chunk_usage` asks for `stream_options.continuous_usage_stats` (vLLM's and SGLang's field): every
-    chunk carries the usage so far, so each chunk's token count is exact at no cost to the model.
-    `chunk_logprobs` asks for logprobs (completions: 0 alternatives; chat: true) for the same purpose,
-    at the cost of the server computing them.
-    """
+    """Where and how to send: base URL (without /v1), backend, model, key, extra body fields. `chunk_usage`
+    (`stream_options.continuous_usage_stats`) or `chunk_logprobs` make each chunk's token count exact; the
+    first costs the model nothing, the second has the server compute logprobs."""
 
     base_url: str
     backend: str = "openai"

@@ -1,22 +1,14 @@
 """A lean streaming client for http:// servers: HTTP/1.1 on keep-alive asyncio connections, no HTTP library.
+`RawClient.send` makes the same record `client.send` would of the same stream; `RawConnection.request`
+streams any POST for other probes (bench.scale_load)."""
 
-httpx costs ~80 us of CPU per streamed SSE event (h11, httpcore, anyio and a coroutine hop per line), which
-caps one client process near 12k events/s: below what one GPU decodes. This client costs about a quarter of
-that (bench/loadgen_cost.py), a third of it the kernel's socket read. Here each connection is an
-asyncio Protocol whose bytes go straight into httptools (llhttp, the parser under uvicorn: status line,
-headers, chunked transfer decoding); the body is cut into SSE lines in place, each `data:` event decoded
-with msgspec.json and judged by `client.parse_chunk`, so a record is what `client.send` would have made
-of the same stream (chunk times and tokens, usage, error events, `HTTP <status>: <body>` for a refused
-request). No await per event: the sending coroutine waits once, for the end of the response.
-
-`RawClient.send` is the only entry the load generator uses; `RawConnection.request` streams any POST for
-other probes (bench.scale_load). A connection that was idle in the pool and turns out closed by the
-server before any byte of the answer is retried once on a fresh one, as httpx does.
-
-Each connection ACKs at once (TCP_QUICKACK, re-armed after every write and read): a reused keep-alive
-connection otherwise falls into delayed-ACK mode, and a server that leaves Nagle's algorithm on then holds
-its first SSE event behind the unacknowledged response head for the ~40 ms delayed-ACK timer.
-"""
+# It exists because httpx's CPU per streamed SSE event (h11, httpcore, anyio, a coroutine hop per line) caps
+# one client process below what one GPU decodes (bench/loadgen_cost.py). Each connection is an asyncio
+# Protocol feeding httptools (llhttp); SSE lines are cut in place, each `data:` event decoded with msgspec and
+# judged by `client.parse_chunk`; no await per event. A pooled connection found closed before any byte of
+# the answer is retried once on a fresh one, as httpx does. TCP_QUICKACK is re-armed after every write and
+# read: a reused connection otherwise falls into delayed-ACK mode, and a server with Nagle on then holds its
+# first SSE event behind the unacknowledged response head until the delayed-ACK timer fires.
 
 from __future__ import annotations
 

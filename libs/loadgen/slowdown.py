@@ -82,11 +82,9 @@ class SlowdownConfig:
 def release_reason(
     batch: int, peak: int, since_growth_s: float, elapsed_s: float, prefilling: int, cfg: SlowdownConfig
 ) -> str | None:
-    """Why to release the slow-down now, or None to keep holding.
-
-    "stalled" (the batch is as full as it gets: the workers' maximum, or every request is in) needs the
-    batch unchanged for stall_s *and* no prompt still in prefill: a long prefill queue can keep the
-    batch flat for a long time before it delivers."""
+    """Why to release the slow-down now, or None to keep holding. "stalled" needs the batch unchanged for
+    stall_s *and* no prompt still in prefill (a long prefill queue can keep the batch flat long before it
+    delivers)."""
     if batch >= cfg.release_at_batch:
         return "target"
     if peak > 0 and since_growth_s >= cfg.stall_s and prefilling == 0:

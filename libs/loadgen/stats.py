@@ -102,14 +102,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict:
 
 
 def decode_rate(records: Sequence[RequestRecord], t_from: float, t_to: float) -> dict:
-    """Aggregate decode tokens/s over the window (t_from, t_to], from the first step inside it.
-
-    The window's first chunk of each request marks that request's start (whatever delay came before
-    the first step, such as a slow-down sleep still running when it was switched off, stays out);
-    the tokens of the chunks after it, up to t_to, are summed over all requests and divided by the
-    time from the mean of those starts to t_to. A request that finishes inside the window counts the
-    tokens it made there.
-    """
+    """Aggregate decode tokens/s over the window (t_from, t_to]: the tokens of each request's chunks after its
+    first chunk in the window, summed over requests, divided by the time from the mean of those first
+    chunks to t_to (a delay before the first step, such as a slow-down sleep, stays out)."""
     tokens, starts, gaps = 0, [], []
     for r in records:
         inside = [(t, n) for t, n in zip(r.chunk_times, r.chunk_tokens, strict=True) if t_from < t <= t_to]

@@ -1,8 +1,6 @@
-"""OpenAI-style errors: one exception type carrying the HTTP status and the body fields.
-
-Every refusal the gateway makes (validation, auth, admission, mesh errors) is an `ApiError`, so the
-HTTP layer has exactly one way to turn a problem into `{"error": {message, type, param, code}}`.
-"""
+"""OpenAI-style errors: every refusal the gateway makes (validation, auth, admission, mesh errors) is an
+`ApiError` carrying the HTTP status and body fields, the HTTP layer's one way to answer
+`{"error": {message, type, param, code}}`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""OpenAI response bodies and SSE framing, as plain dicts built from the gateway's own results.
-
-Pure functions: no I/O, no tokenizer. Field names and nesting follow OpenAI's API reference for
-chat.completion / chat.completion.chunk / text_completion, so the official clients parse them.
-"""
+"""OpenAI response bodies and SSE framing, as plain dicts built from the gateway's own results (pure: no I/O,
+no tokenizer). Field names and nesting follow OpenAI's API reference for chat.completion,
+chat.completion.chunk and text_completion, so the official clients parse them."""
 
 from __future__ import annotations
 

@@ -30,9 +30,8 @@ log = logging.getLogger("moemesh.gateway")
 
 class Inbox:
     """The deltas of one generation's choices, in arrival order: what `MeshClient._route` puts and
-    `Generation.steps` takes. Lighter than asyncio.Queue on the per-token path (one deque append and,
-    only when the reader waits, one future), and `expire()` wakes the reader for the deadline, so no
-    timer is armed per token."""
+    `Generation.steps` takes; `expire()` wakes the reader for the deadline, so no timer is armed per token."""
+    # Lighter than asyncio.Queue on the per-token path: one deque append, and one future only when the reader waits.
 
     __slots__ = ("_items", "_waiter", "expired")
 

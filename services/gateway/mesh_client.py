@@ -158,11 +158,8 @@ class MeshClient:
             self._route(rid, RequestError(request_id=rid, code=503, message=msg))
 
     def close(self, request_id: str, reason: str | None = None) -> None:
-        """Forget the request; with a reason, also tell the mesh to drop it (Cancel).
-
-        Synchronous on purpose: it runs in `finally` blocks of cancelled tasks, where an await would be
-        cancelled too. The Cancel is published from a task of its own.
-        """
+        """Forget the request; with a reason, also tell the mesh to drop it (Cancel, from a task of its own).
+        Synchronous: it runs in `finally` blocks of cancelled tasks, where an await would be cancelled too."""
         self._routes.pop(request_id, None)
         self.holders.drop(request_id)
         if reason is None:

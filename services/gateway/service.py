@@ -45,10 +45,9 @@ class _Server(uvicorn.Server):
 
 
 def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    """A bound TCP socket whose `proto` is IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted
-    sockets of such a listener, and without it every response pays Nagle + delayed ACK (~40 ms).
-    With `reuse_port`, SO_REUSEPORT: other gateway processes (of this user) bind the same port, and the
-    kernel spreads incoming connections over every listener."""
+    """A bound TCP socket whose `proto` is IPPROTO_TCP (asyncio sets TCP_NODELAY only on accepted sockets of
+    such a listener; without it every response pays Nagle + delayed ACK). With `reuse_port`, SO_REUSEPORT:
+    other gateway processes of this user bind the same port and the kernel spreads connections over them."""
     family, kind, proto, _, addr = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]

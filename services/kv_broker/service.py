@@ -222,10 +222,9 @@ class KvBroker(Service):
         return (None if fresh else bucket.get(hid)) or await bucket.fetch(hid)
 
     async def _create(self, h: m.KvHandle) -> m.BrokerReply:
-        """A new handle is written at once: the write is create-only on the server, so a handle that exists
-        there already (a retry, a concurrent twin, or one another replica wrote that this mirror has not
-        seen yet) comes back as a Conflict, and is then read and answered as a retry. No read from the
-        server before the write: it would be a JetStream round trip for every handle, almost always a miss."""
+        """Write a new handle at once, create-only: one that exists on the server already (a retry, a twin, or
+        another replica's write this mirror has not seen) comes back as a Conflict and is answered as a retry."""
+        # No read before the write: a JetStream round trip for every handle, almost always a miss.
         bucket = self._buckets()[0]
         worker = await self._worker(h.decode_worker)
         existing = bucket.get(handles.check_id("handle_id", h.handle_id))

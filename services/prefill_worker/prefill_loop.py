@@ -50,12 +50,9 @@ class PrefillLoop:
         max_prompts: int = 0,
         inline_max_tokens: int = 0,
     ) -> None:
-        """on_step(prompts in the engine, seconds of the engine's step) runs on the event loop after every
-        step (metrics). max_prompts:
-        at most this many prompts in the engine at once, the rest wait in arrival order (0: no limit;
-        1: one prompt at a time, the unbatched baseline). inline_max_tokens: a round with at most this many
-        prompt tokens left to compute runs on the event loop itself when the engine thread is idle
-        (EngineThread.run_inline; 0: never)."""
+        """on_step(prompts in the engine, step seconds) runs on the event loop after every step. max_prompts:
+        most prompts in the engine at once, the rest wait in arrival order (0: no limit). inline_max_tokens: a
+        round with at most this many tokens left runs on the event loop when the engine thread is idle (0: never)."""
         self.engine, self.et, self.on_step, self.max_prompts = engine, et, on_step, max_prompts
         self.inline_max_tokens = inline_max_tokens
         self.inline_rounds = 0  # rounds run on the event loop

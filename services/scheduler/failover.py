@@ -70,13 +70,12 @@ def place(
 
 
 def waiting_line(w: WorkerState) -> int:
-    """Requests waiting to join the decode worker's running batch, as far as the scheduler knows: those its
-    last heartbeat reported, and of the placements since (`inflight`) and those it had accepted but not yet
-    started (`pending`: KV on its way, direct prompts before their step), those its batch has no slot for.
-    A placement joins the next step while the batch has a free slot, so with no line at the heartbeat only
-    the placements beyond `max_running - running` can be waiting (finished ones are not seen until the
-    next heartbeat: an upper bound); with a line, every placement since waits behind it; and from a
-    worker that does not report its batch size, every placement since counts."""
+    """Requests waiting to join the decode worker's running batch, as far as the scheduler knows (an upper
+    bound): those its last heartbeat reported, plus the placements since (`inflight`) and the accepted but
+    unstarted ones (`pending`) its batch has no slot for."""
+    # With no line at the heartbeat only placements beyond `max_running - running` wait (a placement joins
+    # the next step while a slot is free; finishes are unseen until the next heartbeat); with a line, every
+    # placement since waits behind it; from a worker that does not report its batch size, every one counts.
     hb = w.hb
     if hb.waiting > 0 or hb.max_running <= 0:
         return hb.waiting + hb.pending + w.inflight

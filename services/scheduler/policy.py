@@ -43,11 +43,11 @@ from proto.messages import ErrorCode, Role, WorkerHeartbeat
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """`direct_prefill_threshold`: longest uncached prompt (tokens) prefilled on the decode worker
-    itself (0 disables). `dead_after_intervals`: heartbeat periods of silence after which a worker is dead.
-    `prefix_weight`: what a full prefix-cache hit is worth, in queued requests (0: load-only placement);
-    8 because a smaller weight still recomputes shared prefixes on a second worker at no gain in
-    throughput (the measurement: bench/NOTES-routing.md)."""
+    """`direct_prefill_threshold`: longest uncached prompt (tokens) prefilled on the decode worker itself (0
+    disables). `dead_after_intervals`: heartbeat periods of silence after which a worker is dead.
+    `prefix_weight`: what a full prefix-cache hit is worth, in queued requests (0: load-only placement)."""
+    # prefix_weight 8: a smaller weight still recomputes shared prefixes on a second worker at no gain in
+    # throughput (bench/NOTES-routing.md).
 
     direct_prefill_threshold: int = 256
     dead_after_intervals: float = 3.0
@@ -289,14 +289,11 @@ def schedule(
     config: PolicyConfig,
     prefix_hits: Mapping[str, int] | None = None,
 ) -> Decision:
-    """Decide where `req` runs, from the live workers (see the module docstring for the rules).
-
-    `prefix_hits` maps worker id -> prompt tokens already in that worker's prefix cache (from the
-    kv-broker's prefix index); it lowers the uncached length and, weighed by `config.prefix_weight`
-    against load, draws the request to the workers holding its prefix.
-
-    The choices are single passes with the score inlined (this runs for every placement over every
-    worker); they pick exactly what `min` over the documented keys would, `placement_score` included."""
+    """Decide where `req` runs, from the live workers (the rules: the module's comment). `prefix_hits` maps
+    worker id -> prompt tokens in its prefix cache (the kv-broker's index): it lowers the uncached length
+    and, weighed by `config.prefix_weight` against load, draws the request to the workers holding it."""
+    # Single passes with the score inlined (this runs for every placement over every worker); they pick
+    # exactly what `min` over the documented keys would, `placement_score` included.
     hits = prefix_hits or {}
     decode = _candidates(workers, Role.DECODE, req)
     if (refused := _unservable(decode, "decode", req)) is not None:
