@@ -1,8 +1,6 @@
 """The DeepSeek-V3 engine: model, paged latent KV cache, radix prefix cache, continuous batching, sampling.
-
-`from libs.engine import Engine, EngineArgs, SamplingParams`; see engine.py for the offline and incremental
-APIs. Names load on first use, so importing `libs.engine.args` (worker settings) does not import torch.
-"""
+`from libs.engine import Engine, EngineArgs, SamplingParams` (engine.py: the offline and incremental APIs).
+Names load on first use, so importing `libs.engine.args` (worker settings) does not import torch."""
 
 from __future__ import annotations
 
