@@ -1,8 +1,6 @@
 """`EngineArgs`: every knob of an engine (plain, MTP, EP group, timing model), each default written once here.
-
 Engines take one plus keyword overrides of its fields (`with_overrides`); the worker builds one from its
-settings (libs/worker/startup.engine_args). Frozen, so one value can be handed to every EP rank as is.
-"""
+settings (libs/worker/startup.engine_args). Frozen, so one value can be handed to every EP rank as is."""
 
 from __future__ import annotations
 
