@@ -1,20 +1,14 @@
-"""Pure batch planning for continuous batching: `Batcher.schedule(running, waiting, free_pages) -> Plan`.
+"""Pure batch planning for continuous batching: `Batcher.schedule(running, waiting, free_pages) -> Plan`, over
+the engine's `SeqView`s (no tensors, no allocator). Page accounting is conservative, so the engine's
+allocation for a plan cannot fail."""
 
-No tensors, no allocator: the engine describes each request as a `SeqView` and turns the `Plan` into
-ForwardBatches. One step, in order:
-1. Decode: every running request that has finished its prompt gets one token and, when its newest token
-   starts a page, one page. If pages run short the newest running requests are preempted (sent back to
-   waiting; they recompute later), as vLLM does; a request never preempts an older one.
-2. Chunked prefill: running requests still in their prompt continue, then waiting requests are admitted
-   in FIFO order, sharing `max_prefill_tokens` new tokens per step; a prompt longer than what is left
-   is cut into chunks over several steps. Admission stops at the first waiting request that does not
-   fit (no overtaking, so a long prompt is not starved) or at `max_num_seqs` running requests.
-
-Page accounting is conservative, so the engine's allocation for a plan cannot fail: `free_pages` is free
-plus evictable cache pages; admitting a request charges every page of its whole prompt, its matched
-cached prefix included (locking that prefix can make those pages unevictable); preempting a request
-credits only the pages it owns beyond its matched prefix (others may still share the prefix).
-"""
+# One step: (1) decode: every running request past its prompt gets one token (and a page when it starts
+# one); short of pages, the newest running requests are preempted back to waiting, as vLLM does. (2) chunked
+# prefill: running prompts continue, then waiting requests are admitted FIFO, sharing `max_prefill_tokens`;
+# admission stops at the first that does not fit (no overtaking: long prompts are not starved) or at
+# `max_num_seqs`. Accounting: `free_pages` is free + evictable; admitting charges the whole prompt, cached
+# prefix included (locking it can make those pages unevictable); preempting credits only the pages the
+# request owns beyond its matched prefix (others may share the prefix).
 
 from __future__ import annotations
 
@@ -90,11 +84,9 @@ class Batcher:
             forced = [v for v in running if v.rid in plan.preempt] + [active.pop()]
 
     def _plan_chunks(self, active: list[SeqView], plan: Plan, budget: int) -> tuple[int, int, int]:
-        """Next prompt chunk of each running request still in its prompt.
-
-        Returns (pages left, pages kept back for the rest of those prompts, prefill tokens left): what is
-        kept back cannot go to admissions, so a half-done prompt is never starved of pages by newcomers.
-        """
+        """Next prompt chunk of each running request still in its prompt; returns (pages left, pages kept back
+        for the rest of those prompts, prefill tokens left). What is kept back cannot go to admissions, so a
+        half-done prompt is never starved of pages by newcomers."""
         tokens_left, reserved = self.max_prefill_tokens, 0
         for seq in active:
             if seq.decoding:
