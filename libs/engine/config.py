@@ -1,11 +1,9 @@
-"""Model configuration read from a Hugging Face `config.json` (DeepSeek-V3 / V2 / V2-Lite architecture).
+"""Model configuration read from a Hugging Face `config.json` (DeepSeek-V3 / V2 / V2-Lite architecture), with
+everything the engine needs resolved once (gate flavour, which layers are MoE, YaRN RoPE numbers, softmax
+scale), so the model code never looks at raw JSON."""
 
-`ModelConfig.from_pretrained(path)` accepts the files DeepSeek ships (`model_type` deepseek_v3 or
-deepseek_v2, RoPE settings under `rope_scaling` with a `type` key and `rope_theta` beside it) and the files
-newer transformers writes (`rope_parameters` with `rope_type` and `rope_theta` inside). Everything the
-engine needs is resolved here once, so the model code never looks at raw JSON: the gate flavour
-(`scoring_func`/`topk_method`), which layers are MoE, the YaRN RoPE numbers and the attention softmax scale.
-"""
+# Accepts DeepSeek's own files (model_type deepseek_v3 / deepseek_v2, `rope_scaling` with a `type` key and
+# `rope_theta` beside it) and newer transformers' (`rope_parameters` with `rope_type` and `rope_theta` inside).
 
 from __future__ import annotations
 
