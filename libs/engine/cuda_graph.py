@@ -1,26 +1,15 @@
-"""CUDA graphs for decode steps: the model's decode forward (embedding .. final norm + logits) captured
-once per batch size and replayed with new inputs.
+"""CUDA graphs for decode steps: the model's decode forward (embedding .. logits) captured once per batch size
+and replayed with new inputs; a batch of n runs in the graph of the smallest captured size b >= n, rows
+n..b-1 padding. The pure parts (`capture_sizes`, `bucket_for`, `fill_decode_inputs`) are tested on CPU."""
 
-A decode batch of n sequences runs in the graph of the smallest captured size b >= n. Its inputs go
-into one pinned host buffer, [ids b | positions b | out_slots b | seq_lens b | page table P * b]
-int32 (`DecodeLayout`), copied to the graph's static device buffer with one host->device copy, then
-the graph replays. The page table is stored column-major (page k of every row, then page k + 1), so the
-pages a step reads (k < the longest row's page count) are one prefix of the buffer: that prefix is what is
-copied, ~140 KB at b = 256 and 2,100-token contexts, not b x P (P is the model's whole context in pages:
-10,240 for DeepSeek-V3's 163,840 positions at 16 tokens a page, 10.5 MB a step, on the device's stream
-ahead of the replay). Rows n..b-1 are padding: token 0 at position 0, writing its KV row into a scratch
-page no sequence owns and attending over that one row (seq_len 1); their logits are dropped.
-
-Everything inside the captured region is graph-safe: shapes depend on b and P only (the Triton decode
-kernel's split count too), nothing reads device values on the host, and no tensor is made from python
-lists. That holds for the attention backends with `graph_safe` and models whose `graph_safe_decode()`
-is True (the plain-torch experts read expert counts on the host: those models run eagerly).
-Graphs are captured lazily, on the first batch of each size, after two eager warm-up runs on padding
-rows only (kernel compilation and autotuning happen there, never during capture); all sizes share one
-memory pool, as they replay one at a time.
-
-The pure parts (`capture_sizes`, `bucket_for`, `fill_decode_inputs`) are tested on CPU.
-"""
+# Inputs: one pinned int32 buffer [ids b | positions b | out_slots b | seq_lens b | page table P * b]
+# (`DecodeLayout`), one host->device copy, then the replay. The table is column-major, so the pages a step
+# reads are one prefix of the buffer and only that prefix is copied, not b x P (P: the model's whole context
+# in pages). Padding rows are token 0 at position 0, writing into a scratch page no sequence owns, seq_len 1;
+# their logits are dropped. Graph-safe inside: shapes depend on b and P only, no host reads of device values,
+# no tensors from lists; that holds for attention backends with `graph_safe` and models whose
+# `graph_safe_decode()` is True. Graphs are captured lazily, after two eager warm-up runs on padding rows
+# (compilation happens there, never during capture); all sizes share one memory pool (one replays at a time).
 
 from __future__ import annotations
 
@@ -91,20 +80,14 @@ def fill_decode_inputs(
     scratch_page: int,
     written: list[tuple[Sequence[int] | None, int]] | None = None,
 ) -> int:
-    """Write n <= b decode rows (one new token each at `positions`, KV length position + 1) and b - n
-    padding rows into buf. Table entries past a row's pages keep stale (valid) page ids: nothing reads
-    beyond seq_len.
-
-    `written` (one entry per row of the layout, kept with buf between calls) remembers which page list each
-    table row holds and how much of it: a list that sat in the same row last time gets only its new entries,
-    one that sat in another row (the batch lost or gained a request before it) is moved there with the others
-    in one array copy first, and only new lists are written whole (at B=256 and ~130 pages a row, writing
-    every row was most of this function's time). It relies on the engine's page lists growing in place only
-    (a request's pages are appended to; released, preempted or truncated, it gets a new list); the last
-    entry carried over is checked, and a row that fails the check is rewritten whole.
-
-    Returns the table columns the step reads (the longest row's pages, at least 1): the buffer's
-    `layout.prefix(columns)` is what the device needs of it."""
+    """Write n <= b decode rows (one new token each at `positions`) and b - n padding rows into buf; returns
+    the table columns the step reads (`layout.prefix(columns)` is what the device needs). `written`, kept
+    with buf between calls, lets rows whose page lists only grew be updated, not rewritten."""
+    # `written[i]` is (page list, entries written) of table row i. A list in the same row as last time gets
+    # its new entries only; one that moved rows is moved with the others in one array copy; new lists are
+    # written whole. This relies on the engine's page lists growing in place only (released, preempted or
+    # truncated, a request gets a new list); the last carried entry is checked, a failing row rewritten.
+    # Table entries past a row's pages keep stale (valid) ids: nothing reads beyond seq_len.
     n = len(tokens)
     if not 1 <= n <= layout.batch or len(positions) != n or len(page_tables) != n:
         raise ValueError(
@@ -261,10 +244,9 @@ class DecodeGraphRunner:
         self, tokens: Sequence[int], positions: Sequence[int], page_tables: Sequence[Sequence[int]],
         token_src: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """[n, V] logits of n decode rows (float32, or the model dtype on the fused path). A view of the
-        graph's output: valid until the next run. token_src [n] (device): the input tokens, read on the
-        device (overlapped decode feeds the previous step's samples without a host round trip); `tokens`
-        is then ignored."""
+        """[n, V] logits of n decode rows (float32, or the model dtype on the fused path), a view valid until the
+        next run. token_src [n] (device), when given, replaces `tokens`: overlapped decode feeds the previous
+        step's samples without a host round trip."""
         b = bucket_for(len(tokens), self.sizes)
         if b is None:
             raise ValueError(f"{len(tokens)} sequences exceed the largest captured batch {self.sizes[-1]}")
