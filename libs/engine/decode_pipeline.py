@@ -1,26 +1,16 @@
-"""Overlapped decode: the next decode step is launched before the current one's tokens are read, so the
-host's per-step work (scheduling, metadata, FlashInfer's plan, stop checks, outputs) runs while the GPU
-computes, as SGLang's overlap scheduler and vLLM's async scheduling do.
+"""Overlapped decode: step N+1 is launched (its input tokens gathered on the device from step N's samples)
+before step N's tokens are read, so the host's per-step work runs while the GPU computes, as SGLang's overlap
+scheduler and vLLM's async scheduling do. `Engine.step()` then reports each token one call later."""
 
-Step k launches decode step N+1 on the captured graph with its input tokens taken on the device from step
-N's sampled tokens (positions, slots and page tables do not depend on token values, so the host knows
-them), samples it with the one-pass kernel, starts the copy of its tokens to the host, and only then
-reads step N's tokens and runs the per-request accounting. `Engine.step()` therefore reports each token
-one call later than it was computed; the first overlapped call reports nothing.
-
-It runs in the steady state it is for: every running request decoding on a captured graph, no waiting
-request, sampling the one-pass kernel does exactly (greedy or temperature alone; logprobs of the chosen
-token, which the kernel computes in the same pass, but no top alternatives; no penalties, bias, min_tokens
-or grammar: logits processors need each step's tokens on the host). The batch may change between steps
-without leaving it: a request that certainly ends with its in-flight token (max_tokens) is not fed again,
-one that ended or was aborted drops out, and one that joined with its prompt's KV in place (PD: the decode
-worker's `add_prefilled`) comes in with its last token from the host; the rows that carried on take theirs
-from the previous step's samples by a gather on the device. Anything else (a prefill chunk, a waiting
-request, a preemption, a sampling feature the kernel lacks) first drains the in-flight step and lets the
-plain step run. A request that ends on a stop token while its next step is in flight had one extra KV row
-computed into its own pages; that token is dropped, and the pages are only reused by work launched after
-it on the same stream.
-"""
+# Only in its steady state: every running request decoding on a captured graph, none waiting, sampling the
+# one-pass kernel does exactly (greedy or temperature; chosen-token logprobs, no top alternatives; no
+# penalties, bias, min_tokens or grammar, which need each step's tokens on the host). The batch may change
+# without leaving it: a request certain to end with its in-flight token is not fed again, an ended or aborted
+# one drops out, one joining with its KV in place (PD add_prefilled) brings its last token from the host.
+# Anything else (a prefill chunk, a waiting request, a preemption, an unsupported sampling feature) drains the
+# in-flight step first. A request ending on a stop token while its next step is in flight had one extra KV
+# row computed into its own pages: that token is dropped, and the pages are reused only by later work on the
+# same stream.
 
 from __future__ import annotations
 
