@@ -1,16 +1,12 @@
-"""The engine: a model, its paged latent KV pool, a radix prefix cache and continuous batching.
+"""The engine: a model, its paged latent KV pool, a radix prefix cache and continuous batching. Offline:
+`Engine.from_pretrained(dir).generate(prompts, SamplingParams(...))`; workers: `add_request` / `step` /
+`abort`, and for PD `prefill` (or `add_prefill` + `step`) + `release`, `reserve` + `add_prefilled`."""
 
-Offline use: `Engine.from_pretrained(dir).generate(prompts, SamplingParams(...))`. Workers use the
-incremental API: `add_request` / `step` / `abort`, and for prefill/decode disaggregation the prefill
-side calls `prefill` + `release` (or, batched, `add_prefill` + `step` + `release`) while the decode side calls `reserve` + `add_prefilled` (the prompt's
-KV rows are written into the reserved pages of `kv_pool` from outside, between the two calls).
-
-Page ownership (see pages.py): a request holds one reference on every page in its table, including the
-prefix pages it matched in the cache (whose radix node it also locks); a PD reservation holds its pages
-until `add_prefilled` hands them to a request or `cancel_reservation` drops them. Every way out of the
-engine (finish, abort, preemption, an exception in generate) drops those references, so the pool always
-returns to "free + cached" with nothing leaked.
-"""
+# PD: the prompt's KV rows are written into the reserved pages of `kv_pool` from outside, between reserve and
+# add_prefilled. Page ownership (pages.py): a request holds one reference on every page in its table, its
+# matched prefix pages included (their radix node locked); a reservation holds its pages until add_prefilled
+# or cancel_reservation. Every way out (finish, abort, preemption, an exception in generate) drops them, so
+# the pool always returns to "free + cached".
 
 from __future__ import annotations
 
@@ -268,18 +264,16 @@ class Engine:
         )
 
     def add_prefill(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Queue a PD prefill: it runs through step() with whatever else is queued (chunked under
-        max_prefill_tokens, prefix cache reused, sampled exactly as prefill() samples), and the step that
-        runs its last chunk reports it as a StepOutput whose `prefill` is its PrefillResult; from then on
-        its pages stay pinned until release(rid), as prefill()'s do. ValueError on bad input."""
+        """Queue a PD prefill that runs through step() with whatever else is queued (sampled as prefill()
+        samples); the step that runs its last chunk reports a StepOutput whose `prefill` is its PrefillResult,
+        and its pages stay pinned until release(rid). ValueError on bad input."""
         self.add_request(rid, prompt_ids, params)
         self.requests[rid].pin_after_prefill = True
 
     def prefill_progress(self, rid: str) -> list[int]:
-        """The pages of an add_prefill() prompt still in its prompt whose every row is computed, in prompt
-        order: they are final (later chunks write only past them), so their KV can be copied out while the
-        rest of the prompt computes. [] for a prompt that waits, including one preempted since the last
-        step (its recompute may put rows in other pages), or that is not in the engine."""
+        """The pages of a running add_prefill() prompt whose every row is computed, in prompt order: final, so
+        their KV can be copied out while the rest computes. [] for a prompt that waits (a preempted one's
+        recompute may use other pages) or that is not in the engine."""
         req = self.requests.get(rid)
         if req is None or req.status is not Status.RUNNING:
             return []
@@ -310,10 +304,9 @@ class Engine:
         return list(pages)
 
     def reserve_cached(self, rid: str, prompt_ids: Sequence[int]) -> tuple[int, list[int]]:
-        """reserve() for a known prompt, reusing its longest cached whole-page prefix (at least one token
-        is left to receive): returns (cached tokens, pages for the rest). The cached pages stay locked in
-        the cache until add_prefilled() joins them (first) with the received ones, or the reservation
-        is cancelled."""
+        """reserve() for a known prompt, reusing its longest cached whole-page prefix (at least one token left
+        to receive): returns (cached tokens, pages for the rest). The cached pages stay locked until
+        add_prefilled() joins them or the reservation is cancelled."""
         prompt_ids = check_prompt(prompt_ids, None, self.limits, f"request {rid!r}")
         self._check_new_rid(rid)
         if self.cache is None:
@@ -336,12 +329,10 @@ class Engine:
         self, rid: str, prompt_ids: Sequence[int], first_token: int, params: SamplingParams,
         block_hashes: Sequence[int] = (),
     ) -> None:  # fmt: skip
-        """Join the decode batch with the prompt's KV already in the reserved pages. The first token (sampled
-        by the prefill side) counts toward max_tokens and the stop checks; if it already ends the request,
-        the next step() reports the finish with no new tokens. A seeded request continues the seed's
-        random stream where the prefill side left it, so it samples what a single engine would.
-        `block_hashes`: the prefill side's hashes of the prompt's pages (PrefillResult.block_hashes), reused
-        when the finished request's KV enters this engine's prefix cache (checked there, else recomputed)."""
+        """Join the decode batch with the prompt's KV already in the reserved pages; the prefill side's first
+        token counts toward max_tokens and stops, and a seeded request continues its random stream, so it
+        samples what a single engine would. `block_hashes` (PrefillResult's) are reused if they check out."""
+        # A first token that already ends the request is reported by the next step() with no new tokens.
         if rid not in self.reservations:
             raise ValueError(f"add_prefilled: no reservation for request {rid!r}")
         prompt_ids = check_prompt(prompt_ids, params, self.limits, f"request {rid!r}")
