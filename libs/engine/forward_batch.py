@@ -1,10 +1,8 @@
-"""The contract between the engine's batcher side and the model: one forward over a flat batch.
+"""The contract between the engine's batcher side and the model: one forward over a flat batch. The runtime
+builds a ForwardBatch; the model writes the new tokens' latent KV rows into the KVPool at `out_slots` and
+attends over each sequence's pages."""
 
-The runtime (batcher, page allocator) builds a ForwardBatch; the model reads it, writes the new tokens'
-latent KV rows into the KVPool at `out_slots`, and attends over each sequence's pages.
-
-Legend: T new tokens in this forward (all sequences, flattened in sequence order), S sequences.
-"""
+# Legend: T new tokens in this forward (all sequences, flattened in sequence order), S sequences.
 
 from __future__ import annotations
 
