@@ -1,13 +1,9 @@
-"""Structured output with xgrammar: one compiler per engine, one matcher per request, bitmasks on the host.
+"""Structured output with xgrammar: one compiler per engine, one matcher per request, next-token bitmasks
+filled on the host and applied on the device (logits_processors.py). JSON is generated compactly (no free
+whitespace, as vLLM's `disable_any_whitespace`), so a small model cannot wander in whitespace."""
 
-xgrammar (MLC's grammar engine, vLLM's and SGLang's default backend) is chosen over llguidance and
-outlines-core because it installs from PyPI on Python 3.11 CPU machines with prebuilt wheels, compiles
-JSON schema, regex and EBNF from one API, and fills a request's next-token bitmask in microseconds from a
-cache of precomputed token sets. The engine applies the bitmask on the device (logits_processors.py).
-
-JSON is generated compactly (no free whitespace between tokens, as vLLM's `disable_any_whitespace`),
-so a small model cannot wander in whitespace until max_tokens.
-"""
+# xgrammar (vLLM's and SGLang's default backend) over llguidance and outlines-core: prebuilt wheels for
+# Python 3.11 CPU machines, JSON schema, regex and EBNF from one API, bitmasks from cached token sets.
 
 from __future__ import annotations
 
