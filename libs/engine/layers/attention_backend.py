@@ -1,26 +1,16 @@
-"""MLA attention backends: who computes attention over the paged latent pool, chosen by name.
+"""MLA attention backends over the paged latent pool, chosen by name ("torch", "triton", "flashinfer"; "auto":
+FlashInfer on CUDA where it imports, else Triton; torch elsewhere). The model calls `prepare(batch, page_size,
+absorbed)` once per forward, then `attend(...)` in every layer after writing its new latent rows."""
 
-The model calls `prepare(batch, page_size, absorbed)` once per forward (the batch's ids, positions,
-output slots and metadata go to the device), then `attend(...)` in every layer, after the layer has
-written its new latent rows. The CUDA-graph runner (libs/engine/cuda_graph.py) builds the same
-`StepInputs` from its static buffers instead of `prepare`, for `graph_safe` backends only.
-
-- "torch": the plain-torch reference (`AttentionMetadata`, `mla_expanded` / `mla_absorbed`): what CPU
-  runs and what tests compare with. Not graph-safe (its [S, K] key index is built on the host).
-- "triton": `PagedMetadata` (page table + lengths on the device, one host->device copy per forward);
-  decode with the Triton kernel (libs.kernels.mla_decode) where its dims fit (R 512, r 64, heads in
-  multiples of 16) and `mla_decode_paged` otherwise; extend (prefill, chunked prefill) with one SDPA per
-  sequence (`mla_extend_sdpa`). Graph-safe.
-- "flashinfer": as "triton", but decode with FlashInfer's MLA kernel and extend with its ragged
-  prefill. FlashInfer plans on the host: per eager forward in `prepare`, and for a captured decode graph
-  in `plan_graph` before each replay (one wrapper with fixed index buffers per batch size). Under two-batch
-  overlap (`tbo` set) a decode forward gets one wrapper per micro-batch, planned the same two ways
-  (`plan_micro_batches` eagerly, `plan_graph` for graphs); extend forwards are not split (`splits_extend`).
-- "auto": "triton" on CUDA, "torch" elsewhere. (FlashInfer is faster for 128-head decode, but its
-  graph-vs-eager GPU test failed on the last H200 run, cause not found: it stays opt-in until it passes.)
-
-Legend: T new tokens, S sequences, H heads, N nope dim, r rope dim, R kv_lora_rank, V v dim.
-"""
+# Legend: T new tokens, S sequences, H heads, N nope dim, r rope dim, R kv_lora_rank, V v dim.
+# The CUDA-graph runner builds the same `StepInputs` from its static buffers instead of `prepare`, for
+# `graph_safe` backends only. "torch": the plain reference CPU runs and tests compare with (its [S, K] key
+# index is built on the host: not graph-safe). "triton": `PagedMetadata` (page table + lengths, one copy per
+# forward), decode with libs.kernels.mla_decode where its dims fit (R 512, r 64, heads in multiples of 16),
+# `mla_decode_paged` otherwise, extend as one SDPA per sequence. "flashinfer": as triton, with FlashInfer's MLA
+# decode and ragged prefill; it plans on the host, in `prepare` for eager forwards and in `plan_graph` before
+# each replay (one wrapper per batch size); under two-batch overlap one wrapper per micro-batch
+# (`plan_micro_batches`, `plan_graph`); extend forwards are not split (`splits_extend`).
 
 from __future__ import annotations
 
