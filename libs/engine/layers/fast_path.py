@@ -1,25 +1,16 @@
 """The decoder's fused path: the same DeepSeek-V3 layers run as the fewest kernels the backend has.
+`enable(model)` decides once, after loading, whether a model can take it (FP8 weights on the kernel backend,
+16-bit activations, DeepSeek's MLA dims, paged attention kernels); anything else keeps the plain reference."""
 
-Legend: T tokens, D hidden, H heads, N nope dim, r rope dim, R kv_lora_rank, V v dim, E local experts,
-K experts per token, Q q_lora_rank.
-
-Per layer, where the plain path runs separate norms, RoPE, a cache write and dense copies:
-- the residual is carried through the layers: input norm = residual add + RMSNorm straight into the
-  1x128 FP8 input of one stacked q_a/kv_a GEMM (`add_rmsnorm_quant`);
-- the q latent norm goes straight into FP8 for q_b; RoPE of q and k, the kv latent norm and the cache
-  write are one kernel (`rope_and_write_kv`);
-- decode: absorbed MLA, o_proj's input quantized straight from the per-head W_UV output
-  (`quant_fp8_heads`); prefill: the backend's expanded attention;
-- the post-attention norm is one residual-add + RMSNorm; the MoE routes with the fused noaux_tc kernel,
-  which appends the shared expert as one more expert of the grouped FP8 GEMM (stacked after the routed
-  ones, their weights views into one tensor, so the checkpoint still loads by name).
-
-`enable(model)` decides once, after the weights are loaded, whether a model can take this path (FP8
-weights on the kernel backend, 16-bit activations, DeepSeek's MLA dims, an attention backend with paged
-kernels) and stacks what it needs; anything else keeps the plain path, which stays the reference.
-One rank of an EP deployment keeps only its local experts: `MoEFast.emulate_ep` maps each token's routed
-picks onto them (libs.ep.emulated), for a one-GPU stand-in of the other ranks' traffic.
-"""
+# Legend: T tokens, D hidden, H heads, N nope dim, r rope dim, R kv_lora_rank, V v dim, E local experts,
+# K experts per token, Q q_lora_rank.
+# Per layer: the residual is carried through; input norm = residual add + RMSNorm into the 1x128 FP8 input
+# of one stacked q_a/kv_a GEMM (`add_rmsnorm_quant`); the q latent norm goes straight to FP8; RoPE of q and k,
+# the kv latent norm and the cache write are one kernel (`rope_and_write_kv`); decode runs absorbed MLA with
+# o_proj's input quantized from W_UV's per-head output (`quant_fp8_heads`), prefill the backend's expanded
+# attention; the MoE routes with the fused noaux_tc kernel and runs the shared expert as one more expert of
+# the grouped FP8 GEMM (stacked after the routed ones as views of one tensor, so weights still load by name).
+# `MoEFast.emulate_ep` maps each token's picks onto a rank's local experts (libs.ep.emulated).
 
 from __future__ import annotations
 
