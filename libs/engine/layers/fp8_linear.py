@@ -1,21 +1,14 @@
-"""FP8 block-scaled weights kept in FP8: which modules can hold them, converting a built model, and the
-forwards that run on them (through libs.kernels.backend).
+"""FP8 block-scaled weights kept in FP8: which modules can hold them (`apply_fp8_weights` converts a freshly
+built model before loading) and the forwards that run on them (libs.kernels.backend). What cannot stay FP8
+is left dense with a log line and dequantized by the loader: never a silently wrong layout."""
 
-Legend: T tokens, D hidden, N out features, K in features, E routed experts, I expert width.
-
-A checkpoint projection `<p>.weight` float8_e4m3fn [N, K] with `<p>.weight_scale_inv` float32
-[ceil(N/128), K/128] lands, by name, on a module whose `weight` and `weight_scale_inv` parameters have
-exactly those shapes; routed experts keep theirs stacked: `gate_up_proj` [E, 2I, D] with
-`gate_up_proj_scale_inv` [E, 2I/128, D/128] (gate blocks then up blocks), `down_proj` [E, D, I] with
-`down_proj_scale_inv` [E, D/128, I/128]. `apply_fp8_weights` converts a freshly built model's modules
-before loading; whatever it cannot keep in FP8 (K not a multiple of 128, a block size other than
-128x128, an expert width that would put gate and up rows in one scale block) it leaves dense, with a log
-line, and the loader dequantizes those as before: never a silently wrong layout.
-
-`kv_b_proj` stays dense: MLA never runs it as a Linear, it reads the weight as a matrix (absorbed
-W_UK/W_UV), so the dequantized copy is the one it needs (and smaller than FP8 + a dense cache).
-The kernels are imported lazily: Triton picks interpreter or compiler when they are first imported.
-"""
+# Legend: T tokens, D hidden, N out features, K in features, E routed experts, I expert width.
+# `<p>.weight` float8_e4m3fn [N, K] with `<p>.weight_scale_inv` float32 [ceil(N/128), K/128] lands by name on
+# a module with parameters of exactly those shapes; routed experts stay stacked: gate_up_proj [E, 2I, D]
+# (scales [E, 2I/128, D/128], gate blocks then up blocks), down_proj [E, D, I] (scales [E, D/128, I/128]).
+# Left dense: K not a multiple of 128, a block other than 128x128, an expert width putting gate and up rows in
+# one scale block, and kv_b_proj (MLA reads it as a matrix for absorbed W_UK/W_UV, never runs it as a Linear).
+# The kernels are imported lazily: Triton picks interpreter or compiler when they are first imported.
 
 from __future__ import annotations
 
