@@ -1,10 +1,8 @@
-"""Rotary position embedding for the decoupled MLA rope dims, with DeepSeek's YaRN scaling.
+"""Rotary position embedding for the decoupled MLA rope dims, with DeepSeek's YaRN scaling. `apply_rope`
+rotates DeepSeek's interleaved pairs (x0, x1), (x2, x3), ... and returns the de-interleaved layout [rotated
+evens, rotated odds], as DeepSeek's HF code does; the k_pe stored in the latent KV cache uses this layout."""
 
-DeepSeek stores the rope dims of q_b_proj/kv_a_proj_with_mqa in interleaved pairs (x0, x1), (x2, x3), ...
-each pair rotated by one frequency. `apply_rope` rotates them and returns the de-interleaved ("rotate-half")
-layout [rotated evens, rotated odds], as DeepSeek's HF code and transformers do. Queries and keys get the
-same permutation, so q.k is unchanged; the roped k_pe stored in the latent KV cache uses this layout.
-"""
+# Queries and keys get the same permutation, so q.k is unchanged.
 
 from __future__ import annotations
 
