@@ -1,17 +1,13 @@
-"""MoE routing: which K experts each token goes to, and with what weight. Pure tensor functions.
+"""MoE routing: which K experts each token goes to, and with what weight (pure tensor functions), for the
+three DeepSeek gates chosen by the config's `topk_method`: `noaux_tc` (V3, Kimi-K2, Moonlight), `greedy`
+(V2-Lite) and `group_limited_greedy` (V2)."""
 
-Legend: T tokens, E routed experts, G expert groups, K experts per token.
-
-Three DeepSeek gates, chosen by the config's `topk_method`:
-- `noaux_tc` (V3, Kimi-K2, Moonlight): sigmoid scores; `e_score_correction_bias` is added for *selection
-  only* (groups ranked by the sum of their top-2 biased scores, then top-K inside the best `topk_group`
-  groups); the weights are the unbiased scores, renormalized when `norm_topk_prob`, then always multiplied
-  by `routed_scaling_factor`.
-- `greedy` (V2-Lite): softmax scores, plain top-K.
-- `group_limited_greedy` (V2): softmax; groups ranked by their best expert, top-K inside `topk_group` groups.
-  V2 gates renormalize (when `norm_topk_prob` and K > 1) *or* scale by `routed_scaling_factor`, never both,
-  as DeepSeek's V2 code does.
-"""
+# Legend: T tokens, E routed experts, G expert groups, K experts per token.
+# noaux_tc: sigmoid scores; `e_score_correction_bias` is added for selection only (groups ranked by the sum
+# of their top-2 biased scores, then top-K inside the best `topk_group` groups); the weights are the unbiased
+# scores, renormalized when `norm_topk_prob`, then always times `routed_scaling_factor`. greedy: softmax,
+# plain top-K. group_limited_greedy: softmax, groups ranked by their best expert. V2 gates renormalize (when
+# norm_topk_prob and K > 1) or scale by routed_scaling_factor, never both, as DeepSeek's V2 code does.
 
 from __future__ import annotations
 
