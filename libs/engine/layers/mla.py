@@ -1,24 +1,17 @@
-"""Multi-head latent attention over the paged latent KV pool, in its two equivalent forms.
+"""Multi-head latent attention over the paged latent KV pool, in its two equivalent forms: expanded (prefill:
+per-head k_nope and v from c_kv) and absorbed (decode: W_UK moved to the query side, every head attending
+straight over the cached rows), over `AttentionMetadata` (plain-torch reference) or `PagedMetadata` (kernels)."""
 
-Legend: T new tokens, S sequences, Q most new tokens of one sequence, K longest KV length, H heads,
-N qk_nope_head_dim, r qk_rope_head_dim, R kv_lora_rank, V v_head_dim, C = R + r (one cached row).
-
-The cache holds one row per token: normalized c_kv [R] then roped k_pe [r]. With
-W = kv_b_proj.weight viewed [H, N + V, R], split into W_UK [H, N, R] and W_UV [H, V, R]:
-- expanded (prefill): k_nope = c_kv W_UK^T, v = c_kv W_UV^T per head; ordinary attention with
-  k = [k_nope, k_pe] and q = [q_nope, q_pe] of width N + r.
-- absorbed (decode): q_nope W_UK is moved to the query side, so every head attends straight over the
-  cached rows: q' = [q_nope W_UK, q_pe] (width R + r = C) against k = the row itself, values = c_kv,
-  then the [R] output per head goes through W_UV. Same scores and outputs, no per-token expansion.
-Two metadata forms describe where each sequence's keys are:
-- `AttentionMetadata` (the plain-torch reference, `mla_expanded` / `mla_absorbed`): ragged batches are
-  padded to [S, Q] queries and [S, K] keys; the mask lets query i of sequence s see keys
-  0 .. prefix_len + i only (padded query rows repeat the last real query and are dropped). Built on
-  the host, O(S * Q * K).
-- `PagedMetadata` (the kernel path, `mla_decode_paged` / `mla_extend_sdpa` here and the Triton /
-  FlashInfer backends in attention_backend.py): the pool's real pages as a [S, P] table and the KV
-  lengths, on the device; nothing grows with Q * K, and decode reads nothing from the host.
-"""
+# Legend: T new tokens, S sequences, Q most new tokens of one sequence, K longest KV length, H heads,
+# N qk_nope_head_dim, r qk_rope_head_dim, R kv_lora_rank, V v_head_dim, C = R + r (one cached row).
+# A cached row is normalized c_kv [R] then roped k_pe [r]; W = kv_b_proj.weight viewed [H, N + V, R] splits
+# into W_UK [H, N, R] and W_UV [H, V, R]. Expanded: k_nope = c_kv W_UK^T, v = c_kv W_UV^T, attention over
+# width N + r. Absorbed: q' = [q_nope W_UK, q_pe] (width C) against the rows themselves, values c_kv, the [R]
+# output per head through W_UV: same scores, no per-token expansion.
+# AttentionMetadata pads ragged batches to [S, Q] queries and [S, K] keys with a host-built mask (query i
+# sees keys 0 .. prefix_len + i; padded rows repeat the last query and are dropped): O(S * Q * K).
+# PagedMetadata is the pool's real pages as an [S, P] table plus KV lengths on the device: nothing grows with
+# Q * K, and decode reads nothing from the host.
 
 from __future__ import annotations
 
@@ -123,11 +116,9 @@ def mla_absorbed(
 
 @dataclass
 class PagedMetadata:
-    """The batch's keys as the paged kernels read them: device tensors plus the host facts they need.
-
-    A decode CUDA graph holds one of these with static tensors; `extend_lens`/`kv_lens` (host) are only
-    read by the prefill path, which runs eagerly. `num_splits` depends on the batch size and the table
-    width only, never on live lengths, so a captured graph stays valid as sequences grow."""
+    """The batch's keys as the paged kernels read them: device tensors plus the host facts they need. A decode
+    CUDA graph holds one with static tensors; `num_splits` depends on batch size and table width only, so the
+    graph stays valid as sequences grow. `extend_lens`/`kv_lens` (host) serve the eager prefill path only."""
 
     page_table: torch.Tensor  # [S, P] int32 pool page ids in order; entries past a sequence's end are 0
     seq_lens: torch.Tensor  # [S] int32 KV length of each sequence after this forward (>= 1)
@@ -151,11 +142,9 @@ def mla_decode_paged(
     meta: PagedMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Absorbed decode in plain torch over the paged metadata -> [S, H, R] latent outputs.
-
-    Reads every row the table could address ([S, P * page_size]) and masks by seq_lens: shapes depend on
-    the table width only and nothing syncs with the host, so this is CUDA-graph safe; the Triton kernel
-    replaces it where its dims fit."""
+    """Absorbed decode in plain torch over the paged metadata -> [S, H, R] latent outputs; CUDA-graph safe
+    (reads every row the table could address, masked by seq_lens: shapes depend on the table width only).
+    The Triton kernel replaces it where its dims fit."""
     r = q_pe.shape[-1]
     s, h = q_latent.shape[0], q_latent.shape[1]
     rows = gather_pages(layer_rows, meta.page_table, meta.page_size).to(q_latent.dtype)  # [S, K, C]
@@ -174,11 +163,9 @@ def mla_extend_sdpa(
     meta: PagedMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Expanded MLA for ragged chunks with cached prefixes -> [T, H, V], one SDPA call per sequence.
-
-    Query i of a chunk sees keys 0 .. prefix + i: SDPA's lower-right causal bias, which the flash /
-    memory-efficient backends apply without building a mask (the CPU math backend builds one chunk's
-    [Q, K] mask). Memory is per sequence (its K expanded keys), never [S, Q, K] across the batch."""
+    """Expanded MLA for ragged chunks with cached prefixes -> [T, H, V], one SDPA call per sequence: query i
+    of a chunk sees keys 0 .. prefix + i (SDPA's lower-right causal bias). Memory is per sequence (its K
+    expanded keys), never [S, Q, K] across the batch."""
     if meta.extend_lens is None or meta.kv_lens is None:
         raise ValueError("mla_extend_sdpa needs the host extend_lens and kv_lens in the metadata")
     t, h, n = q_nope.shape
