@@ -1,10 +1,8 @@
-"""Paged latent KV pool: one MLA latent row (kv_lora_rank + qk_rope_head_dim values) per token per layer.
+"""Paged latent KV pool: one MLA latent row (kv_lora_rank + qk_rope_head_dim values) per token per layer, in one
+contiguous tensor [L, P * page_size, C]; page p covers slots [p * page_size, (p + 1) * page_size). A run of
+pages is one contiguous byte range per layer (`page_run_span`), so KV transfer moves a run with one write."""
 
-Layout: a single contiguous tensor [L, P * page_size, C] (L layers, P pages, C = kv_lora_rank + rope dim).
-Slot s of layer l holds token row s; page p covers slots [p * page_size, (p + 1) * page_size).
-Per layer, consecutive pages are consecutive in memory, so a run of pages is one contiguous byte range
-(`page_run_span`): the KV transfer layer registers `buffer` once and moves runs with one write each.
-"""
+# The KV transfer layer registers `buffer` once.
 
 from __future__ import annotations
 
