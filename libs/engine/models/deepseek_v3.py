@@ -1,14 +1,11 @@
-"""DeepSeek-V3 architecture (also V2, V2-Lite, Kimi-K2, Moonlight): MLA attention and DeepSeekMoE.
+"""DeepSeek-V3 architecture (also V2, V2-Lite, Kimi-K2, Moonlight): MLA attention and DeepSeekMoE. Module and
+parameter names are the Hugging Face checkpoint names, except routed experts, stacked per layer
+(`CHECKPOINT_EXPERT_NAME` maps them); parameters are uninitialized until the loader fills every one."""
 
-Legend: T new tokens in the batch, D hidden, H heads, N qk_nope_head_dim, r qk_rope_head_dim,
-R kv_lora_rank, V v_head_dim, E routed experts, I moe_intermediate_size, K experts per token.
-
-Module and parameter names are the Hugging Face checkpoint names, so a checkpoint tensor lands on the
-parameter of the same name. The one exception, routed experts, is stacked per layer ([E, 2I, D] gate+up,
-[E, D, I] down, as transformers 5 and grouped GEMMs want); `CHECKPOINT_EXPERT_NAME` is the mapping.
-Parameters are allocated uninitialized: the loader fills every one or fails naming what is missing.
-The router weight and correction bias stay float32 whatever the model dtype, as DeepSeek runs them.
-"""
+# Legend: T new tokens in the batch, D hidden, H heads, N qk_nope_head_dim, r qk_rope_head_dim,
+# R kv_lora_rank, V v_head_dim, E routed experts, I moe_intermediate_size, K experts per token.
+# Experts stack as [E, 2I, D] gate+up and [E, D, I] down, as transformers 5 and grouped GEMMs want. The
+# router weight and correction bias stay float32 whatever the model dtype, as DeepSeek runs them.
 
 from __future__ import annotations
 
@@ -180,10 +177,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: the dense layers and the shared experts.
-
-    `to_fp8()` makes all three projections FP8, with gate and up as row views of one [2I, D] weight (and
-    its scales), so the checkpoint's two tensors land by name and the forward runs one GEMM for both."""
+    """SwiGLU feed-forward: the dense layers and the shared experts. `to_fp8()` makes the projections FP8, gate
+    and up as row views of one [2I, D] weight (and scales): the checkpoint's tensors land by name, one GEMM."""
 
     def __init__(self, d: int, inter: int, dtype: torch.dtype, device):
         super().__init__()
@@ -232,10 +227,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """All routed experts of one layer, stacked. Runs each expert once over the tokens routed to it.
-
-    With `to_fp8()` the stacks are float8_e4m3fn with `gate_up_proj_scale_inv` [E, 2I/128, D/128] and
-    `down_proj_scale_inv` [E, D/128, I/128], run by the grouped FP8 GEMMs (libs.engine.layers.fp8_linear)."""
+    """All routed experts of one layer, stacked; each runs once over the tokens routed to it. With `to_fp8()`
+    the stacks are float8_e4m3fn with block scales, run by the grouped FP8 GEMMs (layers.fp8_linear)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, num_experts: int | None = None):
         super().__init__()
