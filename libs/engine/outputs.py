@@ -9,13 +9,9 @@ from libs.engine.sampling import TokenLogprob
 
 @dataclass
 class StepOutput:
-    """One request's news from one `Engine.step()`.
-
-    token_ids are the tokens produced this step (empty when a request ends without a new token, e.g. a
-    PD request whose prefill-side first token already finished it). stop_reason is the stop token id or
-    stop string that ended it; the caller cuts text at a stop string itself (the engine does too, for
-    `GenerationOutput.text`).
-    """
+    """One request's news from one `Engine.step()`: token_ids produced this step (empty when a request ends
+    without a new one, e.g. a PD request finished by its first token); stop_reason, the stop token id or stop
+    string that ended it (the caller cuts text at a stop string itself)."""
 
     rid: str
     token_ids: list[int]
