@@ -1,11 +1,9 @@
-"""Page allocator over the KVPool's pages: a free list plus a reference count per page.
+"""Page allocator over the KVPool's pages: a free list plus a reference count per page. Every holder (a
+request's page table, a radix-cache node, a PD reservation) holds one reference and drops it when done; a
+page is free again at count zero."""
 
-Ownership is by reference: every holder of a page (a request's page table, a radix-cache node, a PD
-reservation) holds one reference and drops it when done; a page returns to the free list when its count
-reaches zero. That lets the prefix cache and several requests share a page without anyone tracking who
-else uses it. Pages that hold cached tokens are never written again (only full pages are cached, and new
-tokens always go to a request's own pages), so sharing needs no copy-on-write.
-"""
+# So the prefix cache and several requests share a page without tracking each other. Cached pages are never
+# written again (only full pages are cached; new tokens go to a request's own pages): no copy-on-write.
 
 from __future__ import annotations
 
