@@ -1,15 +1,11 @@
-"""Random checkpoints of DeepSeek-V3's width (libs.engine.presets) with fewer layers and experts, for GPU
-tests and benchmarks of the whole mesh: hidden 7168, 128 heads, the real MLA dims and vocabulary, FP8 e4m3
-projections with float32 `weight_scale_inv` per 128x128 block, bf16 embeddings, norms and router, a float32
-`e_score_correction_bias`, as DeepSeek's own folders hold them.
+"""Random checkpoints of DeepSeek-V3's width (libs.engine.presets) with fewer layers and experts, for GPU tests
+and benchmarks of the whole mesh: the real MLA dims and vocabulary, FP8 e4m3 projections with 128x128 block
+scales, bf16 embeddings, norms and router, float32 e_score_correction_bias, as DeepSeek's own folders hold."""
 
-Written in seconds: every tensor is drawn on `device` (a GPU when there is one: a 4-layer, 16-expert
-model is ~7 GB) with torch's generator, one safetensors shard per decoder layer, so no Python loop runs
-over elements and host memory holds one layer at a time. Scales as random_weights.fill_random_ (unit FP8
-values times ~1/sqrt(K), norms near 1). The tokenizer is the tiny byte-level BPE of libs.tokenizer.build
-(1,024 ids): ids past it are model padding, as DeepSeek's own 129,280-row vocabulary is wider than its
-tokenizer, so text round-trips and random weights may emit ids that decode to nothing.
-"""
+# Fast to write: every tensor is drawn on `device` with torch's generator, one safetensors shard per decoder
+# layer (host memory holds one layer at a time). Scales as random_weights.fill_random_. The tokenizer is
+# libs.tokenizer.build's tiny byte-level BPE: ids past it are model padding (DeepSeek's own vocabulary is
+# wider than its tokenizer too), so random weights may emit ids that decode to nothing.
 
 from __future__ import annotations
 
