@@ -1,10 +1,9 @@
-"""`EngineLike`: what a worker holds, satisfied by `libs.engine.Engine` (one process) and
-`libs.ep.engine.EPEngine` (a group of EP rank processes) alike, checked by mypy where the worker loads one.
+"""`EngineLike`: what a worker holds, satisfied by `libs.engine.Engine` and `libs.ep.engine.EPEngine` alike
+(mypy checks it where the worker loads one). Called from one thread (libs.worker.engine_thread), except
+`stats()`, which the heartbeat reads from the event loop."""
 
-Called from one thread only (libs.worker.engine_thread), except `stats()`, which the heartbeat reads from
-the event loop. The PD hooks: the prefill side calls `prefill` (or, batched, `add_prefill` and `step`) then `release`; the decode side calls
-`reserve` / `reserve_cached`, then `add_prefilled` or `cancel_reservation`.
-"""
+# PD hooks: the prefill side calls `prefill` (or add_prefill + step) then `release`; the decode side
+# `reserve` / `reserve_cached`, then `add_prefilled` or `cancel_reservation`.
 
 from __future__ import annotations
 
