@@ -1,11 +1,6 @@
-"""Per-request state inside the engine.
-
-A request's tokens are `prompt_ids + output_ids`; `num_computed` of them have their KV rows in `pages`
-(in order, page_size tokens per page). The runtime feeds tokens[num_computed:] in chunks; when a chunk
-reaches the last known token the logits give the next output token. A decoding request therefore has
-num_computed == num_tokens - 1 (its newest token is fed in the next step), and a request sent back to
-the waiting queue by preemption keeps its outputs and simply recomputes prompt + outputs.
-"""
+"""Per-request state inside the engine: tokens are `prompt_ids + output_ids`, of which the first `num_computed`
+have KV rows in `pages`; a decoding request has num_computed == num_tokens - 1 (its newest token is fed next
+step). A preempted request keeps its outputs and recomputes prompt + outputs."""
 
 from __future__ import annotations
 
