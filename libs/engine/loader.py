@@ -1,14 +1,10 @@
-"""Load a Hugging Face checkpoint folder into DeepseekV3ForCausalLM.
+"""Load a Hugging Face checkpoint folder into DeepseekV3ForCausalLM: config.json, then the safetensors shards
+(by the index, a single file, or every *.safetensors), cast to the model dtype or, for FP8 weights, kept FP8
+or dequantized. Anything missing or unknown is a ValueError naming the tensors."""
 
-Reads `config.json`, then safetensors shards (listed by `model.safetensors.index.json`, or a single
-`model.safetensors`, or every `*.safetensors` in the folder). bf16/fp16/fp32 tensors are cast to the model
-dtype. float8_e4m3fn weights with their `<name>_scale_inv` block scales are, by `quantization`, kept FP8
-(the modules that can run them become FP8 modules, libs.engine.layers.fp8_linear, and the raw weight and
-scale land on them by name) or dequantized on CPU to the model dtype. Tensors of
-the MTP layers DeepSeek appends after the last decoder layer, and legacy `rotary_emb.inv_freq` buffers, are
-skipped. Anything else the model does not have, or anything it needs and did not get, is a ValueError
-naming the tensors.
-"""
+# Kept FP8, the modules that can run them become FP8 modules (layers.fp8_linear) and weight and scale land
+# by name. Skipped: the MTP layers DeepSeek appends after the last decoder layer, and legacy
+# rotary_emb.inv_freq buffers.
 
 from __future__ import annotations
 
@@ -60,10 +56,8 @@ def load_model(
     quantization: str = "auto",
 ) -> DeepseekV3ForCausalLM:
     """Build the model from `path`/config.json and fill every parameter from the folder's safetensors.
-
-    quantization: "auto" keeps an FP8 checkpoint's weights in FP8 on CUDA and dequantizes them elsewhere;
-    "fp8" keeps them in FP8 on any device (CPU runs the kernels under Triton's interpreter when it is on,
-    else their torch reference: slow, for tests); "none" always dequantizes to `dtype`."""
+    quantization: "auto" keeps FP8 weights FP8 on CUDA and dequantizes them elsewhere; "fp8" keeps them on
+    any device (CPU: Triton's interpreter or the torch reference, for tests); "none" dequantizes to `dtype`."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"checkpoint folder {folder} does not exist")
