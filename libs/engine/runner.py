@@ -1,12 +1,8 @@
-"""Turns planned chunks into one ForwardBatch, runs the model, and returns logits.
+"""Turns planned chunks into one ForwardBatch, runs the model, and returns logits. A `Chunk` is the part of
+one sequence fed in a forward: its new tokens, the first one's position, and the sequence's page table
+(already covering start + len(tokens)), so it continues exactly where the sequence's rows end."""
 
-A `Chunk` is the part of one sequence fed in a forward: its new tokens, the position of the first one,
-and the sequence's page table (which must already cover start + len(tokens) tokens). The new tokens'
-KV rows go to the slots their positions map to in those pages, so a chunk continues exactly where the
-sequence's cached or previously computed rows end.
-
-Legend: T new tokens, S sequences (chunks), V vocabulary.
-"""
+# Legend: T new tokens, S sequences (chunks), V vocabulary.
 
 from __future__ import annotations
 
@@ -58,12 +54,9 @@ def build_batch(chunks: Sequence[Chunk], page_size: int) -> ForwardBatch:
 
 
 class ModelRunner:
-    """Owns the model's attention backend and decode CUDA graphs, and the pool the model writes to; the
-    engine decides what to run.
-
-    attention_backend: "auto" | "torch" | "triton" | "flashinfer" (libs/engine/layers/attention_backend.py).
-    graph_batch_sizes: decode batch sizes to run as CUDA graphs (captured on first use; empty: eager
-    only); needs `scratch_page`, a pool page no sequence ever gets, for the padding rows."""
+    """Owns the model's attention backend (layers/attention_backend.py), its decode CUDA graphs and the pool it
+    writes to; the engine decides what to run. graph_batch_sizes: decode batch sizes captured on first use
+    (empty: eager only), which needs `scratch_page`, a pool page no sequence gets, for padding rows."""
 
     def __init__(
         self,
