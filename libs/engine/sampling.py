@@ -1,16 +1,10 @@
-"""Per-request sampling parameters and the batched sampler.
+"""Per-request sampling parameters (validated at construction, so everything past it can trust them) and
+the batched sampler: one token per logits row under that row's own parameters and generator, so a seeded
+request samples the same tokens whatever shares its batch."""
 
-`SamplingParams` is validated at construction, so everything past it (scheduler, sampler, the mesh
-workers that forward it) can trust it. The sampler draws one token per row of a logits matrix, each row
-under its own parameters and its own `torch.Generator`: a seeded request samples the same tokens whatever
-else shares its batch, because its noise comes only from its generator.
-
-Order of the filters (as SGLang applies them): temperature, then top-k, top-p and min-p on the tempered
-distribution, renormalized. Logprobs are always of the model's raw distribution (log_softmax of the
-logits, before temperature or filtering), which is what OpenAI's `logprobs` reports.
-
-Legend: S rows (sequences), V vocabulary.
-"""
+# Legend: S rows (sequences), V vocabulary.
+# Filter order (as SGLang's): temperature, then top-k, top-p and min-p on the tempered distribution,
+# renormalized. Logprobs are of the raw distribution (log_softmax before temperature or filters), as OpenAI's.
 
 from __future__ import annotations
 
@@ -34,15 +28,11 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request. Invalid values raise ValueError naming the field.
-
-    temperature 0 means greedy. top_k -1 or 0 turns top-k off. `logprobs` is either a bool (OpenAI chat:
-    report the chosen token's logprob; `top_logprobs` alternatives) or an int n (OpenAI completions /
-    vLLM: report the chosen token plus the top n alternatives). `stop` strings are matched on the
-    detokenized output, which is cut before the match; `stop_token_ids` end the request on that token.
-    Penalties, logit_bias, min_tokens and `guided` (structured output) are applied by
-    logits_processors.py with vLLM's semantics; logit_bias is (token id, bias) pairs.
-    """
+    """How to sample one request (invalid values raise ValueError naming the field), with OpenAI's and vLLM's
+    meanings: temperature 0 is greedy, top_k -1 or 0 is off, `logprobs` a bool (chat) or an int n (completions).
+    Penalties, logit_bias ((id, bias) pairs), min_tokens and `guided` apply in logits_processors.py."""
+    # `stop` strings are matched on the detokenized output, cut before the match; `stop_token_ids` end the
+    # request on that token.
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -220,13 +210,11 @@ def sample(
     keys: Sequence[tuple[int, int]] | None = None,
     raw_logits: torch.Tensor | None = None,
 ) -> SampleOutput:
-    """Sample one token per row. Greedy rows (temperature 0 or top_k 1) take the argmax and use no noise.
-
-    keys: (seed, position) per row. On CUDA, rows that `one_pass_ok` are sampled by the one-pass Gumbel-max
-    kernel keyed by them (libs.kernels.gumbel: noise from the request's seed and the token's position,
-    so a request draws the same whatever shares its batch, and a prefill and a decode side agree); every
-    other row, and every row elsewhere, takes the exact sampler with its generator.
-    raw_logits: the logits before logits processing, which logprobs report (default: `logits`)."""
+    """Sample one token per row (greedy rows take the argmax, no noise). keys: (seed, position) per row, for
+    the one-pass Gumbel-max kernel on CUDA rows that `one_pass_ok`; other rows take the exact sampler with
+    their generator. raw_logits (default `logits`): before logits processing, what logprobs report."""
+    # The kernel's noise comes from seed and position (libs.kernels.gumbel), so a request draws the same
+    # whatever shares its batch, and a prefill and a decode side agree.
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(
             f"sample() needs logits [S, V] with S == len(params) == len(generators); got "
