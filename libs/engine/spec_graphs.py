@@ -1,21 +1,14 @@
-"""CUDA graphs for MTP speculative decoding (libs/engine/speculative.py): the target's verify forward and
-the MTP module's draft steps, both run as decode-shaped "rows".
+"""CUDA graphs for MTP speculative decoding (speculative.py): the target's verify forward and the MTP module's
+draft steps, both run as decode-shaped rows and captured per row-count bucket by `RowGraphRunner`. The
+pure part (`chunk_rows`, `row_chunks`) is tested on CPU."""
 
-A verify chunk [t_c, d_1..d_k] at positions c..c+k is k+1 rows of a decode step: row j feeds one token at
-position c+j, with the sequence's page table and KV length c+j+1. Each layer writes every row's latent row
-before any row attends, so row j attends over exactly the chunk's causal prefix 0..c+j: the chunk's
-absorbed attention, computed by the decode kernel. The MTP module's extend over verified positions and
-its chained single-token steps are rows the same way. So both forwards are decode steps of n rows:
-captured per row-count bucket (`capture_sizes`, `bucket_for`) and replayed from the decode graphs'
-packed input layout (`DecodeLayout`, `fill_decode_inputs` in libs/engine/cuda_graph.py: padding rows
-write the scratch page), plus, for the MTP module, a static [b, D] hidden-state input.
-
-`RowGraphRunner` captures any `body(step, hidden) -> tensors` this way; the caller (MTPEngine) says
-what the body is (target: hidden and logits; MTP: its hidden) and falls back to the same rows eagerly
-when `can_run` says no or a capture fails. The pure part (`chunk_rows`, `row_chunks`) is tested on CPU.
-
-Legend: n rows, b the captured row count (n padded), D hidden, P pages in the table.
-"""
+# Legend: n rows, b the captured row count (n padded), D hidden, P pages in the table.
+# A verify chunk [t_c, d_1..d_k] at positions c..c+k is k+1 decode rows: row j feeds one token at c+j with
+# KV length c+j+1. Each layer writes every row's latent row before any row attends, so row j sees exactly
+# the chunk's causal prefix: the chunk's absorbed attention, by the decode kernel. MTP's extend and chained
+# steps are rows the same way. Inputs use the decode graphs' packed layout (cuda_graph.DecodeLayout,
+# fill_decode_inputs), plus a static [b, D] hidden input for the MTP module. The caller (MTPEngine) falls
+# back to the same rows eagerly when `can_run` says no or a capture fails.
 
 from __future__ import annotations
 
@@ -70,10 +63,9 @@ class _Graph:
 
 
 class RowGraphRunner:
-    """Captures and replays `body` over n decode rows, one graph per row-count bucket (lazily, on first
-    use, after two eager warm-up runs on padding rows). hidden_dim: the width of the body's hidden input
-    (None: no hidden input). All buckets share one memory pool; outputs are views valid until the next
-    replay of the same bucket."""
+    """Captures (lazily, after two eager warm-up runs) and replays `body` over n decode rows, one graph per
+    row-count bucket sharing one memory pool; outputs are views valid until that bucket's next replay.
+    hidden_dim: the width of the body's hidden input (None: none)."""
 
     def __init__(
         self, body: Body, backend: AttentionBackend, sizes: Sequence[int], *, page_size: int, scratch_page: int,
@@ -105,10 +97,9 @@ class RowGraphRunner:
         self, tokens: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
         hidden: torch.Tensor | None = None, patch_ids: IdsPatch | None = None,
     ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-        """The body's outputs for n rows ([n, ...] views of the graph's outputs). hidden [n, D]: the rows'
-        hidden input (required iff the runner has hidden_dim). patch_ids: writes token ids the host does
-        not know (drafts still on the device) into the rows' device ids [n] before the replay; `tokens`
-        holds placeholders there. GraphCaptureError: nothing replayed."""
+        """The body's outputs for n rows ([n, ...] views). hidden [n, D]: required iff the runner has
+        hidden_dim. patch_ids: device token ids (drafts) written over `tokens`' placeholders before the
+        replay. GraphCaptureError: nothing replayed."""
         n = len(tokens)
         b = bucket_for(n, self.sizes)
         if b is None:
