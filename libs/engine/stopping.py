@@ -1,13 +1,9 @@
-"""When a request ends: stop token ids, EOS (unless ignore_eos), stop strings, max_tokens.
+"""When a request ends: stop token ids, EOS (unless ignore_eos), stop strings, max_tokens, checked after every
+sampled token in that order (the first three only from min_tokens on, as vLLM's check_stop). Output text is
+cut before a stop string; the token that completed it stays in token_ids (as vLLM does)."""
 
-None of the first three count before min_tokens output tokens exist (vLLM's check_stop); text produced
-before then is never searched for stop strings.
-
-Checked after every sampled token, in that order (a token that is both EOS and the last allowed one
-ends with "stop"). Stop strings are matched on detokenized text with libs.tokenizer's incremental
-detokenizer and StopMatcher, so a stop string split across tokens is still found; the output text is
-cut before it, while the token that completed it stays in token_ids (as vLLM does).
-"""
+# Stop strings are matched on text from libs.tokenizer's incremental detokenizer and StopMatcher, so one split
+# across tokens is found; text produced before min_tokens is never searched.
 
 from __future__ import annotations
 
