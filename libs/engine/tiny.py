@@ -1,17 +1,11 @@
-"""Random DeepSeek-V3-architecture checkpoint folders, written locally, for tests and the embedded default.
+"""Random DeepSeek-V3-architecture checkpoint folders, written locally, for tests and the embedded default,
+laid out as DeepSeek's own (config.json in its field names, two shards with an index, one tensor per expert,
+the tiny tokenizer); fp8=True stores linears as DeepSeek-V3 ships them. Same seed, same tensors either way."""
 
-The folder looks like DeepSeek's own: config.json in DeepSeek's field names (`rope_scaling` yarn, not
-transformers' newer `rope_parameters`), two safetensors shards with `model.safetensors.index.json`,
-transformers' weight names with one tensor per expert, generation_config.json, and the tiny tokenizer
-from libs.tokenizer.build. With fp8=True the linear weights are stored as DeepSeek-V3 ships them:
-float8_e4m3fn plus a float32 `<name>_scale_inv` per 128x128 block (embeddings, norms, the router and
-lm_head stay float32). The same seed gives the same tensors with or without fp8, so a test can check
-the fp8 folder against the float one.
-
-Init scale is chosen for a usable toy, not for training: unit-variance embeddings and fan-in scaled
-linears keep activations O(1) through the layers, and norms/router bias get noise, so logits are
-spread out, routing and bias matter, and greedy output varies from position to position.
-"""
+# FP8: float8_e4m3fn plus float32 `<name>_scale_inv` per 128x128 block (embeddings, norms, router and lm_head
+# stay float32), so a test can check the fp8 folder against the float one. The init makes a usable toy:
+# unit-variance embeddings and fan-in scaled linears keep activations O(1), and noise on norms and router
+# bias spreads logits and makes routing matter.
 
 from __future__ import annotations
 
@@ -250,10 +244,8 @@ def write_tiny_model(
     out_dir: str | Path, seed: int = 0, fp8: bool = False, *, overwrite: bool = False, **config_overrides: Any
 ) -> Path:
     """Write a random DeepSeek-V3-architecture checkpoint folder into out_dir and return its path.
-
-    config_overrides are config.json keys (e.g. n_group=2, q_lora_rank=None, rope_scaling=None).
-    A non-empty out_dir is refused unless overwrite=True (then the same file names are replaced).
-    """
+    config_overrides are config.json keys (e.g. n_group=2, q_lora_rank=None, rope_scaling=None). A non-empty
+    out_dir is refused unless overwrite=True (then the same file names are replaced)."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a directory")
