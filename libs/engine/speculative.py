@@ -1,38 +1,21 @@
-"""Speculative decoding with DeepSeek's MTP module as the draft model: `MTPEngine`.
+"""Speculative decoding with DeepSeek's MTP module as the draft model (`MTPEngine`): per step, verify last
+step's k drafts in one target forward, accept (greedy: exactly greedy decoding's output; sampled: rejection
+sampling, keeping the target's distribution), then draft k more with the MTP module. Drafts change speed only."""
 
-One engine step, per decoding request with num_computed = c (its newest token t_c not yet fed):
-
-1. verify: one target forward over [t_c, d_1..d_k] at positions c..c+k (the drafts made last step) in
-   the paged latent cache, absorbed MLA as plain decode runs it; logits at every position.
-2. accept: greedy keeps drafts while they equal the target's argmax, then adds the target's own token
-   (the correction, or after k hits a bonus token), so the output is exactly greedy decoding's. Sampled
-   requests use rejection sampling (accept d_i with probability min(1, p(d_i)/q(d_i)), else draw from
-   max(p - q, 0) renormalized), which keeps the target's distribution p (Leviathan et al. 2023).
-   The KV rows of the rejected drafts are rolled back by moving num_computed back (they are
-   overwritten by the next forward) and giving back pages beyond the request's tokens.
-3. draft: the MTP module extends its own cache over the positions the target just verified (their
-   target hidden states and next tokens), which yields d_1 at the last position, then runs k-1
-   single-token steps feeding its own hidden state back for d_2..d_k.
-
-The drafts stay on the device between the draft and the next verify (`DraftBatch`): a chained draft step
-takes the previous step's tokens there, the verify rows take them there (graphs on), and they reach the
-host with the verify's argmax in one read, so a greedy step syncs with the device once and returns while
-its draft still runs; the MTP extend (3.) is launched before the host's per-request stop checks of 2.
-Index tensors go to the device from pinned memory (never a stream wait).
-
-Prefill chunks run the target and then the same MTP extend, so the MTP cache covers the prompt. Drafts
-only ever change speed, never output: a request with no drafts (just joined from a PD prefill worker,
-or no free page for the draft rows) verifies only t_c, which is plain decoding.
-
-On the paged attention backends the verify forward and the MTP steps after it run as decode rows (one
-row per token, libs/engine/spec_graphs.py), from CUDA graphs wherever the engine captures decode graphs;
-the torch reference runs them as absorbed multi-token chunks. Known limits: the MTP rows of a PD-joined
-prompt are not transferred (its first drafts attend to stale rows, so fewer are accepted). Under EP
-(libs/ep/rank.py) each rank runs one of these, its MTP module whole and local: only the target's MoE
-layers join the group's rounds.
-
-Legend: T tokens in a forward, V vocabulary, D hidden, k draft tokens.
-"""
+# Legend: T tokens in a forward, V vocabulary, D hidden, k draft tokens.
+# Verify: one target forward over [t_c, d_1..d_k] at positions c..c+k, absorbed MLA as plain decode runs it.
+# Accept: greedy keeps drafts equal to the target's argmax, then adds the target's own token; sampled accepts
+# d_i with probability min(1, p/q), else draws from max(p - q, 0) renormalized (Leviathan et al. 2023).
+# Rejected drafts' KV rows are rolled back by moving num_computed back and returning pages past the tokens.
+# Draft: the MTP module extends its cache over the verified positions (target hidden states, next tokens),
+# giving d_1, then k-1 single-token steps feeding its own hidden state back.
+# Drafts stay on the device (`DraftBatch`) and reach the host with the verify's argmax in one read, so a
+# greedy step syncs once and returns while its draft runs; index tensors come from pinned memory. Prefill
+# chunks run the same MTP extend, so its cache covers the prompt; a request without drafts (just joined from
+# PD, or no page for draft rows) verifies only t_c. On paged backends verify and MTP steps run as decode rows
+# (spec_graphs.py), from CUDA graphs where decode graphs are captured. Known limit: a PD-joined prompt's MTP
+# rows are not transferred (its first drafts attend to stale rows). Under EP each rank runs one, its MTP
+# module whole and local.
 
 from __future__ import annotations
 
@@ -450,10 +433,9 @@ class MTPEngine(Engine):
     def _mtp_forward(
         self, chunks: Sequence[Chunk], hidden: torch.Tensor, tokens: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Short chunks (what follows a verify) attend in latent space, as the verify does: the expanded
-        form would re-expand every cached row of the sequence for a token or two. On the paged backends
-        they run as decode rows, replayed from a CUDA graph where one is captured. tokens [T] (device):
-        the input tokens, read on the device (chained drafts); the chunks' tokens are then placeholders."""
+        """The MTP module over short chunks, in latent space as the verify does (the expanded form would
+        re-expand every cached row for a token or two); on paged backends as decode rows. tokens [T]
+        (device), when given, replace the chunks' placeholder tokens (chained drafts)."""
         short = max(len(c.tokens) for c in chunks) <= self.k + 1
         if short and self._rows:
             patch = None if tokens is None else _copy_from(tokens)
