@@ -1,34 +1,20 @@
-"""Two-batch overlap (TBO): one forward run as two micro-batches whose layers interleave, so that one
-micro-batch's expert-parallel dispatch/combine is in flight while the other computes (SGLang's
-two_batch_overlap.py and its operations strategy for DeepSeek decode).
+"""Two-batch overlap (TBO): one forward run as two micro-batches whose layers interleave, so one micro-batch's
+EP dispatch/combine is in flight while the other computes (SGLang's two_batch_overlap.py). With no EP hook
+nothing is communicated: TBO only splits the batch, and the outputs must not change."""
 
-Legend: T tokens, S sequences, D hidden, K experts per token, L layers.
-
-Split (`split_index`, `split_step`): by sequences, a decode batch in half, an extend batch where half its
-tokens are reached. Each micro-batch reads views of the step's inputs and attention metadata, so a captured
-decode graph holds the split forward as well. FlashInfer plans a wrapper per forward: it plans one per
-micro-batch of a decode forward (`plan_micro_batches`, or `plan_graph` before a replay; the metadata's
-`part` names which) and its extend forwards run whole (`splits_extend` False).
-
-Schedule. Each micro-batch's forward is a generator that yields between stages, three per layer:
-  0  attention (with its norms) and the router               | 1  dispatch launch, shared experts
-  2  dispatch wait, local experts, combine launch             | (next 0 starts with the combine wait)
-`run_overlapped` runs A two stages ahead, then alternates B, A. Per layer that launches A's dispatch and
-combine, then B's, as the sequential rounds do (idle EP ranks and ranks without TBO issue the same
-collectives in the same order), while A's dispatch flies over B's attention, A's combine over B's shared
-experts, B's dispatch over A's next attention and B's combine over A's next shared experts. Dense layers
-and fused local MoEs yield the same three times with nothing in flight: the two generators stay in step.
-
-Overlap is done with asynchronous collectives: an EP hook that has `stages(x, ids, weights)` (libs/ep)
-launches its dispatcher's `dispatch_start`/`combine_start` (torch.distributed async work: gloo on a
-background thread, NCCL on its own stream, the wait() making the compute stream wait on it); a hook
-without it runs its whole MoE in stage 1. With no EP hook (one rank, or the emulated EP of
-libs/ep/emulated.py) nothing is communicated: TBO then only splits the batch, and the outputs must not
-change (the tests compare), nor should the step time more than the smaller GEMMs cost.
-
-An EP group runs TBO on every rank or none (`EPRuntime.rounds_per_layer`): every forward of a TBO rank is
-two micro-batches, the second empty when there is one sequence, so each MoE layer is always two rounds.
-"""
+# Legend: T tokens, S sequences, D hidden, K experts per token, L layers.
+# Split (`split_index`, `split_step`) by sequences: a decode batch in half, an extend batch where half its
+# tokens are reached. Micro-batches read views of the step's inputs and metadata, so a captured decode graph
+# holds the split forward too. FlashInfer plans one wrapper per decode micro-batch (`plan_micro_batches`, or
+# `plan_graph` before a replay; the metadata's `part` names which); its extend forwards run whole.
+# Schedule: each micro-batch's forward is a generator yielding three stages per layer: 0 attention + router,
+# 1 dispatch launch + shared experts, 2 dispatch wait + local experts + combine launch (the next 0 waits on
+# the combine). `run_overlapped` runs A two stages ahead, then alternates B, A: collectives launch in the
+# sequential rounds' order (A's, then B's), while each flies over the other micro-batch's compute. Dense
+# layers and fused local MoEs yield as often with nothing in flight, so the generators stay in step.
+# An EP hook with `stages(x, ids, weights)` uses its dispatcher's dispatch_start/combine_start (async
+# torch.distributed work); one without runs its whole MoE in stage 1. An EP group runs TBO on every rank or
+# none: each forward is two micro-batches (the second empty for one sequence), each MoE layer two rounds.
 
 from __future__ import annotations
 
@@ -75,13 +61,9 @@ def split_step(step: StepInputs, s: int) -> tuple[StepInputs, StepInputs]:
 
 
 def _paged_part(meta: PagedMetadata, rows: slice, ext: list[int], part: int) -> PagedMetadata:
-    """One micro-batch's rows of the paged metadata, with the whole step's split-K count for the Triton MLA
-    decode. Chosen again for half the sequences, it was 2 at B=256 (128 heads: 256 programs of a micro-batch
-    of 128 already fill the 132 SMs twice over, which is all the split aims at), and the H200 micro-benchmark
-    timed B=128 at 2 splits 355 us against 596-618 us for B=256 at 1 (bench/results/kernels-20261130T*):
-    two micro-batches cost ~110 us more per layer than the whole batch, ~6.7 ms per 61-layer step, where at 1
-    split each should take about half the whole batch's time (same programs per SM, no combine pass, no
-    fp32 partials)."""
+    """One micro-batch's rows of the paged metadata, keeping the whole step's split-K count for the Triton MLA
+    decode: re-chosen for half the sequences it would add splits that the SMs do not need (a half batch fills
+    them already) and that cost a combine pass and fp32 partials (bench/NOTES-code-history.md)."""
     return PagedMetadata(
         meta.page_table[rows], meta.seq_lens[rows], meta.page_size, meta.num_splits,
         None if meta.extend_lens is None else ext, None if meta.kv_lens is None else meta.kv_lens[rows], part,
@@ -201,10 +183,9 @@ def fused_stages(model, step: StepInputs, kv) -> Stages:
 
 
 class TwoBatchOverlap:
-    """What `DeepseekV3ForCausalLM.tbo` is set to (`enable`): its forward_step over two micro-batches.
-
-    paired: every forward runs as two micro-batches (an EP group's ranks, whose MoE rounds come in pairs),
-    the second one empty when the batch has a single sequence; else such a batch runs whole."""
+    """What `DeepseekV3ForCausalLM.tbo` is set to (`enable`): its forward_step over two micro-batches. paired:
+    every forward is two micro-batches (an EP group's ranks, whose MoE rounds come in pairs), the second empty
+    for a single sequence; else such a batch runs whole."""
 
     def __init__(self, paired: bool = False, delta: int = 2) -> None:
         self.paired, self.delta = paired, delta
