@@ -1,31 +1,16 @@
-"""Logits processing before sampling: structured output, min_tokens, logit_bias and the three penalties.
+"""Logits processing before sampling, with vLLM's semantics and order: structured output, min_tokens,
+logit_bias, then repetition, frequency and presence penalties. The engine calls `add` per new request, `apply`
+on the logits before `sample`, `accept` with the sampled tokens, `remove` when the request ends."""
 
-The engine calls one `LogitsProcessors` per step: `add` when a request is created, `apply` on the batch's
-logits right before `sample`, `accept` with the sampled tokens, `remove` when the request ends. Requests
-that use none of these never enter it, and a batch with no such request costs one dict check.
-
-Semantics are vLLM's (v1 sampler and `apply_penalties`), applied in vLLM's order:
-1. structured output: the grammar's token bitmask, filled on the host by xgrammar (while the forward
-   runs on the GPU, as kernel launches are asynchronous) and applied on the device (-inf where not allowed);
-2. min_tokens: the stop token ids and EOS (unless ignore_eos) are -inf while fewer than min_tokens
-   output tokens exist;
-3. logit_bias: added to the logits by token id;
-4. repetition_penalty over prompt + output tokens (positive logits divided, negative multiplied),
-   then frequency_penalty * count and presence_penalty * [count > 0] subtracted, over output tokens only.
-
-Penalty state lives on the device, one row per penalized request in a slot table: `counts[slot]` (output
-token counts) and `seen[slot]` (prompt or output token), updated in place by one scatter per step, never
-rebuilt from the history.
-
-Cost per step on a GPU (bench/sampler_cost.py): the logits are cast to float32 once; the grammar bitmask is
-applied packed by xgrammar's kernel; min_tokens and logit_bias are one sparse scatter each over flat
-(row * V + token) indices; the penalties are one fused pass over the penalized rows (libs/kernels/penalties.py).
-The index and parameter tensors of a batch (a `_Plan`) go to the device in two non-blocking copies and are
-kept while the batch's requests (and which of them are under min_tokens) stay the same, so a steady decode
-step builds nothing on the host but its key, and nothing in `apply` or `accept` waits for the device.
-
-Legend: S rows (sequences) of the logits, P penalized rows, G grammar rows, V vocabulary.
-"""
+# Legend: S rows (sequences) of the logits, P penalized rows, G grammar rows, V vocabulary.
+# Structured output: xgrammar fills the bitmask on the host while the forward runs, applied on the device.
+# min_tokens: stop ids and EOS (unless ignore_eos) are -inf until min_tokens outputs exist. Penalties:
+# repetition over prompt + output (positive logits divided, negative multiplied), then frequency * count
+# and presence * [count > 0] over output only. Requests that use none of these never enter, and a batch
+# without any costs one dict check. Penalty state lives on the device, a row per penalized request
+# (`counts`, `seen`), updated by one scatter per step, never rebuilt. A batch's index and parameter tensors
+# (a `_Plan`) go to the device in two non-blocking copies and are kept while the batch stays the same, so a
+# steady step builds nothing on the host but its key and nothing waits for the device (bench/sampler_cost.py).
 
 from __future__ import annotations
 
