@@ -1,18 +1,11 @@
-"""DeepSeek-V3's multi-token-prediction (MTP) module, the draft model of speculative decoding.
+"""DeepSeek-V3's multi-token-prediction (MTP) module, the draft model of speculative decoding, as vLLM's and
+SGLang's DeepSeek MTP run it: at position i, x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]), g_i = block(x),
+logits = head(norm(g_i)) predicts token i+2; chained drafting feeds g_i back as the next "hidden"."""
 
-A checkpoint with `num_nextn_predict_layers: 1` stores it as layer `num_hidden_layers` (61 in V3):
-`enorm`, `hnorm`, `eh_proj`, a full decoder block (MLA + MoE), `shared_head.norm`, `shared_head.head`
-and its own copy of `embed_tokens`. At position i it reads the target model's final (normed) hidden
-state h_i and the embedding of token i+1, and predicts token i+2:
-
-    x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]);  g_i = block(x);  logits = head(norm(g_i))
-
-as vLLM's and SGLang's DeepSeek MTP run it. Chained drafting feeds g_i back as the next position's
-"hidden". The block has its own latent KV, kept in a one-layer pool page-aligned with the target's
-(same page ids and slots), so a request's page table addresses both.
-
-Legend: T tokens, D hidden.
-"""
+# Legend: T tokens, D hidden.
+# A checkpoint with num_nextn_predict_layers: 1 stores it as layer num_hidden_layers: enorm, hnorm, eh_proj,
+# a full decoder block, shared_head.norm, shared_head.head and its own embed_tokens. The block's latent KV
+# lives in a one-layer pool page-aligned with the target's (same page ids and slots): one page table for both.
 
 from __future__ import annotations
 
