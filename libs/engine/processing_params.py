@@ -1,7 +1,6 @@
 """What a request asks of the logits processors, and its checks: the structured-output constraint
-(`GuidedSpec`), logit-bias bounds, which requests need processing. Apart from libs.engine.logits_processors
-(which applies them) and libs.engine.grammar (which imports xgrammar), so sampling.py can validate
-SamplingParams without importing either; `p` is a SamplingParams (duck-typed, so no import cycle)."""
+(`GuidedSpec`), logit-bias bounds, which requests need processing; kept apart from logits_processors and
+grammar so sampling.py validates SamplingParams without importing either (`p` is duck-typed)."""
 
 from __future__ import annotations
 
