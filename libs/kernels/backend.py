@@ -1,11 +1,6 @@
-"""Kernel backends chosen by device: the engine calls these; CUDA tensors go to the Triton kernels, CPU
-tensors to the plain-torch references.
-
-The engine side calls (attention goes through libs.engine.layers.attention_backend instead):
-- `moe_route(logits, bias, ...)` -> (weights, ids)
-- `fp8_linear`, `fp8_swiglu_mlp`, `fp8_moe` (masked decode / contiguous prefill): an FP8 checkpoint kept
-  in FP8 (libs.engine.layers.fp8_linear); torch references of the same math where Triton cannot run
-"""
+"""Kernel backends chosen by device, called by the engine's FP8 modules (libs.engine.layers.fp8_linear):
+`moe_route`, `fp8_linear`, `fp8_swiglu_mlp`, `fp8_moe`. CUDA tensors go to the Triton kernels, CPU tensors to
+the plain-torch references of the same math. Attention goes through libs.engine.layers.attention_backend."""
 
 from __future__ import annotations
 
@@ -70,16 +65,12 @@ def fp8_moe(
     add: torch.Tensor | None = None, *, masked: bool, block_m: int = 64, m_max: int | None = None,
     quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Routed experts with FP8 weights: x [T, D], ids [T, K] expert per slot (-1: none; a token's K ids
-    distinct, as top-k gives them), weights [T, K] f32, w13 = (gate_up [E, 2I, D], scales [E, 2I/128, D/128]),
-    w2 = (down [E, D, I], scales [E, D/128, I/128]) -> [T, D] in x.dtype = sum_k weights * expert(x) (+ add).
-
-    masked=True: the graph-safe decode layout (no host sync, buffers [E, T, D] fixed by the shapes: an
-    expert gets at most one row per token); masked=False: contiguous rows sorted by expert, padded to
-    block_m (one host sync for the run lengths; prefill). m_max: masked rows per expert (default T, one per
-    token; an emulated EP rank whose picks repeat a local expert needs T * K). quantized: x as 1x128 FP8
-    rows + scales already (what an EP dispatch received): the masked layout copies those bytes into its
-    expert buffers instead of quantizing x again."""
+    """Routed experts with FP8 weights: x [T, D], ids [T, K] (-1: none; distinct per token), weights [T, K] f32,
+    w13 = (gate_up [E, 2I, D], scales), w2 = (down [E, D, I], scales) -> [T, D] = sum_k weights * expert(x)
+    (+ add). masked=True: the graph-safe decode layout; False: contiguous by expert (one host sync; prefill)."""
+    # masked buffers are [E, m_max, D], fixed by the shapes: m_max defaults to T (an expert gets at most one
+    # row per token); an emulated EP rank whose picks repeat a local expert needs T * K. quantized: x as 1x128
+    # FP8 rows + scales already (what an EP dispatch received), copied into the expert buffers as they are.
     if x.shape[0] == 0:
         return torch.zeros_like(x) if add is None else add.clone()
     if not triton_usable(x):
