@@ -1,10 +1,9 @@
-"""Optional MLA backends from FlashInfer: decode with BatchMLAPagedAttentionWrapper (fa3 on Hopper),
-prefill (expanded form) with BatchPrefillWithRaggedKVCacheWrapper.
+"""Optional MLA backends from FlashInfer (not a dependency: `available()` says whether it imports): decode with
+BatchMLAPagedAttentionWrapper, prefill with BatchPrefillWithRaggedKVCacheWrapper. `plan` runs once per batch
+composition (host work, outside CUDA graphs), `run` once per layer."""
 
-FlashInfer is not a dependency: `available()` says whether it imports. The latent pool's rows
-[slots, 576] are viewed as FlashInfer's two caches ([pages, page_size, 512] and [.., 64]) without a copy.
-`plan` runs once per batch composition (host work, outside CUDA graphs); `run` once per layer.
-"""
+# The latent pool's rows [slots, 576] are viewed as FlashInfer's two caches ([pages, page_size, 512] and
+# [.., 64]) without a copy.
 
 from __future__ import annotations
 
