@@ -1,23 +1,15 @@
-"""FP8 block-scaled GEMMs in Triton, with DeepSeek-V3's quantization: 1x128 activation scales, one per
-token and 128-wide group of K, computed on the fly; 128x128 weight scales (`weight_scale_inv`).
+"""FP8 block-scaled GEMMs in Triton with DeepSeek-V3's quantization (1x128 activation scales computed on the
+fly, 128x128 weight scales), in three layouts: dense, masked (CUDA-graph decode, fixed grid) and contiguous
+(prefill). A shape's kernel choice comes from a tuning table or a fixed default, the same in every process."""
 
-    out[m, n] = sum_kb (xq[m, kb] . w[n, kb]) * xs[m, kb] * ws[n // 128, kb]      (kb: 128-wide K blocks)
-
-Three layouts share one kernel body:
-- dense: x [M, K] against one weight [N, K] (attention projections, shared and dense experts);
-- masked (CUDA-graph decode): x [E, M_max, K] with `counts[E]` valid rows per expert, as a low-latency
-  EP dispatch delivers them; tiles past an expert's count exit at once, so the grid is fixed;
-- contiguous (prefill): rows sorted by expert, each expert's run padded to BLOCK_M, with the expert of
-  each row tile in `tile_expert` (-1 for an empty tile).
-Program order keeps the row tiles of one column tile adjacent, so a weight tile read from HBM is reused
-from L2 by every row tile of its expert: for decode the weights are the bytes that matter.
-
-On a GPU the dense and masked entry points pick their kernel per (layout, bucket of M, N, K, experts)
-through libs/kernels/gemm_tuning.py: the Triton kernel's tile config (`_launch_triton`), and on SM90
-`fp8_gemm_sm90`'s Gluon WGMMA configs and (dense) split-K (`_choose`, `_split_choice`). A tuning table's
-entry wins; a shape without one takes a fixed default (`default_config`, the Triton kernel, `split_k_for`),
-the same in every process. The contiguous layout picks likewise with its row tile fixed at its padding's.
-"""
+#   out[m, n] = sum_kb (xq[m, kb] . w[n, kb]) * xs[m, kb] * ws[n // 128, kb]      (kb: 128-wide K blocks)
+# dense: x [M, K] against one weight [N, K]. masked: x [E, M_max, K] with `counts[E]` valid rows per expert,
+# as a low-latency EP dispatch delivers them; tiles past a count exit at once. contiguous: rows sorted by
+# expert, each run padded to BLOCK_M, `tile_expert` per row tile (-1: empty). Program order keeps one column
+# tile's row tiles adjacent, so a weight tile is reused from L2: for decode the weights are what matters.
+# Choice per (layout, bucket of M, N, K, experts) via gemm_tuning.py: the Triton tile config
+# (`_launch_triton`) and on SM90 fp8_gemm_sm90's Gluon configs and split-K (`_choose`, `_split_choice`); a
+# table entry wins, else `default_config`, the Triton kernel, `split_k_for`.
 
 from __future__ import annotations
 
