@@ -1,22 +1,12 @@
-"""Hopper (SM90) FP8 block-scaled GEMM in Gluon: TMA-fed shared-memory ring, asynchronous WGMMA, and the
-per-128-K scale promotion overlapped with the next block's MMA.
+"""Hopper (SM90) FP8 block-scaled GEMM in Gluon, with fp8_gemm's math and layouts: TMA-fed shared-memory ring,
+asynchronous WGMMA, the per-128-K scale promotion overlapped with the next block's MMA. The wrapper falls
+back to the Triton kernel unless: SM90, rows per tile >= 64, K % 128 == 0, grouped N % BLOCK_N == 0."""
 
-Same math and layouts as `libs.kernels.fp8_gemm` (dense, masked grouped, contiguous grouped):
-
-    out[m, n] = sum_kb (xq[m, kb] . w[n, kb]) * xs[m, kb] * ws[n // 128, kb]      (kb: 128-wide K blocks)
-
-Why a second kernel: Triton's `acc += tl.dot(a, b) * scale` makes every 128-deep MMA wait for its own
-result before the fp32 rescale, so the tensor cores idle once per K block (measured 190-800 TFLOP/s on
-the decode shapes). Here the MMA of block kb+1 is issued before block kb's partial product is waited
-for and promoted (two partial accumulators in flight, DeepGEMM's promotion scheme), and operand tiles
-arrive by TMA into a ring of NUM_BUFFERS stages, NUM_BUFFERS - 2 blocks ahead (one stage is still read
-by the MMA in flight, one is being waited on).
-
-Constraints (checked by the wrapper, which falls back to the Triton kernel otherwise): SM90, rows per
-tile >= 64 (WGMMA's M), K a multiple of 128, grouped layouts with N a multiple of BLOCK_N (weights are
-addressed as one [E * N, K] matrix). Gluon kernels do not run under the interpreter: CPU tests check
-that they compile for sm_90 (tests/libs/kernels/test_fp8_gemm_sm90.py); GPU tests check the numbers.
-"""
+# Why: Triton's `acc += tl.dot(a, b) * scale` makes every 128-deep MMA wait for its own result before the fp32
+# rescale, so the tensor cores idle once per K block. Here block kb+1's MMA is issued before block kb's
+# partial is waited for and promoted (two accumulators in flight, DeepGEMM's scheme), operands arriving by
+# TMA into NUM_BUFFERS stages, NUM_BUFFERS - 2 blocks ahead. Grouped weights are one [E * N, K] matrix. Gluon
+# does not run under the interpreter: CPU tests check it compiles for sm_90, GPU tests check the numbers.
 
 from __future__ import annotations
 
