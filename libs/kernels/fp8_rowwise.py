@@ -1,20 +1,13 @@
-"""Row-wise FP8 dense GEMMs through `torch._scaled_mm`: one scale per token for the activation, one
-per output channel for the weight — the per-token / per-channel FP8 that vLLM and SGLang offer for
-FP8 checkpoints, an accuracy trade against DeepSeek's 1x128 / 128x128 block scales.
+"""Row-wise FP8 dense GEMMs through `torch._scaled_mm` (one scale per token, one per output channel), the
+per-token / per-channel FP8 vLLM and SGLang offer, an accuracy trade against DeepSeek's block scales: a
+checkpoint weight is requantized once at load (dequantize 128x128 blocks, then row amax / 448)."""
 
-torch 2.11's `_scaled_mm` on SM90 takes tensor-wise or row-wise scales but not block scales, while
-its row-wise kernels run decode-sized projections much faster than our Triton block-scaled kernel.
-So a checkpoint weight is requantized once, at load time: dequantize its 128x128 blocks, then one
-scale per output row (row amax / 448). What is lost is the weight's within-row scale variation
-(blocks of one row whose scales differ share the row's coarser grid) and, on the activation side,
-the per-128-group scale (an outlier channel coarsens the whole token's grid).
-
-    out[m, n] = (xq[m, :] . wq[n, :]) * xs[m] * ws[n]
-
-Layout rules of `_scaled_mm` for row-wise scaling (torch 2.11, SM90): the first operand row-major
-[M, K] fp8, the second column-major [K, N] fp8 (here `wq.t()` of a row-major [N, K] weight), K and N
-multiples of 16, scale_a [M, 1] and scale_b [1, N] float32 contiguous, bf16 output.
-"""
+#   out[m, n] = (xq[m, :] . wq[n, :]) * xs[m] * ws[n]
+# Why: torch's `_scaled_mm` on SM90 takes row-wise but not block scales, and its row-wise kernels run
+# decode-sized projections much faster than the Triton block-scaled kernel. Lost: the within-row scale
+# variation of the weight, and the activation's per-128-group scale (an outlier coarsens the whole token).
+# `_scaled_mm` wants (torch 2.11, SM90): a row-major [M, K] fp8, b column-major [K, N] fp8 (`wq.t()`), K and N
+# multiples of 16, scale_a [M, 1] and scale_b [1, N] float32 contiguous, bf16 output.
 
 from __future__ import annotations
 
