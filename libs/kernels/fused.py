@@ -1,11 +1,9 @@
-"""Small fused kernels of the decode step that would otherwise be many tiny launches per layer:
-residual add + RMSNorm (alone or straight into 1x128 FP8), and MLA's RoPE + latent-row write into the
-paged KV cache.
+"""Small fused kernels of the decode step that would otherwise be many tiny launches per layer: residual add +
+RMSNorm (alone or straight into 1x128 FP8), and MLA's RoPE + latent-row write into the paged KV cache, in
+DeepSeek-V3's interleaved RoPE convention with the de-interleaved output layout transformers uses."""
 
-RoPE follows DeepSeek-V3's interleaved convention as transformers applies it: input pairs
-(x[2i], x[2i+1]) rotate by position * inv_freq[i], and the output is laid out de-interleaved
-([rotated evens | rotated odds]); q and k get the same layout, so their dot products are RoPE's.
-"""
+# Input pairs (x[2i], x[2i+1]) rotate by position * inv_freq[i]; the output is [rotated evens | rotated odds],
+# the same for q and k, so their dot products are RoPE's.
 
 from __future__ import annotations
 
@@ -139,11 +137,10 @@ def _rope_kv_kernel(
 def rope_and_write_kv(
     q_pe, q_out, k_pe, c_kv, kv_layer, positions, slots, cos_sin, kv_norm: torch.Tensor | None = None, eps=1e-6
 ) -> None:
-    """Rotate q_pe [T, H, 64] into q_out [T, H, 64] and write each token's latent row
-    [c_kv (512) | rotated k_pe (64)] into kv_layer [slots, 576] at slots [T]; cos_sin [max_pos, 64]
-    holds cos (32) then sin (32) per position. H must be a power of two. kv_norm [512]: c_kv is the raw
-    kv_a output and is RMS-normed with this weight on the way (MLA's kv_a_layernorm, rounded to c_kv's
-    dtype as add_rmsnorm's output would be)."""
+    """Rotate q_pe [T, H, 64] (H a power of two) into q_out and write each token's latent row [c_kv (512) |
+    rotated k_pe (64)] into kv_layer [slots, 576] at slots [T]; cos_sin [max_pos, 64] is cos (32)
+    then sin (32) per position. kv_norm [512]: RMS-norm the raw kv_a output c_kv with it on the way."""
+    # That is MLA's kv_a_layernorm, rounded to c_kv's dtype as add_rmsnorm's output would be.
     t, h, r = q_pe.shape
     if r != 64 or c_kv.shape[-1] != 512 or kv_layer.shape[-1] != 576 or k_pe.shape != (t, 64):
         raise ValueError("rope_and_write_kv expects 64-dim rope parts, 512-dim c_kv and 576-dim cache rows")
