@@ -1,19 +1,14 @@
-"""Kernel choices of the FP8 GEMMs (libs/kernels/fp8_gemm.py): a pure function of (shape key, device name,
-Triton version, tuning tables), so every process that serves a model picks the same tiles and sums in the
-same order (temperature 0 gives one answer whichever worker serves it).
+"""Kernel choices of the FP8 GEMMs (fp8_gemm.py) as a pure function of (shape key, device name, Triton version,
+tuning tables), so every serving process picks the same tiles and sum order: `choose` returns a table's entry,
+else the caller's fixed default. Candidates are timed only inside `tuning(table_dir)`, `moemesh tune`'s step."""
 
-`choose` returns a table's entry for the key, else the caller's fixed default for the shape. Only inside
-`tuning(table_dir)`, the offline step of `moemesh tune` (libs/kernels/tune_step.py), are candidates timed from
-CUDA-graph replays (`graph_time`, the one function that touches the GPU: CPU tests fake it) and the fastest
-written to the table in `table_dir`; a serving process never times anything.
-
-Keys hold a bucket of M (`m_bucket`), never M itself: prefill's token count changes almost every step.
-Powers of two keep their own bucket (each captured decode batch size); rows past M_BUCKET_MAX share one.
-
-Tables: one JSON file per device name and Triton version, {"tables": {table: {key: chosen candidate}}},
-read once per process from the shipped folder (libs/kernels/tuning/) and the user's folder
-(MOEMESH_TUNING_DIR, default ~/.cache/moemesh/tuning; empty: none), the user's entries winning.
-"""
+# Same sum order everywhere is why temperature 0 gives one answer whichever worker serves it. In tuning, the
+# candidates are timed from CUDA-graph replays (`graph_time`, the one function that touches the GPU; CPU tests
+# fake it) and the fastest written to `table_dir`. Keys hold a bucket of M (`m_bucket`), never M: prefill's
+# token count changes almost every step; powers of two keep their own bucket (the captured decode sizes),
+# rows past M_BUCKET_MAX share one. Tables: one JSON per device name and Triton version,
+# {"tables": {table: {key: candidate}}}, read once per process from libs/kernels/tuning/ and the user's
+# MOEMESH_TUNING_DIR (default ~/.cache/moemesh/tuning; empty: none), the user's entries winning.
 
 from __future__ import annotations
 
