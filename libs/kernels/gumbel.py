@@ -1,12 +1,10 @@
-"""Temperature sampling in one pass over the logits: Gumbel-max (argmax of logits / T + Gumbel noise draws
-from softmax(logits / T) exactly), noise from Philox keyed by each row's seed and decode position, so a
-captured decode step replayed at the next position draws fresh noise and a seeded request draws the same
-tokens whatever shares its batch. Temperature 0 is greedy (ties to the lowest id, as torch.argmax).
+"""Temperature sampling in one pass over the logits: Gumbel-max (argmax of logits / T + Gumbel noise, an exact
+draw from softmax(logits / T)) with Philox noise keyed by each row's seed and decode position, so a replayed
+graph draws fresh noise and a seeded request the same tokens whatever shares its batch. T = 0 is greedy."""
 
-Replaces the ~10 torch kernels (cast, rand, log, neg, log, neg, div, add, argmax) a decode step otherwise
-spends on a [B, V] fp32 copy of the logits, and, when asked, the chosen token's logprob in the same pass
-(no log_softmax copy). libs.engine.sampling's one-pass rows and the overlapped decode use it.
-"""
+# Greedy ties go to the lowest id, as torch.argmax. It replaces the ~10 torch kernels (cast, rand, log, neg,
+# log, neg, div, add, argmax) a step otherwise spends on a [B, V] fp32 copy, and gives the chosen token's
+# logprob in the same pass (no log_softmax copy). Used by sampling's one-pass rows and overlapped decode.
 
 from __future__ import annotations
 
@@ -68,10 +66,9 @@ def gumbel_sample(
     out: torch.Tensor | None = None,
     logprobs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits [B, V] (any float dtype, contiguous rows), temperatures [B] f32 (0: greedy), seeds [B] and
-    positions [B] integers -> token ids [B] (int64 unless `out` says otherwise). With `logprobs` (a [B]
-    float32 tensor) the same pass also writes each chosen token's log-probability under the raw logits
-    (log_softmax before temperature, what OpenAI's `logprobs` reports), by an online log-sum-exp."""
+    """logits [B, V] (any float dtype, contiguous rows), temperatures [B] f32 (0: greedy), seeds [B], positions
+    [B] -> token ids [B] (int64 unless `out` says otherwise). `logprobs` ([B] f32), when given, gets each chosen
+    token's log-probability under the raw logits (what OpenAI reports), by an online log-sum-exp."""
     b, v = logits.shape
     if logits.stride(-1) != 1:
         raise ValueError("logits need a contiguous last dimension")
