@@ -1,15 +1,12 @@
-"""Triton's CPU interpreter made to compute what the GPU computes, for tests and the EP rank processes they
-start (libs/ep/_preload.py applies it when TRITON_INTERPRET=1).
+"""Triton's CPU interpreter made to compute what the GPU computes (`patch_interpreter`), for tests and the EP
+rank processes they start (libs/ep/_preload.py applies it when TRITON_INTERPRET=1). Each patch below fixes one
+place where Triton 3.6's interpreter differs from the GPU or breaks a later compile."""
 
-Triton 3.6's interpreter converts a loaded scalar to an int with `int(array)`, which NumPy 2 refuses
-for the one-element arrays it uses; kernels with run-time loop bounds (a context length read from
-memory) need that conversion, so the interpreter's `__index__` is patched to take the element.
-Its float32 -> float8 cast also drops the carry when rounding overflows the mantissa (127.9 -> 64);
-that cast is done with torch instead, which rounds to nearest as the GPU does.
-A device-function call (`tl.cdiv` and the other triton.language.standard helpers) patches
-triton.language.core for the interpreter and never restores it, which breaks any later Gluon compile in
-the same process; the call is wrapped so its patches are undone when it returns.
-"""
+# `__index__`: it converts a loaded scalar with `int(array)`, which NumPy 2 refuses for one-element arrays
+# (kernels with run-time loop bounds need it). float32 -> float8: it drops the carry when rounding overflows
+# the mantissa (127.9 -> 64); torch does the cast instead, rounding to nearest as the GPU does.
+# Device-function calls (`tl.cdiv` and the other standard helpers) patch triton.language.core and never
+# restore it, breaking any later Gluon compile in the process; the call is wrapped to undo its patches.
 
 from __future__ import annotations
 
