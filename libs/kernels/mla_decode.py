@@ -1,19 +1,12 @@
-"""MLA decode attention (absorbed form) over the paged latent KV cache, as a Triton split-K kernel.
+"""MLA decode attention (absorbed form) over the paged latent KV cache as a Triton split-K kernel: queries of
+H heads x 576 (q_nope @ W_UK, then roped q_pe) against the cached latent rows -> [B, H, 512] in latent space
+(the caller applies W_UV). The split count depends on the batch size only, so a captured graph stays valid."""
 
-Each decode token has a query of H heads x (kv_lora_rank + rope) = 576 values: the absorbed
-q_nope @ W_UK (512) followed by the roped q_pe (64). Keys are the cached latent rows (576 values:
-normalized c_kv then roped k_pe); values are the first 512 values of the same rows, so one load of
-a row feeds both matrix products. Output is [B, H, 512] in latent space (the caller applies W_UV).
-
-Work split (flash-decoding): the grid is (head blocks, splits, sequences). Each program walks its
-share of one sequence's context in tiles of BLOCK_N rows through the page table, keeps an online
-softmax, and writes either the final output (one split) or a partial output plus its log-sum-exp
-for `_mla_combine`. The split count depends only on the batch size (and an upper bound of the
-context), never on the live sequence lengths, so a CUDA graph captured for a batch size stays valid.
-
-The latent cache may be bf16 or float8_e4m3fn with one per-tensor scale (`kv_scale`): fp8 rows are
-widened to bf16 in registers and the scale is folded into the softmax scale and the output.
-"""
+# Keys are the cached rows (c_kv then k_pe); values their first 512 values: one load feeds both products.
+# Flash-decoding: grid (head blocks, splits, sequences); each program walks its share of one context in
+# BLOCK_N-row tiles through the page table with an online softmax, writing the output (one split) or a
+# partial plus its log-sum-exp for `_mla_combine`. The cache may be bf16 or float8_e4m3fn with a per-tensor
+# `kv_scale`, widened to bf16 in registers with the scale folded into the softmax scale and the output.
 
 from __future__ import annotations
 
@@ -29,8 +22,8 @@ ROPE_DIM = 64
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """Tile shape of the split kernel. Defaults: the H200 sweep's best for 128 heads (bench/kernels.py,
-    B=256, ctx 2048: 64x64 tiles, 8 warps, 2 stages ~240 TFLOP/s; 32-row tiles ~170, 4 warps ~130)."""
+    """Tile shape of the split kernel. Defaults: the best of a sweep for 128 heads (bench/kernels.py; the
+    numbers: bench/NOTES-code-history.md)."""
 
     block_h: int = 64
     block_n: int = 64
@@ -144,14 +137,9 @@ def mla_decode(
     out: torch.Tensor | None = None,
     q_rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Absorbed MLA decode: q [B, H, 576] attends over each sequence's cached rows -> [B, H, 512].
-
-    q may also come in two parts, q [B, H, 512] and q_rope [B, H, 64], each with any batch and head
-    strides (e.g. the transposed output of the W_UK bmm), which saves a copy.
-    kv_cache: one layer's rows [slots, 576] (bf16, or float8_e4m3fn with `kv_scale`), slot =
-    page * page_size + offset; page_table [B, max_pages] int32 with any strides (the decode graphs keep it
-    column-major); seq_lens [B] int32 (>= 1 each).
-    """
+    """Absorbed MLA decode: q [B, H, 576] (or q [B, H, 512] + q_rope [B, H, 64], any strides) attends over
+    kv_cache [slots, 576] (bf16, or float8_e4m3fn with `kv_scale`) through page_table [B, max_pages] int32
+    (any strides) for seq_lens [B] int32 (>= 1) rows each -> [B, H, 512]."""
     cfg = cfg or MLAConfig()
     if q_rope is None:
         if q.shape[-1] != LATENT_DIM + ROPE_DIM:
