@@ -1,13 +1,10 @@
-"""Token permutation for the local experts of one EP rank, around the grouped FP8 GEMMs.
+"""Token permutation for the local experts of one EP rank, around the grouped FP8 GEMMs. Decode (CUDA graphs,
+no host sync): `align_masked` -> `moe_masked` -> `combine` over an [E, M_max, D] expert-major buffer; prefill:
+`align_contiguous` sorts pairs by expert, runs padded to the GEMM's row tile, for `fp8_gemm_contiguous`."""
 
-Legend: T tokens, K top-k, P = T*K token-expert pairs, E local experts, D hidden, I expert width.
-
-Decode (CUDA graphs, no host sync): `align_masked` gives each pair its row in an [E, M_max, D] buffer
-(expert-major, the layout a low-latency EP dispatch delivers) plus per-expert counts; `moe_masked`
-runs gate/up -> SwiGLU+quant -> down on that buffer and `combine` sums each token's K expert rows,
-weighted. Prefill: `align_contiguous` sorts pairs by expert with each run padded to the GEMM's row
-tile, for `fp8_gemm_contiguous`.
-"""
+# Legend: T tokens, K top-k, P = T*K token-expert pairs, E local experts, D hidden, I expert width.
+# The masked buffer is the layout a low-latency EP dispatch delivers; moe_masked runs gate/up -> SwiGLU+quant
+# -> down on it, and combine sums each token's K expert rows, weighted.
 
 from __future__ import annotations
 
@@ -141,11 +138,9 @@ def align_masked_reference(local_ids: torch.Tensor, num_experts: int, m_max: int
 
 
 def scatter_rows(src: torch.Tensor, dest: torch.Tensor, pair_token: torch.Tensor, out: torch.Tensor):
-    """out.view(-1, C)[dest[p]] = src[pair_token[p]]: the dispatch copy into the masked layout.
-
-    Every dest must be >= 0 (all pairs local, m_max >= pairs per expert): checking that on the host
-    would break CUDA-graph capture. fp8 rows are copied as bytes.
-    """
+    """out.view(-1, C)[dest[p]] = src[pair_token[p]]: the dispatch copy into the masked layout (fp8 rows as
+    bytes). Every dest must be >= 0 (all pairs local, m_max >= pairs per expert): unchecked, since checking
+    on the host would break CUDA-graph capture."""
     flat = out.view(-1, out.shape[-1])
     if flat.dtype == torch.float8_e4m3fn:
         flat, src = flat.view(torch.uint8), src.view(torch.uint8)
@@ -171,10 +166,9 @@ def combine(expert_out: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor)
 
 
 def align_contiguous(local_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Sort pairs by expert, pad each run to block_m (one host sync, for the padded length: prefill only).
-    A fixed number of tensor ops whatever the expert count (no per-expert launches).
-
-    Returns (order [P'] pair index per row or -1 for padding, tile_expert [P'/block_m] int32)."""
+    """Sort pairs by expert, pad each run to block_m (one host sync, for the padded length: prefill only), in a
+    fixed number of tensor ops whatever the expert count. Returns (order [P'] pair index per row or -1 for
+    padding, tile_expert [P'/block_m] int32)."""
     ids = local_ids.long()
     valid = ids >= 0
     counts = torch.bincount(ids[valid], minlength=num_experts)  # [E]
