@@ -1,15 +1,12 @@
-"""vLLM's repetition, frequency and presence penalties as one pass over the penalized rows of float32 logits.
+"""vLLM's repetition, frequency and presence penalties as one Triton pass over the penalized rows of float32
+logits (one program per (row, vocabulary block)); the engine takes it on CUDA and logits_processors'
+`penalties_torch` elsewhere."""
 
-    seen:  x > 0 -> x / repetition, else x * repetition          (seen: the token is in the prompt or output)
-    then:  x -= frequency * count;  x -= presence * (count > 0)   (count: the token's output occurrences)
-
-One Triton program per (row, block of the vocabulary) reads the row's logits, its counts and seen flags and
-writes the row back: ~13 bytes per element where the same formula as separate torch ops makes ~15 [P, V]
-passes (gathers, masks, temporaries, the scatter back). The engine takes it on CUDA and the torch form
-(libs/engine/logits_processors.py `penalties_torch`) elsewhere; tests run it under Triton's interpreter.
-
-Legend: P penalized rows, C count-table rows, V vocabulary.
-"""
+# Legend: P penalized rows, C count-table rows, V vocabulary.
+#   seen:  x > 0 -> x / repetition, else x * repetition          (seen: the token is in the prompt or output)
+#   then:  x -= frequency * count;  x -= presence * (count > 0)   (count: the token's output occurrences)
+# One read of logits, counts and seen flags and one write per element, where separate torch ops make many
+# [P, V] passes (gathers, masks, temporaries, the scatter back). Tests run it under Triton's interpreter.
 
 from __future__ import annotations
 
