@@ -1,8 +1,6 @@
-"""Activation quantization to FP8 with one scale per token and 128-wide group (DeepSeek's 1x128),
-alone or fused with the SwiGLU that precedes every expert's down projection.
-
-scale = max(|x| over the group, 1e-10) / 448, xq = x / scale as float8_e4m3fn; x ~= xq * scale.
-"""
+"""Activation quantization to FP8 with one scale per token and 128-wide group (DeepSeek's 1x128), alone or
+fused with the SwiGLU before every expert's down projection: scale = max(|x| over the group, 1e-10) / 448,
+xq = x / scale as float8_e4m3fn, so x ~= xq * scale."""
 
 from __future__ import annotations
 
