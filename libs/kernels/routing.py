@@ -1,11 +1,10 @@
-"""DeepSeek-V3 router (noaux_tc) fused in one Triton program per token.
+"""DeepSeek-V3's noaux_tc router in one Triton program per token, the same function as transformers'
+DeepseekV3TopkRouter (the oracle here) in one launch instead of about a dozen: selection by biased sigmoid
+scores within the best `topk_group` groups, weights from the unbiased scores."""
 
-scores = sigmoid(logits); choice = scores + e_score_correction_bias; a group's score is the sum of its
-two best choice values; the best `topk_group` groups stay, the others are masked out; the top-k
-experts by choice value are selected, weighted by their *unbiased* scores, renormalized when
-norm_topk_prob, and multiplied by routed_scaling_factor. Same function as transformers'
-DeepseekV3TopkRouter (the oracle here), in one launch instead of about a dozen.
-"""
+# scores = sigmoid(logits); choice = scores + e_score_correction_bias; a group's score is the sum of its two
+# best choices; the other groups are masked; the top-k by choice are weighted by their unbiased scores,
+# renormalized when norm_topk_prob, times routed_scaling_factor.
 
 from __future__ import annotations
 
@@ -71,10 +70,8 @@ def route(
     shared_expert: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (any float dtype), bias [E] -> (weights [T, top_k] f32, expert ids [T, top_k] int32).
-
-    shared_expert: also route every token to this expert id at weight 1, as column top_k of
-    [T, top_k + 1] outputs (the shared expert run as one more grouped-GEMM expert, as SGLang's shared
-    experts fusion does)."""
+    shared_expert: also route every token to this id at weight 1, as column top_k of [T, top_k + 1] outputs
+    (the shared expert as one more grouped-GEMM expert, as SGLang's shared experts fusion does)."""
     t, n_exp = logits.shape
     per = n_exp // n_group if n_group else 0
     pow2 = triton.next_power_of_2
