@@ -1,10 +1,6 @@
-"""The offline tune step of the FP8 GEMMs (`moemesh tune`, `python -m bench.tune_gemm`): a worker's warm-up
-(libs/worker/warmup.py) run stage by stage through a built engine inside `gemm_tuning.tuning(table_dir)`,
-so every GEMM shape a server meets is timed and its fastest kernel written to the table as it is chosen
-(a run cut short keeps what it tuned). Serving processes then read the table and time nothing.
-
-The engine is the caller's (built from a checkpoint with the serving settings); this module only drives it.
-"""
+"""The offline tune step of the FP8 GEMMs (`moemesh tune`, `python -m bench.tune_gemm`): a worker's warm-up run
+stage by stage through the caller's engine inside `gemm_tuning.tuning(table_dir)`, so every GEMM shape a
+server meets is timed and its fastest kernel written to the table (a run cut short keeps what it tuned)."""
 
 from __future__ import annotations
 
