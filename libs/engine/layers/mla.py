@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from libs.engine.forward_batch import ForwardBatch
 
@@ -168,6 +167,10 @@ def mla_extend_sdpa(
     expanded keys), never [S, Q, K] across the batch."""
     if meta.extend_lens is None or meta.kv_lens is None:
         raise ValueError("mla_extend_sdpa needs the host extend_lens and kv_lens in the metadata")
+    # imported on first use: the module imports torch._dynamo (and sympy), ~1.5 s of CPU that every worker
+    # process paid at start-up although only the paged backends' prefill calls it
+    from torch.nn.attention.bias import causal_lower_right
+
     t, h, n = q_nope.shape
     r = q_pe.shape[-1]
     q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, N + r]
