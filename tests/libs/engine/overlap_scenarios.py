@@ -49,10 +49,9 @@ def assert_no_leak(engine: Engine) -> None:
 
 
 def finishes_and_pd_joins_stay_in_the_overlap(make: MakeEngine, temperature: float = 0.8) -> None:
-    """A served decode batch changes every few steps: requests end (max_tokens, known ahead) and others join
-    with their KV in place. Neither may drain the in-flight step (before 2026-12-02 both did, and the plain
-    step then cost 20-54 ms against 5.7 at B=256 on the H200); tokens as without overlap. One request samples
-    at `temperature` (0 where the plain step's sampler is not the one-pass kernel's: the CPU)."""
+    """Requests that end (max_tokens, known ahead) or join with their KV in place do not drain the in-flight
+    step, and the tokens are as without overlap. One request samples at `temperature` (0 where the plain
+    step's sampler is not the one-pass kernel's: the CPU)."""
     params = [SamplingParams(temperature=temperature * (i == 1), seed=i, max_tokens=6 + 3 * i, ignore_eos=True)
               for i in range(len(PROMPTS))]  # fmt: skip
     runs = []
