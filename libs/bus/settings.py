@@ -35,8 +35,8 @@ SECTIONS = ("gateway", "scheduler", "kv-broker", "prefill-worker", "decode-worke
 # worker settings a config file may set at its top level, for both worker kinds (also `moemesh up` flags)
 ENGINE_KEYS = (
     "device", "dtype", "quantization", "page_size", "num_pages", "max_num_seqs", "max_prefill_tokens",
-    "enable_prefix_cache", "attention_backend", "ep_size", "dp_size", "ep_backend", "two_batch_overlap",
-    "warmup", "transfer_protocol",
+    "enable_prefix_cache", "kv_cache_dtype", "attention_backend", "ep_size", "dp_size", "ep_backend",
+    "two_batch_overlap", "warmup", "transfer_protocol",
 )  # fmt: skip
 # `moemesh up`'s own options a config file may set at its top level, by dest (libs/cli/up.py; a test keeps
 # them equal): `--scheduler` is scheduler_mode, the `scheduler` section being the scheduler service's

@@ -13,6 +13,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "fp8", "none")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 EP_BACKENDS = ("auto", "fixed", "torch", "deepep", "mooncake")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 _MINIMUM = {
     "page_size": 1, "num_pages": 0, "max_num_seqs": 1, "max_prefill_tokens": 1, "torch_threads": 0,
@@ -20,7 +21,7 @@ _MINIMUM = {
 }  # fmt: skip
 _CHOICES = {
     "dtype": DTYPES, "quantization": QUANTIZATIONS, "attention_backend": ATTENTION_BACKENDS,
-    "ep_backend": EP_BACKENDS,
+    "ep_backend": EP_BACKENDS, "kv_cache_dtype": KV_CACHE_DTYPES,
 }  # fmt: skip
 _BOOLS = ("enable_prefix_cache", "cuda_graphs", "overlap", "two_batch_overlap", "ep_fp8_dispatch")
 
@@ -36,6 +37,9 @@ class EngineArgs(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: Annotated[int, _doc("most sequences in one running batch")] = 64
     max_prefill_tokens: Annotated[int, _doc("most prompt tokens in one forward (chunked prefill)")] = 2048
     enable_prefix_cache: Annotated[bool, _doc("reuse cached KV pages of shared prompt prefixes")] = True
+    kv_cache_dtype: Annotated[
+        str, _doc("latent KV cache: auto (the model dtype) or fp8_e4m3 (FP8 rows with per-token scales)")
+    ] = "auto"
     # model and device
     device: Annotated[str, _doc("cpu, cuda or cuda:N (EP ranks: cpu, or cuda, rank r on cuda:r)")] = "cpu"
     dtype: Annotated[str, _doc("auto (bfloat16 on CUDA, float32 on CPU), float32, ...")] = "auto"

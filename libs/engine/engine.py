@@ -24,7 +24,8 @@ from libs.engine.batcher import Batcher, Plan, SeqView, pages_for
 from libs.engine.config import ModelConfig
 from libs.engine.cuda_graph import capture_sizes, decode_graphs_supported
 from libs.engine.decode_pipeline import OverlapDecoder
-from libs.engine.kv_pool import KVPool
+from libs.engine.kv_fp8 import fp8_rows
+from libs.engine.kv_pool import KVPool, row_bytes
 from libs.engine.loader import load_model
 from libs.engine.logits_processors import LogitsProcessors
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -67,12 +68,13 @@ class Engine:
         self.config: ModelConfig = model.config
         cfg = self.config
         dtype, device = model.dtype, model.device
-        row_bytes = cfg.kv_row_dim * torch.empty((), dtype=dtype).element_size() * cfg.num_hidden_layers
-        num_pages = a.num_pages or default_num_pages(cfg, page_size, max_num_seqs, row_bytes)
+        fp8 = fp8_rows(a.kv_cache_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        token_bytes = row_bytes(cfg.kv_row_dim, dtype, fp8) * cfg.num_hidden_layers
+        num_pages = a.num_pages or default_num_pages(cfg, page_size, max_num_seqs, token_bytes)
         graphs = a.cuda_graphs and decode_graphs_supported(model, attention_backend)
         # decode graphs pad their batch with rows that write one scratch page, past the allocator's pages
         pool_pages = num_pages + 1 if graphs else num_pages
-        self.kv_pool = KVPool(cfg.num_hidden_layers, pool_pages, page_size, cfg.kv_row_dim, dtype, device)
+        self.kv_pool = KVPool(cfg.num_hidden_layers, pool_pages, page_size, cfg.kv_row_dim, dtype, device, fp8)
         self.page_size = page_size
         self.limits = Limits(cfg.vocab_size, cfg.max_position_embeddings, page_size, num_pages)
         self.allocator = PageAllocator(num_pages)

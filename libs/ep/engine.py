@@ -25,7 +25,8 @@ import torch
 from libs.engine.args import EngineArgs, with_overrides
 from libs.engine.config import ModelConfig
 from libs.engine.engine import default_num_pages
-from libs.engine.kv_pool import KVPool
+from libs.engine.kv_fp8 import Fp8Rows, fp8_rows
+from libs.engine.kv_pool import KVPool, row_bytes
 from libs.engine.loader import parse_dtype
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
 from libs.engine.sampling import SamplingParams
@@ -61,12 +62,13 @@ class EPEngine:
         )
         self.ep_size, self.page_size, self.eplb_interval_steps = a.ep_size, a.page_size, a.eplb_interval_steps
         torch_dtype = parse_dtype(a.resolved_dtype)
-        row_bytes = cfg.kv_row_dim * torch.empty((), dtype=torch_dtype).element_size() * cfg.num_hidden_layers
-        self.pages_per_rank = a.num_pages or default_num_pages(cfg, a.page_size, a.max_num_seqs, row_bytes)
+        fp8 = fp8_rows(a.kv_cache_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        token_bytes = row_bytes(cfg.kv_row_dim, torch_dtype, fp8) * cfg.num_hidden_layers
+        self.pages_per_rank = a.num_pages or default_num_pages(cfg, a.page_size, a.max_num_seqs, token_bytes)
         self.args = msgspec.structs.replace(a, num_pages=self.pages_per_rank)
         # CPU: one shared-memory pool, rank r's pages a slice of it
         self._kv_pool = (
-            _shared_pool(cfg, a.ep_size * self.pages_per_rank, a.page_size, torch_dtype)
+            _shared_pool(cfg, a.ep_size * self.pages_per_rank, a.page_size, torch_dtype, fp8)
             if a.device == "cpu" and a.ep_kv_transfer is None
             else None
         )
@@ -357,8 +359,10 @@ def _spread(lengths: Sequence[int], n: int) -> dict[int, list[int]]:
     return {r: sorted(idx) for r, idx in out.items()}
 
 
-def _shared_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype) -> KVPool:
-    pool = KVPool(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_row_dim, dtype)
+def _shared_pool(
+    cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, fp8: Fp8Rows | None
+) -> KVPool:
+    pool = KVPool(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_row_dim, dtype, fp8=fp8)
     pool.buffer.share_memory_()
     return pool
 

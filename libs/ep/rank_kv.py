@@ -24,7 +24,7 @@ def pool_geometry(pool: KVPool) -> dict[str, Any]:
     return dict(
         num_layers=pool.num_layers, num_pages=pool.num_pages, page_size=pool.page_size,
         page_bytes=pool.bytes_per_page, layer_stride=pool.layer_stride_bytes, base_addr=pool.data_ptr(),
-        dtype=str(pool.dtype).removeprefix("torch."),
+        dtype=pool.format_name,
     )  # fmt: skip
 
 

@@ -15,6 +15,9 @@ from libs.quant.fp8 import FP8_DTYPE as FP8
 from libs.quant.fp8 import FP8_GROUP as GROUP
 from libs.quant.fp8 import FP8_MAX
 
+# DeepSeek's FP8 latent row (libs/engine/kv_fp8.Fp8Rows(512, 64)): byte offset of the scale, row bytes
+FP8_SCALE_OFFSET, FP8_ROW_BYTES = 512 + 2 * 64, 656
+
 
 @triton.jit
 def _add_rmsnorm_kernel(
@@ -100,14 +103,24 @@ def add_rmsnorm_quant(
 
 
 @triton.jit
+def _pow2_scale(amax):
+    """The FP8 row's scale and its inverse from a float32 amax (libs/engine/kv_fp8.pow2_scale, bit for bit)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, 1), 253)
+    return (e << 23).to(tl.float32, bitcast=True), ((254 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _rope_kv_kernel(
-    QPE, QOUT, KPE, CKV, KV, POS, SLOTS, COS_SIN, NORM_W, eps,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_cb, stride_kv, stride_cs,
-    BLOCK_H: tl.constexpr, HALF: tl.constexpr, D_LAT: tl.constexpr, NORM: tl.constexpr,
+    QPE, QOUT, KPE, CKV, KV, KVR, KVS, POS, SLOTS, COS_SIN, NORM_W, eps,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_cb, stride_kv, stride_kvr, stride_kvs,
+    stride_cs, BLOCK_H: tl.constexpr, HALF: tl.constexpr, D_LAT: tl.constexpr, NORM: tl.constexpr,
+    FP8_ROWS: tl.constexpr, SCALE_IDX: tl.constexpr,
 ):  # fmt: skip
     """Program (token b, head block): rotates BLOCK_H heads of q; the first head block also writes the
     token's cache row (its latent RMS-normed first when NORM). Pairs are loaded as whole contiguous rows and
-    split in registers."""
+    split in registers. FP8_ROWS: KV, KVR and KVS are the fp8, bf16 and fp32 views of FP8 row bytes."""
     b = tl.program_id(0)
     hb = tl.program_id(1)
     pos = tl.load(POS + b)
@@ -123,38 +136,56 @@ def _rope_kv_kernel(
     tl.store(o + HALF, (q0 * sin + q1 * cos).to(QOUT.dtype.element_ty))
     if hb == 0:
         k0, k1 = tl.split(tl.reshape(tl.load(KPE + b * stride_kb + d).to(tl.float32), [HALF, 2]))
-        row = KV + tl.load(SLOTS + b).to(tl.int64) * stride_kv
-        tl.store(row + D_LAT + i, (k0 * cos - k1 * sin).to(KV.dtype.element_ty))
-        tl.store(row + D_LAT + HALF + i, (k0 * sin + k1 * cos).to(KV.dtype.element_ty))
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        row = KV + slot * stride_kv
         c = tl.arange(0, D_LAT)
         lat = tl.load(CKV + b * stride_cb + c).to(tl.float32)
         if NORM:  # as add_rmsnorm without a residual
             lat = lat * tl.rsqrt(tl.sum(lat * lat, 0) / D_LAT + eps) * tl.load(NORM_W + c).to(tl.float32)
             lat = lat.to(CKV.dtype.element_ty)
-        tl.store(row + c, lat.to(KV.dtype.element_ty))
+        if FP8_ROWS:  # [codes | bf16 k_pe | scale]: the latent quantized from the value the plain path writes
+            rope = KVR + slot * stride_kvr + D_LAT // 2
+            tl.store(rope + i, (k0 * cos - k1 * sin).to(tl.bfloat16))
+            tl.store(rope + HALF + i, (k0 * sin + k1 * cos).to(tl.bfloat16))
+            lat = lat.to(tl.float32)
+            scale, inv = _pow2_scale(tl.max(tl.abs(lat), 0))
+            tl.store(row + c, (lat * inv).to(KV.dtype.element_ty))
+            tl.store(KVS + slot * stride_kvs + SCALE_IDX, scale)
+        else:
+            tl.store(row + D_LAT + i, (k0 * cos - k1 * sin).to(KV.dtype.element_ty))
+            tl.store(row + D_LAT + HALF + i, (k0 * sin + k1 * cos).to(KV.dtype.element_ty))
+            tl.store(row + c, lat.to(KV.dtype.element_ty))
 
 
 def rope_and_write_kv(
     q_pe, q_out, k_pe, c_kv, kv_layer, positions, slots, cos_sin, kv_norm: torch.Tensor | None = None, eps=1e-6
 ) -> None:
     """Rotate q_pe [T, H, 64] (H a power of two) into q_out and write each token's latent row [c_kv (512) |
-    rotated k_pe (64)] into kv_layer [slots, 576] at slots [T]; cos_sin [max_pos, 64] is cos (32)
-    then sin (32) per position. kv_norm [512]: RMS-norm the raw kv_a output c_kv with it on the way."""
+    rotated k_pe (64)] at slots [T] of kv_layer [slots, 576] (uint8 [slots, 656]: FP8 rows, engine/kv_fp8.py);
+    cos_sin [max_pos, 64] is cos then sin per position. kv_norm [512]: RMS-norm the raw c_kv with it."""
     # That is MLA's kv_a_layernorm, rounded to c_kv's dtype as add_rmsnorm's output would be.
     t, h, r = q_pe.shape
-    if r != 64 or c_kv.shape[-1] != 512 or kv_layer.shape[-1] != 576 or k_pe.shape != (t, 64):
-        raise ValueError("rope_and_write_kv expects 64-dim rope parts, 512-dim c_kv and 576-dim cache rows")
+    fp8 = kv_layer.dtype == torch.uint8
+    width = FP8_ROW_BYTES if fp8 else 576
+    if r != 64 or c_kv.shape[-1] != 512 or kv_layer.shape[-1] != width or k_pe.shape != (t, 64):
+        raise ValueError(
+            "rope_and_write_kv expects 64-dim rope parts, 512-dim c_kv and 576-dim cache rows "
+            f"({FP8_ROW_BYTES} bytes as FP8 rows)"
+        )
     if h & (h - 1) or q_pe.stride(2) != 1 or k_pe.stride(1) != 1:
         raise ValueError(f"rope_and_write_kv needs a power-of-two head count and contiguous rows, got {h} heads")
     if t == 0:
         return
     block_h = min(h, 16)  # 128 heads: 8 programs per token, each 16 rows of 64
+    kv, kvr, kvs = (kv_layer.view(FP8), kv_layer.view(torch.bfloat16), kv_layer.view(torch.float32)) if fp8 else (
+        kv_layer, kv_layer, kv_layer
+    )
     _rope_kv_kernel[(t, h // block_h)](
-        q_pe, q_out, k_pe, c_kv, kv_layer, positions, slots, cos_sin,
+        q_pe, q_out, k_pe, c_kv, kv, kvr, kvs, positions, slots, cos_sin,
         kv_norm if kv_norm is not None else cos_sin, eps,
         q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1), k_pe.stride(0), c_kv.stride(0),
-        kv_layer.stride(0), cos_sin.stride(0), BLOCK_H=block_h, HALF=32, D_LAT=512, NORM=kv_norm is not None,
-        num_warps=2,
+        kv.stride(0), kvr.stride(0), kvs.stride(0), cos_sin.stride(0), BLOCK_H=block_h, HALF=32, D_LAT=512,
+        NORM=kv_norm is not None, FP8_ROWS=fp8, SCALE_IDX=FP8_SCALE_OFFSET // 4, num_warps=2,
     )  # fmt: skip
 
 

@@ -5,6 +5,7 @@ place where Triton 3.6's interpreter differs from the GPU or breaks a later comp
 # `__index__`: it converts a loaded scalar with `int(array)`, which NumPy 2 refuses for one-element arrays
 # (kernels with run-time loop bounds need it). float32 -> float8: it drops the carry when rounding overflows
 # the mantissa (127.9 -> 64); torch does the cast instead, rounding to nearest as the GPU does.
+# `tl.dot`: it multiplies bfloat16 operands as their raw 16-bit patterns; they are widened to float32 first.
 # Device-function calls (`tl.cdiv` and the other standard helpers) patch triton.language.core and never
 # restore it, breaking any later Gluon compile in the process; the call is wrapped to undo its patches.
 
@@ -44,6 +45,17 @@ def patch_interpreter() -> None:
         return original_fp_to_fp(self, src, dst_type, rounding_mode)
 
     builder_cls.create_fp_to_fp = fp_to_fp
+    original_dot = builder_cls.create_dot
+
+    def widen_bf16(t):
+        if t.dtype.scalar != tl.bfloat16:
+            return t
+        return interpreter.TensorHandle((t.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original_dot(self, widen_bf16(a), widen_bf16(b), d, input_precision, max_num_imprecise_acc)
+
+    builder_cls.create_dot = dot
 
     def device_call(self, *args, **kwargs):
         scope = interpreter._patch_lang(self.fn)

@@ -9,6 +9,7 @@ import msgspec
 
 from libs.bus.settings import ServiceSettings
 from libs.engine.args import DEFAULTS as _E  # the engine's defaults, written once there
+from libs.engine.args import KV_CACHE_DTYPES
 
 
 class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
@@ -48,6 +49,13 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     enable_prefix_cache: Annotated[
         bool, msgspec.Meta(description="reuse cached KV pages of shared prompt prefixes")
     ] = _E.enable_prefix_cache
+    kv_cache_dtype: Annotated[
+        str,
+        msgspec.Meta(
+            description="latent KV cache: auto (the model dtype) or fp8_e4m3 (FP8 rows with per-token scales, "
+            "about half the bytes); prefill and decode workers must agree"
+        ),
+    ] = _E.kv_cache_dtype
     attention_backend: Annotated[
         str,
         msgspec.Meta(
@@ -159,6 +167,8 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in ("auto", "fp8", "none"):
             raise ValueError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
         if self.ep_size > 1 and self.kv_per_rank and self.transfer_protocol == "inprocess":

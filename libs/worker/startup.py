@@ -25,6 +25,7 @@ def engine_args(s: WorkerSettings) -> EngineArgs:
     return EngineArgs(
         page_size=s.page_size, num_pages=s.num_pages, max_num_seqs=s.max_num_seqs,
         max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
+        kv_cache_dtype=s.kv_cache_dtype,
         device=s.device, dtype=s.dtype, quantization=s.quantization,
         attention_backend=s.engine_attention_backend if s.ep_size == 1 else "auto", torch_threads=s.torch_threads,
         two_batch_overlap=s.two_batch_overlap, mtp_k=s.mtp_k, ep_size=s.ep_size, ep_backend=s.ep_backend,
@@ -71,7 +72,7 @@ def geometry(engine: EngineLike) -> m.KvGeometry:
     return m.KvGeometry(
         num_layers=pool.num_layers, num_pages=pool.num_pages, page_size=pool.page_size,
         page_bytes=pool.bytes_per_page, layer_stride=pool.layer_stride_bytes, base_addr=pool.data_ptr(),
-        dtype=str(pool.dtype).removeprefix("torch."),
+        dtype=pool.format_name,
     )  # fmt: skip
 
 

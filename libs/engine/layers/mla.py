@@ -12,6 +12,7 @@ straight over the cached rows), over `AttentionMetadata` (plain-torch reference)
 # sees keys 0 .. prefix_len + i; padded rows repeat the last query and are dropped): O(S * Q * K).
 # PagedMetadata is the pool's real pages as an [S, P] table plus KV lengths on the device: nothing grows with
 # Q * K, and decode reads nothing from the host.
+# An FP8 pool's layer is raw row bytes (libs/engine/kv_fp8.py): every form here dequantizes what it gathers.
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from libs.engine.forward_batch import ForwardBatch
+from libs.engine.kv_fp8 import read_rows
 
 
 def padded_page_table(batch: ForwardBatch, page_size: int) -> torch.Tensor:
@@ -68,7 +70,7 @@ class AttentionMetadata:
 def mla_expanded(
     q_nope: torch.Tensor,  # [T, H, N]
     q_pe: torch.Tensor,  # [T, H, r] roped
-    layer_rows: torch.Tensor,  # [P * page_size, C] this layer's pool, new rows already written
+    layer_rows: torch.Tensor,  # [P * page_size, C] this layer's pool (or its FP8 row bytes), new rows written
     kv_b_weight: torch.Tensor,  # [H * (N + V), R]
     meta: AttentionMetadata,
     scale: float,
@@ -76,7 +78,7 @@ def mla_expanded(
     """-> [T, H, V]"""
     h, n = q_nope.shape[1], q_nope.shape[2]
     r = q_pe.shape[2]
-    rows = layer_rows[meta.kv_slots]  # [S, K, C]
+    rows = read_rows(layer_rows[meta.kv_slots], kv_b_weight.shape[1], r, kv_b_weight.dtype)  # [S, K, C]
     c_kv, k_pe = rows[..., :-r], rows[..., -r:]
     s, k_len = rows.shape[0], rows.shape[1]
     kv = F.linear(c_kv.to(kv_b_weight.dtype), kv_b_weight).view(s, k_len, h, -1).transpose(1, 2)
@@ -103,7 +105,7 @@ def mla_absorbed(
     q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
     q = torch.cat([q_latent, q_pe], dim=-1)[meta.q_index]  # [S, Q, H, C]
     s, q_len = q.shape[0], q.shape[1]
-    rows = layer_rows[meta.kv_slots].to(q.dtype)[:, None]  # [S, 1, K, C]
+    rows = read_rows(layer_rows[meta.kv_slots], w.shape[2], r, q.dtype).to(q.dtype)[:, None]  # [S, 1, K, C]
     # every head reads the same rows: fold heads into the query axis (one-head attention, [S, 1, Q*H, C])
     mask = meta.mask.repeat_interleave(h, dim=2)  # [S, 1, Q*H, K], row q*H + h is query q's mask
     out_latent = F.scaled_dot_product_attention(
@@ -146,7 +148,8 @@ def mla_decode_paged(
     The Triton kernel replaces it where its dims fit."""
     r = q_pe.shape[-1]
     s, h = q_latent.shape[0], q_latent.shape[1]
-    rows = gather_pages(layer_rows, meta.page_table, meta.page_size).to(q_latent.dtype)  # [S, K, C]
+    rows = gather_pages(layer_rows, meta.page_table, meta.page_size)
+    rows = read_rows(rows, q_latent.shape[-1], r, q_latent.dtype).to(q_latent.dtype)  # [S, K, C]
     rows = rows[:, None]  # [S, 1, K, C]: one "head" of keys shared by every query head
     valid = torch.arange(rows.shape[2], device=rows.device) < meta.seq_lens[:, None]  # [S, K]
     q = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)[:, None]  # [S, 1, H, C]: heads as queries
@@ -178,7 +181,8 @@ def mla_extend_sdpa(
     start = 0
     for s, (q_len, k_len) in enumerate(zip(meta.extend_lens, meta.kv_lens, strict=True)):
         pages = meta.page_table[s, : -(-k_len // meta.page_size)]
-        rows = gather_pages(layer_rows, pages, meta.page_size)[:k_len]  # [K, C]
+        rows = gather_pages(layer_rows, pages, meta.page_size)[:k_len]
+        rows = read_rows(rows, kv_b_weight.shape[1], r, kv_b_weight.dtype)  # [K, C]
         kv = F.linear(rows[:, :-r].to(kv_b_weight.dtype), kv_b_weight).view(k_len, h, -1)  # [K, H, N + V]
         k = torch.cat([kv[..., :n], rows[:, None, -r:].to(kv.dtype).expand(k_len, h, r)], dim=-1)
         # 4-D [1, H, len, dim]: the fused SDPA kernels (and so the mask-free lower-right bias) need a batch dim

@@ -69,9 +69,9 @@ class MTPLayer(DecoderLayer):
         return True
 
     def new_kv_pool(self, target_pool: KVPool) -> KVPool:
-        """A one-layer latent pool with the target pool's page geometry."""
+        """A one-layer latent pool with the target pool's page geometry and row format."""
         t = target_pool
-        return KVPool(1, t.num_pages, t.page_size, t.row_dim, t.buffer.dtype, t.buffer.device)
+        return KVPool(1, t.num_pages, t.page_size, t.row_dim, t.row_dtype, t.buffer.device, t.fp8)
 
     @torch.inference_mode()
     def draft_step(self, step: StepInputs, hidden: torch.Tensor, kv: KVPool) -> torch.Tensor:
