@@ -17,7 +17,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 _MINIMUM = {
     "page_size": 1, "num_pages": 0, "max_num_seqs": 1, "max_prefill_tokens": 1, "torch_threads": 0,
-    "mtp_k": 0, "ep_size": 1, "ep_redundant_experts": 0, "eplb_interval_steps": 0,
+    "mtp_k": 0, "ep_size": 1, "ep_redundant_experts": 0, "eplb_interval_steps": 0, "host_kv_pages": 0,
 }  # fmt: skip
 _CHOICES = {
     "dtype": DTYPES, "quantization": QUANTIZATIONS, "attention_backend": ATTENTION_BACKENDS,
@@ -37,6 +37,12 @@ class EngineArgs(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: Annotated[int, _doc("most sequences in one running batch")] = 64
     max_prefill_tokens: Annotated[int, _doc("most prompt tokens in one forward (chunked prefill)")] = 2048
     enable_prefix_cache: Annotated[bool, _doc("reuse cached KV pages of shared prompt prefixes")] = True
+    host_kv_pages: Annotated[
+        int, _doc("host-memory KV tier under the prefix cache, in pages (evicted pages go there); 0: by GiB")
+    ] = 0
+    host_kv_cache_gb: Annotated[
+        float, _doc("host-memory tier in GiB, when host_kv_pages is 0; 0 and 0: no host tier")
+    ] = 0.0
     kv_cache_dtype: Annotated[
         str, _doc("latent KV cache: auto (the model dtype) or fp8_e4m3 (FP8 rows with per-token scales)")
     ] = "auto"
@@ -86,6 +92,14 @@ class EngineArgs(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"ep_kv_transfer must be (protocol, hostname, device) or None, got {kv!r}")
         if self.two_batch_overlap and self.mtp_k:
             raise ValueError("two_batch_overlap does not run with MTP (mtp_k)")
+        if not isinstance(self.host_kv_cache_gb, (int, float)) or not 0 <= self.host_kv_cache_gb < 1 << 20:
+            raise ValueError(f"host_kv_cache_gb must be a number >= 0, got {self.host_kv_cache_gb!r}")
+        if self.host_tier and (self.mtp_k or self.ep_size > 1 or not self.enable_prefix_cache):
+            raise ValueError("the host KV tier runs under the prefix cache of one rank, without MTP")
+
+    @property
+    def host_tier(self) -> bool:
+        return self.host_kv_pages > 0 or self.host_kv_cache_gb > 0
 
     @property
     def resolved_dtype(self) -> str:

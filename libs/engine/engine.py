@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,18 +25,21 @@ from libs.engine.batcher import Batcher, Plan, SeqView, pages_for
 from libs.engine.config import ModelConfig
 from libs.engine.cuda_graph import capture_sizes, decode_graphs_supported
 from libs.engine.decode_pipeline import OverlapDecoder
+from libs.engine.host_pool import HostKVPool
 from libs.engine.kv_fp8 import fp8_rows
 from libs.engine.kv_pool import KVPool, row_bytes
 from libs.engine.loader import load_model
 from libs.engine.logits_processors import LogitsProcessors
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
+from libs.engine.page_store import PageStore
 from libs.engine.pages import OutOfPagesError, PageAllocator
 from libs.engine.radix_cache import CacheListener, PrefixMatch, RadixCache, RadixNode
 from libs.engine.request import Request, Status
 from libs.engine.runner import Chunk, ModelRunner
 from libs.engine.sampling import SampleOutput, SamplingParams, make_generator, sample
 from libs.engine.stopping import StopChecker
+from libs.engine.store_tier import StoreTier, stats_of
 from libs.engine.two_batch_overlap import enable as enable_two_batch_overlap
 from libs.engine.validation import Limits, check_prompt, check_token
 from libs.tokenizer import Tokenizer
@@ -78,7 +82,13 @@ class Engine:
         self.page_size = page_size
         self.limits = Limits(cfg.vocab_size, cfg.max_position_embeddings, page_size, num_pages)
         self.allocator = PageAllocator(num_pages)
-        self.cache = RadixCache(self.allocator, page_size) if a.enable_prefix_cache else None
+        host_page_bytes = self.kv_pool.bytes_per_page * cfg.num_hidden_layers
+        host_pages = a.host_kv_pages or int(a.host_kv_cache_gb * (1 << 30)) // host_page_bytes
+        self.host_pool = HostKVPool(self.kv_pool, host_pages) if a.host_tier and host_pages else None
+        self.cache = RadixCache(self.allocator, page_size, self.host_pool) if a.enable_prefix_cache else None
+        self.store_tier: StoreTier | None = None  # attach_store
+        self.hit_pages = {"device": 0, "host": 0}  # prefix pages requests started from, by tier
+        self.host_load_seconds = 0.0  # engine-thread time spent starting host-to-device copies
         # Each eviction walks the whole tree for its LRU leaves: with the pool full of cached prefixes (a
         # serving worker's steady state), evicting at least 1/64 of the pool per walk spreads one walk over
         # many allocations.
@@ -164,10 +174,15 @@ class Engine:
         req = self._new_request(rid, prompt_ids, params)
         self.requests[rid] = req
         self.waiting.append(req)
+        if self.store_tier is not None:
+            self.store_tier.prefetch(rid, req.tokens[: req.num_tokens - 1])
 
     def step(self) -> list[StepOutput]:
         """Plan and run one batch (prefill chunks + one decode token per running request). With overlapped
         decode, a steady decode batch's tokens come out one call after they were computed."""
+        store = self.store_tier
+        if store is not None:
+            store.poll()
         if self._overlap is not None:
             out = self._overlap.try_step()
             if out is not None:
@@ -178,6 +193,9 @@ class Engine:
             [self._view(r) for r in self.running], self._waiting_views(), self._available_pages()
         )
         self._stalled = plan.empty and not outputs
+        if self._stalled and store is not None and store.num_pending:
+            store.poll(block_s=0.005)  # only store lookups are left: wait for them, not spin
+            self._stalled = False
         # Admit before preempting: a preempted request's KV enters the cache and must not lengthen an
         # admitted request's prefix match beyond what the plan was made for.
         for rid in plan.admit:
@@ -190,6 +208,8 @@ class Engine:
 
     def abort(self, rid: str) -> bool:
         """Drop a request in any state (queued, running, pinned, reserved) and free its pages."""
+        if self.store_tier is not None:
+            self.store_tier.cancel(rid)
         if rid in self.reservations:
             self.allocator.free(self.reservations.pop(rid))
             if rid in self._reserved_prefix and self.cache is not None:
@@ -230,7 +250,43 @@ class Engine:
             "reserved": len(self.reservations),
             "max_running": self.batcher.max_num_seqs,
             "preemptions": self.num_preemptions,
+            "host_total_pages": self.host_pool.num_pages if self.host_pool else 0,
+            "host_used_pages": self.host_pool.num_used if self.host_pool else 0,
+            "host_cached_pages": self.cache.host_cached_pages if self.cache else 0,
         }
+
+    def tier_stats(self) -> dict[str, float]:
+        """The KV tiers' counters since start (pages, bytes, seconds): hits by tier, copies, store traffic."""
+        c = self.cache.counters if self.cache else None
+        host_bytes = self.host_pool.page_bytes if self.host_pool else 0
+        out: dict[str, float] = {
+            "device_hit_pages": self.hit_pages["device"], "host_hit_pages": self.hit_pages["host"],
+            "offloaded_bytes": c.offloaded_pages * host_bytes if c else 0,
+            "loaded_bytes": c.loaded_pages * host_bytes if c else 0,
+            "host_dropped_pages": c.host_dropped_pages if c else 0,
+            "host_load_seconds": self.host_load_seconds, "page_bytes": host_bytes,
+        }  # fmt: skip
+        out.update({f"store_{k}": float(v) for k, v in stats_of(self.store_tier).items()})
+        return out
+
+    def attach_store(
+        self, store: PageStore, namespace: str, *, timeout_s: float = 1.0, retry_s: float = 5.0,
+        max_publish_pages: int = 1024,
+    ) -> StoreTier:  # fmt: skip
+        """Share cached pages through `store` (libs.engine.store_tier): write-through of new cache pages,
+        and a lookup of each new request's uncached prefix. Needs the host tier (pages are staged there)."""
+        if self.cache is None or self.host_pool is None:
+            raise ValueError("the KV store tier needs the prefix cache and a host tier (host_kv_pages)")
+        self.store_tier = StoreTier(
+            store, self.cache, namespace, timeout_s=timeout_s, retry_s=retry_s,
+            max_publish_pages=max_publish_pages,
+        )  # fmt: skip
+        return self.store_tier
+
+    def close(self) -> None:
+        """Stop the store tier's thread (the engine itself holds nothing to close)."""
+        if self.store_tier is not None:
+            self.store_tier.close()
 
     def flush_prefix_cache(self) -> int:
         """Evict every unlocked cached page; returns pages freed."""
@@ -392,6 +448,13 @@ class Engine:
         referenced: the caller unlocks and frees them when done."""
         match = cache.match_prefix(tokens)
         cache.lock(match.node)
+        on_device = len(match.pages)
+        if match.host_nodes:
+            t0 = time.perf_counter()
+            match = cache.load_host(match)
+            self.host_load_seconds += time.perf_counter() - t0
+        self.hit_pages["device"] += on_device
+        self.hit_pages["host"] += len(match.pages) - on_device
         self.allocator.incref(match.pages)
         return match
 
@@ -445,7 +508,9 @@ class Engine:
         """Only the requests that could be admitted now are matched against the cache."""
         room = self.batcher.max_num_seqs - len(self.running)
         views = []
-        for r in itertools.islice(self.waiting, max(room, 0)):
+        store = self.store_tier
+        waiting = self.waiting if store is None else [r for r in self.waiting if not store.pending(r.rid)]
+        for r in itertools.islice(waiting, max(room, 0)):
             hit = self.cache.match_prefix(r.tokens[: r.num_tokens - 1]).length if self.cache else 0
             views.append(SeqView(r.rid, hit, r.num_tokens))
         return views
@@ -460,7 +525,9 @@ class Engine:
         for req, n in items:
             if req.num_computed + n > req.num_tokens:
                 raise RuntimeError(f"plan feeds {req.rid!r} past its last token: {req.num_computed} + {n}")
-            req.pages += self._alloc(plan.new_pages[req.rid])
+            # from the request's pages, not the plan's count: a host-tier prefix the plan counted may have
+            # been dropped by an earlier admission's load
+            req.pages += self._alloc(max(0, pages_for(req.num_computed + n, self.page_size) - len(req.pages)))
         logits_parts, sampled = [], []
         for group in (items[: len(plan.prefill)], items[len(plan.prefill) :]):
             if not group:

@@ -1,4 +1,4 @@
-"""Radix-tree prefix cache over KV pages (SGLang's RadixCache, at page granularity).
+"""Radix-tree prefix cache over KV pages (SGLang's RadixCache, at page granularity), with an optional host tier.
 
 Each edge holds a run of whole pages: its token key (a multiple of page_size tokens) and the page ids
 whose KV rows hold exactly those tokens at those positions. Only full pages are cached, so a request
@@ -8,37 +8,55 @@ written again.
 Invariants:
 - The cache holds one allocator reference per page it stores (taken at insert, dropped at eviction);
   whoever matched a prefix takes its own references too, so a page lives while anyone holds it.
-- `lock(node)` pins the path root..node while a request uses it; only unlocked leaves are evicted,
-  least recently used first. `evictable_pages` counts pages in unlocked nodes.
+- `lock(node)` pins the path root..node while a request uses it; only unlocked nodes are evicted,
+  least recently used first. `evictable_pages` counts device pages in unlocked nodes.
+- Tiers (`host` set, HiCache's layout): a node's pages live on the device or in the host pool (`tier`).
+  Device nodes form the top of the tree (a device node's parent is on the device). Evicting a device
+  node copies it to the host pool instead of dropping it (when the host pool has room, after dropping
+  its own least recently used host leaves); a match through host nodes reports them, and `load_host`
+  copies them back to device pages before a request reads them; an insert over a host node gives it the
+  inserting request's device pages.
 
-Events (prefix-aware routing): with a `CacheListener` set, every node also keeps its pages' block hashes
-(libs.prefix) and the listener hears each run of pages that enters the cache (`blocks_stored`) or leaves
-it (`blocks_removed`), on the thread that changed the cache. Without one, nothing is hashed.
+Events (prefix-aware routing): with a `CacheListener` set (or `hashing` on), every node also keeps its
+pages' block hashes (libs.prefix); the listener hears each run of pages that enters the cache
+(`blocks_stored`), leaves it (`blocks_removed`) and, if it has `blocks_moved`, changes tier; all on the
+thread that changed the cache. `on_stored(hashes, device_pages)` hears new pages (the store tier's publish).
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from libs.engine.pages import PageAllocator
+from libs.engine.host_pool import HostKVPool
+from libs.engine.pages import OutOfPagesError, PageAllocator
 from libs.prefix import extend_hashes, root_hash
 
 _clock = itertools.count()
 
 
+class Tier(enum.IntEnum):
+    """Where a cached page lives (the same numbers as proto.messages.KvTier)."""
+
+    DEVICE = 0
+    HOST = 1
+    STORE = 2
+
+
 @dataclass(eq=False)
 class RadixNode:
     key: list[int] = field(default_factory=list)  # tokens, len == len(pages) * page_size
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # device page ids, or host page ids on the host tier
     parent: RadixNode | None = None
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
-    hashes: list[int] = field(default_factory=list)  # block hash per page, while a listener is set
+    hashes: list[int] = field(default_factory=list)  # block hash per page, while hashing
+    tier: Tier = Tier.DEVICE
 
     def __lt__(self, other: RadixNode) -> bool:
         return self.last_access < other.last_access
@@ -46,9 +64,10 @@ class RadixNode:
 
 @dataclass
 class PrefixMatch:
-    pages: list[int]  # cached pages covering the first `length` tokens
-    length: int  # matched tokens, a multiple of page_size
+    pages: list[int]  # device pages covering the first tokens of the match (all of it once loaded)
+    length: int  # matched tokens on any tier, a multiple of page_size
     node: RadixNode  # deepest matched node: lock it while the pages are in use
+    host_nodes: list[RadixNode] = field(default_factory=list)  # host-tier nodes of the path, top-down
 
 
 class CacheListener(Protocol):
@@ -59,29 +78,58 @@ class CacheListener(Protocol):
     def blocks_removed(self, hashes: list[int]) -> None: ...
 
 
+class TierListener(CacheListener, Protocol):
+    """A listener that also hears blocks change tier (DEVICE or HOST), or reach the shared store (STORE)."""
+
+    def blocks_moved(self, hashes: list[int], tier: int) -> None: ...
+
+
+@dataclass
+class TierCounters:
+    """Pages moved between tiers and host-tier hits, since start (the worker exports them)."""
+
+    offloaded_pages: int = 0  # device -> host
+    loaded_pages: int = 0  # host -> device
+    host_dropped_pages: int = 0  # host pages dropped to make room
+    host_hit_pages: int = 0  # pages of matches served from the host tier
+
+
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, host: HostKVPool | None = None) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.allocator = allocator
         self.page_size = page_size
+        self.host = host
         self.root = RadixNode()
         self.root.lock_ref = 1  # the root is never evicted
-        self.cached_pages = 0
+        self.cached_pages = 0  # device pages
         self.evictable_pages = 0
+        self.host_cached_pages = 0
+        self.counters = TierCounters()
         self.listener: CacheListener | None = None
+        self.hashing = False  # hash new pages even without a listener (the store tier names them so)
+        self.on_stored: Callable[[list[int], list[int]], None] | None = None
 
     def set_listener(self, listener: CacheListener | None) -> None:
-        """Report cache changes to `listener` from now on; what is cached already is reported as stored."""
+        """Report cache changes to `listener` from now on; what is cached already is reported as stored
+        (host-tier runs then as moved to HOST, when the listener hears tiers)."""
         self.listener = listener
         if listener is None:
             return
         stack = [(child, root_hash(self.page_size)) for child in self.root.children.values()]
         while stack:  # parents before children, so every run's parent hash is known
             node, parent = stack.pop()
-            node.hashes = extend_hashes(parent, node.key, self.page_size)
+            if len(node.hashes) != len(node.pages):
+                node.hashes = extend_hashes(parent, node.key, self.page_size)
             listener.blocks_stored(list(node.hashes))
+            if node.tier is Tier.HOST:
+                self._moved(node)
             stack.extend((c, node.hashes[-1]) for c in node.children.values())
+
+    @property
+    def _hashed(self) -> bool:
+        return self.listener is not None or self.hashing
 
     def _page_key(self, tokens: Sequence[int], start: int) -> tuple[int, ...]:
         return tuple(tokens[start : start + self.page_size])
@@ -96,9 +144,10 @@ class RadixCache:
         return n
 
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
-        """The longest cached whole-page prefix of `tokens` (read-only apart from LRU time and splits)."""
+        """The longest cached whole-page prefix of `tokens` on any tier (read-only apart from LRU time and
+        splits); its host-tier part is in `host_nodes`, not in `pages`."""
         full = len(tokens) // self.page_size * self.page_size
-        node, pos, pages = self.root, 0, []
+        node, pos, pages, host_nodes = self.root, 0, [], []
         now = next(_clock)
         node.last_access = now
         while pos < full:
@@ -109,16 +158,56 @@ class RadixCache:
             if n * self.page_size < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
-            pages.extend(child.pages)
+            if child.tier is Tier.HOST:
+                host_nodes.append(child)
+            else:
+                pages.extend(child.pages)
             pos += len(child.key)
             node = child
-        return PrefixMatch(pages, pos, node)
+        return PrefixMatch(pages, pos, node, host_nodes)
+
+    def load_host(self, match: PrefixMatch) -> PrefixMatch:
+        """Copy a locked match's host-tier nodes back to device pages (allocating, evicting others); the
+        result's pages cover its whole length. Where the device runs out the match ends early: the lock
+        moves to its new last node."""
+        if not match.host_nodes:
+            return match
+        assert self.host is not None
+        pages, last = list(match.pages), match.host_nodes[0].parent
+        for node in match.host_nodes:
+            partial = False
+            try:
+                dev = self._alloc_device(len(node.pages))
+            except OutOfPagesError:
+                room = self.allocator.num_free  # the evictions above freed what could be freed
+                if room == 0:
+                    break
+                node, partial = self._split(node, room), True  # load what fits; the rest stays
+                dev = self.allocator.alloc(room)
+            self.host.free_after(self.host.to_device(node.pages, dev), node.pages)
+            n = len(dev)
+            node.pages, node.tier = dev, Tier.DEVICE
+            self.cached_pages += n
+            self.host_cached_pages -= n
+            self.counters.loaded_pages += n
+            self.counters.host_hit_pages += n
+            self._moved(node)
+            pages += dev
+            last = node
+            if partial:
+                break
+        assert last is not None
+        if last is not match.node:
+            self.lock(last)
+            self.unlock(match.node)
+        return PrefixMatch(pages, len(pages) * self.page_size, last)
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], hashes: Sequence[int] = ()) -> int:
         """Cache the whole pages of `tokens` (KV in `pages`); returns how many tokens were cached already.
 
-        Where a prefix is already cached the existing pages stay and the caller's duplicates are left to
-        the caller; the cache takes references only on the pages it newly stores.
+        Where a prefix is already cached on the device the existing pages stay and the caller's duplicates
+        are left to the caller; host-tier nodes of that prefix take the caller's pages (they are on the
+        device already); the cache takes references only on the pages it newly stores.
 
         `hashes`: block hashes already known for the leading pages of `tokens` (a PD prompt's, computed by
         the prefill worker's cache): used for the new pages they cover, where they chain onto the cached
@@ -128,6 +217,9 @@ class RadixCache:
         if len(pages) < full // self.page_size:
             raise ValueError(f"insert: {len(pages)} pages cannot hold {full} tokens")
         match = self.match_prefix(tokens[:full])
+        for node in match.host_nodes:
+            first = self._depth_pages(node)
+            self._to_device(node, list(pages[first : first + len(node.pages)]))
         if match.length < full:
             first = match.length // self.page_size
             new_pages = list(pages[first : full // self.page_size])
@@ -137,11 +229,35 @@ class RadixCache:
             match.node.children[self._page_key(leaf.key, 0)] = leaf
             self.cached_pages += len(new_pages)
             self.evictable_pages += len(new_pages)
-            if self.listener is not None:
+            if self._hashed:
                 parent = match.node.hashes[-1] if match.node.hashes else root_hash(self.page_size)
                 leaf.hashes = self._leaf_hashes(parent, leaf.key, first, hashes)
-                self.listener.blocks_stored(list(leaf.hashes))
+                if self.listener is not None:
+                    self.listener.blocks_stored(list(leaf.hashes))
+                if self.on_stored is not None:
+                    self.on_stored(list(leaf.hashes), list(new_pages))
         return match.length
+
+    def _depth_pages(self, node: RadixNode) -> int:
+        """Pages on the path above `node` (its first page's index in a matching sequence)."""
+        n, p = 0, node.parent
+        while p is not None and p is not self.root:
+            n += len(p.pages)
+            p = p.parent
+        return n
+
+    def _to_device(self, node: RadixNode, dev: list[int]) -> None:
+        """A host node takes device pages that hold its tokens' KV (the caller's reference stays its own)."""
+        assert self.host is not None and node.tier is Tier.HOST
+        self.allocator.incref(dev)
+        self.host.free(node.pages)
+        n = len(dev)
+        node.pages, node.tier = dev, Tier.DEVICE
+        self.cached_pages += n
+        self.host_cached_pages -= n
+        if node.lock_ref == 0:
+            self.evictable_pages += n
+        self._moved(node)
 
     def _leaf_hashes(self, parent: int, key: list[int], first: int, known: Sequence[int]) -> list[int]:
         """Hashes of a new leaf's pages (pages first.. of the sequence): the known ones when the first of them
@@ -158,7 +274,7 @@ class RadixCache:
 
     def path_hashes(self, node: RadixNode) -> list[int]:
         """The block hashes of every page from the root down to `node` (a cached prompt's, in order); empty
-        without a listener (nothing is hashed then)."""
+        when nothing is hashed."""
         runs = []
         while node is not self.root and node is not None:
             if len(node.hashes) != len(node.pages):
@@ -167,9 +283,23 @@ class RadixCache:
             node = node.parent  # type: ignore[assignment]
         return [h for run in reversed(runs) for h in run]
 
+    def insert_host(
+        self, parent: RadixNode, key: list[int], host_pages: list[int], hashes: list[int]
+    ) -> None:
+        """Cache pages already in the host pool (fetched from the shared store) as a new host-tier child of
+        `parent`, whose path ends where `key` starts; the cache takes over the caller's host references."""
+        assert self.host is not None and len(key) == len(host_pages) * self.page_size
+        leaf = RadixNode(list(key), list(host_pages), parent, tier=Tier.HOST, hashes=list(hashes))
+        leaf.last_access = next(_clock)
+        parent.children[self._page_key(key, 0)] = leaf
+        self.host_cached_pages += len(host_pages)
+        if self.listener is not None:
+            self.listener.blocks_stored(list(hashes))
+            self._moved(leaf)
+
     def lock(self, node: RadixNode) -> None:
         while node is not self.root and node is not None:
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.tier is Tier.DEVICE:
                 self.evictable_pages -= len(node.pages)
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
@@ -179,46 +309,123 @@ class RadixCache:
             if node.lock_ref <= 0:
                 raise ValueError("radix cache: unlock without a matching lock")
             node.lock_ref -= 1
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.tier is Tier.DEVICE:
                 self.evictable_pages += len(node.pages)
             node = node.parent  # type: ignore[assignment]
 
+    # --- eviction ---
     def evict(self, num_pages: int) -> int:
-        """Free at least `num_pages` pages from unlocked leaves, LRU first, if possible; returns pages freed."""
-        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        """Free at least `num_pages` device pages from unlocked nodes, LRU first, if possible (to the host
+        tier where it has room, else dropped); returns device pages freed."""
+        return self._evict(num_pages, offload=self.host is not None)
+
+    def _evict(self, num_pages: int, offload: bool) -> int:
+        heap = [n for n in self._nodes() if self._device_frontier(n)]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_pages:
+            node = heapq.heappop(heap)
+            parent = node.parent
+            freed += self._offload(node) if offload else self._drop(node)
+            if parent is not None and parent is not self.root and self._device_frontier(parent):
+                heapq.heappush(heap, parent)
+        return freed
+
+    def _device_frontier(self, n: RadixNode) -> bool:
+        """An unlocked device node with no device children: the next to leave the device."""
+        return (
+            n.tier is Tier.DEVICE
+            and n.lock_ref == 0
+            and not any(c.tier is Tier.DEVICE for c in n.children.values())
+        )
+
+    def _offload(self, node: RadixNode) -> int:
+        """Move a device-frontier node to the host tier (dropping it, with its host subtree, where no host
+        page is to be had); returns device pages freed."""
+        assert self.host is not None
+        n = len(node.pages)
+        if self.host.num_free < n:
+            self._evict_host(n - self.host.num_free)
+        if self.host.num_free < n:
+            return self._drop(node)
+        host_pages = self.host.alloc(n)
+        self.host.to_host(node.pages, host_pages)
+        freed = self.allocator.free(node.pages)
+        node.pages, node.tier = host_pages, Tier.HOST
+        self.cached_pages -= n
+        self.evictable_pages -= n
+        self.host_cached_pages += n
+        self.counters.offloaded_pages += n
+        self._moved(node)
+        return freed
+
+    def _evict_host(self, num_pages: int) -> None:
+        """Drop unlocked host leaves, LRU first, until `num_pages` host pages are free or none is left."""
+        heap = [n for n in self._nodes() if n.tier is Tier.HOST and not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        dropped = 0
+        while heap and dropped < num_pages:
             leaf = heapq.heappop(heap)
-            freed += self._remove_leaf(leaf)
             parent = leaf.parent
+            dropped += len(leaf.pages)
+            self._drop(leaf)
             if (
                 parent is not None
-                and parent is not self.root
+                and parent.tier is Tier.HOST
                 and not parent.children
                 and parent.lock_ref == 0
             ):
                 heapq.heappush(heap, parent)
+
+    def _drop(self, node: RadixNode) -> int:
+        """Remove an unlocked node and its (host-tier, unlocked) subtree; returns device pages freed."""
+        assert node.parent is not None
+        freed = 0
+        for child in list(node.children.values()):
+            freed += self._drop(child)
+        del node.parent.children[self._page_key(node.key, 0)]
+        n = len(node.pages)
+        if node.tier is Tier.HOST:
+            assert self.host is not None
+            self.host_cached_pages -= n
+            self.counters.host_dropped_pages += n
+            self.host.free(node.pages)
+        else:
+            self.cached_pages -= n
+            self.evictable_pages -= n
+            freed += self.allocator.free(node.pages)
+        if self.listener is not None:
+            self.listener.blocks_removed(list(node.hashes))
         return freed
 
     def reset(self) -> int:
-        """Evict everything not locked; returns pages freed."""
-        return self.evict(self.cached_pages)
+        """Drop everything not locked, on every tier; returns device pages freed."""
+        freed = self._evict(self.cached_pages, offload=False)
+        for child in list(self.root.children.values()):
+            freed += self._drop_unlocked(child)
+        return freed
 
-    def _remove_leaf(self, leaf: RadixNode) -> int:
-        assert leaf.parent is not None
-        del leaf.parent.children[self._page_key(leaf.key, 0)]
-        self.cached_pages -= len(leaf.pages)
-        self.evictable_pages -= len(leaf.pages)
-        if self.listener is not None:
-            self.listener.blocks_removed(list(leaf.hashes))
-        return self.allocator.free(leaf.pages)
+    def _drop_unlocked(self, node: RadixNode) -> int:
+        if node.lock_ref:
+            return sum(self._drop_unlocked(c) for c in list(node.children.values()))
+        return self._drop(node)
+
+    def _alloc_device(self, n: int) -> list[int]:
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.evict(short)
+        return self.allocator.alloc(n)
+
+    def _moved(self, node: RadixNode) -> None:
+        moved = getattr(self.listener, "blocks_moved", None)
+        if moved is not None and node.hashes:
+            moved(list(node.hashes), int(node.tier))
 
     def _split(self, child: RadixNode, n_pages: int) -> RadixNode:
         """Cut `child` after its first n_pages pages; returns the new upper half (which keeps the lock)."""
         assert child.parent is not None and 0 < n_pages < len(child.pages)
         cut = n_pages * self.page_size
-        upper = RadixNode(child.key[:cut], child.pages[:n_pages], child.parent)
+        upper = RadixNode(child.key[:cut], child.pages[:n_pages], child.parent, tier=child.tier)
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
         upper.hashes, child.hashes = child.hashes[:n_pages], child.hashes[n_pages:]
         child.parent.children[self._page_key(upper.key, 0)] = upper
