@@ -26,10 +26,23 @@ class Outcome:
     hung: bool = False  # still running at the client deadline
     seconds: float = 0.0
     chunks: int = 0
+    first_token_s: float | None = None  # request to first text chunk
+    error_type: str | None = None  # the error's OpenAI `type`, or the transport exception's class name
+    cancelled: bool = False  # the client closed the stream on purpose (cancel_after)
+    request_id: str = ""  # the completion's id (the gateway's request id)
 
     @property
     def ok(self) -> bool:
         return self.error is None and not self.hung and self.finish_reason is not None
+
+    @property
+    def retryable(self) -> bool:
+        """An error a client should retry: 429, 503 or 504 (by OpenAI type), or the connection failing."""
+        return self.error_type in RETRYABLE_TYPES or self.error_type in TRANSPORT_ERRORS
+
+
+RETRYABLE_TYPES = frozenset({"rate_limit_error", "service_unavailable_error", "timeout_error"})
+TRANSPORT_ERRORS = frozenset({"ConnectError", "ReadError", "RemoteProtocolError", "WriteError"})
 
 
 @dataclass
@@ -63,7 +76,7 @@ class Progress:
 
 async def stream_completion(
     client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, deadline_s: float,
-    index: int = 0, progress: Progress | None = None,
+    index: int = 0, progress: Progress | None = None, cancel_after: int = 0,
 ) -> Outcome:  # fmt: skip
     """One greedy streaming completion (token-id prompt, ignore_eos); never raises. Every token is named by
     its id (logprobs 0, return_tokens_as_token_ids), so a chunk comes per token even where a token has no
@@ -79,30 +92,44 @@ async def stream_completion(
         async with asyncio.timeout(deadline_s):
             async with client.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
-                    out.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                    text = (await r.aread()).decode(errors="replace")
+                    out.error, out.error_type = f"HTTP {r.status_code}: {text[:200]}", _error_type(text)
                     return out
                 async for line in r.aiter_lines():
-                    _take(out, line, progress)
+                    _take(out, line, progress, t0)
+                    if cancel_after and out.chunks >= cancel_after and out.finish_reason is None:
+                        out.cancelled = True  # leaving the block closes the stream: the gateway cancels
+                        break
     except TimeoutError:
         out.hung = True
     except httpx.HTTPError as e:
-        out.error = f"{type(e).__name__}: {e}"
+        out.error, out.error_type = f"{type(e).__name__}: {e}", type(e).__name__
     finally:
         out.seconds = time.monotonic() - t0
         if progress is not None:
             progress.ended.add(index)
-    if out.error is None and not out.hung and out.finish_reason is None:
+    if out.error is None and not out.hung and not out.cancelled and out.finish_reason is None:
         out.error = "the stream ended without a finish reason"
     return out
 
 
-def _take(out: Outcome, line: str, progress: Progress | None) -> None:
+def _error_type(body: str) -> str | None:
+    try:
+        return json.loads(body)["error"]["type"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _take(out: Outcome, line: str, progress: Progress | None, t0: float = 0.0) -> None:
     if not line.startswith("data: ") or line == "data: [DONE]":
         return
     obj = json.loads(line[len("data: ") :])
     if "error" in obj:
-        out.error = str(obj["error"].get("message"))
+        out.error, out.error_type = str(obj["error"].get("message")), obj["error"].get("type")
         return
+    out.request_id = out.request_id or obj.get("id", "")
+    if out.first_token_s is None and obj.get("choices"):
+        out.first_token_s = time.monotonic() - t0
     if obj.get("usage"):
         out.completion_tokens = obj["usage"]["completion_tokens"]
     for choice in obj.get("choices", []):

@@ -8,7 +8,9 @@ e2e tests and the chaos benchmark all run it, so a fault test exercises the supe
 # layers: extra_env and the fields the mesh sets (env vars), the inherited environment, config_file as
 # MOEMESH_CONFIG, defaults. `gateways` N > 1: N processes share the API port with SO_REUSEPORT (gateway-0
 # binds first, the rest and any restart bind the port it got). `embedded_scheduler`: each gateway hosts a
-# scheduler replica instead of a scheduler process.
+# scheduler replica instead of a scheduler process. `placement`: a service (or the nats-server) named there
+# binds, and is dialled at, its own address in its own network namespace (one host per service, for
+# partition tests: libs.chaos.netns); the rest run at `host` (nats-server: 127.0.0.1) in the launcher's.
 
 from __future__ import annotations
 
@@ -29,10 +31,18 @@ from libs.bus.ports import read_ports
 from libs.launch.natsauth import NatsAuth
 from libs.launch.restart_policy import RestartPolicy, State
 from libs.launch.supervision import SupervisionLoop, log
-from libs.launch.supervisor import ServiceSpec, Supervisor
+from libs.launch.supervisor import ServiceSpec, Supervisor, netns_exec
 from libs.natsd import NatsServer, find_nats_server_binary, start_nats_server
 from proto import decoder, subjects
 from proto import messages as m
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where a placed service runs: the address it binds and peers dial, its network namespace."""
+
+    address: str
+    netns: str = ""
 
 
 @dataclass
@@ -63,6 +73,8 @@ class MeshConfig:
     # NATS security (libs.launch.natsauth): the embedded server requires it, every service is given it
     nats_auth: NatsAuth | None = None
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # service name ("decode-0", "gateway", NATS, ...) -> its own host; gateways share one (and the API port)
+    placement: dict[str, Host] = field(default_factory=dict)
 
     def __repr__(self) -> str:  # NatsAuth's repr masks its secrets
         return (
@@ -93,7 +105,11 @@ class Mesh:
 
     @property
     def url(self) -> str:
-        return f"http://{self.cfg.host}:{self.port}"
+        return f"http://{self.host_of(self.gateway_names()[0]).address}:{self.port}"
+
+    def host_of(self, name: str) -> Host:
+        """Where a service (or the nats-server) runs: its placement, else `host` in this namespace."""
+        return self.cfg.placement.get(name) or Host("127.0.0.1" if name == NATS else self.cfg.host)
 
     @property
     def nats_url(self) -> str:
@@ -115,11 +131,15 @@ class Mesh:
             env["MOEMESH_CONFIG"] = str(c.config_file)
         env.update(c.nats_auth.client_env() if c.nats_auth else {})
         if module != "services.gateway" or c.gateways > 1:  # one gateway: /health, /metrics on its API port
-            fields = {"http_host": c.host, "http_port": -1, **fields}  # -1: any free port
+            fields = {"http_host": self.host_of(name).address, "http_port": -1, **fields}  # -1: any free port
+        if name in c.placement and module in ("services.prefill_worker", "services.decode_worker"):
+            fields = {"transfer_hostname": c.placement[name].address, **fields}
         fields = {"ports_file": self.ports_file(name), **fields}
         env.update({f"{prefix}{k.upper()}": str(v) for k, v in fields.items()})
         env.update(c.extra_env.get(module, {}))
-        return ServiceSpec(name, module, env, ports_file=self.ports_file(name))
+        return ServiceSpec(
+            name, module, env, ports_file=self.ports_file(name), netns=self.host_of(name).netns
+        )
 
     def specs(self) -> list[ServiceSpec]:
         c = self.cfg
@@ -152,7 +172,7 @@ class Mesh:
         reuse = {"reuse_port": "true"} if self.cfg.gateways > 1 else {}
         embedded = {"embedded_scheduler": "true"} if self.cfg.embedded_scheduler else {}
         spec = self._spec(
-            name, "services.gateway", "MOEMESH_GATEWAY_", host=self.cfg.host, port=self.port,
+            name, "services.gateway", "MOEMESH_GATEWAY_", host=self.host_of(name).address, port=self.port,
             model_dir=str(Path(self.cfg.model_dir).resolve()), served_model_name=self.model_name, **reuse,
             **embedded,
         )  # fmt: skip
@@ -208,11 +228,14 @@ class Mesh:
         self._nats_dir = Path(tempfile.mkdtemp(prefix="moemesh-nats-"))
         args = self.cfg.nats_auth.server_args(self._nats_dir) if self.cfg.nats_auth else []
         store = str(self._nats_dir / "store")
+        host = self.host_of(NATS)
         self.nats = start_nats_server(
-            port, jetstream=True, host="127.0.0.1", store_dir=store, extra_args=args
-        )
-        argv = (find_nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.nats.port), "-js", "-sd", store)
-        self.sup.adopt(ServiceSpec(NATS, "", argv=(*argv, *args)), self.nats.proc, Path(self.nats.log_path))
+            port, jetstream=True, host=host.address, store_dir=store, extra_args=args,
+            prefix=netns_exec(host.netns),
+        )  # fmt: skip
+        argv = (find_nats_server_binary(), "-a", host.address, "-p", str(self.nats.port), "-js", "-sd", store)
+        spec = ServiceSpec(NATS, "", argv=(*argv, *args), netns=host.netns)
+        self.sup.adopt(spec, self.nats.proc, Path(self.nats.log_path))
 
     def restart_nats(self, timeout: float = 30.0) -> None:
         """Crash the nats-server (SIGKILL) and wait until the supervisor has it serving again on the
@@ -230,7 +253,7 @@ class Mesh:
                 raise TimeoutError(f"{name} not restarted {restarts} times: {self.sup.summary()}")
             time.sleep(0.05)  # the supervision thread restarts it; nothing to wait on but its records
         if name == NATS:
-            while not _accepts(self.cfg.host, self.nats.port if self.nats else 0):
+            while not _accepts(self.host_of(NATS).address, self.nats.port if self.nats else 0):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"nats-server not accepting connections after {timeout:.0f}s")
                 time.sleep(0.05)  # a starting server: poll its port
@@ -341,7 +364,7 @@ class Mesh:
             return f"{self.url}/metrics"
         if service == "gateway":
             raise ValueError(f"{self.cfg.gateways} gateways share the API port: ask {self.gateway_names()}")
-        return f"http://{self.cfg.host}:{self.side_port(service)}/metrics"
+        return f"http://{self.host_of(service).address}:{self.side_port(service)}/metrics"
 
     def gateway_metrics_urls(self) -> list[str]:
         """Every gateway replica's Prometheus endpoint (their counters add up to the mesh's)."""
@@ -352,7 +375,7 @@ class Mesh:
         if self.cfg.gateways == 1:
             return self.url if self.port else None
         ports = read_ports(self.ports_file(name))
-        return None if ports is None else f"http://{self.cfg.host}:{ports['http']}"
+        return None if ports is None else f"http://{self.host_of(name).address}:{ports['http']}"
 
     def _gateways_healthy(self) -> bool:
         """Every gateway started and not given up on answers /ready (/health where no decode worker is

@@ -36,9 +36,16 @@ class ServiceSpec:
     args: tuple[str, ...] = ()
     ports_file: Path | None = None  # where the service writes the ports it bound (libs.bus.ports)
     argv: tuple[str, ...] = ()  # a command that is not a Python module (the nats-server binary)
+    netns: str = ""  # a network namespace to run in (`ip netns exec`, which execs: the pid is the service's)
 
     def command(self) -> list[str]:
-        return list(self.argv) if self.argv else [sys.executable, "-m", self.module, *self.args]
+        cmd = list(self.argv) if self.argv else [sys.executable, "-m", self.module, *self.args]
+        return netns_exec(self.netns) + cmd
+
+
+def netns_exec(netns: str) -> list[str]:
+    """The command prefix that runs a command in network namespace `netns` ("" for none)."""
+    return ["ip", "netns", "exec", netns] if netns else []
 
 
 class ServiceProcess:

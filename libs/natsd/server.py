@@ -108,15 +108,16 @@ def start_nats_server(
     host: str = "127.0.0.1",
     ready_timeout: float = 15.0,
     extra_args: Sequence[str] = (),
+    prefix: Sequence[str] = (),
 ) -> NatsServer:
     """Start nats-server and return once it accepts clients; port 0 lets the server pick. JetStream data goes
     to `store_dir` (kept across restarts) or, when None, a temporary folder removed on `stop()`. `extra_args`
-    go to nats-server as they are (e.g. `-c <file>`, libs.launch.natsauth's 0600 file: no secret in argv)."""
+    go to nats-server as they are; `prefix` runs it under a command that execs it (`ip netns exec NS`)."""
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535, got {port}")
     binary = find_nats_server_binary()
     workdir = tempfile.mkdtemp(prefix="moemesh-nats-")
-    args = [binary, "-a", host, "-p", str(port or -1), "-m", "-1", "--ports_file_dir", workdir]
+    args = [*prefix, binary, "-a", host, "-p", str(port or -1), "-m", "-1", "--ports_file_dir", workdir]
     if jetstream:
         args += ["-js", "-sd", store_dir or os.path.join(workdir, "store")]
     args += list(extra_args)
