@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -23,7 +23,7 @@ STATUSES = ("ok", "wrong", "retryable", "error", "hung", "cancelled")
 
 @dataclass(frozen=True)
 class Record:
-    prompt: int  # index into the prompt mix
+    prompt: int  # index into the prompt mix (-1: a fresh prompt)
     start: float  # time.monotonic()
     end: float
     ttft: float | None  # seconds to the first token (None: none came)
@@ -49,22 +49,27 @@ def _difference(o: Outcome, want: Sequence[int] | None) -> str:
 
 class Traffic:
     """Traffic against one gateway URL; `want[i]` is prompt i's reference token ids (None: lengths only).
-    Every `cancel_every`-th request is cancelled by the client after `cancel_after` chunks (0: none)."""
+    Every `cancel_every`-th request is cancelled by the client after `cancel_after` chunks (0: none);
+    every `fresh_every`-th sends `fresh(n)`, a prompt no cache holds, checked by its length (prompt -1)."""
 
     def __init__(
         self, url: str, model: str, prompts: Sequence[list[int]], want: Sequence[list[int]] | None,
         max_tokens: int, deadline_s: float, cancel_every: int = 0, cancel_after: int = 2,
+        fresh_every: int = 0, fresh: Callable[[int], list[int]] | None = None,
     ) -> None:  # fmt: skip
         self.url, self.model, self.prompts, self.want = url, model, prompts, want
         self.max_tokens, self.deadline_s = max_tokens, deadline_s
         self.cancel_every, self.cancel_after = cancel_every, cancel_after
+        self.fresh: Callable[[int], list[int]] | None = fresh
+        self.fresh_every = fresh_every if fresh is not None else 0
         self.records: list[Record] = []
         self.in_flight = 0
         self._n = itertools.count()
 
     async def one(self, client: httpx.AsyncClient) -> Record:
         n = next(self._n)
-        i = n % len(self.prompts)
+        i = -1 if self.fresh_every and n % self.fresh_every == 0 else n % len(self.prompts)
+        prompt = self.fresh(n) if i < 0 and self.fresh is not None else self.prompts[i]
         cancel = (
             self.cancel_after if self.cancel_every and n % self.cancel_every == self.cancel_every - 1 else 0
         )
@@ -72,11 +77,11 @@ class Traffic:
         self.in_flight += 1
         try:
             o = await stream_completion(
-                client, self.model, self.prompts[i], self.max_tokens, self.deadline_s, cancel_after=cancel
+                client, self.model, prompt, self.max_tokens, self.deadline_s, cancel_after=cancel
             )
         finally:
             self.in_flight -= 1
-        want = None if self.want is None else self.want[i]
+        want = None if self.want is None or i < 0 else self.want[i]
         status = classify(o, want, self.max_tokens)
         detail = o.error or (_difference(o, want) if status == "wrong" else "")
         rec = Record(i, start, time.monotonic(), o.first_token_s, status, detail)
