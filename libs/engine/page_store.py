@@ -1,8 +1,9 @@
 """`PageStore`: a shared store of KV pages keyed by name (the store tier's backend), and an in-process one.
 
 Who calls what: only the store tier's thread (libs.engine.store_tier) calls these methods, one at a time.
-`connect` is called first and again after a failure; any method may raise or return failures, and the
-store tier then treats the store as down for a while (recompute, never an error). Pages are immutable
+`connect` is called first, again until it succeeds, never after; any other method may raise or return
+failures (a client must recover from a store outage by itself), and the store tier then treats the store
+as down for a while (recompute, never an error). Pages are immutable
 once put (names are content hashes), so a put of a name that exists is a success. The Mooncake Store
 implementation is libs.kvtransfer.mooncake_store; `InProcessPageStore` serves tests in one process.
 """

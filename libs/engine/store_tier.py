@@ -8,7 +8,7 @@ request's admission loads them like any host hit), `pending`, `cancel` and `poll
 engine thread: only it touches the cache and the host pool's allocator). One thread talks to the store.
 
 Nothing here raises into the engine: a failed, slow or unreachable store marks the tier down for
-`retry_s` (no new store work; requests recompute) and the thread reconnects before its next job. A
+`retry_s` (no new store work; requests recompute); the store is joined once (`connect` until it works). A
 request waits for its prefetch at most `timeout_s`. Names are content hashes (libs.prefix chains every
 earlier token, the page size is in the root) under a namespace naming the checkpoint and KV layout, so a
 stored page never changes: a put of a name that exists is a no-op and a reader never sees a page
@@ -241,19 +241,15 @@ class StoreTier:
 
     # --- the store's thread ---
     def _run(self) -> None:
-        while True:
-            while not self._connected and not self._connect():
-                if not self._fail_queued():  # closed meanwhile
-                    return
-                time.sleep(self.retry_s)  # no store: try again later
-            job = self._jobs.get()
-            if job is None:
-                break
+        while not self._connect():
+            if not self._fail_queued():  # closed meanwhile
+                return
+            time.sleep(self.retry_s)  # no store yet: try again later
+        while (job := self._jobs.get()) is not None:
             try:
                 self._done.put(self._do(job))
-            except Exception as e:  # the engine hears it as a failure; the thread reconnects first
+            except Exception as e:  # the engine hears it as a failure (the client recovers on its own)
                 log.info("KV store call failed: %s", e)
-                self._connected = False
                 self._fail_job(job, str(e) or type(e).__name__)
         self.store.close()
 
