@@ -514,15 +514,29 @@ class HandleExpired(Kind, frozen=True):
 # ---------------------------------------------------------------------------------------------
 
 
+class KvTier(enum.IntEnum):
+    """Where a cached KV block lives: a worker's device pool, its host-memory tier, or the shared store
+    (Mooncake Store) every worker with the store tier reads."""
+
+    DEVICE = 0
+    HOST = 1
+    STORE = 2
+
+
 class BlocksStored(Kind, frozen=True):
     """Full KV pages that entered a worker's prefix cache, by block hash (libs.prefix: page i's hash stands for
     pages 0..i, the same on every worker). `seq` counts one worker's events from 1 within its `epoch` (one
-    process lifetime); a receiver that sees a seq jump has missed events and asks for a KvSnapshot."""
+    process lifetime); a receiver that sees a seq jump has missed events and asks for a KvSnapshot. `tier`:
+    where the blocks are now (DEVICE or HOST: held by this worker, moved there if held already; STORE: it put
+    them in the shared store, which says nothing of whether it still holds them)."""
 
     worker_id: str
     epoch: str
     seq: int
     hashes: list[int]
+    # a reader without the field takes every run as held on the device: host blocks then score as device
+    # hits and store puts as this worker's blocks, both still hits where it sends them (no version bump)
+    tier: KvTier = KvTier.DEVICE
 
 
 class BlocksRemoved(Kind, frozen=True):
@@ -552,6 +566,10 @@ class KvSnapshot(Kind, frozen=True):
     epoch: str
     seq: int
     hashes: list[int]
+    # of `hashes` (every block held), those on the host tier; and whether the worker reads the shared
+    # store (a reader without them sees every block on the device)
+    host_hashes: list[int] = []
+    store: bool = False
 
 
 class PrefixQuery(Kind, frozen=True):
@@ -567,6 +585,9 @@ class PrefixReply(Kind, frozen=True):
     holding none of the prompt are left out."""
 
     cached_tokens: dict[str, int] = {}
+    # worker -> [device, host, store] tokens of the prompt's leading blocks by tier (cached_tokens counts
+    # device + host); empty from a broker that predates tiers
+    tiers: dict[str, list[int]] = {}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,14 +19,18 @@ block, built from the workers' KV events. Pure: no I/O; times (monotonic seconds
 #
 # Overlap: for a prompt's block hashes (in order), each worker's run of leading blocks it holds; radix
 # caches evict leaves first, so a worker holding block i almost always holds 0..i-1 too.
+# Tiers: a held block is on the worker's device or its host tier (BlocksStored.tier; a snapshot's
+# host_hashes); blocks put in the shared store are one set for every worker that reads the store, kept
+# as a bounded hint (the store evicts without telling). `tiered_overlap` splits each run by tier.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from libs.prefix import leading
-from proto.messages import BlocksRemoved, BlocksStored, KvSnapshot
+from proto.messages import BlocksRemoved, BlocksStored, KvSnapshot, KvTier
 
 KvEvent = BlocksStored | BlocksRemoved
 DEFAULT_INTERVAL_S = 1.0  # assumed heartbeat interval until a heartbeat tells the real one
@@ -37,13 +41,17 @@ class _Worker:
     epoch: str
     seq: int = 0
     blocks: set[int] = field(default_factory=set)
+    host: set[int] = field(default_factory=set)  # of blocks, those on its host tier
+    store: bool = False  # it reads the shared store
     resyncing: bool = False
     buffered: list[KvEvent] = field(default_factory=list)
     deadline: float = float("inf")
 
 
 class PrefixIndex:
-    def __init__(self, dead_after_intervals: float = 3.0, max_buffered: int = 1024) -> None:
+    def __init__(
+        self, dead_after_intervals: float = 3.0, max_buffered: int = 1024, max_store_blocks: int = 1 << 20
+    ) -> None:
         if not dead_after_intervals > 0:
             raise ValueError(f"dead_after_intervals must be > 0, got {dead_after_intervals}")
         if max_buffered < 1:
@@ -53,6 +61,9 @@ class PrefixIndex:
         self._workers: dict[str, _Worker] = {}
         self._owners: dict[int, set[str]] = {}  # block hash -> workers holding it
         self._intervals: dict[str, float] = {}  # heartbeat interval per worker, indexed or not yet
+        # blocks some worker put in the shared store, most recent last (a hint: the store evicts unseen)
+        self._store: OrderedDict[int, None] = OrderedDict()
+        self.max_store_blocks = max_store_blocks
 
     # --- sizes (metrics) ---
     @property
@@ -64,6 +75,15 @@ class PrefixIndex:
     def num_entries(self) -> int:
         """(block, worker) pairs: the index's real size."""
         return sum(len(w.blocks) for w in self._workers.values())
+
+    @property
+    def num_store_blocks(self) -> int:
+        return len(self._store)
+
+    @property
+    def has_tiers(self) -> bool:
+        """Some block is known off a device (a host tier or the store): tiered_overlap says more than overlap."""
+        return bool(self._store) or any(w.host for w in self._workers.values())
 
     def workers(self) -> list[str]:
         return sorted(self._workers)
@@ -114,6 +134,7 @@ class PrefixIndex:
         w = self._reset(snap.worker_id, snap.epoch, w)
         self._touch(snap.worker_id, w, now)
         self._set_blocks(snap.worker_id, w, set(snap.hashes))
+        w.host, w.store = set(snap.host_hashes) & w.blocks, snap.store
         w.seq = snap.seq
         for i, ev in enumerate(buffered):
             if ev.seq <= w.seq:
@@ -154,6 +175,28 @@ class PrefixIndex:
         """Worker id -> number of leading blocks of `hashes` it holds (workers holding none left out)."""
         return leading(hashes, self._owners)
 
+    def tiered_overlap(self, hashes: Sequence[int]) -> dict[str, tuple[int, int, int]]:
+        """Worker id -> (device, host, store) blocks of the prompt's leading run it can serve: its own run
+        (device blocks first, its host tier below them), then the blocks after it that the shared store
+        holds, for a worker that reads the store (workers with none left out)."""
+        local = leading(hashes, self._owners)
+        run_from: dict[int, int] = {}  # start -> store run length, computed once per start
+        out: dict[str, tuple[int, int, int]] = {}
+        for wid, w in self._workers.items():
+            n = local.get(wid, 0)
+            host = sum(1 for h in hashes[:n] if h in w.host) if w.host and n else 0
+            store = 0
+            if w.store and self._store:
+                if n not in run_from:
+                    i = n
+                    while i < len(hashes) and hashes[i] in self._store:
+                        i += 1
+                    run_from[n] = i - n
+                store = run_from[n]
+            if n or store:
+                out[wid] = (n - host, host, store)
+        return out
+
     # --- internals ---
     def _reset(self, wid: str, epoch: str, old: _Worker | None) -> _Worker:
         """A fresh record (callers touch it next); the old one's blocks leave the index."""
@@ -173,7 +216,15 @@ class PrefixIndex:
 
     def _apply(self, wid: str, w: _Worker, ev: KvEvent) -> None:
         if isinstance(ev, BlocksStored):
-            self._add(wid, w, ev.hashes)
+            if ev.tier == KvTier.STORE:
+                w.store = True
+                self._stored(ev.hashes)
+            else:
+                self._add(wid, w, ev.hashes)
+                if ev.tier == KvTier.HOST:
+                    w.host.update(ev.hashes)
+                else:
+                    w.host.difference_update(ev.hashes)
         else:
             self._remove(wid, w, ev.hashes)
         w.seq = ev.seq
@@ -187,9 +238,17 @@ class PrefixIndex:
             w.blocks.add(h)
             self._owners.setdefault(h, set()).add(wid)
 
+    def _stored(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            self._store[h] = None
+            self._store.move_to_end(h)
+        while len(self._store) > self.max_store_blocks:
+            self._store.popitem(last=False)
+
     def _remove(self, wid: str, w: _Worker, hashes: Iterable[int]) -> None:
         for h in list(hashes):
             w.blocks.discard(h)
+            w.host.discard(h)
             owners = self._owners.get(h)
             if owners is not None:
                 owners.discard(wid)

@@ -25,3 +25,13 @@ def leading(hashes: Sequence[int], holds: Mapping[int, Iterable[str]]) -> dict[s
             alive = still
     out.update(dict.fromkeys(alive, len(hashes)))
     return out
+
+
+def tier_weighted(
+    blocks: tuple[int, int, int], page_size: int, host_weight: float, store_weight: float
+) -> int:
+    """A (device, host, store) blocks hit as the device tokens it is worth: a host block counts
+    host_weight of one (a copy to the device), a store block store_weight (a fetch, then that copy);
+    weights in (0, 1], so a hit on any tier still beats recomputing and a nearer tier a farther one."""
+    device, host, store = blocks
+    return round((device + host_weight * host + store_weight * store) * page_size)

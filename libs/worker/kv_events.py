@@ -6,7 +6,9 @@ to a KvSnapshotRequest, so the broker tells a restart (new epoch) from missed ev
 # engine call (EngineThread.after_call, on the event loop) `flush` numbers what it produced, and one sender
 # task publishes in order, one message per run of a kind (at most max_hashes each): a step costs one or two
 # messages, not one per page. The snapshot is exact because set and seq change only in `flush`. Events that
-# fail to publish are dropped; the broker sees the gap and asks for a snapshot.
+# fail to publish are dropped; the broker sees the gap and asks for a snapshot. With KV tiers the cache also
+# calls blocks_moved (a run now on the device or the host: a BlocksStored of that tier) and the store tier
+# reports its puts (tier STORE: told on, not counted as held here).
 
 from __future__ import annotations
 
@@ -28,17 +30,21 @@ from proto import subjects
 log = logging.getLogger("moemesh.worker.kv_events")
 
 
-def coalesce(pending: list[tuple[bool, list[int]]], max_hashes: int) -> list[tuple[bool, list[int]]]:
-    """Merge consecutive runs of one kind (True: stored) in order, then cut them to max_hashes each."""
-    runs: list[tuple[bool, list[int]]] = []
-    for stored, hashes in pending:
+REMOVED = -1  # the kind of a removal run; stored runs are kinds 0.. (their m.KvTier)
+
+
+def coalesce(pending: list[tuple[int, list[int]]], max_hashes: int) -> list[tuple[int, list[int]]]:
+    """Merge consecutive runs of one kind (REMOVED, or the tier stored in) in order, then cut them to
+    max_hashes each."""
+    runs: list[tuple[int, list[int]]] = []
+    for kind, hashes in pending:
         if not hashes:
             continue
-        if runs and runs[-1][0] == stored:
+        if runs and runs[-1][0] == kind:
             runs[-1][1].extend(hashes)
         else:
-            runs.append((stored, list(hashes)))
-    return [(s, hs[i : i + max_hashes]) for s, hs in runs for i in range(0, len(hs), max_hashes)]
+            runs.append((kind, list(hashes)))
+    return [(k, hs[i : i + max_hashes]) for k, hs in runs for i in range(0, len(hs), max_hashes)]
 
 
 class KvEventPublisher:
@@ -59,8 +65,9 @@ class KvEventPublisher:
         self.epoch = epoch or uuid.uuid4().hex[:16]
         self.max_hashes = max_hashes
         self.seq = 0
-        self.blocks: set[int] = set()  # what events 1..seq add up to
-        self._pending: list[tuple[bool, list[int]]] = []  # from the engine thread, not yet numbered
+        self.blocks: dict[int, m.KvTier] = {}  # what events 1..seq add up to: held blocks and their tier
+        self.store = False  # the worker reads the shared store (its snapshot says so)
+        self._pending: list[tuple[int, list[int]]] = []  # from the engine thread, not yet numbered
         self._lock = threading.Lock()
         self._outbox: deque[m.BlocksStored | m.BlocksRemoved] = deque()
         self._ready = asyncio.Event()  # the outbox has messages
@@ -74,11 +81,15 @@ class KvEventPublisher:
     # --- engine thread (radix_cache.CacheListener) ---
     def blocks_stored(self, hashes: list[int]) -> None:
         with self._lock:
-            self._pending.append((True, hashes))
+            self._pending.append((m.KvTier.DEVICE, hashes))
 
     def blocks_removed(self, hashes: list[int]) -> None:
         with self._lock:
-            self._pending.append((False, hashes))
+            self._pending.append((REMOVED, hashes))
+
+    def blocks_moved(self, hashes: list[int], tier: int) -> None:
+        with self._lock:
+            self._pending.append((int(tier), hashes))
 
     # --- event loop ---
     async def start(self, et: EngineThread) -> None:
@@ -94,15 +105,21 @@ class KvEventPublisher:
         with self._lock:
             pending, self._pending = self._pending, []
         runs = coalesce(pending, self.max_hashes)
-        for stored, hashes in runs:
+        for kind, hashes in runs:
             self.seq += 1
             msg: m.BlocksStored | m.BlocksRemoved
-            if stored:
-                self.blocks.update(hashes)
-                msg = m.BlocksStored(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, hashes=hashes)
+            ids = {"worker_id": self.worker_id, "epoch": self.epoch, "seq": self.seq, "hashes": hashes}
+            if kind == REMOVED:
+                for h in hashes:
+                    self.blocks.pop(h, None)
+                msg = m.BlocksRemoved(**ids)
             else:
-                self.blocks.difference_update(hashes)
-                msg = m.BlocksRemoved(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, hashes=hashes)
+                tier = m.KvTier(kind)
+                if tier is m.KvTier.STORE:
+                    self.store = True
+                else:
+                    self.blocks.update(dict.fromkeys(hashes, tier))
+                msg = m.BlocksStored(**ids, tier=tier)
             self._outbox.append(msg)
         if runs:
             self._idle.clear()
@@ -111,9 +128,11 @@ class KvEventPublisher:
 
     async def on_snapshot(self, req: m.KvSnapshotRequest) -> m.KvSnapshot:
         self.flush()
+        host = [h for h, t in self.blocks.items() if t is m.KvTier.HOST]
         return m.KvSnapshot(
-            worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, hashes=list(self.blocks)
-        )
+            worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, hashes=list(self.blocks),
+            host_hashes=host, store=self.store,
+        )  # fmt: skip
 
     async def _send_loop(self) -> None:
         subject = subjects.kv_events(self.worker_id)

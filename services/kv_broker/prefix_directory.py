@@ -30,6 +30,9 @@ class PrefixDirectory(PrefixReplica):
         if q.page_size < 1:
             raise ValueError(f"PrefixQuery.page_size must be >= 1, got {q.page_size}")
         self.m_queries.inc()
+        ps = q.page_size
+        tiers = self.index.tiered_overlap(q.hashes) if self.index.has_tiers else {}
         return m.PrefixReply(
-            cached_tokens={w: n * q.page_size for w, n in self.index.overlap(q.hashes).items()}
+            cached_tokens={w: n * ps for w, n in self.index.overlap(q.hashes).items()},
+            tiers={w: [d * ps, h * ps, s * ps] for w, (d, h, s) in tiers.items()},
         )

@@ -10,6 +10,10 @@ prefixes this scheduler itself just sent to prefill workers. An unanswered broke
 # is left out: an engine always computes it, so it is never a hit. Lookups are counted in
 # `moemesh_scheduler_prefix_queries_total{outcome}` (local, ok, failed).
 #
+# Tiers: a worker's leading run can lie partly on its host tier, and a worker that reads the shared store
+# can fetch the blocks after its run that the store holds; such blocks count `tier_weights` of a device
+# block (host > store > 0: any hit beats recomputing). Without any, hits are the plain run, as before.
+#
 # Why `RecentPlacements`: a worker reports a prompt's blocks once its prefill has finished, so a burst of
 # requests sharing a new prefix would find nothing in the index and spread over every prefill worker, each
 # computing the prefix again. A placement is a promise that the blocks are coming (the worker runs its
@@ -26,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from libs.bus import Bus
-from libs.prefix import block_hashes, leading
+from libs.prefix import block_hashes, leading, tier_weighted
 from libs.prefix.replica import PrefixReplica
 from proto import messages as m
 from proto import subjects
@@ -81,11 +85,14 @@ class PrefixClient:
         pending_ttl_s: float = 5.0,
         clock=time.monotonic,
         replica: PrefixReplica | None = None,
+        tier_weights: tuple[float, float] = (1.0, 1.0),
     ) -> None:
-        """replica: the local prefix index to read; None asks the kv-broker on every lookup."""
+        """replica: the local prefix index to read; None asks the kv-broker on every lookup. tier_weights:
+        what a host and a store block count, of a device block (libs.prefix.tier_weighted)."""
         if not timeout_s > 0:
             raise ValueError(f"prefix query timeout must be > 0, got {timeout_s}")
         self.bus, self.timeout_s, self.clock, self.replica = bus, timeout_s, clock, replica
+        self.host_weight, self.store_weight = tier_weights
         self.recent = RecentPlacements(pending_ttl_s)
         self._last: tuple[Sequence[int], dict[int, list[int]]] | None = None  # the last prompt's hashes
         self.m_queries = Counter(
@@ -114,7 +121,12 @@ class PrefixClient:
             if not hashes:
                 continue
             recent = self.recent.overlap(hashes, self.clock())
-            if self.replica is not None:
+            if self.replica is not None and self.replica.index.has_tiers:
+                self._local.inc()
+                found = self._weighted(self.replica.index.tiered_overlap(hashes), page_size)
+                for wid, n in recent.items():
+                    found[wid] = max(found.get(wid, 0), n * page_size)
+            elif self.replica is not None:
                 self._local.inc()
                 blocks = self.replica.index.overlap(hashes)  # a fresh dict: merged into in place
                 for wid, n in recent.items():
@@ -148,7 +160,15 @@ class PrefixClient:
             return {}
         self.m_seconds.observe(time.perf_counter() - t0)
         self.m_queries.labels("ok").inc()
+        if reply.tiers:
+            return self._weighted({w: (d // page_size, h // page_size, s // page_size)
+                                   for w, (d, h, s) in reply.tiers.items()}, page_size)  # fmt: skip
         return dict(reply.cached_tokens)
+
+    def _weighted(self, tiers: dict[str, tuple[int, int, int]], page_size: int) -> dict[str, int]:
+        """Worker -> the device tokens its (device, host, store) blocks are worth to placement."""
+        hw, sw = self.host_weight, self.store_weight
+        return {wid: tier_weighted(b, page_size, hw, sw) for wid, b in tiers.items()}
 
     def placed(self, prompt_ids: Sequence[int], prefill_worker: str, page_size: int) -> None:
         """The prompt was just sent to `prefill_worker`: its blocks will be there."""

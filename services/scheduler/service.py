@@ -110,6 +110,19 @@ class SchedulerSettings(ServiceSettings, frozen=True, kw_only=True):
         float,
         msgspec.Meta(gt=0, description="seconds the prefix index has to answer, else placement ignores it"),
     ] = 0.05
+    prefix_host_weight: Annotated[
+        float,
+        msgspec.Meta(
+            gt=0, le=1,
+            description="a prefix block on a worker's host KV tier counts this much of one on its device",
+        ),
+    ] = 0.8
+    prefix_store_weight: Annotated[
+        float,
+        msgspec.Meta(
+            gt=0, le=1, description="a prefix block in the shared KV store counts this much of one on a device"
+        ),
+    ] = 0.5
     prefix_pending_ttl_s: Annotated[
         float,
         msgspec.Meta(ge=0, description="seconds this scheduler's own recent placements count as prefix hits"),
@@ -133,6 +146,11 @@ class SchedulerSettings(ServiceSettings, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.prefix_index not in ("local", "broker"):
             raise ValueError(f"prefix_index must be local or broker, got {self.prefix_index!r}")
+        if not 0 < self.prefix_store_weight <= self.prefix_host_weight <= 1:
+            raise ValueError(
+                "prefix tier weights must keep device >= host >= store > 0: 0 < prefix_store_weight "
+                f"({self.prefix_store_weight}) <= prefix_host_weight ({self.prefix_host_weight}) <= 1"
+            )
 
 
 class _Metrics:
@@ -240,8 +258,9 @@ class SchedulerService(Service):
             await self.replica.start(heartbeats=False)  # _on_heartbeat hands them over
         await bus.flush()
         self.prefix = PrefixClient(
-            bus, self.registry, s.prefix_query_timeout_s, s.prefix_pending_ttl_s, self.clock, self.replica
-        )
+            bus, self.registry, s.prefix_query_timeout_s, s.prefix_pending_ttl_s, self.clock, self.replica,
+            tier_weights=(s.prefix_host_weight, s.prefix_store_weight),
+        )  # fmt: skip
         self._loop_task = asyncio.create_task(self._placement_loop(), name="scheduler-placement")
         self.beacon = SchedulerBeacon(
             bus, self.instance_id, self.settings.heartbeat_interval_ms, lambda: len(self.queue)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from libs.worker.kv_events import coalesce
+from libs.worker.kv_events import REMOVED, coalesce
 from libs.worker.prefix_reuse import pages_to_send, reserve_for
 from proto import messages as m
 
@@ -56,6 +56,8 @@ def test_prefill_sends_only_the_pages_past_the_decode_sides_cache() -> None:
 
 
 def test_events_are_coalesced_in_order_and_cut_to_size() -> None:
-    pending = [(True, [1, 2]), (True, [3]), (False, [2]), (False, []), (True, [2, 4, 5, 6, 7])]
-    assert coalesce(pending, 3) == [(True, [1, 2, 3]), (False, [2]), (True, [2, 4, 5]), (True, [6, 7])]
+    pending = [(0, [1, 2]), (0, [3]), (REMOVED, [2]), (REMOVED, []), (0, [2, 4, 5, 6, 7]), (1, [1]), (2, [1])]
+    assert coalesce(pending, 3) == [
+        (0, [1, 2, 3]), (REMOVED, [2]), (0, [2, 4, 5]), (0, [6, 7]), (1, [1]), (2, [1])
+    ]  # fmt: skip
     assert coalesce([], 3) == []

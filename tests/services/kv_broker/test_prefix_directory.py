@@ -163,7 +163,7 @@ async def test_a_lost_event_is_repaired_from_a_snapshot(broker, client, workers)
     p0.bus.drop_next = 1
     await p0.et.call(p0.engine.store, list(range(8)) + [50, 51, 52, 53])  # this event is lost
     await p0.et.call(p0.engine.store, [9] * 8)  # the next one shows the gap
-    await until(lambda: ix.blocks_of(p0.worker_id) == p0.pub.blocks and not ix.needs_snapshot(p0.worker_id),
+    await until(lambda: ix.blocks_of(p0.worker_id) == set(p0.pub.blocks) and not ix.needs_snapshot(p0.worker_id),
                 "resync")  # fmt: skip
     assert len(p0.pub.blocks) == 5 and ix.seq_of(p0.worker_id) == (p0.pub.epoch, 3)
     assert metric(broker, "moemesh_kv_broker_prefix_resyncs_total", reason="gap") == 1
