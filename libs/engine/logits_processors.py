@@ -4,6 +4,8 @@ on the logits before `sample`, `accept` with the sampled tokens, `remove` when t
 
 # Legend: S rows (sequences) of the logits, P penalized rows, G grammar rows, V vocabulary.
 # Structured output: xgrammar fills the bitmask on the host while the forward runs, applied on the device.
+# A grammar with `start_after` (a reasoning model's end-of-thinking ids) waits until the output has emitted
+# them: the reasoning is free, the answer after it is constrained.
 # min_tokens: stop ids and EOS (unless ignore_eos) are -inf until min_tokens outputs exist. Penalties:
 # repetition over prompt + output (positive logits divided, negative multiplied), then frequency * count
 # and presence * [count > 0] over output only. Requests that use none of these never enter, and a batch
@@ -49,6 +51,12 @@ class _State:
     bias_vals: list[float]
     slot: int = -1  # penalty row, -1 without penalties
     matcher: Any = None  # xgrammar.GrammarMatcher
+    gate: tuple[int, ...] = ()  # the grammar starts after the output ends with these ids
+    gate_open: bool = True
+
+    @property
+    def grammar_on(self) -> bool:
+        return self.matcher is not None and self.gate_open
 
 
 @dataclass
@@ -97,6 +105,8 @@ class LogitsProcessors:
         state = _State(params, stop_ids, [t for t, _ in bias], [v for _, v in bias])
         if params.guided is not None:
             state.matcher = self._grammar_backend().matcher(params.guided)
+            state.gate = params.guided.start_after
+            state.gate_open = not state.gate
         if uses_penalties(params):
             state.slot = self._take_slot()
             ids = torch.tensor([t for t in prompt_ids if 0 <= t < self.vocab_size], dtype=torch.long)
@@ -151,7 +161,10 @@ class LogitsProcessors:
             st = self.states.get(s.rid)
             if st is None:
                 continue
-            if st.matcher is not None and not st.matcher.is_terminated() and not st.matcher.accept_token(tok):
+            if st.matcher is not None and not st.gate_open:
+                st.gate_open = _ends_with(s.output_ids, tok, st.gate)
+                self._plan = None if st.gate_open else self._plan  # its rows change: a new plan
+            elif st.matcher is not None and not st.matcher.is_terminated() and not st.matcher.accept_token(tok):
                 raise ValueError(f"token {tok} does not follow the request's structured-output grammar")
             if st.slot >= 0 and 0 <= tok < self.vocab_size:
                 flat.append(st.slot * self.vocab_size + tok)
@@ -191,7 +204,7 @@ class LogitsProcessors:
         m, n, p = len(min_idx), len(bias_idx), len(pen)
         self._plan = _Plan(
             key, ints[:m], ints[m : m + n], floats[:n], ints[m + n : m + n + p], ints[m + n + p :],
-            floats[n:].view(3, p), [i for i, st in rows if st.matcher is not None],
+            floats[n:].view(3, p), [i for i, st in rows if st.grammar_on],
         )  # fmt: skip
         return self._plan
 
@@ -218,10 +231,18 @@ class LogitsProcessors:
 
     def _fill_bitmask(self, rows: list[tuple[int, _State]]) -> torch.Tensor | None:
         """The host bitmask [G, ceil(V/32)] int32 of the rows under a grammar, in row order."""
-        matchers = [st.matcher for _, st in rows if st.matcher is not None]
+        matchers = [st.matcher for _, st in rows if st.grammar_on]
         if not matchers:
             return None
         return self._grammar_backend().fill_bitmask(matchers, out=self._host_bitmasks.take(len(matchers)))
+
+
+def _ends_with(output_ids: Sequence[int], tok: int, gate: tuple[int, ...]) -> bool:
+    """Whether output_ids + [tok] ends with gate."""
+    if not gate or gate[-1] != tok:
+        return False
+    head = gate[:-1]
+    return not head or tuple(output_ids[-len(head) :]) == head
 
 
 class HostBitmasks:

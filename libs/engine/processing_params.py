@@ -17,16 +17,20 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range; vLLM clamps to it
 @dataclass(frozen=True)
 class GuidedSpec:
     """A structured-output constraint: `kind` one of GUIDED_KINDS; `value` a JSON schema (json), a regex,
-    a JSON list of strings (choice), an EBNF grammar (grammar) or "" (json_object)."""
+    a JSON list of strings (choice), an EBNF grammar (grammar) or "" (json_object). With `start_after`
+    (the reasoning's end marker as token ids) it applies only to the output after those ids."""
 
     kind: str
     value: str = ""
+    start_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in GUIDED_KINDS:
             raise ValueError(f"structured output kind must be one of {GUIDED_KINDS}, got {self.kind!r}")
         if not isinstance(self.value, str):
             raise ValueError(f"structured output value must be a string, got {type(self.value).__name__}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.start_after):
+            raise ValueError(f"structured output start_after must be token ids, got {self.start_after!r}")
 
 
 def validate_processing(p: Any) -> None:

@@ -15,8 +15,12 @@ def to_params(s: m.Sampling) -> SamplingParams:
         logprobs=s.logprobs, top_logprobs=s.top_logprobs, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
         logit_bias=tuple(s.logit_bias.items()), min_tokens=s.min_tokens,
-        guided=GuidedSpec(s.guided.kind, s.guided.value) if s.guided is not None else None,
+        guided=_guided(s.guided),
     )  # fmt: skip
+
+
+def _guided(g: m.Guided | None) -> GuidedSpec | None:
+    return None if g is None else GuidedSpec(g.kind, g.value, tuple(g.start_after))
 
 
 def to_wire_logprob(lp: TokenLogprob) -> m.TokenLogprob:

@@ -209,13 +209,17 @@ SAMPLING_FIELDS = {
     1: {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop",
         "ignore_eos", "logprobs", "top_logprobs"},
     2: {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "guided"},
+    3: set(),  # Guided.start_after (GUIDED_FIELDS)
 }  # fmt: skip
+GUIDED_FIELDS = {2: {"kind", "value"}, 3: {"start_after"}}
 
 
 def test_sampling_fields_are_versioned() -> None:
     known = set().union(*(f for v, f in SAMPLING_FIELDS.items() if v <= m.SCHEMA_VERSION))
     assert set(m.Sampling.__struct_fields__) == known
     assert max(SAMPLING_FIELDS) == m.SCHEMA_VERSION
+    guided = set().union(*(f for v, f in GUIDED_FIELDS.items() if v <= m.SCHEMA_VERSION))
+    assert set(m.Guided.__struct_fields__) == guided and max(GUIDED_FIELDS) <= m.SCHEMA_VERSION
 
 
 def test_older_version_is_read_with_neutral_defaults() -> None:

@@ -319,3 +319,41 @@ def test_pd_prefill_and_decode_honour_grammar_and_penalties(tmp_path_factory, en
             tokens[out.rid] += out.token_ids
     assert tokens == refs
     assert not pre.procs.states and not dec.procs.states
+
+
+def test_a_gated_grammar_starts_after_its_ids(engine):
+    """`start_after` (a reasoning model's end-of-thinking ids, split over two tokens here): no mask until
+    the output ends with them, the grammar from the next token on; ids that only begin the gate keep it shut."""
+    procs = LogitsProcessors(engine.config.vocab_size, "cpu", engine.eos_ids, engine.tokenizer)
+    procs._grammars = engine.procs._grammar_backend()  # the engine's compiler: built once per module
+    ids = engine.tokenizer.encode("</think>", add_special_tokens=False)
+    gate = (ids[0], ids[-1]) if len(ids) > 1 else (5, ids[0])
+    procs.add("r", [2], SamplingParams(max_tokens=30, guided=GuidedSpec("regex", "ab", gate)))
+    seq = Seq("r")
+    logits = torch.zeros(1, engine.config.vocab_size)
+    for tok in [7, gate[0], 9, gate[-1]]:  # reasoning, with a false start of the gate
+        assert procs.apply(logits, [seq]).isfinite().all()
+        procs.accept([seq], [tok])
+        seq.output_ids.append(tok)
+    procs.accept([seq], [gate[0]])  # any token is accepted while the gate is shut
+    seq.output_ids.append(gate[0])
+    procs.accept([seq], [gate[-1]])
+    seq.output_ids.append(gate[-1])
+    allowed = procs.apply(logits, [seq])[0].isfinite().nonzero().flatten().tolist()
+    texts = [engine.tokenizer.decode([t]) for t in allowed]
+    assert "a" in texts and all(t and "ab".startswith(t) for t in texts), texts
+    with pytest.raises(ValueError, match="grammar"):
+        procs.accept([seq], [gate[0]])
+
+
+def test_a_gated_grammar_through_the_engine(engine):
+    """A biased gate token comes first (the grammar is off until then), the constrained answer after it;
+    without the gate the grammar masks that token from the first step."""
+    z = engine.tokenizer.encode("z", add_special_tokens=False)[0]
+    p = SamplingParams(max_tokens=12, temperature=0, logit_bias={z: 100.0},
+                       guided=GuidedSpec("regex", "ab", (z,)))  # fmt: skip
+    (gated,) = engine.generate([[5, 6]], p)
+    assert gated.text == "zab" and gated.finish_reason == "stop"
+    (plain,) = engine.generate([[5, 6]], SamplingParams(max_tokens=12, temperature=0, logit_bias={z: 100.0},
+                                                       guided=GuidedSpec("regex", "ab")))  # fmt: skip
+    assert plain.text == "ab"
