@@ -36,7 +36,7 @@ SECTIONS = ("gateway", "scheduler", "kv-broker", "prefill-worker", "decode-worke
 ENGINE_KEYS = (
     "device", "dtype", "quantization", "page_size", "num_pages", "max_num_seqs", "max_prefill_tokens",
     "enable_prefix_cache", "kv_cache_dtype", "attention_backend", "ep_size", "dp_size", "ep_backend",
-    "two_batch_overlap", "warmup", "transfer_protocol",
+    "two_batch_overlap", "warmup", "transfer_protocol", "host_kv_pages", "host_kv_cache_gb",
 )  # fmt: skip
 # `moemesh up`'s own options a config file may set at its top level, by dest (libs/cli/up.py; a test keeps
 # them equal): `--scheduler` is scheduler_mode, the `scheduler` section being the scheduler service's
@@ -44,7 +44,7 @@ LAUNCHER_KEYS = (
     "model", "host", "port", "nats_port", "prefill_workers", "decode_workers", "schedulers", "scheduler_mode",
     "gateways", "nats_user", "nats_password", "nats_token", "nats_tls_cert", "nats_tls_key", "nats_tls_ca",
     "served_model_name", "log_dir", "restart_backoff", "restart_max_backoff", "restart_limit",
-    "restart_window", "ready_timeout",
+    "restart_window", "ready_timeout", "kv_store",
 )  # fmt: skip
 
 

@@ -106,6 +106,11 @@ def add_parser(subparsers: Any) -> None:
         help="seconds to wait for every service to be ready; default 120, or 900 with a CUDA --device (the "
         "workers load, then warm up: kernels compiled and tuned, CUDA graphs captured, before they serve)",
     )  # fmt: skip
+    p.add_argument(
+        "--kv-store", default=_Default(False, bool), action="store_true",
+        help="start a Mooncake Store master (like the nats-server) and share every worker's cached KV pages "
+        "through it (needs the host tier: --host-kv-pages or --host-kv-cache-gb)",
+    )  # fmt: skip
     _add_worker_flags(p)
     p.set_defaults(func=run)
 
@@ -158,6 +163,8 @@ def _coerce(key: str, value: Any, tp: Callable[[Any], Any], path: str) -> Any:
     wrong = ValueError(
         f"config file {path}: {key} must be of type {getattr(tp, '__name__', tp)}, got {value!r}"
     )
+    if tp is bool and isinstance(value, bool):
+        return value
     if isinstance(value, bool | list | dict) or value is None:
         raise wrong
     try:
@@ -212,6 +219,8 @@ def mesh_config(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[MeshC
     if not (model / "config.json").is_file():
         raise ValueError(f"{model} is not a checkpoint folder (no config.json)")
     worker = worker_view(args, top, env, model)
+    if args.kv_store and not (worker.host_kv_pages or worker.host_kv_cache_gb):
+        raise ValueError("--kv-store stages KV pages in the host tier: give --host-kv-pages or --host-kv-cache-gb")
     if args.gateways < 1 or args.schedulers < 1:
         raise ValueError(f"--gateways and --schedulers must be >= 1, got {args.gateways}, {args.schedulers}")
     if args.scheduler_mode not in ("process", "embedded"):
@@ -231,7 +240,7 @@ def mesh_config(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[MeshC
             backoff_s=args.restart_backoff, max_backoff_s=args.restart_max_backoff,
             max_restarts=args.restart_limit, window_s=args.restart_window,
         ),
-        extra_env=worker_env(args),
+        extra_env=worker_env(args), kv_store=args.kv_store,
     )  # fmt: skip
     return cfg, worker
 

@@ -25,10 +25,11 @@ class HostKVPool:
             raise ValueError(f"the host KV pool needs num_pages >= 1, got {num_pages}")
         self.device = pool.buffer.device
         self.num_pages = num_pages
-        self.page_size, self.num_layers, self.row_dim = pool.page_size, pool.num_layers, pool.row_dim
+        # rows as the pool stores them: row_dim values, or an FP8 pool's row bytes (scales inside)
+        self.page_size, self.num_layers, self.row_dim = pool.page_size, pool.num_layers, pool.buffer.shape[-1]
         cuda = self.device.type == "cuda"
         self.buffer = torch.zeros(
-            num_pages, pool.num_layers, pool.page_size, pool.row_dim, dtype=pool.dtype, pin_memory=cuda
+            num_pages, pool.num_layers, pool.page_size, self.row_dim, dtype=pool.buffer.dtype, pin_memory=cuda
         )
         self.allocator = PageAllocator(num_pages)
         self._pool = pool
@@ -133,7 +134,7 @@ class HostKVPool:
 
     def _device_view(self) -> torch.Tensor:
         p = self._pool
-        return p.buffer.view(p.num_layers, p.num_pages, p.page_size, p.row_dim)
+        return p.buffer.view(p.num_layers, p.num_pages, p.page_size, self.row_dim)
 
 
 def _runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -147,8 +147,11 @@ class StoreTier:
             self.cancel(rid)
             self._failed(f"prefetch of {rid!r} took over {self.timeout_s} s")
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the thread after the jobs queued (it leaves the store); wait up to `timeout` for it."""
         self._jobs.put(None)
+        if timeout is not None:
+            self._thread.join(timeout)
 
     # --- results (engine thread) ---
     def _handle(self, item: tuple) -> None:

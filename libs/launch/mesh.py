@@ -28,6 +28,8 @@ from pathlib import Path
 import nats
 
 from libs.bus.ports import read_ports
+from libs.launch.mooncake_master import MooncakeMaster, start_mooncake_master
+from libs.launch.mooncake_master import argv as mooncake_argv
 from libs.launch.natsauth import NatsAuth
 from libs.launch.restart_policy import RestartPolicy, State
 from libs.launch.supervision import SupervisionLoop, log
@@ -75,6 +77,8 @@ class MeshConfig:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     # service name ("decode-0", "gateway", NATS, ...) -> its own host; gateways share one (and the API port)
     placement: dict[str, Host] = field(default_factory=dict)
+    # a mooncake_master (supervised, like the nats-server) for the workers' shared KV store tier
+    kv_store: bool = False
 
     def __repr__(self) -> str:  # NatsAuth's repr masks its secrets
         return (
@@ -85,6 +89,7 @@ class MeshConfig:
 
 
 NATS = "nats-server"  # the supervisor's name for the embedded nats-server
+MOONCAKE = "mooncake-master"  # and for the KV store tier's Mooncake Store master
 
 
 class Mesh:
@@ -92,6 +97,7 @@ class Mesh:
         self.cfg = cfg
         self.log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="moemesh-logs-"))
         self.nats: NatsServer | None = None
+        self.mooncake: MooncakeMaster | None = None
         self.sup = Supervisor(self.log_dir, cfg.restart)
         self.report = report  # the supervisor's lines for the operator (exits, restarts, give-ups)
         self._loop: SupervisionLoop | None = None
@@ -150,6 +156,8 @@ class Mesh:
         )
         worker: dict[str, object] = dict(model_dir=model, served_model_name=self.model_name)
         worker.update({k: v for k, v in chosen.items() if v is not None})
+        if self.mooncake is not None:
+            worker["kv_store_master"] = self.mooncake.address
         out = [spec("kv-broker", "services.kv_broker", "MOEMESH_KV_BROKER_")]
         out += [
             spec(name, "services.scheduler", "MOEMESH_SCHEDULER_", instance_id=name)
@@ -237,6 +245,15 @@ class Mesh:
         spec = ServiceSpec(NATS, "", argv=(*argv, *args), netns=host.netns)
         self.sup.adopt(spec, self.nats.proc, Path(self.nats.log_path))
 
+    def _start_mooncake(self) -> None:
+        """The KV store tier's master, on a port the kernel picks; restarted by the supervisor on that port
+        (the workers' store clients remount on their own once it is back, the pages it had are gone)."""
+        host = self.host_of(MOONCAKE)
+        self.mooncake = start_mooncake_master(host.address, prefix=netns_exec(host.netns))
+        argv = tuple(mooncake_argv(host.address, self.mooncake.port))
+        spec = ServiceSpec(MOONCAKE, "", argv=argv, netns=host.netns)
+        self.sup.adopt(spec, self.mooncake.proc, self.mooncake.log_path)
+
     def restart_nats(self, timeout: float = 30.0) -> None:
         """Crash the nats-server (SIGKILL) and wait until the supervisor has it serving again on the
         same port with the same JetStream store (services reconnect on their own)."""
@@ -269,6 +286,8 @@ class Mesh:
             )
         try:
             self._start_nats(self.cfg.nats_port)
+            if self.cfg.kv_store:
+                self._start_mooncake()
             self._loop = SupervisionLoop(
                 self.sup, self.nats_url, self.connect_options(), self.report, self.launcher_id
             )
@@ -391,7 +410,10 @@ class Mesh:
         if self._loop is not None:
             self._loop.stop()
             self._loop = None
-        self.sup.stop_all(last=(NATS,))
+        self.sup.stop_all(last=(NATS, MOONCAKE))  # the workers leave the store while its master is up
+        if self.mooncake is not None:
+            self.mooncake.stop()
+            self.mooncake = None
         if self.nats is not None:
             self.nats.stop()
             self.nats = None

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 BINARY_ENV = "MOEMESH_MOONCAKE_MASTER_BIN"
@@ -81,14 +82,15 @@ class MooncakeMaster:
 
 
 def start_mooncake_master(
-    host: str = "127.0.0.1", port: int = 0, ready_timeout: float = 15.0
+    host: str = "127.0.0.1", port: int = 0, ready_timeout: float = 15.0, prefix: Sequence[str] = ()
 ) -> MooncakeMaster:
-    """Start the master and return once its RPC port accepts connections."""
+    """Start the master and return once its RPC port accepts connections; `prefix` runs it under another
+    command (`ip netns exec NS`, which execs: the pid is the master's)."""
     workdir = tempfile.mkdtemp(prefix="moemesh-mooncake-")
     log_path = Path(workdir) / "mooncake-master.log"
     with open(log_path, "wb") as log:  # its own session: the launcher stops it after the workers
         proc = subprocess.Popen(
-            argv(host, port), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [*prefix, *argv(host, port)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
     try:

@@ -95,6 +95,7 @@ class KvEventPublisher:
     async def start(self, et: EngineThread) -> None:
         """Listen to the engine's cache (set on the engine thread), answer snapshots, start sending."""
         await self.bus.subscribe(subjects.kv_snapshot(self.worker_id), m.KvSnapshotRequest, self.on_snapshot)
+        self.store = getattr(et.engine, "store_tier", None) is not None
         await et.call(et.engine.set_cache_listener, self)
         et.after_call = self.flush
         self.flush()

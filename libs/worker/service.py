@@ -14,6 +14,7 @@ from libs.bus import Service
 from libs.engine.protocol import EngineLike
 from libs.kvtransfer import KvTransport
 from libs.worker.engine_thread import EngineCallsCollector, EngineThread
+from libs.worker.kv_tiers import install_kv_tiers
 from libs.worker.settings import WorkerSettings
 from libs.worker.startup import load_engine, open_transport, register_at_broker
 from libs.worker.warmup import plan_warmup, run_warmup, warmup_enabled
@@ -43,6 +44,7 @@ class WorkerService(Service):
         sys.setswitchinterval(s.gil_switch_interval_ms / 1000)  # the event loop beside the engine thread
         self.startup_stage = "loading the model"  # /ready says so (503) meanwhile
         self.engine = await asyncio.to_thread(load_engine, s)
+        install_kv_tiers(self.engine, s, self.registry)  # the shared store joined, tier metrics
         self.et = EngineThread(self.engine)
         self.registry.register(EngineCallsCollector(self.et))
         await self.warm_up(role)

@@ -56,6 +56,39 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             "about half the bytes); prefill and decode workers must agree"
         ),
     ] = _E.kv_cache_dtype
+    host_kv_pages: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0, description="host-memory KV tier in pages: pages the prefix cache evicts are kept there "
+            "(pinned RAM beside a GPU) and loaded back on a hit; 0: sized by host_kv_cache_gb",
+        ),
+    ] = _E.host_kv_pages
+    host_kv_cache_gb: Annotated[
+        float, msgspec.Meta(ge=0, description="host-memory KV tier in GiB when host_kv_pages is 0; 0: no host tier")
+    ] = _E.host_kv_cache_gb
+    kv_store_master: Annotated[
+        str,
+        msgspec.Meta(
+            description="Mooncake Store master (host:port) of the KV tier shared by workers (needs the host "
+            "tier); empty: off. `moemesh up --kv-store` starts one and sets it",
+        ),
+    ] = ""
+    kv_store_segment_mb: Annotated[
+        int, msgspec.Meta(ge=16, description="RAM this worker lends the shared KV store, MiB (Mooncake's segment)")
+    ] = 256
+    kv_store_timeout_s: Annotated[
+        float, msgspec.Meta(gt=0, description="a request waits at most this long for its shared-store lookup")
+    ] = 1.0
+    kv_store_retry_s: Annotated[
+        float, msgspec.Meta(gt=0, description="after a store failure, seconds of recompute before trying it again")
+    ] = 5.0
+    kv_store_namespace: Annotated[
+        str,
+        msgspec.Meta(
+            description="names this model's pages in the shared store; empty: a digest of the checkpoint, "
+            "dtype and KV layout (workers must agree to share)",
+        ),
+    ] = ""
     attention_backend: Annotated[
         str,
         msgspec.Meta(
@@ -175,6 +208,11 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
             raise ValueError("per-rank KV pools live in the rank processes: use a Mooncake transfer_protocol")
         if self.two_batch_overlap and (self.engine == "sim" or self.mtp_k):
             raise ValueError("two_batch_overlap runs the model engine without MTP")
+        host_tier = self.host_kv_pages > 0 or self.host_kv_cache_gb > 0
+        if host_tier and (self.ep_size > 1 or self.mtp_k or not self.enable_prefix_cache):
+            raise ValueError("the host KV tier needs the prefix cache, ep_size 1 and no MTP (mtp_k 0)")
+        if self.kv_store_master and not host_tier:
+            raise ValueError("kv_store_master: the shared KV store stages its pages in the host tier: set host_kv_pages")
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError(f"warmup must be auto, on or off, got {self.warmup!r}")
         if self.ep_backend not in ("auto", "fixed", "torch", "deepep", "mooncake"):

@@ -25,7 +25,7 @@ def engine_args(s: WorkerSettings) -> EngineArgs:
     return EngineArgs(
         page_size=s.page_size, num_pages=s.num_pages, max_num_seqs=s.max_num_seqs,
         max_prefill_tokens=s.max_prefill_tokens, enable_prefix_cache=s.enable_prefix_cache,
-        kv_cache_dtype=s.kv_cache_dtype,
+        kv_cache_dtype=s.kv_cache_dtype, host_kv_pages=s.host_kv_pages, host_kv_cache_gb=s.host_kv_cache_gb,
         device=s.device, dtype=s.dtype, quantization=s.quantization,
         attention_backend=s.engine_attention_backend if s.ep_size == 1 else "auto", torch_threads=s.torch_threads,
         two_batch_overlap=s.two_batch_overlap, mtp_k=s.mtp_k, ep_size=s.ep_size, ep_backend=s.ep_backend,

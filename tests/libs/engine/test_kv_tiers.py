@@ -246,3 +246,17 @@ def test_host_pool_copies_on_cpu_need_no_fence() -> None:
     assert host.to_device([3, 1], [1, 2]) is None
     assert torch.equal(pool.buffer[:, PS : 2 * PS], before[:, 0:PS])
     assert torch.equal(pool.buffer[:, 2 * PS : 3 * PS], before[:, 2 * PS : 3 * PS])
+
+
+def test_an_fp8_pools_row_bytes_and_scales_round_trip_through_the_host() -> None:
+    from libs.engine.kv_fp8 import Fp8Rows
+
+    pool = KVPool(LAYERS, 4, PS, 12, fp8=Fp8Rows(8, 4))
+    host = HostKVPool(pool, 2)
+    assert host.page_bytes == LAYERS * pool.bytes_per_page  # the stored row (codes, rope, scale), not row_dim
+    pool.buffer.copy_(torch.randint(0, 255, pool.buffer.shape, dtype=torch.uint8))
+    before = pool.buffer.clone()
+    host.to_host([3], [1])
+    pool.buffer.zero_()
+    host.to_device([1], [0])
+    assert torch.equal(pool.buffer[:, :PS], before[:, 3 * PS : 4 * PS])
