@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 from libs.telemetry.context import TRACEPARENT, context_from_headers, new_traceparent, request_context
 from libs.tokenizer import Tokenizer
 from services.gateway import formatting as fmt
-from services.gateway import tool_parser
+from services.gateway.choice_parser import ChoiceParser, whole_message
 from services.gateway.convert import ModelInfo, Plan, plan_chat, plan_completion
 from services.gateway.errors import ApiError, error_body
 from services.gateway.generation import Generation
@@ -224,8 +224,9 @@ async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) 
                         gen.id, gen.created, gen.model, out.index, role, with_usage_field=gen.plan.include_usage
                     )
                     yield fmt.sse(_so_far(gen, first))
-            plan = gen.plan.tools if chat else None
-            parsers = {o.index: tool_parser.ToolStream(plan) for o in gen.outputs} if plan is not None else {}
+            tools, reasoning = gen.plan.tools, gen.plan.reasoning
+            parsed = chat and (tools is not None or reasoning)
+            parsers = {o.index: ChoiceParser.create(reasoning, tools) for o in gen.outputs} if parsed else {}
             # the common chunk (text only: no logprobs, not the last) as precomputed bytes around the text
             frames = {} if parsers or gen.plan.logprobs or gen.plan.continuous_usage else {
                 o.index: fmt.text_frame(_chunk(gen, chat, o.index, fmt.TEXT_MARK, None, None)) for o in gen.outputs
@@ -234,7 +235,7 @@ async def _sse_events(gen: Generation, chat: bool, done: Callable[[int], None]) 
                 if step.text and step.finish_reason is None and (frame := frames.get(out.index)) is not None:
                     pending.append(frame[0] + fmt.json_str(step.text) + frame[1])
                 elif out.index in parsers:
-                    delta, finish = tool_parser.stream_step(parsers[out.index], step.text, step.finish_reason)
+                    delta, finish = parsers[out.index].step(step.text, step.finish_reason)
                     if delta or step.logprobs or step.done:
                         pending.append(fmt.sse(_so_far(gen, fmt.chat_chunk(
                             gen.id, gen.created, gen.model, out.index, delta or {}, logprobs=step.logprobs,
@@ -290,13 +291,14 @@ async def _collect(gen: Generation, request: Request) -> None:
 
 def _response(gen: Generation, chat: bool) -> dict[str, Any]:
     build = fmt.chat_response if chat else fmt.completion_response
-    choices, plan = gen.choices(), gen.plan.tools
-    if chat and plan is not None:
+    choices, plan = gen.choices(), gen.plan
+    if chat and (plan.tools is not None or plan.reasoning):
         for k, c in enumerate(choices):
-            content, calls, finish = tool_parser.choice_with_calls(plan, c.text, c.finish_reason)
+            msg = whole_message(plan.reasoning, plan.tools, c.text, c.finish_reason)
             choices[k] = dataclasses.replace(
-                c, content=content, tool_calls=calls or None, finish_reason=finish
-            )
+                c, content=msg.content, tool_calls=msg.tool_calls or None, finish_reason=msg.finish_reason,
+                reasoning_content=msg.reasoning_content,
+            )  # fmt: skip
     return build(gen.id, gen.created, gen.model, choices, gen.usage())
 
 

@@ -12,15 +12,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from libs.tokenizer import Tokenizer
 from proto.messages import Guided, Sampling
 from services.gateway.errors import ApiError, bad_param
 from services.gateway.guided import guided_of, logit_bias_of
+from services.gateway.reasoning import THINK_END, starts_in_reasoning
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.tools import ToolPlan, tool_plan
 
 # OpenAI's default for the legacy completions API; chat defaults to "the rest of the context".
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# what the gateway passes the chat template itself: chat_template_kwargs may not set them
+_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 @dataclass(frozen=True)
@@ -30,9 +35,10 @@ class ModelInfo:
     name: str
     max_context: int
     vocab_size: int
+    reasoning_parser: str | None = None  # services.gateway.reasoning's parser for chat output, if any
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, name: str) -> ModelInfo:
+    def from_dir(cls, model_dir: str | Path, name: str, reasoning_parser: str | None = None) -> ModelInfo:
         path = Path(model_dir) / "config.json"
         try:
             cfg = json.loads(path.read_text(encoding="utf-8"))
@@ -41,7 +47,10 @@ class ModelInfo:
         missing = [k for k in ("max_position_embeddings", "vocab_size") if not isinstance(cfg.get(k), int)]
         if missing:
             raise ValueError(f"{path} lacks integer field(s) {', '.join(missing)}")
-        return cls(name=name, max_context=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"])
+        return cls(
+            name=name, max_context=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
+            reasoning_parser=reasoning_parser,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,7 @@ class Plan:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage in every chunk
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)
     tools: ToolPlan | None = None  # chat with tools: how to render them and read calls out of the output
+    reasoning: bool = False  # chat: the output starts inside the reasoning (split off as reasoning_content)
 
 
 def _continuous_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
@@ -151,8 +161,14 @@ def _plan(
     info: ModelInfo,
     param: str,
     tools: ToolPlan | None = None,
+    reasoning_end: list[int] | None = None,
 ) -> Plan:
-    c = Constraints(logit_bias_of(req, info.vocab_size), guided_of(req, tools.guided() if tools else None))
+    """reasoning_end: the ids that end the reasoning, when the output starts inside it: a constraint
+    (structured output, a forced tool call) applies after them."""
+    guided = guided_of(req, tools.guided() if tools else None)
+    if guided is not None and reasoning_end:
+        guided = msgspec.structs.replace(guided, start_after=reasoning_end)
+    c = Constraints(logit_bias_of(req, info.vocab_size), guided)
     choices = []
     for p, ids in enumerate(prompts):
         _check_ids(ids, info, param)
@@ -170,20 +186,32 @@ def _plan(
         continuous_usage=_continuous_usage(req),
         tokens_as_ids=req.return_tokens_as_token_ids,
         tools=tools,
+        reasoning=bool(reasoning_end),
     )
 
 
 def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, info: ModelInfo) -> Plan:
-    """Render the conversation with the checkpoint's chat template and tokenize it."""
+    """Render the conversation with the checkpoint's chat template (and the request's chat_template_kwargs,
+    e.g. V3.1's `thinking`) and tokenize it."""
     req.check_unsupported()
     tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
     messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    taken = sorted(set(kwargs) & _TEMPLATE_ARGS)
+    if taken:
+        raise bad_param("chat_template_kwargs", f"may not set {', '.join(taken)} (the request's own fields)")
     try:
-        ids = tok.encode_chat(messages, add_generation_prompt=True, tools=tools.render if tools else None)
+        text = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tools=tools.render if tools else None, **kwargs
+        )
     except ValueError as e:
         raise bad_param("messages", f"cannot apply the chat template: {e}") from e
+    ids = tok.encode(text, add_special_tokens=False)
+    end = None
+    if info.reasoning_parser is not None and starts_in_reasoning(text):
+        end = tok.encode(THINK_END, add_special_tokens=False)
     lp = (req.logprobs, req.top_logprobs or 0)
-    return _plan(req, [ids], req.requested_max_tokens(), None, lp, info, "messages", tools)
+    return _plan(req, [ids], req.requested_max_tokens(), None, lp, info, "messages", tools, end)
 
 
 def _tokenize(tok: Tokenizer, prompt: str | list[int]) -> list[int]:

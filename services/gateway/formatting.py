@@ -84,7 +84,8 @@ class Choice:
     finish_reason: str | None
     logprobs: list[LogprobEntry] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # chat: OpenAI tool_calls parsed from the text
-    content: str | None = None  # chat with tool calls: the text before them (None: only calls)
+    content: str | None = None  # chat with tool calls or reasoning: the answer (None: none written)
+    reasoning_content: str | None = None  # chat with a reasoning parser: the text before </think>
 
 
 # --- logprobs ----------------------------------------------------------------------------------
@@ -166,12 +167,7 @@ def chat_response(
     out["choices"] = [
         {
             "index": c.index,
-            "message": {
-                "role": "assistant",
-                "content": c.content if c.tool_calls else c.text,
-                "refusal": None,
-                "tool_calls": c.tool_calls or [],
-            },
+            "message": _message(c),
             "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
             "finish_reason": c.finish_reason,
         }
@@ -179,6 +175,15 @@ def chat_response(
     ]
     out["usage"] = usage.as_dict()
     return out
+
+
+def _message(c: Choice) -> dict[str, Any]:
+    parsed = c.tool_calls or c.reasoning_content is not None
+    msg = {"role": "assistant", "content": c.content if parsed else c.text, "refusal": None,
+           "tool_calls": c.tool_calls or []}  # fmt: skip
+    if c.reasoning_content is not None:  # only with a reasoning parser, as vLLM's
+        msg["reasoning_content"] = c.reasoning_content
+    return msg
 
 
 # --- completions -------------------------------------------------------------------------------

@@ -144,6 +144,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: extra variables for the chat template (DeepSeek-V3.1: {"thinking": true})
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         self.check_common()

@@ -31,6 +31,7 @@ from services.gateway.launcher import watch_launchers
 from services.gateway.mesh_client import MeshClient
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.readiness import ReadinessWatch
+from services.gateway.reasoning import resolve_parser
 from services.gateway.settings import GatewaySettings
 
 log = logging.getLogger("moemesh.gateway")
@@ -73,7 +74,8 @@ class Gateway(Service):
         super().__init__(settings, **kwargs)
         self.settings: GatewaySettings = settings
         self.tokenizer = Tokenizer.from_pretrained(settings.model_dir)
-        self.info = ModelInfo.from_dir(settings.model_dir, settings.model_name)
+        parser = resolve_parser(settings.reasoning_parser, self.tokenizer.chat_template)
+        self.info = ModelInfo.from_dir(settings.model_dir, settings.model_name, parser)
         self.metrics = GatewayMetrics(self.registry)
         self.mesh: MeshClient | None = None
         self.admin: AdminMesh | None = None
@@ -119,8 +121,9 @@ class Gateway(Service):
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
         self._serve_task.add_done_callback(lambda _: self._http_stopped())
         log.info(
-            "gateway %s serving %s on http://%s:%d/v1", self.instance_id, self.info.name, s.host, self.port
-        )
+            "gateway %s serving %s on http://%s:%d/v1 (reasoning parser: %s)", self.instance_id, self.info.name,
+            s.host, self.port, self.info.reasoning_parser or "none",
+        )  # fmt: skip
 
     async def _on_worker_heartbeat(self, msg: m.WorkerHeartbeat | m.WorkerGone) -> None:
         if msg.role == m.Role.DECODE and self.mesh is not None:

@@ -13,6 +13,7 @@ from typing import Annotated
 import msgspec
 
 from libs.bus.settings import ServiceSettings
+from services.gateway.reasoning import CHOICES as REASONING_CHOICES
 
 
 class GatewaySettings(ServiceSettings, frozen=True, kw_only=True):
@@ -85,10 +86,19 @@ class GatewaySettings(ServiceSettings, frozen=True, kw_only=True):
             description="host a scheduler replica in this process (its settings from the scheduler's env and section)"
         ),
     ] = False
+    reasoning_parser: Annotated[
+        str,
+        msgspec.Meta(
+            description="split chat output into reasoning_content and content: deepseek_r1 (<think>...</think>, "
+            "R1 and V3.1), none, or auto (deepseek_r1 when the chat template writes <think>)"
+        ),
+    ] = "auto"
 
     def __post_init__(self) -> None:
         if not self.model_dir:
             raise ValueError("model_dir is required (MOEMESH_GATEWAY_MODEL_DIR or --model-dir)")
+        if self.reasoning_parser not in REASONING_CHOICES:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_CHOICES)}")
 
     @property
     def model_name(self) -> str:
