@@ -43,7 +43,8 @@ ENGINE_KEYS = (
 LAUNCHER_KEYS = (
     "model", "host", "port", "nats_port", "prefill_workers", "decode_workers", "schedulers", "scheduler_mode",
     "gateways", "nats_user", "nats_password", "nats_token", "nats_tls_cert", "nats_tls_key", "nats_tls_ca",
-    "served_model_name", "log_dir", "restart_backoff", "restart_max_backoff", "restart_limit",
+    "served_model_name", "reasoning_parser", "prefill_gpus", "decode_gpus", "log_dir", "restart_backoff",
+    "restart_max_backoff", "restart_limit",
     "restart_window", "ready_timeout", "kv_store",
 )  # fmt: skip
 

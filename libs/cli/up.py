@@ -93,6 +93,17 @@ def add_parser(subparsers: Any) -> None:
     opt("--nats-tls-key", "", help="its key")
     opt("--nats-tls-ca", "", help="CA the services verify the server with")
     opt("--served-model-name", "", help="the model name clients use; default: the folder's name")
+    opt(
+        "--reasoning-parser", "", choices=["", "auto", "none", "deepseek_r1"],
+        help="the gateways' reasoning_parser: deepseek_r1 (reasoning_content from <think>...</think>), none, or "
+        "auto (deepseek_r1 when the chat template writes <think>); default: the gateway's setting (auto)",
+    )  # fmt: skip
+    opt(
+        "--prefill-gpus", "",
+        help="GPU ids for the prefill workers, e.g. 0,1,2,3: split over them in order, ep_size each, as each "
+        "worker's CUDA_VISIBLE_DEVICES (EP rank r on its r-th GPU); default: inherited",
+    )  # fmt: skip
+    opt("--decode-gpus", "", help="GPU ids for the decode workers, e.g. 4,5,6,7 (as --prefill-gpus)")
     opt("--log-dir", None, help="where each service writes its log (default: a temp dir)")
     opt("--restart-backoff", 0.5, type=float, help="seconds before the first restart")
     opt("--restart-max-backoff", 30.0, type=float, help="cap of the doubling backoff")
@@ -240,9 +251,29 @@ def mesh_config(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[MeshC
             backoff_s=args.restart_backoff, max_backoff_s=args.restart_max_backoff,
             max_restarts=args.restart_limit, window_s=args.restart_window,
         ),
-        extra_env=worker_env(args), kv_store=args.kv_store,
+        extra_env=worker_env(args) | _gateway_env(args), kv_store=args.kv_store,
+        worker_gpus=_worker_gpus(args, worker.ep_size),
     )  # fmt: skip
     return cfg, worker
+
+
+def _gateway_env(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """--reasoning-parser for every gateway, when given (else the gateways' env, file and default decide)."""
+    if not args.reasoning_parser:
+        return {}
+    return {"services.gateway": {"MOEMESH_GATEWAY_REASONING_PARSER": args.reasoning_parser}}
+
+
+def _worker_gpus(args: argparse.Namespace, ep_size: int) -> dict[str, str]:
+    """--prefill-gpus / --decode-gpus split over the workers, ep_size GPUs each (libs.launch.gpu_placement)."""
+    from libs.launch.gpu_placement import parse_gpus, worker_gpus
+
+    prefill = [f"prefill-{i}" for i in range(args.prefill_workers)]
+    decode = [f"decode-{i}" for i in range(args.decode_workers)]
+    return worker_gpus(
+        (parse_gpus(args.prefill_gpus, "--prefill-gpus"), prefill, ep_size),
+        (parse_gpus(args.decode_gpus, "--decode-gpus"), decode, ep_size),
+    )
 
 
 def run(args: argparse.Namespace) -> int:

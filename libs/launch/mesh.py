@@ -28,6 +28,7 @@ from pathlib import Path
 import nats
 
 from libs.bus.ports import read_ports
+from libs.launch.gpu_placement import VISIBLE
 from libs.launch.mooncake_master import MooncakeMaster, start_mooncake_master
 from libs.launch.mooncake_master import argv as mooncake_argv
 from libs.launch.natsauth import NatsAuth
@@ -72,6 +73,9 @@ class MeshConfig:
     # extra MOEMESH_* settings per service module name, e.g. {"services.scheduler": {"MOEMESH_SCHEDULER_MAX_QUEUE": "8"}};
     # they beat the launcher's own environment (what `moemesh up` passes its flags as)
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # worker name ("prefill-0", "decode-1", ...) -> the CUDA_VISIBLE_DEVICES it and its EP ranks get
+    # (libs.launch.gpu_placement); a worker not named inherits the launcher's
+    worker_gpus: dict[str, str] = field(default_factory=dict)
     # NATS security (libs.launch.natsauth): the embedded server requires it, every service is given it
     nats_auth: NatsAuth | None = None
     restart: RestartPolicy = field(default_factory=RestartPolicy)
@@ -171,6 +175,9 @@ class Mesh:
             spec(w, "services.decode_worker", "MOEMESH_DECODE_WORKER_", instance_id=w, **worker)
             for w in self.worker_ids(m.Role.DECODE)
         ]
+        for s in out:
+            if s.name in c.worker_gpus:
+                s.env[VISIBLE] = c.worker_gpus[s.name]
         return out + [self.gateway_spec(name) for name in self.gateway_names()]
 
     def gateway_spec(self, name: str) -> ServiceSpec:

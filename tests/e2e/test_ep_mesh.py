@@ -1,10 +1,13 @@
 """The mesh with expert parallelism: `moemesh up --ep-size 2` on CPU — the prefill and the decode worker each
 run 2 EP rank processes (gloo), KV pages cross between the two groups' shared pools over Mooncake TCP.
-Greedy text must equal the single-rank engine's, which test_mesh.py shows equals the EP 1 mesh."""
+Greedy text must equal the single-rank engine's, which test_mesh.py shows equals the EP 1 mesh. The workers
+are given GPUs as `--prefill-gpus 0,1 --decode-gpus 2,3` would (CUDA_VISIBLE_DEVICES, unused on the CPU):
+every rank process must have been given its worker's."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from tests.e2e.conftest import DIRECT_THRESHOLD, assert_no_leaks
 pytestmark = pytest.mark.e2e
 EP = 2
 PAGES = 128  # per rank (the default sizes each rank's pool for 64 long sequences)
+GPUS = {"prefill-0": "0,1", "decode-0": "2,3"}
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +38,7 @@ def ep_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "services.prefill_worker": {"MOEMESH_PREFILL_WORKER_NUM_PAGES": str(PAGES)},
             "services.decode_worker": {"MOEMESH_DECODE_WORKER_NUM_PAGES": str(PAGES)},
         },
+        worker_gpus=GPUS,
     )
     with Mesh(cfg) as m:
         yield m
@@ -77,3 +82,37 @@ def test_ep2_mesh_gives_the_single_rank_greedy_text(ep_mesh: Mesh, engine: Engin
     routed = metric_total(ep_mesh.metrics_url("prefill-0"), "moemesh_expert_load_tokens_total")
     assert routed >= 4 * 2 * (40 + 90 + 23 + 61)
     assert metric_total(ep_mesh.metrics_url("decode-0"), "moemesh_ep_ranks") == EP
+
+
+def _stat(pid: str) -> tuple[int, int]:
+    """(ppid, pgid) from /proc/<pid>/stat (the command name in parentheses may hold spaces)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[1]), int(fields[2])
+
+
+def _visible(pid: int) -> str | None:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"CUDA_VISIBLE_DEVICES=")), None)
+
+
+def rank_pids(worker_pid: int) -> list[int]:
+    """The EP rank processes of a worker: the children of its multiprocessing forkserver."""
+    group = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid, pgid = _stat(pid)
+            if pgid == worker_pid:
+                group[int(pid)] = (ppid, Path(f"/proc/{pid}/cmdline").read_bytes())
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # gone while listed
+    servers = [p for p, (_, cmd) in group.items() if b"forkserver" in cmd and p != worker_pid]
+    return sorted(p for p, (ppid, _) in group.items() if ppid in servers)
+
+
+def test_each_rank_process_was_given_its_workers_gpus(ep_mesh: Mesh) -> None:
+    for worker, gpus in GPUS.items():
+        pid = ep_mesh.sup.procs[worker].proc.pid
+        ranks = rank_pids(pid)
+        assert len(ranks) == EP, (worker, ranks)
+        assert [_visible(p) for p in [pid, *ranks]] == [gpus] * (EP + 1), worker
+    assert _visible(ep_mesh.sup.procs["gateway"].proc.pid) == os.environ.get("CUDA_VISIBLE_DEVICES")
