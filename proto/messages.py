@@ -310,11 +310,13 @@ class DecodeDirect(Kind, frozen=True):
 
 
 class PrefillFailed(Kind, frozen=True):
-    """The prefill side gave up: release the reservation; the scheduler/gateway hear via the stream."""
+    """The prefill side gave up: release the reservation; the scheduler/gateway hear via the stream.
+    `wrote`: a write into the handle's pages had begun, so its bytes may still land (a stalled connection)."""
 
     request_id: str
     handle_id: str
     message: str
+    wrote: bool = False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -81,6 +81,9 @@ class LeaseBackstop:
     def __len__(self) -> int:
         return len(self._deadlines)
 
+    def __contains__(self, handle_id: object) -> bool:
+        return handle_id in self._deadlines
+
     def add(self, handle_id: str, rid: str, deadline: float) -> None:
         self._deadlines[handle_id] = (rid, deadline)
 

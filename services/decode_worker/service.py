@@ -73,6 +73,15 @@ class DecodeWorkerSettings(WorkerSettings, frozen=True, kw_only=True):
             "path (empty: off)"
         ),
     ] = ""
+    kv_write_fence_s: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0,
+            description="a reservation whose Mooncake write may still land (its lease ran out while the prefill "
+            "worker was still heard, or the write failed midway) keeps its pages until that write is known "
+            "complete or this many seconds pass: a partition delays a write, it does not cancel it",
+        ),
+    ] = 60.0
 
 
 class DecodeWorker(WorkerService):
@@ -104,6 +113,8 @@ class DecodeWorker(WorkerService):
         self.leases = (
             LeaseBackstop()
         )  # frees what the broker never expires (a lost CreateHandle/HandleExpired)
+        # lease ended, writer still heard: pages held until it answers or the fence passes
+        self.fenced = LeaseBackstop()
         self._backstop = Periodic(1.0, self._expire_unanswered, "lease-backstop")
         self._backstop.start()
         self._metrics()
@@ -159,13 +170,12 @@ class DecodeWorker(WorkerService):
                 await self.join_prefilled(msg)
             case m.DecodeDirect():
                 await self.start_direct(msg)
+            case m.PrefillFailed(wrote=True):  # a failed write's bytes may still be on their way
+                self.fence(msg.request_id, msg.handle_id, f"prefill failed mid-write: {msg.message}")
             case m.PrefillFailed():
                 await self.drop_reservation(msg.request_id, msg.handle_id, f"prefill failed: {msg.message}")
             case m.HandleExpired():
-                rid = msg.request_id
-                if self.reserved.get(rid) == msg.handle_id and rid not in self.cancelled:
-                    await self.guard.lost(rid, "the KV lease expired before the prefill side answered")
-                await self.drop_reservation(msg.request_id, msg.handle_id, "lease expired")
+                await self.lease_expired(msg.request_id, msg.handle_id)
         return None
 
     async def reserve(self, msg: m.ReserveKv) -> m.ReserveKvReply:
@@ -251,11 +261,39 @@ class DecodeWorker(WorkerService):
         if kick is not Action.QUEUE:  # the loop is idle: it takes this step as its own
             self._kicked = self._start_step(inline=kick is Action.INLINE)
 
+    async def lease_expired(self, rid: str, handle_id: str) -> None:
+        """The stream moves on at once; the pages wait while the prefill worker is still heard (its write
+        may be stalled in the network and land later), until it answers (KvReady / PrefillFailed free
+        them) or the write fence passes."""
+        if self.reserved.get(rid) != handle_id or handle_id in self.fenced:
+            return
+        writer = self.guard.holders.holder(rid)  # None once the guard found that worker dead
+        if rid not in self.cancelled:
+            await self.guard.lost(rid, "the KV lease expired before the prefill side answered")
+        watch = self.guard.watch
+        if writer and self.settings.kv_write_fence_s > 0 and watch.table.is_alive(writer, watch.clock()):
+            self.fence(rid, handle_id, f"lease expired while {writer} is alive")
+            return
+        await self.drop_reservation(rid, handle_id, "lease expired")
+
+    def fence(self, rid: str, handle_id: str, why: str) -> None:
+        """Hold the reservation's pages for kv_write_fence_s (a KvReady still frees them at once)."""
+        if self.reserved.get(rid) != handle_id or handle_id in self.fenced:
+            return
+        self.cancelled.add(rid)
+        self.fenced.add(handle_id, rid, time.monotonic() + self.settings.kv_write_fence_s)
+        log.info("reservation of %s: pages fenced: %s", rid, why)
+
     async def _expire_unanswered(self) -> None:
-        """A reservation past its backstop ends as if the broker had sent HandleExpired."""
-        for handle_id, rid in self.leases.due(time.monotonic(), lambda r, h: self.reserved.get(r) == h):
+        """A reservation past its backstop ends as if the broker had sent HandleExpired; a fenced one is
+        freed once its fence passed."""
+        now = time.monotonic()
+        for handle_id, rid in self.leases.due(now, lambda r, h: self.reserved.get(r) == h):
             log.warning("reservation of %s: no answer and no HandleExpired past its lease: freeing it", rid)
             await self.on_inbox(m.HandleExpired(handle_id=handle_id, request_id=rid))
+        for handle_id, rid in self.fenced.due(now, lambda r, h: self.reserved.get(r) == h):
+            log.warning("reservation of %s: no answer from its prefill worker within the write fence", rid)
+            await self.drop_reservation(rid, handle_id, "write fence passed")
 
     async def drop_reservation(self, rid: str, handle_id: str, why: str) -> None:
         if self.reserved.get(rid) != handle_id:

@@ -3,12 +3,15 @@
 # Each bucket holds one record type (msgpack). A watcher keeps an in-memory mirror of every key, so reads
 # cost no round trip and a freshly started broker (or a second replica) sees everything the others
 # wrote. Writes are compare-and-set on the revision the writer read: two replicas (or two concurrent
-# handlers) changing one handle cannot both win; the loser re-reads and re-decides (`Conflict`).
+# handlers) changing one handle cannot both win; the loser re-reads and re-decides (`Conflict`). A delete
+# leaves a marker in the bucket's stream; markers older than `marker_age_s` are purged every
+# `purge_every_s`, or a bucket of short-lived keys (handles) would grow by one message per key forever.
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
@@ -17,6 +20,8 @@ import msgspec
 import nats.js.errors
 from nats.js import api
 from nats.js.kv import KeyValue
+
+from libs.bus.periodic import Periodic
 
 log = logging.getLogger("moemesh.kv_broker.store")
 
@@ -28,8 +33,15 @@ class Conflict(Exception):
 
 
 class Bucket(Generic[R]):
-    def __init__(self, js: Any, name: str, record_type: type[R], replicas: int = 1) -> None:
+    def __init__(
+        self, js: Any, name: str, record_type: type[R], replicas: int = 1, marker_age_s: float = 600.0,
+        purge_every_s: float = 300.0,
+    ) -> None:  # fmt: skip
         self._js = js
+        self._marker_age_s = marker_age_s
+        self._purge = (
+            Periodic(purge_every_s, self.purge_markers, f"purge-{name}") if purge_every_s > 0 else None
+        )
         self.name = name
         self._replicas = replicas
         self._encoder = msgspec.msgpack.Encoder()
@@ -59,6 +71,26 @@ class Bucket(Generic[R]):
         loaded = asyncio.get_running_loop().create_future()
         self._watch_task = asyncio.create_task(self._watch(loaded))
         await asyncio.wait_for(loaded, timeout)
+        if self._purge is not None:
+            self._purge.start()
+
+    async def purge_markers(self) -> int:
+        """Remove the delete markers older than marker_age_s (every watcher has long applied them);
+        returns how many."""
+        cutoff = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=self._marker_age_s)
+        watcher = await self.kv.watchall()
+        old = []
+        try:
+            async for e in watcher:
+                if e is None:  # the snapshot is complete
+                    break
+                if e.operation in ("DEL", "PURGE") and e.created is not None and e.created < cutoff:
+                    old.append(e.key)
+        finally:
+            await watcher.stop()
+        for key in old:
+            await self._js.purge_stream(f"KV_{self.name}", subject=f"$KV.{self.name}.{key}")
+        return len(old)
 
     async def _watch(self, loaded: asyncio.Future) -> None:
         try:
@@ -95,6 +127,8 @@ class Bucket(Generic[R]):
         self.changed.set()
 
     async def close(self) -> None:
+        if self._purge is not None:
+            await self._purge.stop()
         if self._watcher is not None:
             with contextlib.suppress(Exception):
                 await self._watcher.stop()

@@ -106,6 +106,7 @@ class PrefillWorker(WorkerService):
         self.src_geom = None if has_rank_pools(self.engine) else PageGeometry.of_pool(self.engine.kv_pool)
         self.active: set[str] = set()  # tasks received and not finished
         self.cancelled: set[str] = set()
+        self.attempted: set[str] = set()  # handles a KV write into has begun (PrefillFailed.wrote)
         self._background: set[asyncio.Task] = set()
         r = self.registry
         self.m_tokens = Counter(
@@ -257,6 +258,7 @@ class PrefillWorker(WorkerService):
             log.warning("prefill of %s failed: %s", rid, e)
             await self._fail(task, code, str(e))
         finally:
+            self.attempted.discard(task.handle.handle_id)
             self.active.discard(rid)
             await self.prefills.release(rid)
             self.cancelled.discard(rid)
@@ -269,7 +271,7 @@ class PrefillWorker(WorkerService):
             pages_for(len(task.prompt_ids), self.engine.page_size), handle, self.engine.page_size
         )
         stream = KvStream(
-            functools.partial(self._write_pages, handle.session_id, dst), handle.page_ids, skip,
+            functools.partial(self._write_handle, handle.handle_id, handle.session_id, dst), handle.page_ids, skip,
             functools.partial(self._check_writable, task), functools.partial(self.prefills.drop, rid),
         )  # fmt: skip
         if self.settings.stream_kv:
@@ -337,6 +339,12 @@ class PrefillWorker(WorkerService):
         if left_ms < self.settings.lease_margin_ms:
             raise TimeoutError(f"lease of handle {handle.handle_id} has {left_ms} ms left; not writing")
 
+    def _write_handle(
+        self, handle_id: str, session: str, dst: m.KvGeometry, src_pages: list[int], dst_pages: list[int]
+    ) -> tuple[int, int]:
+        self.attempted.add(handle_id)  # from here on its bytes may land, even if the write fails
+        return self._write_pages(session, dst, src_pages, dst_pages)
+
     def _write_pages(
         self, session: str, dst: m.KvGeometry, src_pages: list[int], dst_pages: list[int]
     ) -> tuple[int, int]:
@@ -371,10 +379,13 @@ class PrefillWorker(WorkerService):
             raise Cancelled(rid)
 
     async def _fail(self, task: m.PrefillTask, code: int, message: str, tell_gateway: bool = True) -> None:
+        hid = task.handle.handle_id
         with contextlib.suppress(Exception):
             await self.bus.publish(
                 subjects.decode_inbox(task.handle.decode_worker),
-                m.PrefillFailed(request_id=task.request_id, handle_id=task.handle.handle_id, message=message),
+                m.PrefillFailed(
+                    request_id=task.request_id, handle_id=hid, message=message, wrote=hid in self.attempted
+                ),
             )
             if tell_gateway:
                 await self.bus.publish(
