@@ -41,6 +41,7 @@ import torch
 
 from bench.harness import environment, graph_ms, write_results
 from bench.roofline import decode_step_bound
+from libs.engine.args import KV_CACHE_DTYPES
 from libs.engine.config import ModelConfig
 from libs.engine.engine import Engine
 from libs.engine.layers.fp8_linear import apply_fp8_weights
@@ -70,7 +71,7 @@ def build_engine(
     config: dict, *, ep: int, physical: int, max_batch: int, max_ctx: int, device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16, attention: str = "auto", page_size: int = PAGE, seed: int = 0,
     dispatch: str = "emulated",
-    two_batch_overlap: bool = False,
+    two_batch_overlap: bool = False, kv_cache_dtype: str = "auto",
 ) -> Engine:  # fmt: skip
     """The Engine of one EP rank (physical // ep local experts per MoE layer, emulated EP), random FP8
     weights, a KV pool for max_batch sequences of max_ctx tokens. dispatch="real": the picks go through the
@@ -90,11 +91,19 @@ def build_engine(
     engine = Engine(
         model, page_size=page_size, num_pages=pages, max_num_seqs=max_batch, enable_prefix_cache=False,
         attention_backend=attention, cuda_graphs=True, fast_path=True, two_batch_overlap=two_batch_overlap,
+        kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     if local is not None and enable_emulated_ep(model, local) == 0:
         raise RuntimeError("the model did not take the fused MoE path: EP cannot be emulated")
-    engine.kv_pool.buffer.normal_()  # as if prompts had been prefilled: attention reads real-looking rows
+    engine.kv_pool.fill_normal_()  # as if prompts had been prefilled: attention reads real-looking rows
     return engine
+
+
+def kv_roofline(engine: Engine) -> dict:
+    """decode_step_bound's KV arguments for the engine's pool: bytes per cached value, and FP8 attention dots
+    over an FP8 cache."""
+    pool = engine.kv_pool
+    return {"kv_bytes": pool.row_width * pool.buffer.element_size() / pool.row_dim, "mla_fp8": pool.fp8 is not None}
 
 
 def real_dispatch(model: DeepseekV3ForCausalLM, local: int, max_tokens: int) -> None:
@@ -188,7 +197,7 @@ def run(a) -> list[dict]:
     t0 = time.perf_counter()
     engine = build_engine(
         config, ep=a.ep, physical=a.physical, max_batch=max(batches), max_ctx=a.ctx + a.gen + 64,
-        attention=a.attn, dispatch=a.dispatch, two_batch_overlap=a.tbo,
+        attention=a.attn, dispatch=a.dispatch, two_batch_overlap=a.tbo, kv_cache_dtype=a.kv_cache_dtype,
     )  # fmt: skip
     build_s = time.perf_counter() - t0
     env = environment()
@@ -203,8 +212,9 @@ def run(a) -> list[dict]:
             profile(engine, out_dir / f"profile-engine-b{b}-{backend}.txt")
         for r in rids:
             engine.abort(r)
-        roof = decode_step_bound(b, ctx, ep=a.ep, physical=a.physical, layers=a.layers)
-        spec = decode_step_bound(b, ctx, ep=a.ep, physical=a.physical, layers=a.layers, peaks="spec")
+        kv = kv_roofline(engine)
+        roof = decode_step_bound(b, ctx, ep=a.ep, physical=a.physical, layers=a.layers, **kv)
+        spec = decode_step_bound(b, ctx, ep=a.ep, physical=a.physical, layers=a.layers, peaks="spec", **kv)
         step = t["step_ms"]
         rec = {
             "benchmark": "decode_rank", "path": "engine", "batch": b, "ctx": round(ctx, 1), "prompt": a.ctx,
@@ -212,7 +222,7 @@ def run(a) -> list[dict]:
             "host_ms": step - t["graph_ms"] if t["graph_ms"] is not None else None,
             "roofline_step_ms": roof["step_s"] * 1e3, "roofline_fraction": roof["step_s"] * 1e3 / step,
             "roofline_spec_step_ms": spec["step_s"] * 1e3, "roofline_fraction_spec": spec["step_s"] * 1e3 / step,
-            "attention_backend": backend, "ep": a.ep, "physical_experts": a.physical,
+            "attention_backend": backend, "kv_cache_dtype": a.kv_cache_dtype, "ep": a.ep, "physical_experts": a.physical,
             "local_experts": a.physical // a.ep, "dispatch": a.dispatch, "ep_communication": COMMUNICATION[a.dispatch],
             "fast_path": engine.model.fast is not None, "cuda_graph": engine.runner.graphs is not None,
             "tbo": engine.model.tbo is not None,
@@ -222,9 +232,11 @@ def run(a) -> list[dict]:
         print(
             f"B={b} ctx={ctx:.0f}: step {step:.2f} ms (graph {t['graph_ms']:.2f}, host {rec['host_ms']:.2f}) -> "
             f"{rec['tokens_per_s_per_gpu']:.0f} tok/s/GPU; roofline {rec['roofline_fraction']:.2f} measured peaks, "
-            f"{rec['roofline_fraction_spec']:.2f} spec [{backend}, EP {a.dispatch}{', TBO' if a.tbo else ''}]", flush=True,
+            f"{rec['roofline_fraction_spec']:.2f} spec [{backend}, KV {a.kv_cache_dtype}, EP {a.dispatch}"
+            f"{', TBO' if a.tbo else ''}]", flush=True,
         )  # fmt: skip
     suffix = ("-real-dispatch" if a.dispatch == "real" else "") + ("-tbo" if a.tbo else "")
+    suffix += "-fp8kv" if a.kv_cache_dtype != "auto" else ""
     print("wrote", write_results(f"decode_rank-engine-{backend}{suffix}", records))
     return records
 
@@ -245,6 +257,8 @@ def main() -> None:
                     help="emulated: picks mapped onto local experts in the fused MoE; real: through the EP "
                     "dispatcher at world 1")  # fmt: skip
     ap.add_argument("--tbo", action="store_true", help="two-batch overlap (needs --attn triton or flashinfer)")
+    ap.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                    help="the latent KV cache: auto (bf16) or fp8_e4m3 (FP8 rows, the FP8 MLA decode kernel)")  # fmt: skip
     run(ap.parse_args())
 
 

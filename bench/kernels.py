@@ -1,17 +1,20 @@
 """Kernel micro-benchmarks on one GPU: MLA decode (Triton, FlashInfer where installed) and the FP8
 block-scaled grouped GEMM at DeepGEMM's published MoE shapes.
 
-    python -m bench.kernels [--quick]
+    python -m bench.kernels [--quick] [--mla-fp8-only]
 
 MLA: FLOPs = B*H*L*(576 + 512)*2 (QK^T over 576 dims, PV over 512); bytes = KV rows read once
 (B*L*576*elem) + q + out. With 128 heads (DP attention) the kernel is compute-bound: judge TFLOP/s;
 with 16 heads (a TP-8 layout) it is memory-bound: judge GB/s. The tile sweep at B=256, L=2048,
 128 heads picks the config used for the rest (and written to mla_best.json for bench.decode_rank).
+The FP8 cache (`mla_fp8_suite`): the FP8-dot kernel (libs.kernels.mla_decode_fp8) over FP8 rows (656 bytes a
+token) beside FlashInfer's and the Triton bf16 kernel over the same rows dequantized to bf16, in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import tempfile
@@ -24,6 +27,7 @@ from bench.harness import bench_ms, environment, write_results
 from libs.kernels import flashinfer_mla, gemm_tuning
 from libs.kernels import fp8_gemm as G
 from libs.kernels.mla_decode import MLAConfig, choose_num_splits, mla_decode, mla_decode_reference
+from libs.kernels.mla_decode_fp8 import dequantize_rows, mla_decode_fp8, mla_decode_fp8_reference
 from libs.kernels.quant import quant_fp8_groups
 
 PAGE = 64
@@ -35,21 +39,22 @@ SWEEP_16 = [
 ]
 
 
-def mla_inputs(b, h, ctx, kv_dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def mla_inputs(b, h, ctx, kv_dtype=torch.bfloat16, seed=0, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
     pages = -(-ctx // PAGE)
-    kv = torch.randn(b * pages * PAGE, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    kv = torch.randn(b * pages * PAGE, 576, device=device, generator=g, dtype=torch.bfloat16)
     if kv_dtype != torch.bfloat16:
         kv = (kv / 4).to(kv_dtype)
-    table = torch.randperm(b * pages, device="cuda", generator=g).view(b, pages).int()
-    q = torch.randn(b, h, 576, device="cuda", generator=g, dtype=torch.bfloat16)
-    seq = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    table = torch.randperm(b * pages, device=device, generator=g).view(b, pages).int()
+    q = torch.randn(b, h, 576, device=device, generator=g, dtype=torch.bfloat16)
+    seq = torch.full((b,), ctx, dtype=torch.int32, device=device)
     return q, kv, table, seq
 
 
-def mla_record(b, h, ctx, ms, kv_dtype, backend, cfg=None, splits=None):
+def mla_record(b, h, ctx, ms, kv_dtype, backend, cfg=None, splits=None, row_bytes=None):
     flops = b * h * ctx * (576 + 512) * 2
-    byts = b * ctx * 576 * torch.empty(0, dtype=kv_dtype).element_size() + b * h * (576 + 512) * 2
+    row_bytes = row_bytes or 576 * torch.empty(0, dtype=kv_dtype).element_size()
+    byts = b * ctx * row_bytes + b * h * (576 + 512) * 2
     return {
         "benchmark": "mla_decode", "backend": backend, "batch": b, "ctx": ctx, "heads": h,
         "kv_dtype": str(kv_dtype).removeprefix("torch."), "ms": ms, "TFLOPs": flops / ms / 1e9,
@@ -121,6 +126,86 @@ def mla_suite(batches, ctxs, log) -> list[dict]:
                         log(
                             f"  flashinfer fa3: {ms * 1e3:.0f} us {rec['TFLOPs']:.0f} TFLOP/s {rec['GBps']:.0f} GB/s"
                         )
+    return records
+
+
+FP8_SWEEP = [MLAConfig(bh, n, w, s) for bh, n, w, s in [
+    (64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (64, 128, 8, 1), (32, 64, 4, 2),
+]]  # fmt: skip
+
+
+def mla_fp8_suite(shapes, log) -> list[dict]:
+    """Per (B, L, H): FlashInfer (bf16 rows), the Triton bf16 kernel (same rows) and the FP8-dot kernel over the
+    FP8 rows those came from, each error against float attention over the same values; FP8 configs swept."""
+    fi = flashinfer_mla.FlashInferMLA("cuda") if flashinfer_mla.available() else None
+    records: list[dict] = []
+    for b, ctx, h in shapes:
+        records += mla_fp8_case(b, ctx, h, fi, log)
+    return records
+
+
+def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP) -> list[dict]:
+    from libs.engine.kv_fp8 import Fp8Rows
+
+    fmt, records = Fp8Rows(512, 64), []
+    q, kv, table, seq = mla_inputs(b, h, ctx, device=device)
+    rows8 = torch.empty(kv.shape[0], fmt.row_bytes, dtype=torch.uint8, device=device)
+    for s in range(0, kv.shape[0], 1 << 18):  # bounded temporaries
+        rows8[s : s + (1 << 18)] = fmt.quantize(kv[s : s + (1 << 18)])
+    kv16 = dequantize_rows(rows8).to(torch.bfloat16)  # the same values as bf16 rows
+    ql, qr = q[..., :512], q[..., 512:]
+    exact = mla_decode_reference(q[:4].float(), kv16.float(), table[:4], seq[:4], PAGE, 0.1352)
+    ref8 = mla_decode_fp8_reference(ql[:4], qr[:4], rows8, table[:4], seq[:4], PAGE, 0.1352)
+
+    def err(out, ref=exact):
+        return ((out[:4].float() - ref).norm() / ref.norm()).item()
+
+    def fi_run():
+        return fi.run(ql, qr, kv16)
+
+    cfg16 = MLAConfig()
+    s16 = choose_num_splits(b, h, ctx, cfg16)
+
+    def bf16_run():
+        return mla_decode(q, kv16, table, seq, PAGE, 0.1352, num_splits=s16, cfg=cfg16)
+
+    base = {}
+    if fi is not None:
+        fi.plan(table, seq, PAGE, h, 0.1352)
+        base["flashinfer-fa3"] = ms = bench_ms(fi_run)
+        rec = mla_record(b, h, ctx, ms, torch.bfloat16, "flashinfer-fa3")
+        records.append({**rec, "rel_err_vs_exact": err(fi_run()), "kv_cache": "bf16"})
+    base["triton-bf16"] = ms = bench_ms(bf16_run)
+    records.append({**mla_record(b, h, ctx, ms, torch.bfloat16, "triton-bf16", cfg16, s16),
+                    "rel_err_vs_exact": err(bf16_run()), "kv_cache": "bf16"})  # fmt: skip
+    best = None
+    for cfg in sweep:
+        if h % min(cfg.block_h, max(16, h)):
+            continue
+        auto = choose_num_splits(b, h, ctx, cfg)
+        for splits in sorted({auto, 2 * auto}):
+            run = functools.partial(
+                mla_decode_fp8, ql, rows8, table, seq, PAGE, 0.1352, q_rope=qr, num_splits=splits, cfg=cfg
+            )
+            try:
+                out = run()
+                ms = bench_ms(run)
+            except Exception as e:  # a tile that does not fit (shared memory, registers) is skipped
+                log(f"  fp8 {cfg} splits={splits}: failed {type(e).__name__}: {str(e)[:120]}")
+                continue
+            rec = {**mla_record(b, h, ctx, ms, torch.uint8, "triton-fp8-dots", cfg, splits, fmt.row_bytes),
+                   "rel_err_vs_exact": err(out), "rel_err_vs_q8_reference": err(out, ref8), "kv_cache": "fp8_e4m3",
+                   "sweep": True}  # fmt: skip
+            log(f"  fp8 {cfg} splits={splits}: {ms * 1e3:.0f} us {rec['TFLOPs']:.0f} TFLOP/s "
+                f"err {rec['rel_err_vs_exact']:.1e} (vs q8 ref {rec['rel_err_vs_q8_reference']:.1e})")  # fmt: skip
+            records.append(rec)
+            if rec["rel_err_vs_q8_reference"] < 2e-2 and (best is None or ms < best["ms"]):
+                best = rec
+    if best is not None:
+        best = {**best, "sweep": False, **{f"speedup_vs_{k}": v / best["ms"] for k, v in base.items()}}
+        records.append(best)
+        log(f"mla fp8 h={h} B={b} L={ctx}: {best['ms'] * 1e3:.0f} us {best['TFLOPs']:.0f} TFLOP/s; "
+            + ", ".join(f"{k} {v * 1e3:.0f} us ({v / best['ms']:.2f}x)" for k, v in base.items()))  # fmt: skip
     return records
 
 
@@ -235,6 +320,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer MLA shapes")
     ap.add_argument("--skip-mla", action="store_true")
+    ap.add_argument("--mla-fp8-only", action="store_true", help="only the FP8-cache MLA comparison")
     a = ap.parse_args()
     env = environment()
     print(env, flush=True)
@@ -243,9 +329,14 @@ def main() -> None:
         print(s, flush=True)
 
     records = []
-    records += gemm_suite(log)
-    if not a.skip_mla:
+    fp8_shapes = [(256, 2048, 128), (512, 2048, 128), (128, 8192, 128), (256, 8192, 16)]
+    if a.mla_fp8_only:
+        records += mla_fp8_suite(fp8_shapes, log)
+    else:
+        records += gemm_suite(log)
+    if not a.skip_mla and not a.mla_fp8_only:
         records += mla_suite([32, 128, 256] if not a.quick else [256], [2048, 8192], log)
+        records += mla_fp8_suite(fp8_shapes[:1] if a.quick else fp8_shapes, log)
     for r in records:
         r.update(env)
     print("wrote", write_results("kernels", records))

@@ -26,6 +26,7 @@ from bench.decode_rank import build_engine
 from bench.harness import environment, write_results
 from bench.part_timer import breakdown
 from bench.roofline import prefill_bound
+from libs.engine.args import KV_CACHE_DTYPES
 from libs.engine.presets import deepseek_v3_config
 from libs.engine.sampling import SamplingParams
 
@@ -77,11 +78,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--attn", choices=["auto", "triton", "flashinfer"], default="auto")
+    ap.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                    help="the latent KV cache: auto (bf16) or fp8_e4m3 (FP8 rows, read dequantized by prefill)")  # fmt: skip
     a = ap.parse_args()
     budgets = [int(b) for b in a.budgets.split(",")]
     config = deepseek_v3_config(num_hidden_layers=a.layers, max_position_embeddings=a.prompt + 64)
     engine = build_engine(
-        config, ep=a.ep, physical=a.physical, max_batch=64, max_ctx=a.prompt + 64, attention=a.attn
+        config, ep=a.ep, physical=a.physical, max_batch=64, max_ctx=a.prompt + 64, attention=a.attn,
+        kv_cache_dtype=a.kv_cache_dtype,
     )
     engine.kv_pool.buffer.zero_()
     env, backend, records = environment(), engine.runner.backend.name, []
@@ -92,7 +96,7 @@ def main() -> None:
         spec = prefill_bound(rec["tokens"], a.prompt, ep=a.ep, peaks="spec")
         rec.update({
             "benchmark": "prefill_rank", "path": "engine", "prompt": a.prompt, "layers": a.layers, "ep": a.ep,
-            "local_experts": a.physical // a.ep, "attention_backend": backend,
+            "local_experts": a.physical // a.ep, "attention_backend": backend, "kv_cache_dtype": a.kv_cache_dtype,
             "ep_communication": "emulated (no bytes moved)",
             "roofline_fraction": roof["step_s"] / rec["seconds"], "roofline_fraction_spec": spec["step_s"] / rec["seconds"],
             **env,
@@ -104,7 +108,8 @@ def main() -> None:
         parts = rec["breakdown"]
         print("  one forward of " + ", ".join(f"{p} {parts[p + '_ms']:.1f} ms ({parts[p + '_share']:.0%})"
               for p in ("attention", "attention_kernel", "moe", "other")), flush=True)  # fmt: skip
-    print("wrote", write_results(f"prefill_rank-engine-{backend}", records))
+    suffix = "-fp8kv" if a.kv_cache_dtype != "auto" else ""
+    print("wrote", write_results(f"prefill_rank-engine-{backend}{suffix}", records))
 
 
 if __name__ == "__main__":

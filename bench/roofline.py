@@ -26,9 +26,11 @@ def decode_step_bound(
     kv_bytes: float = 2,
     layers: int = L,
     peaks: str = "measured",
+    mla_fp8: bool = False,
 ) -> dict[str, float]:
     """Seconds for the step's lower bound and its parts; `tokens_per_s` = batch / bound. layers: a model cut
-    to fewer layers (its first LD stay dense); peaks: "measured" or "spec" (PEAKS)."""
+    to fewer layers (its first LD stay dense); peaks: "measured" or "spec" (PEAKS); mla_fp8: attention's dots
+    at the FP8 peak (an FP8 KV cache; pass its kv_bytes per value too)."""
     hbm, bf16, fp8 = (PEAKS[peaks][k] for k in ("hbm", "bf16", "fp8"))
     ld = min(LD, layers)
     lm = layers - ld
@@ -51,7 +53,7 @@ def decode_step_bound(
     gemm_flops = batch * (
         layers * 2 * attn_params + ld * 2 * 3 * H * INTER_DENSE + lm * 2 * expert * (1 + TOPK) + 2 * V * H
     )
-    t_mla = max(kv / hbm, mla_flops / bf16)
+    t_mla = max(kv / hbm, mla_flops / (fp8 if mla_fp8 else bf16))
     t_gemm = max(w_bytes / hbm, gemm_flops / fp8)
     t = t_mla + t_gemm
     return {

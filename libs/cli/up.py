@@ -185,20 +185,21 @@ def _coerce(key: str, value: Any, tp: Callable[[Any], Any], path: str) -> Any:
 
 
 def worker_view(
-    args: argparse.Namespace, top: Mapping[str, Any], env: Mapping[str, str], model: Path
+    args: argparse.Namespace, top: Mapping[str, Any], env: Mapping[str, str], model: Path, kind: str = "decode"
 ) -> WorkerSettings:
-    """The worker settings a decode worker will see for what `up` needs itself (device, for the ready
-    wait): the file's top level and decode-worker section < env < flags; ValueError names the problem."""
+    """The worker settings a decode (or prefill) worker will see for what `up` needs itself (device, for the
+    ready wait): the file's top level and the worker's section < env < flags; ValueError names the problem."""
     import msgspec
 
     from libs.worker.settings import WorkerSettings
 
     names = {d.name for d in describe(WorkerSettings)}
-    section = top.get("decode-worker") or {}
+    section = top.get(f"{kind}-worker") or {}
+    prefix, flags = (DECODE_PREFIX, BOTH_WORKERS + DECODE_ONLY) if kind == "decode" else (PREFILL_PREFIX, BOTH_WORKERS)
     values: dict[str, Any] = {k: top[k] for k in BOTH_WORKERS if k in top}
     values.update({k: v for k, v in section.items() if k in names})  # its own keys the worker checks
-    values.update({k: env[e] for k in names if (e := DECODE_PREFIX + k.upper()) in env})
-    values.update({k: v for k in BOTH_WORKERS + DECODE_ONLY if (v := getattr(args, k)) is not None})
+    values.update({k: env[e] for k in names if (e := prefix + k.upper()) in env})
+    values.update({k: v for k in flags if (v := getattr(args, k)) is not None})
     try:
         return msgspec.convert({**values, "model_dir": str(model)}, WorkerSettings, strict=False)
     except msgspec.ValidationError as e:
@@ -230,6 +231,12 @@ def mesh_config(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[MeshC
     if not (model / "config.json").is_file():
         raise ValueError(f"{model} is not a checkpoint folder (no config.json)")
     worker = worker_view(args, top, env, model)
+    prefill = worker_view(args, top, env, model, "prefill")
+    if args.prefill_workers and prefill.kv_cache_dtype != worker.kv_cache_dtype:
+        raise ValueError(
+            f"prefill workers would run kv_cache_dtype {prefill.kv_cache_dtype} and decode workers "
+            f"{worker.kv_cache_dtype}: their KV pages must mean the same bytes; set one kv_cache_dtype for both"
+        )
     if args.kv_store and not (worker.host_kv_pages or worker.host_kv_cache_gb):
         raise ValueError("--kv-store stages KV pages in the host tier: give --host-kv-pages or --host-kv-cache-gb")
     if args.gateways < 1 or args.schedulers < 1:

@@ -1,12 +1,12 @@
-"""The FP8 latent KV row (kv_cache_dtype "fp8_e4m3"): one token's row of R + r values as bytes, and its
-plain-torch quantize / dequantize, which the fused KV write and the FP8 MLA decode kernel match.
+"""The FP8 latent KV row (kv_cache_dtype "fp8_e4m3"): one token's R + r values as bytes, and the plain-torch
+quantize / dequantize that the fused KV write and the FP8 MLA decode kernel match. An FP8 pool's buffer holds
+these bytes as uint8: a uint8 layer tensor means FP8 rows (`is_fp8`)."""
 
-Row bytes: [c_kv: R float8_e4m3fn codes | k_pe: r bfloat16 | scale: float32 | zero pad to 16 bytes]
-(DeepSeek-V3: 512 + 128 + 4 -> 656 bytes, against 1,152 in bf16). c_kv = code * scale, one scale per token:
-the smallest power of two with max|c_kv| <= 448 * scale, so quantizing is an exact scaling plus one
-rounding and every implementation (torch, Triton) writes the same codes. The roped k_pe stays 16-bit.
-An FP8 pool's buffer is these bytes as uint8: a uint8 layer tensor means FP8 rows (`is_fp8`).
-"""
+# Row bytes: [c_kv: R float8_e4m3fn codes | k_pe: r bfloat16 | scale: float32 | zero pad to 16 bytes]
+# (DeepSeek-V3: 512 + 128 + 4 -> 656 bytes, against 1,152 in bf16). c_kv = code * scale, one scale per token:
+# the smallest power of two with max|c_kv| <= 448 * scale, so quantizing is an exact scaling plus one rounding
+# and torch and Triton write the same codes. The roped k_pe stays 16-bit: rounding it to FP8 costs more
+# accuracy than the latent's (bench/kv_fp8_accuracy.py --formats).
 
 from __future__ import annotations
 

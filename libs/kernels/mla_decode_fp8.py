@@ -1,14 +1,13 @@
-"""MLA decode (absorbed form) over FP8 latent rows with FP8 tensor-core dots: a Triton split-K kernel.
+"""MLA decode (absorbed form) over FP8 latent rows (libs/engine/kv_fp8.Fp8Rows(512, 64), 656 bytes) with QK and
+PV as FP8 tensor-core dots: a Triton split-K kernel with mla_decode's grid, splits and combine, and its
+float32 torch reference (everything but the probabilities' FP8 rounding)."""
 
-Cache rows are DeepSeek's FP8 row (libs/engine/kv_fp8.Fp8Rows(512, 64), 656 bytes): 512 float8_e4m3fn
-codes of c_kv with one power-of-two scale per token, then k_pe in bf16. Per tile of BLOCK_N rows:
-- QK: the latent query is quantized per head row (its amax to 448) and multiplied with the codes as an FP8
-  dot, scaled by q_scale[h] * k_scale[n]; the 64-wide rope part is a bf16 dot.
-- PV: the softmax probabilities times each row's scale are quantized to FP8 in units of the largest row
-  scale seen so far (so they span FP8's range and never overflow), and multiplied with the codes as an FP8
-  dot; the accumulator stays in those units, rescaled when the unit grows.
-Grid, splits and the combine are those of libs/kernels/mla_decode.py (graph-stable split counts).
-"""
+# Per tile of BLOCK_N rows:
+# - QK: the latent query quantized per head row (its amax to 448) times the codes as an FP8 dot, scaled by
+#   q_scale[h] * k_scale[n]; the 64-wide rope part a bf16 dot against the bf16 k_pe.
+# - PV: the probabilities times each row's scale quantized to FP8 in units of the largest row scale seen so far
+#   (so they span FP8's range and never overflow), times the codes as an FP8 dot; the accumulator stays in
+#   those units, rescaled when the unit grows.
 
 from __future__ import annotations
 

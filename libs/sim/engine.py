@@ -79,7 +79,7 @@ class _PoolOnly:
         self.dtype = torch.uint8
         self.device = torch.device("cpu")
 
-    def attention_backend(self, name: str) -> None:
+    def attention_backend(self, name: str, kv_cache_dtype: str = "auto") -> None:
         return None
 
 
@@ -89,7 +89,8 @@ class SimEngine(Engine):
         tokenizer: Tokenizer | None = None, **overrides: Any,
     ) -> None:  # fmt: skip
         """`args` and overrides as Engine takes them; there are no decode graphs to capture."""
-        a = msgspec.structs.replace(with_overrides(args, overrides), cuda_graphs=False)
+        # the pool is a scaled-down stand-in: its rows hold no values, in any kv_cache_dtype
+        a = msgspec.structs.replace(with_overrides(args, overrides), cuda_graphs=False, kv_cache_dtype="auto")
         pool_cfg = dataclasses.replace(config, num_hidden_layers=1, kv_lora_rank=1, qk_rope_head_dim=0)
         super().__init__(_PoolOnly(pool_cfg), a, tokenizer=tokenizer)  # type: ignore[arg-type]
         self.config = config  # the served model's vocab, context and end ids; only the pool is scaled down

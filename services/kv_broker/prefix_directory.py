@@ -1,6 +1,7 @@
 """The kv-broker's prefix directory: a PrefixReplica (libs/prefix/replica.py: KV events, heartbeats,
 snapshot resyncs) that also answers PrefixQuery on proto.subjects.BROKER_PREFIX (queue group
-QUEUE_BROKER), for schedulers that ask instead of keeping their own replica (prefix_index=broker)."""
+QUEUE_BROKER), for schedulers that ask instead of keeping their own replica (prefix_index=broker), and
+says which workers are live (heard within dead_after_intervals of their heartbeat interval)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,18 @@ class PrefixDirectory(PrefixReplica):
         self.m_queries = Counter(
             "moemesh_kv_broker_prefix_queries", "Prefix overlap queries", registry=registry
         )
+        self._heard: dict[str, float] = {}  # worker id -> when it stops counting as live (self.clock)
+
+    async def on_heartbeat(self, hb: m.Heartbeat) -> None:
+        match hb:
+            case m.WorkerHeartbeat(worker_id=wid, interval_ms=ms):
+                self._heard[wid] = self.clock() + self.index.dead_after_intervals * ms / 1000
+            case m.WorkerGone(worker_id=wid):
+                self._heard.pop(wid, None)
+        await super().on_heartbeat(hb)
+
+    def is_live(self, worker_id: str) -> bool:
+        return self._heard.get(worker_id, float("-inf")) > self.clock()
 
     async def start(self, heartbeats: bool = True) -> None:
         await super().start(heartbeats)

@@ -1,7 +1,11 @@
 """The kv-broker service: the KV directory of the mesh, over proto.subjects.BROKER (request/reply,
 queue group QUEUE_BROKER, so replicas share the load)."""
 
-# - Worker registry: RegisterWorker / LookupWorker (Mooncake session id, KV pool geometry).
+# - Worker registry: RegisterWorker / LookupWorker (Mooncake session id, KV pool geometry). A worker whose KV
+#   format (KvGeometry.dtype: the row dtype, or fp8_e4m3) differs from a live worker of the other role is
+#   refused: no page it would exchange means the same bytes on both sides. Live: its heartbeats heard by the
+#   prefix directory, or registered through this replica within FRESH_REGISTRATION_MS (a worker that
+#   registered but has not beaten yet).
 # - KV handles with leases: CreateHandle -> HandleWritten -> HandleConsumed, ReleaseHandle, LookupHandle,
 #   ListHandles; the rules are in handles.py (pure). Every answer is a BrokerReply; a refusal is
 #   ok=False with the reason, and the current record when there is one.
@@ -39,6 +43,7 @@ from services.kv_broker.store import Bucket, Conflict
 log = logging.getLogger("moemesh.kv_broker")
 
 _CAS_ATTEMPTS = 5
+FRESH_REGISTRATION_MS = 30_000
 
 
 class BrokerSettings(ServiceSettings, frozen=True, kw_only=True):
@@ -100,6 +105,7 @@ class KvBroker(Service):
         self.handles: Bucket[m.HandleRecord] | None = None
         self.workers: Bucket[m.WorkerRecord] | None = None
         self.prefix: PrefixDirectory | None = None
+        self._registered_ms: dict[str, int] = {}  # worker id -> when this replica registered it (clock ms)
         self._expired = Counter(
             "moemesh_kv_broker_expired", "Handles expired by lease", registry=self.registry
         )
@@ -197,6 +203,11 @@ class KvBroker(Service):
         _check_geometry(req.geometry)
         for pool in req.ranks:
             _check_geometry(pool.geometry)
+        clash = self._format_clash(req)
+        if clash is not None:
+            log.error("refused registration of %s: %s", req.worker_id, clash)
+            raise HandleError(clash)
+        self._registered_ms[req.worker_id] = self.clock()
         rec = m.WorkerRecord(
             worker_id=req.worker_id, role=req.role, session_id=req.session_id, geometry=req.geometry,
             ranks=req.ranks,
@@ -211,6 +222,22 @@ class KvBroker(Service):
                 "%s is a new incarnation: expired %d handles of its old one", req.worker_id, len(stale)
             )
         return m.BrokerReply(ok=True, worker=rec)
+
+    def _format_clash(self, req: m.RegisterWorker) -> str | None:
+        """Why `req`'s KV pages cannot be exchanged with a live worker of the other role, or None."""
+        now = self.clock()
+        for wid, rec in self._buckets()[1].items():
+            if rec.role == req.role or wid == req.worker_id or rec.geometry.dtype == req.geometry.dtype:
+                continue
+            fresh = now - self._registered_ms.get(wid, -FRESH_REGISTRATION_MS) < FRESH_REGISTRATION_MS
+            if fresh or (self.prefix is not None and self.prefix.is_live(wid)):
+                mine, theirs = req.role.name.lower(), rec.role.name.lower()
+                return (
+                    f"KV cache format mismatch: {mine} worker {req.worker_id} holds {req.geometry.dtype} pages, "
+                    f"live {theirs} worker {wid} holds {rec.geometry.dtype}; start prefill and decode workers "
+                    "with the same kv_cache_dtype (and dtype)"
+                )
+        return None
 
     async def _worker(self, wid: str) -> tuple[m.WorkerRecord, int] | None:
         """From the mirror; from the server when another replica registered it a moment ago."""

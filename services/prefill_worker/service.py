@@ -39,7 +39,7 @@ from libs.worker.prefix_reuse import first_page_to_send
 from libs.worker.rank_pools import has_rank_pools, write_rank_pages
 from libs.worker.service import STEP_BUCKETS_S, WorkerService
 from libs.worker.settings import WorkerSettings
-from libs.worker.startup import register_engine_metrics
+from libs.worker.startup import geometry, register_engine_metrics
 from libs.worker.wire import to_params, to_wire_logprob
 from proto import messages as m
 from proto import subjects
@@ -104,6 +104,7 @@ class PrefillWorker(WorkerService):
         self.dst_workers: dict[str, m.WorkerRecord] = {}  # decode worker -> its pools, from the broker
         # this worker's own pool (None: an EP engine whose ranks hold the pools and write themselves)
         self.src_geom = None if has_rank_pools(self.engine) else PageGeometry.of_pool(self.engine.kv_pool)
+        self.kv_format = geometry(self.engine).dtype  # the row dtype, or fp8_e4m3
         self.active: set[str] = set()  # tasks received and not finished
         self.cancelled: set[str] = set()
         self.attempted: set[str] = set()  # handles a KV write into has begun (PrefillFailed.wrote)
@@ -240,6 +241,11 @@ class PrefillWorker(WorkerService):
         if session != handle.session_id:  # it restarted since
             raise RuntimeError(
                 f"handle {handle.handle_id} names an old incarnation of {handle.decode_worker}"
+            )
+        if geom.dtype != self.kv_format:  # the broker refuses such pairs at registration; this closes a race
+            raise RuntimeError(
+                f"KV cache format mismatch: this prefill worker writes {self.kv_format} pages, decode worker "
+                f"{handle.decode_worker} holds {geom.dtype}; start both with the same kv_cache_dtype"
             )
         return geom
 

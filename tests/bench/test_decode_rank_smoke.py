@@ -42,6 +42,37 @@ def test_rank_engine_builds_local_experts_and_steps_on_the_fused_path():
         assert all(len(o.token_ids) == 1 and 0 <= o.token_ids[0] < 600 for o in out)
 
 
+def test_rank_engine_with_an_fp8_kv_cache_steps_through_the_fp8_kernels(monkeypatch: pytest.MonkeyPatch):
+    """--kv-cache-dtype fp8_e4m3 with 16 heads (the FP8 decode kernel's head tile): the fused write fills FP8
+    rows, every layer's decode runs the FP8 MLA kernel, and the rows it reads carry the written scales."""
+    import bench.decode_rank as R
+    from libs.engine.layers.attention_backend import TritonAttention
+    from libs.kernels import mla_decode_fp8
+
+    calls = []
+    kernel = mla_decode_fp8.mla_decode_fp8
+    monkeypatch.setattr(mla_decode_fp8, "mla_decode_fp8", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    config = {**_toy_config(), "num_attention_heads": 16, "num_key_value_heads": 16}
+    engine = R.build_engine(
+        config, ep=8, physical=16, max_batch=4, max_ctx=64, device="cpu", dtype=torch.float16,
+        attention="triton", page_size=16, kv_cache_dtype="fp8_e4m3",
+    )  # fmt: skip
+    pool, cfg = engine.kv_pool, engine.model.config
+    assert pool.buffer.dtype == torch.uint8 and pool.bytes_per_page == 16 * 656
+    # the kernels on CPU tensors (Triton's interpreter), as on a GPU without being asked
+    engine.runner.backend = TritonAttention(cfg, pool.buffer.device, torch.float16, True, "fp8_e4m3")
+    assert R.kv_roofline(engine) == {"kv_bytes": 656 / 576, "mla_fp8": True}
+    rids = R.fill(engine, 3, ctx=20, gen=4)
+    seq = engine.requests[rids[0]]
+    pos = seq.num_computed  # the newest token, fed next: its row is written this step
+    slot = seq.pages[pos // 16] * 16 + pos % 16
+    pool.buffer[:, slot] = 0
+    out = engine.step()
+    assert sorted(o.rid for o in out) == sorted(rids) and len(calls) == 2  # both layers, one step
+    scale = pool.buffer[:, slot, 640:644].contiguous().view(torch.float32)
+    assert (scale > 0).all() and pool.buffer[:, slot, :512].any()
+
+
 @pytest.mark.parametrize("tbo", [False, True])
 def test_rank_engine_with_the_real_dispatcher_at_world_1_steps(tbo: bool):
     """--dispatch real: the MoE layers take the stepped EP hook (fixed dispatcher over a one-rank gloo group,

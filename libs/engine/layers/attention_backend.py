@@ -11,6 +11,9 @@ absorbed)` once per forward, then `attend(...)` in every layer after writing its
 # decode and ragged prefill; it plans on the host, in `prepare` for eager forwards and in `plan_graph` before
 # each replay (one wrapper per batch size); under two-batch overlap one wrapper per micro-batch
 # (`plan_micro_batches`, `plan_graph`); extend forwards are not split (`splits_extend`).
+# A backend is made for one KV row format (`kv_cache_dtype`). Over FP8 rows (libs/engine/kv_fp8.py) the paged
+# backends decode with libs.kernels.mla_decode_fp8 where its dims fit (FlashInfer's decode takes 16-bit rows)
+# and every other path reads the rows dequantized (FlashInfer's ragged prefill included).
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 
 from libs.engine.config import ModelConfig
 from libs.engine.forward_batch import ForwardBatch
+from libs.engine.kv_fp8 import fp8_rows, is_fp8, read_rows
 from libs.engine.layers.mla import (
     AttentionMetadata,
     PagedMetadata,
@@ -65,8 +69,10 @@ class AttentionBackend(ABC):
     name = ""
     graph_safe = False  # decode (prepare aside) can be captured in a CUDA graph
 
-    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, kv_cache_dtype: str = "auto") -> None:
         self.num_heads, self.scale, self.device = cfg.num_attention_heads, cfg.softmax_scale, device
+        fp8_rows(kv_cache_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)  # a valid setting for this row shape
+        self.kv_cache_dtype = kv_cache_dtype
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch, page_size: int, absorbed: bool) -> StepInputs: ...
@@ -111,12 +117,13 @@ class TritonAttention(AttentionBackend):
     graph_safe = True
 
     def __init__(
-        self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, use_kernel: bool | None = None
-    ) -> None:
-        """use_kernel None: the Triton kernel on CUDA when the dims fit and the model is 16-bit (its tiles
-        are sized for 2-byte rows). True runs it whenever the dims fit, CPU tensors included, which needs
-        Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported: tests)."""
-        super().__init__(cfg, device)
+        self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, use_kernel: bool | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:  # fmt: skip
+        """use_kernel None: the Triton kernel (the FP8 one over FP8 rows) on CUDA when the dims fit and the model
+        is 16-bit. True runs it whenever the dims fit, CPU tensors included, which needs Triton's interpreter
+        (TRITON_INTERPRET=1, set before triton is imported: tests)."""
+        super().__init__(cfg, device, kv_cache_dtype)
         fits = _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         auto = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
         self.kernel_cfg = None
@@ -159,6 +166,13 @@ class TritonAttention(AttentionBackend):
     def decode_latent(self, q_latent, q_pe, layer_rows, meta: PagedMetadata) -> torch.Tensor:
         if self.kernel_cfg is None:
             return mla_decode_paged(q_latent, q_pe, layer_rows, meta, self.scale)
+        if is_fp8(layer_rows):
+            from libs.kernels.mla_decode_fp8 import mla_decode_fp8
+
+            return mla_decode_fp8(
+                q_latent, layer_rows, meta.page_table, meta.seq_lens, meta.page_size, self.scale,
+                q_rope=q_pe, num_splits=meta.num_splits, cfg=self.kernel_cfg,
+            )  # fmt: skip
         from libs.kernels.mla_decode import mla_decode
 
         return mla_decode(
@@ -179,14 +193,17 @@ class FlashInferAttention(TritonAttention):
     graph_safe = True  # decode graphs: one wrapper per captured batch size, planned before each replay
     splits_extend = False  # the ragged prefill is planned for the whole forward: TBO runs extend whole
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(cfg, device, dtype, use_kernel=False)
+    def __init__(
+        self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    ) -> None:
+        fp8 = kv_cache_dtype != "auto"  # decode: the FP8 Triton kernel (FlashInfer's takes 16-bit rows)
+        super().__init__(cfg, device, dtype, use_kernel=None if fp8 else False, kv_cache_dtype=kv_cache_dtype)
         from libs.kernels import flashinfer_mla
 
         self.dtype, self.head_dims = dtype, (cfg.qk_head_dim, cfg.v_head_dim)
         half = dtype in (torch.bfloat16, torch.float16)
         fits = half and _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-        self.mla = flashinfer_mla.FlashInferMLA(device) if fits else None
+        self.mla = flashinfer_mla.FlashInferMLA(device) if fits and not fp8 else None
         ragged = half and flashinfer_mla.ragged_prefill_fits(*self.head_dims)
         self.prefill = flashinfer_mla.FlashInferRaggedPrefill(device) if ragged else None
         self._kv_index: torch.Tensor | None = None  # [sum K] pool slots of the extend batch's keys
@@ -266,8 +283,8 @@ class FlashInferAttention(TritonAttention):
         self._parts = self._eager_parts
 
     def decode_latent(self, q_latent, q_pe, layer_rows, meta: PagedMetadata) -> torch.Tensor:
-        if self.mla is None:
-            return mla_decode_paged(q_latent, q_pe, layer_rows, meta, self.scale)
+        if self.mla is None:  # FP8 rows (the Triton FP8 kernel where it fits), or dims FlashInfer does not take
+            return super().decode_latent(q_latent, q_pe, layer_rows, meta)
         mla = self._active if self._active is not None else self.mla
         if meta.part is not None:
             if self._parts is None:
@@ -281,6 +298,7 @@ class FlashInferAttention(TritonAttention):
         assert self._kv_index is not None
         h, n, r = self.num_heads, q_nope.shape[-1], q_pe.shape[-1]
         rows = layer_rows[self._kv_index]  # [sum K, C]: every sequence's keys, ragged
+        rows = read_rows(rows, weights.dense.shape[1], q_pe.shape[-1], weights.dense.dtype)
         kv = F.linear(rows[:, :-r].to(weights.dense.dtype), weights.dense).view(rows.shape[0], h, -1)
         k = torch.cat([kv[..., :n], rows[:, None, -r:].to(kv.dtype).expand(-1, h, r)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
@@ -311,13 +329,14 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 
 def make_attention_backend(
-    name: str, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
+    name: str, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> AttentionBackend:
-    """The backend `name` ("auto" | "torch" | "triton" | "flashinfer") for a model's attention shape."""
+    """The backend `name` ("auto" | "torch" | "triton" | "flashinfer") for a model's attention shape over KV
+    rows of `kv_cache_dtype` ("auto" | "fp8_e4m3")."""
     device = torch.device(device)
     resolved = resolve_backend(name, device)
     if resolved == "torch":
-        return TorchAttention(cfg, device)
+        return TorchAttention(cfg, device, kv_cache_dtype)
     if resolved == "triton":
-        return TritonAttention(cfg, device, dtype)
-    return FlashInferAttention(cfg, device, dtype)
+        return TritonAttention(cfg, device, dtype, kv_cache_dtype=kv_cache_dtype)
+    return FlashInferAttention(cfg, device, dtype, kv_cache_dtype)

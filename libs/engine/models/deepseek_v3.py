@@ -382,9 +382,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Whether a forward with `backend` takes the fused path (it needs the paged kernel backends)."""
         return self.fast is not None and isinstance(backend, TritonAttention)
 
-    def attention_backend(self, name: str = "auto") -> AttentionBackend:
-        """A new attention backend for this model ("auto" | "torch" | "triton" | "flashinfer")."""
-        return make_attention_backend(name, self.config, self.device, self.dtype)
+    def attention_backend(self, name: str = "auto", kv_cache_dtype: str = "auto") -> AttentionBackend:
+        """A new attention backend for this model ("auto" | "torch" | "triton" | "flashinfer") over KV rows of
+        `kv_cache_dtype` ("auto" | "fp8_e4m3")."""
+        return make_attention_backend(name, self.config, self.device, self.dtype, kv_cache_dtype)
 
     @torch.inference_mode()
     def forward(
@@ -402,17 +403,20 @@ class DeepseekV3ForCausalLM(nn.Module):
         _check_batch(batch, kv, self.config)
         absorbed = batch.is_decode if attn_mode == "auto" else attn_mode == "absorbed"
         if backend is None:
-            if self._attention is None:
-                self._attention = self.attention_backend()
+            if self._attention is None or self._attention.kv_cache_dtype != kv.kv_cache_dtype:
+                self._attention = self.attention_backend(kv_cache_dtype=kv.kv_cache_dtype)
             backend = self._attention
         if absorbed and not batch.is_decode and not isinstance(backend, TorchAttention):
-            backend = TorchAttention(self.config, self.device)
+            backend = TorchAttention(self.config, self.device, kv.kv_cache_dtype)
         return self.forward_step(backend.prepare(batch, kv.page_size, absorbed), kv)
 
     @torch.inference_mode()
     def forward_step(self, step: StepInputs, kv: KVPool) -> torch.Tensor:
         """The layers over inputs already on the device -> hidden [T, D]. No host syncs of its own: with a
         graph-safe backend and graph-safe MoEs (`graph_safe_decode`) a decode step can be captured."""
+        if step.backend.kv_cache_dtype != kv.kv_cache_dtype:
+            made, holds = step.backend.kv_cache_dtype, kv.kv_cache_dtype
+            raise ValueError(f"attention backend made for {made} KV rows, the pool holds {holds}")
         if self.tbo is not None:
             return self.tbo.forward_step(self, step, kv)
         x = F.embedding(step.input_ids, self.model.embed_tokens.weight)

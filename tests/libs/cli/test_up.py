@@ -118,3 +118,21 @@ def test_existing_worker_flags_keep_working_and_are_checked(model: Path) -> None
         mesh_config(parse("--model", str(model), "--mtp-k", "9"), {})
     with pytest.raises(SettingsError, match="nope.yaml"):
         mesh_config(parse("--model", str(model), "--config", str(model / "nope.yaml")), {})
+
+
+def test_mixed_kv_cache_dtypes_between_worker_kinds_refuse_to_start(tmp_path: Path, model: Path) -> None:
+    """A prefill-worker section (or env var) that gives prefill workers another kv_cache_dtype than the decode
+    workers stops `up` before anything starts; one setting for both (flag, top level) is fine."""
+    mixed = write(tmp_path, "prefill-worker:\n  kv_cache_dtype: fp8_e4m3\n")
+    with pytest.raises(ValueError, match="prefill workers would run kv_cache_dtype fp8_e4m3 and decode workers"):
+        mesh_config(parse("--model", str(model), "--config", mixed), {})
+    with pytest.raises(ValueError, match="kv_cache_dtype auto and decode workers fp8_e4m3"):
+        mesh_config(parse("--model", str(model)), {"MOEMESH_DECODE_WORKER_KV_CACHE_DTYPE": "fp8_e4m3"})
+    cfg, worker = mesh_config(parse("--model", str(model), "--kv-cache-dtype", "fp8_e4m3"), {})
+    assert worker.kv_cache_dtype == "fp8_e4m3"
+    assert cfg.extra_env["services.prefill_worker"]["MOEMESH_PREFILL_WORKER_KV_CACHE_DTYPE"] == "fp8_e4m3"
+    both = write(tmp_path, "kv_cache_dtype: fp8_e4m3\n")
+    assert mesh_config(parse("--model", str(model), "--config", both), {})[1].kv_cache_dtype == "fp8_e4m3"
+    mixed = write(tmp_path, "prefill-worker:\n  kv_cache_dtype: fp8_e4m3\n")
+    _, worker = mesh_config(parse("--model", str(model), "--config", mixed, "--prefill-workers", "0"), {})
+    assert worker.kv_cache_dtype == "auto"  # no prefill workers: no pages change hands

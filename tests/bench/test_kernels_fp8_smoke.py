@@ -1,0 +1,25 @@
+"""bench.kernels' FP8-cache MLA comparison at a toy size on CPU under Triton's interpreter: every kernel runs
+on the same values and is checked, the best FP8 config is chosen and carries its speedups. Times nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.libs.kernels.conftest import HAS_CUDA
+
+pytestmark = pytest.mark.skipif(HAS_CUDA, reason="the GPU runs the real benchmark")
+
+
+def test_fp8_case_records_every_kernel_on_the_same_values(monkeypatch: pytest.MonkeyPatch):
+    import bench.kernels as K
+    from libs.kernels.mla_decode import MLAConfig
+
+    monkeypatch.setattr(K, "bench_ms", lambda fn: (fn(), 1.0)[1])  # run once, "1 ms"
+    monkeypatch.setattr(K, "MLAConfig", lambda: MLAConfig(16, 16, 4, 1))
+    recs = K.mla_fp8_case(2, 20, 16, None, lambda _: None, device="cpu", sweep=[MLAConfig(16, 16, 4, 1)])
+    by = {(r["backend"], r.get("sweep")): r for r in recs}
+    assert by[("triton-bf16", None)]["rel_err_vs_exact"] < 1e-2
+    best = by[("triton-fp8-dots", False)]
+    assert best["kv_cache"] == "fp8_e4m3" and best["speedup_vs_triton-bf16"] == 1.0
+    assert best["rel_err_vs_q8_reference"] < 2e-2 and best["rel_err_vs_exact"] < 1e-1
+    assert best["GBps"] < by[("triton-bf16", None)]["GBps"]  # 656 bytes a row against 1,152, same time
