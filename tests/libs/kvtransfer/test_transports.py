@@ -171,3 +171,19 @@ def test_a_write_larger_than_one_batch_lands_whole(mooncake_pair, monkeypatch) -
         for w in (a, b):
             for ptr in w.ptrs:
                 w.t.unregister(ptr)
+
+
+def test_fp8_pages_move_with_their_scales(pair):
+    """FP8 pools (kv_cache_dtype fp8_e4m3): a page is its rows' codes, bf16 k_pe and scales, moved as bytes; the
+    destination reads back the source's values."""
+    from libs.engine.kv_fp8 import Fp8Rows
+
+    fmt = Fp8Rows(64, 8)
+    a, b = pair
+    src, dst = (KVPool(num_layers=2, num_pages=n, page_size=16, row_dim=72, fp8=fmt) for n in (8, 12))
+    src.write(1, torch.arange(16, 48), torch.randn(32, 72) * torch.logspace(-2, 2, 32)[:, None])  # pages 1, 2
+    a.register(src.data_ptr(), src.nbytes)
+    b.register(dst.data_ptr(), dst.nbytes)
+    runs = plan_page_runs(2, [1, 2], [9, 4], PageGeometry.of_pool(src), PageGeometry.of_pool(dst))
+    assert a.write(b.session_id, runs) == 2 * 2 * 16 * fmt.row_bytes  # 2 layers x 2 pages of 96-byte rows
+    assert torch.equal(dst.gather(1, torch.tensor([9, 4]), 32), src.gather(1, torch.tensor([1, 2]), 32))
