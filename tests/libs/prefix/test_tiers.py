@@ -73,7 +73,13 @@ def test_placement_hits_weigh_the_tiers() -> None:
     ix.load_snapshot(KvSnapshot(worker_id="store", epoch="e", seq=0, hashes=[], store=True), 0.0)
     replica = SimpleNamespace(index=ix)
     c = PrefixClient(
-        None, CollectorRegistry(), 0.05, 5.0, lambda: 0.0, replica, tier_weights=(0.8, 0.5)  # type: ignore[arg-type]
+        None,
+        CollectorRegistry(),
+        0.05,
+        5.0,
+        lambda: 0.0,
+        replica,
+        tier_weights=(0.8, 0.5),  # type: ignore[arg-type]
     )
     hits = asyncio.run(c.hits(prompt, [16]))
     assert hits == {"gpu": 64, "host": 51, "store": 32}
