@@ -5,7 +5,8 @@ place where Triton 3.6's interpreter differs from the GPU or breaks a later comp
 # `__index__`: it converts a loaded scalar with `int(array)`, which NumPy 2 refuses for one-element arrays
 # (kernels with run-time loop bounds need it). float32 -> float8: it drops the carry when rounding overflows
 # the mantissa (127.9 -> 64); torch does the cast instead, rounding to nearest as the GPU does.
-# `tl.dot`: it multiplies bfloat16 operands as their raw 16-bit patterns; they are widened to float32 first.
+# `tl.dot`: it multiplies bfloat16 operands as their raw 16-bit patterns; they are widened to float32 first
+# (FP8 ones too, by torch: exact, where the interpreter's bitwise cast to float16 is ~10x slower).
 # Device-function calls (`tl.cdiv` and the other standard helpers) patch triton.language.core and never
 # restore it, breaking any later Gluon compile in the process; the call is wrapped to undo its patches.
 
@@ -47,13 +48,18 @@ def patch_interpreter() -> None:
     builder_cls.create_fp_to_fp = fp_to_fp
     original_dot = builder_cls.create_dot
 
-    def widen_bf16(t):
+    fp8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+
+    def widen(t):
+        if t.dtype.scalar in fp8:
+            wide = torch.from_numpy(t.data).view(fp8[t.dtype.scalar]).float().numpy()
+            return interpreter.TensorHandle(wide, tl.float32)
         if t.dtype.scalar != tl.bfloat16:
             return t
         return interpreter.TensorHandle((t.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
 
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original_dot(self, widen_bf16(a), widen_bf16(b), d, input_precision, max_num_imprecise_acc)
+        return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     builder_cls.create_dot = dot
 
@@ -69,3 +75,25 @@ def patch_interpreter() -> None:
             scope.restore()
 
     interpreter.InterpretedFunction.__call__ = device_call
+    _list_builtins_once(interpreter, tl)
+
+
+def _list_builtins_once(interpreter, tl) -> None:
+    """Speed only: each launch and device-function call re-patches triton.language, finding its builtins with
+    inspect.getmembers (~0.4 ms; a fused forward makes thousands): listed once, unpatched, here; a nested call
+    re-patches only what its caller did not, as upstream."""
+    import inspect
+
+    pkgs = (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)
+    listed = {id(p): [(n, m) for n, m in inspect.getmembers(p) if tl.core.is_builtin(m)] for p in pkgs}
+    original = interpreter._patch_builtin
+
+    def patch_builtin(pkg, builder, scope):
+        members = listed.get(id(pkg))
+        if members is None:
+            return original(pkg, builder, scope)
+        for name, member in members:
+            if getattr(pkg, name, None) is member:  # else an enclosing call's patch holds, as upstream
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = patch_builtin
