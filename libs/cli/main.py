@@ -15,6 +15,7 @@ COMMANDS: list[str] = [
     "libs.cli.bench",
     "libs.cli.demo_model",
     "libs.cli.generate",
+    "libs.cli.kv_store_master",
     "libs.cli.serve",
     "libs.cli.tiny_model",
     "libs.cli.tune",

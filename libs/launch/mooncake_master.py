@@ -46,11 +46,11 @@ def find_mooncake_master_binary() -> str:
     )
 
 
-def argv(host: str, port: int) -> list[str]:
-    """The master's command line: RPC on host:port (0: the kernel picks), admin/metrics on host too."""
+def argv(host: str, port: int, metrics_port: int = 0) -> list[str]:
+    """The master's command line: RPC on host:port, admin/metrics on host:metrics_port (0: the kernel picks)."""
     return [
         find_mooncake_master_binary(), f"--rpc_address={host}", f"--rpc_port={port}", f"--port={port}",
-        f"--metrics_host={host}", "--metrics_port=0", "--rpc_thread_num=2",
+        f"--metrics_host={host}", f"--metrics_port={metrics_port}", "--rpc_thread_num=2",
     ]  # fmt: skip
 
 

@@ -88,9 +88,11 @@ def test_overlays_render_what_they_promise() -> None:
                 assert gpus is None and cm[f"MOEMESH_{env}_DEVICE"] == "cpu" and not has_pvc
             else:
                 assert gpus == 1 and cm[f"MOEMESH_{env}_DEVICE"] == "cuda" and has_pvc
+        own_probe = {"jaeger": None, "kv-store-master": "/health"}  # third-party binaries: their own
         for (kind, name), w in objs.items():
-            if kind in ("Deployment", "StatefulSet") and name != "jaeger":
-                assert _main_container(w)["readinessProbe"]["httpGet"]["path"] == "/ready", name
+            if kind in ("Deployment", "StatefulSet") and own_probe.get(name, "/ready"):
+                path = _main_container(w)["readinessProbe"]["httpGet"]["path"]
+                assert path == own_probe.get(name, "/ready"), name
 
 
 def test_base_files_are_all_listed() -> None:

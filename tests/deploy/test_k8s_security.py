@@ -79,6 +79,17 @@ def test_mooncake_ports_open_only_between_workers(objs) -> None:
         assert not allowed(p, mesh["prefill-worker"], mesh[dst], hi + 1)
 
 
+def test_the_kv_store_master_takes_only_workers_and_its_metrics_only_prometheus(objs) -> None:
+    p, mesh = policies(objs), pods(objs)
+    master = mesh["kv-store-master"]
+    rpc, metrics = master.ports["rpc"], master.ports["http-metrics"]
+    for src in ("prefill-worker", "decode-worker"):
+        assert allowed(p, mesh[src], master, rpc), src
+    for src in (mesh["gateway"], mesh["scheduler"], STRANGER, OTHER_NS, INGRESS, PROMETHEUS):
+        assert not allowed(p, src, master, rpc), src
+    assert allowed(p, PROMETHEUS, master, metrics) and not allowed(p, STRANGER, master, metrics)
+
+
 def test_the_gateway_takes_the_ingress_and_side_ports_take_prometheus(objs) -> None:
     p, mesh = policies(objs), pods(objs)
     api = mesh["gateway"].ports["http"]
