@@ -76,6 +76,7 @@ def patch_interpreter() -> None:
 
     interpreter.InterpretedFunction.__call__ = device_call
     _list_builtins_once(interpreter, tl)
+    _np_dtypes_once(interpreter, tl)
 
 
 def _list_builtins_once(interpreter, tl) -> None:
@@ -97,3 +98,24 @@ def _list_builtins_once(interpreter, tl) -> None:
                 interpreter._patch_attr(pkg, name, member, builder, scope)
 
     interpreter._patch_builtin = patch_builtin
+
+
+def _np_dtypes_once(interpreter, tl) -> None:
+    """Speed only: the interpreter's `_get_np_dtype` builds its 18-entry table on every call (several per op);
+    the table is built once here and answers the same."""
+    import numpy as np
+
+    table = {
+        t: interpreter._get_np_dtype(t)
+        for t in (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16,
+                  tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e5b16,
+                  tl.float8e4nv, tl.float8e4b8, tl.float8e4b15)
+    }  # fmt: skip
+    pointer = np.dtype(np.uint64)
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        return pointer if isinstance(tt_dtype, tl.pointer_type) else table[tt_dtype]
+
+    interpreter._get_np_dtype = get_np_dtype
