@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                     run_partition(
                         mesh, net, part, traffic, clients=args.clients, window_s=args.window,
                         cut_s=args.cut_seconds, recover_timeout_s=args.recover_timeout,
-                        leak_timeout_s=lease_ms / 1000 + 20,
+                        leak_timeout_s=lease_ms / 1000 + 80,  # the decode side's write fence: 60 s
                     )
                 )  # fmt: skip
                 result["partitions"].append(row.as_dict())

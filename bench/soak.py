@@ -3,7 +3,8 @@ under steady load for a long time, with a crash every few minutes, sampling what
 
     python -m bench.soak [--minutes 30] [--load 0.7] [--fault-every 300] [--sample-every 10]
 
-1. Capacity: requests/s finished with the reference text by --clients clients streaming back to back.
+1. Capacity: requests/s finished (or cancelled as planned) by --clients clients streaming back to back
+   the soak's own mix, over the last two thirds of --capacity-seconds.
 2. Load: arrivals at --load x capacity (open loop): greedy streams of 24 tokens over a mix of 48 prompts
    (6-150 tokens prefilled on the decode worker, 260-700 through the prefill worker and Mooncake until
    the prefix cache holds them; output checked against the in-process Engine) and, every 4th request, a
@@ -30,6 +31,7 @@ import platform
 import random
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +59,14 @@ FAULTS = ("decode-0", "prefill-0", "kv-broker", "scheduler", NATS, "gateway")
 BUCKETS = ("moemesh_kv_handles", "moemesh_kv_workers")  # the kv-broker's defaults
 MAX_TOKENS = 24
 SETTLE_S = 120.0  # a restarted process's first minutes (warm-up allocations) are left out of its RSS fit
+
+
+def commit() -> str:
+    """The source's commit: git's, or a COMMIT file beside a snapshot of the tree (git archive)."""
+    r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    if r.returncode == 0:
+        return r.stdout.strip()
+    return Path("COMMIT").read_text().strip() if Path("COMMIT").is_file() else "unknown"
 
 
 def soak_prompts(n: int) -> list[list[int]]:
@@ -127,6 +137,7 @@ async def handle_counts(mesh: Mesh) -> dict[str, int]:
 async def sample(mesh: Mesh, t0: float) -> dict[str, Any]:
     workers = [(m.Role.PREFILL, "prefill-0"), (m.Role.DECODE, "decode-0")]
     s: dict[str, Any] = {"t": round(time.monotonic() - t0, 1), "rss_mib": {}, "restarts": {}}
+    s["loadavg_1m"] = round(os.getloadavg()[0], 2)  # the machine's load: other jobs show here
     for name, proc in list(mesh.sup.procs.items()):
         rss = rss_kib(proc.proc.pid)[0]
         if rss:  # 0: the process is gone (a fault), not an empty one
@@ -228,16 +239,20 @@ def verdict(samples: Sequence[dict], minutes: Sequence[dict], faults_log: Sequen
 
 
 async def run(args: argparse.Namespace, mesh: Mesh, prompts: list[list[int]], want: list[list[int]]) -> dict:
-    traffic = Traffic(mesh.url, mesh.model_name, prompts, want, MAX_TOKENS, deadline_s=120.0)
+    # capacity on the soak's own mix (its fresh prompts from another seed range: still uncached later)
+    traffic = Traffic(
+        mesh.url, mesh.model_name, prompts, want, MAX_TOKENS, deadline_s=120.0, cancel_every=10,
+        fresh_every=4, fresh=lambda n: fresh_prompt(n + 10**7),
+    )  # fmt: skip
     stop = asyncio.Event()
     cap_task = asyncio.create_task(traffic.closed_loop(args.clients, stop))
+    await asyncio.sleep(args.capacity_seconds / 3)  # warm-up: caches fill, first compiles
     t_cap = time.monotonic()
-    await asyncio.sleep(args.capacity_seconds)  # the measurement's length
+    await asyncio.sleep(2 * args.capacity_seconds / 3)  # the measurement's length
+    done = traffic.ended_between(t_cap, time.monotonic())
     stop.set()
     await cap_task
-    capacity = (
-        sum(r.status == "ok" for r in traffic.ended_between(t_cap, time.monotonic())) / args.capacity_seconds
-    )
+    capacity = sum(r.status in ("ok", "cancelled") for r in done) / (2 * args.capacity_seconds / 3)
     rate = args.load * capacity
     print(f"capacity {capacity:.2f} req/s; soaking at {rate:.2f} req/s for {args.minutes} min", flush=True)
 
@@ -269,6 +284,7 @@ async def run(args: argparse.Namespace, mesh: Mesh, prompts: list[list[int]], wa
     handles_left = await live_handles(mesh, 60.0)
     samples.append(await sample(mesh, t0))
     minutes = per_minute(soak, t0, t_end)
+    loads = [s["loadavg_1m"] for s in samples]
     judged = verdict(samples, minutes, faults_log, 60 * args.warmup_minutes)
     final_ok = all(v == 0 for v in left.values()) and handles_left == 0
     totals = soak.counts()
@@ -276,6 +292,7 @@ async def run(args: argparse.Namespace, mesh: Mesh, prompts: list[list[int]], wa
         "capacity_rps": round(capacity, 2), "offered_rps": round(rate, 2), "arrivals_skipped": skipped,
         "requests": len(soak.records), "outcomes": totals, "faults": faults_log,
         "after_load": {"left_on_workers": left, "live_handles": handles_left},
+        "machine_loadavg_1m": {"median": statistics.median(loads), "max": max(loads)} if loads else {},
         "verdict": {
             "flat": final_ok and all(j.flat for j in judged) and totals["error"] == 0 and totals["hung"] == 0
             and totals["wrong"] == 0,
@@ -294,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-every", type=float, default=10.0)
     p.add_argument("--warmup-minutes", type=float, default=5.0)
     p.add_argument("--clients", type=int, default=8, help="concurrency of the capacity measurement")
-    p.add_argument("--capacity-seconds", type=float, default=30.0)
+    p.add_argument("--capacity-seconds", type=float, default=60.0, help="the first third warms up")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     out = args.out or f"bench/results/soak-cpu-{args.minutes:g}min.json"
@@ -304,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     want = reference(model, prompts, MAX_TOKENS)
     result: dict[str, Any] = {
         "command": shlex.join(["python", "-m", "bench.soak", *(sys.argv[1:] if argv is None else argv)]),
-        "environment": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "environment": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                        "commit": commit()},
         "mesh": "moemesh up's default mesh (its parser and launcher): nats-server, kv-broker, scheduler, 1 prefill "
         "+ 1 decode worker, gateway on 127.0.0.1; tiny random model on CPU; every service supervised",
         "traffic": f"open loop at {args.load} x capacity; greedy streams of {MAX_TOKENS} tokens over 48 prompts: "

@@ -14,7 +14,7 @@ import nats
 from libs.chaos.netns import Network
 from libs.chaos.traffic import Traffic
 from libs.chaos.workers import wait_for_no_leaks
-from libs.launch.mesh import NATS, Mesh, MeshConfig
+from libs.launch.mesh import NATS, Host, Mesh, MeshConfig
 from libs.launch.natsauth import NatsAuth
 from proto import decoder, encode, subjects
 from proto import messages as m
@@ -41,21 +41,27 @@ STANDARD = (
 
 def partition_config(
     model_dir: Path, log_dir: Path | None, net: Network, *, password: str, lease_ms: int, deadline_s: float,
+    workers: int = 2, num_pages: int = 128, extra_env: dict[str, dict[str, str]] | None = None,
 ) -> MeshConfig:  # fmt: skip
-    """2 prefill + 2 decode workers, a scheduler, the kv-broker, the gateway and nats (user/password), each
-    in its own namespace of `net`; no prefix cache (a repeated prompt still crosses Mooncake); short leases."""
+    """`workers` prefill + `workers` decode workers, a scheduler, the kv-broker, the gateway and nats
+    (user/password). The hosts of `net` run in their namespaces; the rest, the nats-server included unless
+    `net` has it, on the bridge's own address. No prefix cache (a repeated prompt still crosses Mooncake)."""
     env = {
         "services.scheduler": {"MOEMESH_SCHEDULER_DIRECT_PREFILL_THRESHOLD": "16",
                                "MOEMESH_SCHEDULER_LEASE_MS": str(lease_ms)},
-        "services.decode_worker": {"MOEMESH_DECODE_WORKER_NUM_PAGES": "128",
+        "services.decode_worker": {"MOEMESH_DECODE_WORKER_NUM_PAGES": str(num_pages),
                                    "MOEMESH_DECODE_WORKER_ENABLE_PREFIX_CACHE": "false"},
         "services.prefill_worker": {"MOEMESH_PREFILL_WORKER_ENABLE_PREFIX_CACHE": "false"},
         "services.gateway": {"MOEMESH_GATEWAY_REQUEST_TIMEOUT_S": str(deadline_s),
                              "MOEMESH_GATEWAY_MAX_MIGRATIONS": "3"},
     }  # fmt: skip
+    for module, values in (extra_env or {}).items():
+        env.setdefault(module, {}).update(values)
+    placement = {NATS: Host(net.gateway_address), **net.hosts}
     return MeshConfig(
-        model_dir=model_dir, port=0, log_dir=log_dir, prefill_workers=2, decode_workers=2, schedulers=1,
-        nats_auth=NatsAuth(user="moemesh", password=password), extra_env=env, placement=dict(net.hosts),
+        model_dir=model_dir, host=net.gateway_address, port=0, log_dir=log_dir, prefill_workers=workers,
+        decode_workers=workers, schedulers=1, nats_auth=NatsAuth(user="moemesh", password=password),
+        extra_env=env, placement=placement,
     )  # fmt: skip
 
 
