@@ -109,18 +109,18 @@ class KvEventPublisher:
         for kind, hashes in runs:
             self.seq += 1
             msg: m.BlocksStored | m.BlocksRemoved
-            ids = {"worker_id": self.worker_id, "epoch": self.epoch, "seq": self.seq, "hashes": hashes}
+            wid, epoch, seq = self.worker_id, self.epoch, self.seq
             if kind == REMOVED:
                 for h in hashes:
                     self.blocks.pop(h, None)
-                msg = m.BlocksRemoved(**ids)
+                msg = m.BlocksRemoved(worker_id=wid, epoch=epoch, seq=seq, hashes=hashes)
             else:
                 tier = m.KvTier(kind)
                 if tier is m.KvTier.STORE:
                     self.store = True
                 else:
                     self.blocks.update(dict.fromkeys(hashes, tier))
-                msg = m.BlocksStored(**ids, tier=tier)
+                msg = m.BlocksStored(worker_id=wid, epoch=epoch, seq=seq, hashes=hashes, tier=tier)
             self._outbox.append(msg)
         if runs:
             self._idle.clear()
