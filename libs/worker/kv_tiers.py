@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from libs.worker.settings import WorkerSettings
 
@@ -59,7 +60,7 @@ def attach_kv_store(engine: Any, s: WorkerSettings) -> None:
     atexit.register(tier.close, 5.0)  # unmount from a live master before the interpreter tears down
 
 
-class KvTierCollector:
+class KvTierCollector(Collector):
     """Per-tier hits, bytes moved and load seconds, host pool pages, store health."""
 
     def __init__(self, engine: Any) -> None:
@@ -118,4 +119,4 @@ def install_kv_tiers(engine: Any, s: WorkerSettings, registry: CollectorRegistry
     if getattr(engine, "tier_stats", None) is None or getattr(engine, "host_pool", None) is None:
         return
     attach_kv_store(engine, s)
-    registry.register(KvTierCollector(engine))  # type: ignore[arg-type]
+    registry.register(KvTierCollector(engine))
