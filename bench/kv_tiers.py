@@ -199,7 +199,7 @@ def tier_metrics(mesh: Mesh) -> dict[str, float]:
 def run_config(a: argparse.Namespace, model: Path, tmp: Path, name: str) -> dict[str, Any]:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     args = up_args(a, model, tmp / f"logs-{name.replace('+', '-')}", CONFIGS[name])
-    t0 = time.monotonic()
+    t0, load_before = time.monotonic(), os.getloadavg()[0]
     mesh = start_mesh(args)
     try:
         started = time.monotonic() - t0
@@ -207,7 +207,8 @@ def run_config(a: argparse.Namespace, model: Path, tmp: Path, name: str) -> dict
         res["tiers"] = tier_metrics(mesh)
     finally:
         mesh.stop()
-    return {"up": "moemesh " + " ".join(args), "start_s": started, **res}
+    load = {"load_average_1m_before": round(load_before, 2), "load_average_1m_after": round(os.getloadavg()[0], 2)}
+    return {"up": "moemesh " + " ".join(args), "start_s": started, **load, **res}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

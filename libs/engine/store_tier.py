@@ -32,6 +32,7 @@ from libs.prefix import block_hashes
 
 log = logging.getLogger("moemesh.engine.store_tier")
 PUBLISHED_MEMORY = 1 << 16  # names this worker put or fetched lately (not put again)
+MIN_LOOKUP_PAGES = 2  # a request missing fewer pages recomputes them rather than wait for the store
 
 
 @dataclass
@@ -53,7 +54,7 @@ class _Prefetch:
     hashes: list[int]
     start: int  # first page asked of the store
     deadline: float
-    pages: list[int] = field(default_factory=list)  # host pages of an in-flight get
+    pages: list[int] = field(default_factory=list)  # host pages the fetch writes into
     cancelled: bool = False
 
 
@@ -108,17 +109,25 @@ class StoreTier:
         self._jobs.put(("put", [hashes[i] for i in keep], names, host_pages, fence))
 
     def prefetch(self, rid: str, tokens: Sequence[int]) -> bool:
-        """Look up the pages of `tokens` past the local cache in the store; True while that runs (the
-        request is not admitted until `pending(rid)` is False)."""
+        """Fetch the pages of `tokens` past the local cache that the store holds (one job: which exist, then
+        those of the leading run, into host pages taken now); True while that runs (the request is not
+        admitted until `pending(rid)` is False). Fewer than MIN_LOOKUP_PAGES to find: not worth a trip."""
         if not self.available or rid in self._pending:
             return False
         ps = self.cache.page_size
         start = self.cache.match_prefix(tokens).length // ps
-        if start >= len(tokens) // ps:
+        want = len(tokens) // ps - start
+        if want < MIN_LOOKUP_PAGES:
+            return False
+        self._host_room(want)
+        n = min(want, self.host.num_free)
+        if n < MIN_LOOKUP_PAGES:
             return False
         hashes = block_hashes(tokens, ps)
-        self._pending[rid] = p = _Prefetch(rid, list(tokens), hashes, start, self.clock() + self.timeout_s)
-        self._jobs.put(("exists", p, [self.name(h) for h in hashes[start:]]))
+        p = _Prefetch(rid, list(tokens), hashes, start, self.clock() + self.timeout_s, self.host.alloc(n))
+        self._pending[rid] = p
+        names = [self.name(h) for h in hashes[start : start + n]]
+        self._jobs.put(("fetch", p, names, [self.host.page_ptr(pg) for pg in p.pages]))
         return True
 
     def pending(self, rid: str) -> bool:
@@ -156,28 +165,12 @@ class StoreTier:
     # --- results (engine thread) ---
     def _handle(self, item: tuple) -> None:
         match item:
-            case ("exists", p, flags, error):
-                self._exists_done(p, flags, error)
-            case ("get", p, oks, seconds, error):
-                self._get_done(p, oks, seconds, error)
+            case ("fetch", p, oks, seconds, error):
+                self._fetch_done(p, oks, seconds, error)
             case ("put", hashes, names, host_pages, oks, error):
                 self._put_done(hashes, names, host_pages, oks, error)
 
-    def _exists_done(self, p: _Prefetch, flags: list[bool], error: str) -> None:
-        if error:
-            self._failed(error)
-        n = next((i for i, f in enumerate(flags) if not f), len(flags))
-        if n and not p.cancelled:
-            self._host_room(n)
-            n = min(n, self.host.num_free)
-        if p.cancelled or n == 0:
-            self._pending.pop(p.rid, None)
-            return
-        p.pages = self.host.alloc(n)
-        names = [self.name(h) for h in p.hashes[p.start : p.start + n]]
-        self._jobs.put(("get", p, names, [self.host.page_ptr(pg) for pg in p.pages]))
-
-    def _get_done(self, p: _Prefetch, oks: list[bool], seconds: float, error: str) -> None:
+    def _fetch_done(self, p: _Prefetch, oks: list[bool], seconds: float, error: str) -> None:
         if error:
             self._failed(error)
         k = next((i for i, ok in enumerate(oks) if not ok), len(oks))
@@ -278,12 +271,14 @@ class StoreTier:
     def _do(self, job: tuple) -> tuple:
         size = self.host.page_bytes
         match job:
-            case ("exists", p, names):
-                return ("exists", p, self.store.exists(names), "")
-            case ("get", p, names, ptrs):
+            case ("fetch", p, names, ptrs):
                 t0 = time.perf_counter()
-                oks = self.store.get_into(names, ptrs, size)
-                return ("get", p, oks, time.perf_counter() - t0, "")
+                if p.cancelled:  # given up on while queued: nothing to read
+                    return ("fetch", p, [False] * len(names), 0.0, "")
+                flags = self.store.exists(names)
+                n = next((i for i, f in enumerate(flags) if not f), len(flags))
+                oks = self.store.get_into(names[:n], ptrs[:n], size) if n else []
+                return ("fetch", p, oks + [False] * (len(names) - len(oks)), time.perf_counter() - t0, "")
             case ("put", hashes, names, host_pages, fence):
                 if fence is not None:
                     fence.synchronize()  # the device-to-host copy of these pages
@@ -293,10 +288,8 @@ class StoreTier:
 
     def _fail_job(self, job: tuple, why: str) -> None:
         match job:
-            case ("exists", p, names):
-                self._done.put(("exists", p, [False] * len(names), why))
-            case ("get", p, names, _):
-                self._done.put(("get", p, [False] * len(names), 0.0, why))
+            case ("fetch", p, names, _):
+                self._done.put(("fetch", p, [False] * len(names), 0.0, why))
             case ("put", hashes, names, host_pages, fence):
                 if fence is not None:
                     fence.synchronize()
