@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,15 @@ _DTYPES = {
 _PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 QUANTIZATION_MODES = ("auto", "fp8", "none")
+
+
+@dataclass
+class ReadStats:
+    """What a load read: the shards it opened, and the tensors and data bytes it took from them."""
+
+    shards: set[Path] = field(default_factory=set)
+    tensors: int = 0
+    bytes: int = 0
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -133,12 +143,15 @@ def iter_checkpoint_tensors(
     progress: bool = False,
     keep_fp8: Collection[str] = (),
     weight_map: dict[str, Path] | None = None,
+    wanted: Callable[[str], bool] | None = None,
+    stats: ReadStats | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every checkpoint tensor, fp8 weights already dequantized to float32, except
-    the weights named in `keep_fp8`: those come raw (float8_e4m3fn), each followed by its `_scale_inv`."""
+    """Yield (name, tensor) for every checkpoint tensor (or those `wanted` accepts: no other is read, and a
+    shard holding none of them is never opened), fp8 weights already dequantized to float32, except the
+    weights named in `keep_fp8`: those come raw (float8_e4m3fn), each followed by its `_scale_inv`."""
     weight_map = weight_map if weight_map is not None else checkpoint_weight_map(folder)
     block = cfg.fp8_block_size or (128, 128)
-    names = [n for n in weight_map if not n.endswith(SCALE_SUFFIX)]
+    names = [n for n in weight_map if not n.endswith(SCALE_SUFFIX) and (wanted is None or wanted(n))]
     orphans = sorted(
         n for n in weight_map if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] not in weight_map
     )
@@ -152,9 +165,14 @@ def iter_checkpoint_tensors(
             if shard not in handles:
                 handles[shard] = stack.enter_context(_open(shard))
             try:
-                return handles[shard].get_tensor(name)
+                tensor = handles[shard].get_tensor(name)
             except (SafetensorError, OSError, RuntimeError) as e:
                 raise ValueError(f"cannot read tensor {name} from {shard}: {e}") from e
+            if stats is not None:
+                stats.shards.add(shard)
+                stats.tensors += 1
+                stats.bytes += tensor.numel() * tensor.element_size()
+            return tensor
 
         for name in tqdm(
             sorted(names, key=_shard_order(weight_map)), desc="loading", unit="tensor", disable=not progress

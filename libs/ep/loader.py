@@ -12,6 +12,7 @@ import torch
 from libs.engine.config import ModelConfig
 from libs.engine.layers.fp8_linear import apply_fp8_weights
 from libs.engine.loader import (
+    ReadStats,
     _listing,
     checkpoint_weight_map,
     iter_checkpoint_tensors,
@@ -34,9 +35,11 @@ def load_rank_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     quantization: str = "auto",
+    stats: ReadStats | None = None,
 ) -> DeepseekV3ForCausalLM:
     """quantization as libs.engine.loader.load_model: an FP8 checkpoint's experts (and every other module
-    that can) stay FP8 on CUDA with "auto", anywhere with "fp8"; "none" dequantizes."""
+    that can) stay FP8 on CUDA with "auto", anywhere with "fp8"; "none" dequantizes. Only the rank's own
+    tensors are read (and only the shards holding them opened); `stats` counts what was."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"checkpoint folder {folder} does not exist")
@@ -50,7 +53,16 @@ def load_rank_model(
     loaded: set[str] = set()
     filled: set[tuple[int, int, str]] = set()  # (MoE layer, local slot, projection)
     stacks = [moe.experts for _, moe in moe_layers(model)]
-    for name, tensor in iter_checkpoint_tensors(folder, cfg, keep_fp8=keep):
+    mine = [set(experts) for experts in local]
+
+    def wanted(name: str) -> bool:  # an unexpected name is read, so the error below can name it
+        m = CHECKPOINT_EXPERT_NAME.match(name)
+        if _skippable(name, cfg) or m is None:
+            return not _skippable(name, cfg)
+        j = moe_index.get(int(_LAYER.match(name).group(1)))  # type: ignore[union-attr]
+        return j is None or int(m.group(2)) in mine[j]
+
+    for name, tensor in iter_checkpoint_tensors(folder, cfg, keep_fp8=keep, wanted=wanted, stats=stats):
         m = CHECKPOINT_EXPERT_NAME.match(name)
         if name in dense:
             model.load_weight(name, tensor)

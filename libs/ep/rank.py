@@ -29,6 +29,7 @@ import torch
 
 from libs.engine.args import EngineArgs
 from libs.engine.engine import Engine
+from libs.engine.loader import ReadStats
 from libs.engine.pages import OutOfPagesError
 from libs.engine.tbo_split import decode_round_tokens
 from libs.ep.comm import TorchComm
@@ -134,7 +135,10 @@ class RankWorker:
         )  # fmt: skip
         comm = TorchComm(None, device)
         placement = Placement.from_wire(spec.placement)
-        model = load_rank_model(spec.model_dir, placement, rank, a.resolved_dtype, device, a.quantization)
+        read, started = ReadStats(), time.monotonic()
+        model = load_rank_model(spec.model_dir, placement, rank, a.resolved_dtype, device, a.quantization, read)
+        log.info("loaded its weights in %.1f s: %.2f GB in %d tensors from %d shards",
+                 time.monotonic() - started, read.bytes / 1e9, read.tensors, len(read.shards))  # fmt: skip
         backend, options = resolve_backend(a.ep_backend, device), {}
         if backend == "fixed":  # buffers for a decode batch; longer forwards take its all-to-all fallback
             # with two-batch overlap, one micro-batch a round

@@ -15,7 +15,7 @@ from tests.deploy.checks import ROOT
 
 K8S = ROOT / "deploy/k8s"
 KUSTOMIZATIONS = sorted(p.parent.relative_to(ROOT).as_posix() for p in K8S.rglob("kustomization.yaml"))
-OVERLAYS = ("cpu", "gpu")  # what a user applies: deploy/k8s/<overlay>
+OVERLAYS = ("cpu", "gpu", "gpu-ep8")  # what a user applies: deploy/k8s/<overlay>
 KUBECTL = shutil.which("kubectl")
 needs_kubectl = pytest.mark.skipif(
     KUBECTL is None,

@@ -118,7 +118,7 @@ def test_containers_run_project_commands_with_settings_the_services_read(docs, o
         if kind not in WORKLOADS or name == "jaeger":
             continue
         for c in containers(w):
-            assert c["image"] == f"moemesh:{overlay}", name  # the overlay's images: rewrites it
+            assert c["image"] == f"moemesh:{overlay.removesuffix('-ep8')}", name  # the overlay's images: rewrites it
             service = check_command(c["command"], tools)
             if service is None:
                 continue
@@ -128,9 +128,10 @@ def test_containers_run_project_commands_with_settings_the_services_read(docs, o
             assert otlp_config(env) == ("otlp", "http/protobuf"), name
             ports = {p["containerPort"] for p in c["ports"]}
             assert (settings.port if service == "gateway" else settings.http_port) in ports, name
-            if kind == "StatefulSet":
+            if kind == "StatefulSet":  # gpu-ep8: a worker pod is one EP group, a GPU per rank
                 gpus = c["resources"]["limits"].get("nvidia.com/gpu")
-                assert (settings.device, gpus) == (("cuda", 1) if overlay == "gpu" else ("cpu", None)), name
+                want = {"gpu": ("cuda", 1, 1), "gpu-ep8": ("cuda", 8, 8)}.get(overlay, ("cpu", None, 1))
+                assert (settings.device, gpus, settings.ep_size) == want, name
             seen.add(service)
     assert seen == set(MESH)
 
@@ -141,7 +142,7 @@ def test_tracing_and_nats_endpoints_point_at_their_services(docs, overlay) -> No
     jaeger_ports = {p["port"] for p in idx[("Service", "jaeger")]["spec"]["ports"]}
     assert cm["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318" and 4318 in jaeger_ports
     assert cm["MOEMESH_NATS_URL"] == "nats://nats:4222"  # the NATS Helm chart's service for release "nats"
-    values = "nats-values.yaml" if overlay == "gpu" else "nats-values-single.yaml"  # as the overlay says
+    values = "nats-values-single.yaml" if overlay == "cpu" else "nats-values.yaml"  # as the overlay says
     assert f"helm/{values}" in (K8S / overlay / "kustomization.yaml").read_text()
     nats = yaml.safe_load((K8S / "helm" / values).read_text())
     assert nats["config"]["jetstream"]["enabled"] is True

@@ -32,10 +32,10 @@ def schema_errors(obj: dict[str, Any], version: str) -> list[str]:
 
 
 def test_the_layout_is_a_base_with_overlays_beside_it() -> None:
-    assert KUSTOMIZATIONS == ["deploy/k8s/base", "deploy/k8s/cpu", "deploy/k8s/gpu"]
-    for overlay in ("cpu", "gpu"):
+    assert KUSTOMIZATIONS == ["deploy/k8s/base", "deploy/k8s/cpu", "deploy/k8s/gpu", "deploy/k8s/gpu-ep8"]
+    for overlay, under in (("cpu", "base"), ("gpu", "base"), ("gpu-ep8", "gpu")):  # gpu-ep8: one pod per node
         kust = yaml.safe_load((K8S / overlay / "kustomization.yaml").read_text())
-        assert kust["resources"][0] == "../base", overlay
+        assert kust["resources"][0] == f"../{under}", overlay
 
 
 @needs_kubectl
