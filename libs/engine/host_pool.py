@@ -98,6 +98,7 @@ class HostKVPool:
             return None
         main, side = torch.cuda.current_stream(self.device), self._stream
         side.wait_stream(main)  # the pages' rows were written by kernels queued on the compute stream
+        idx.record_stream(side)  # made on the compute stream, read on the side one
         with torch.cuda.stream(side):
             staged = src[:, idx].transpose(0, 1).contiguous()  # [n, L, ps, C] on the device
             gathered = torch.cuda.Event()
@@ -120,6 +121,7 @@ class HostKVPool:
             return None
         main, side = torch.cuda.current_stream(self.device), self._stream
         side.wait_stream(main)  # freshly allocated pages may still be read by queued kernels
+        idx.record_stream(side)
         with torch.cuda.stream(side):
             staged = torch.empty(
                 (len(device_pages), *self.buffer.shape[1:]), dtype=self.buffer.dtype, device=self.device
