@@ -24,7 +24,7 @@ pytestmark = [
     pytest.mark.skipif((why := unavailable()) is not None, reason=f"no network namespaces here: {why}"),
 ]
 
-LEASE_MS, DEADLINE_S, MAX_TOKENS, FENCE_S = 1500, 30.0, 16, 8.0
+LEASE_MS, DEADLINE_S, MAX_TOKENS, FENCE_S = 1500, 30.0, 16, 5.0
 # prompts of 17-45 tokens: past the direct-prefill threshold of 16, so each crosses Mooncake
 PROMPTS = [p for p in chaos_prompts(40) if len(p) > 16][:12]
 
@@ -42,13 +42,16 @@ def test_prefill_cut_from_the_decode_workers_kv_port_loses_nothing(tiny_model: P
             part = Partition("prefill-decode", "prefill-0", "decode-0", "the KV path cut, the bus intact")
             r = asyncio.run(
                 run_partition(
-                    mesh, net, part, traffic, clients=4, window_s=2.0, cut_s=5.0, recover_timeout_s=30.0,
+                    mesh, net, part, traffic, clients=4, window_s=1.5, cut_s=5.0, recover_timeout_s=30.0,
                     leak_timeout_s=LEASE_MS / 1000 + FENCE_S + 10,
                 )
             )  # fmt: skip
+        decode_log = (mesh.log_dir / "decode-0.log").read_text()
     print(r)
     c = r.counts
     assert c["wrong"] == 0 and c["error"] == 0 and c["hung"] == 0, r  # retryable errors are allowed
-    assert c["ok"] > 0 and r.during_cut_rps < r.baseline_rps, r  # traffic ran, and the cut bit
+    assert c["ok"] > 0, r
+    # the cut bit: a write into decode-0 stalled past its lease, or failed midway
+    assert "lease expired" in decode_log or "prefill failed" in decode_log, r
     assert r.recovered_s is not None, r
     assert all(v == 0 for v in r.left_on_workers.values()) and r.live_handles == 0, r
