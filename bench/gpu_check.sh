@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything GPU-side, for the `device` tool's lent H200:
-#   bash bench/gpu_check.sh [quick|wave]   (carry .whl with the FlashInfer wheels, see NOTES-decode.md)
+#   bash bench/gpu_check.sh [quick|wave|fp8]   (carry .whl: `bash scripts/gpu_wheels.sh flashinfer`)
 # Each GPU test file runs in its own process with its own time limit, so one sticky CUDA fault (an
 # illegal address poisons the whole process) cannot hide the others' results; only compact summaries
 # go to $OUT (the device tool brings back a limited number of files).
@@ -16,6 +16,7 @@ summary="$OUT/summary.txt"
 # `wave`: only the files of the latest work not yet run on a GPU (EP dispatch, TBO, EPLB, MTP graphs), so one
 # call can cover them beside a benchmark; otherwise every GPU test file (several calls' worth with cold JIT).
 case "${1:-}" in
+  fp8) files="tests/libs/kernels/test_mla_decode_fp8.py tests/libs/engine/test_kv_fp8.py";;
   wave) files="tests/libs/ep/test_fixed_dispatch_gpu.py tests/libs/engine/test_two_batch_overlap.py
     tests/libs/ep/test_rebalance.py tests/libs/engine/test_spec_graphs.py tests/libs/engine/test_mtp_fast_path.py
     tests/libs/ep/test_deepep.py";;
@@ -31,6 +32,15 @@ for f in $files; do
   case "$line" in *failed*|*error*|"") echo "$log" | grep -v -i warn | tail -60 > "$OUT/fail-$(basename "$f" .py).txt";; esac
 done
 case "${1:-}" in quick|wave) exit 0;; esac
+if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: its MLA kernel beside FlashInfer's bf16 one, then the Engine
+  timeout 150 python3 -m bench.kernels --mla-fp8-only > "$OUT/kernels_fp8.log" 2>&1
+  grep -E "TFLOP|x " "$OUT/kernels_fp8.log" | cut -c1-200 | tee -a "$summary"
+  for dt in auto fp8_e4m3; do
+    timeout 200 python3 -m bench.decode_rank --batch 256,512 --attn flashinfer --kv-cache-dtype $dt 2>&1 \
+      | grep -E "^B=|Error|error" | sed "s/^/$dt /" | tee -a "$summary"
+  done
+  exit 0
+fi
 timeout 300 python3 -m bench.decode_rank --batch 256,512 2>&1 | grep -E "^B=" | tee -a "$summary"
 timeout 240 python3 -m bench.kernels --skip-mla > "$OUT/kernels.log" 2>&1
 grep -E "masked-chosen|sm90-masked-128-128-8-4-4|choices" "$OUT/kernels.log" | cut -c1-160 | tee -a "$summary"
