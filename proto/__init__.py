@@ -1,7 +1,5 @@
 """The wire contract every service shares: messages (proto.messages) and subjects (proto.subjects).
-
-Imports nothing of ours. `encode`/`decoder` are the only way bytes are made from or read into messages.
-"""
+Imports nothing of ours. `encode`/`decoder` are the only way bytes are made from or read into messages."""
 
 from __future__ import annotations
 

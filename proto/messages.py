@@ -1,7 +1,6 @@
 """Bus messages of the mesh: msgspec Structs (frozen, tagged), msgpack on the wire, one union per subject
 (proto.subjects). Every top-level message carries `v` (SCHEMA_VERSION); a receiver refuses a newer major
-version rather than misread it. The life of a request through these messages: docs/architecture.md.
-"""
+version rather than misread it. The life of a request through these messages: docs/architecture.md."""
 
 # Life of a request: gateway --Submit--> scheduler --ReserveKv--> decode worker (--CreateHandle--> broker);
 # scheduler --PrefillTask--> prefill worker --Mooncake write--> decode worker's pages; prefill --KvReady-->
@@ -526,11 +525,9 @@ class KvTier(enum.IntEnum):
 
 
 class BlocksStored(Kind, frozen=True):
-    """Full KV pages that entered a worker's prefix cache, by block hash (libs.prefix: page i's hash stands for
-    pages 0..i, the same on every worker). `seq` counts one worker's events from 1 within its `epoch` (one
-    process lifetime); a receiver that sees a seq jump has missed events and asks for a KvSnapshot. `tier`:
-    where the blocks are now (DEVICE or HOST: held by this worker, moved there if held already; STORE: it put
-    them in the shared store, which says nothing of whether it still holds them)."""
+    """Full KV pages that entered a worker's prefix cache, by block hash (libs.prefix: page i's stands for 0..i).
+    `seq` counts one worker's events from 1 within its `epoch`; on a seq jump a receiver asks for a KvSnapshot.
+    `tier`: DEVICE or HOST (held by this worker there now) or STORE (put in the shared store; maybe not held)."""
 
     worker_id: str
     epoch: str

@@ -1,7 +1,6 @@
 """The NATS layer every service shares: typed publish, request/reply and subscriptions of proto Structs.
 A handler's returned Struct is the reply; a raising handler or an undecodable message is answered `Rejected`
-(503 for a newer schema version) and the subscription goes on. Messages carry trace context and deadline.
-"""
+(503 for a newer schema version) and the subscription goes on. Messages carry trace context and deadline."""
 
 # Handlers are `async def handler(msg) -> Struct | None`. `request()` turns a `Rejected` answer back into
 # `RequestRejected`, and bounds its wait by the deadline in force. `request_local()` shares the answer path

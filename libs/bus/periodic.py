@@ -1,7 +1,6 @@
 """A background task that runs a coroutine every interval (heartbeats, beacons) until stopped, at a fixed rate
 (due one interval after the previous was due; after a longer stall, from now: no burst). A failing run is
-logged and the next one still happens, so liveness signals do not die with one bad moment.
-"""
+logged and the next one still happens, so liveness signals do not die with one bad moment."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Ports files: a service that bound port 0 writes the ports it got (JSON, `{"http": 41234, "api": 41235}`),
-so whoever started it learns them with no pick-then-bind race (as nats-server's `--ports_file_dir`). Written
-whole (a temporary file renamed over it): a reader sees either nothing or every port.
-"""
+"""Ports files: a service that bound port 0 writes the ports it got (JSON, name -> port), so whoever started it
+learns them with no pick-then-bind race (as nats-server's `--ports_file_dir`). Written whole (a temporary file
+renamed over it): a reader sees either nothing or every port."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """NATS credentials and TLS for every service (`nats_connect_options`: MOEMESH_NATS_USER/_PASSWORD/_TOKEN,
 MOEMESH_NATS_TLS_CA/_CERT/_KEY -> nats-py options), and secrets kept out of logs: settings print secret
-fields as '***' (`redacted_repr`), URLs print without password or token (`redact_url`).
-"""
+fields as '***' (`redacted_repr`), URLs print without password or token (`redact_url`)."""
 
 from __future__ import annotations
 

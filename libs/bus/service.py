@@ -1,7 +1,6 @@
 """The service shell: NATS connection, subscriptions, signals, graceful drain, GC pause metrics, tracing, and
 an HTTP side port (/ready, /health, /livez, /metrics, /settings; docs/operations.md). A service subclasses
-`Service` (`name`, `settings_class`), subscribes in `setup()`, cleans up in `on_drain()`; `main()` runs it.
-"""
+`Service` (`name`, `settings_class`), subscribes in `setup()`, cleans up in `on_drain()`; `main()` runs it."""
 
 from __future__ import annotations
 

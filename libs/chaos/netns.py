@@ -1,8 +1,6 @@
-"""Hosts as Linux network namespaces on one bridge, for real network partitions between services: each host
-is a namespace with a veth pair into a bridge in the launcher's namespace (which keeps an address there, so
-the launcher and the load generator reach every host); `cut(a, b)` makes the bridge drop every IP packet
-between two hosts, silently, as a failed switch or link would (no reset, no ICMP, no local error: a connect
-times out, an open connection stalls); `heal(a, b)` restores them."""
+"""Hosts as Linux network namespaces, each with a veth pair into one bridge (the launcher keeps an address there
+and reaches every host). `cut(a, b)` makes the bridge silently drop every IP packet between two hosts, as a failed
+link would (no reset, no ICMP: a connect times out, an open connection stalls); `heal(a, b)` restores them."""
 
 # The drop: each bridge port (the veth's outer end) has an HTB root whose default class passes traffic and
 # whose class 1:20 feeds a pfifo of length 0; a cut adds a u32 filter sending packets from the other host

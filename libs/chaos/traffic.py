@@ -1,7 +1,6 @@
-"""Steady streaming traffic for long fault runs (partitions, the soak): greedy streams from a prompt mix,
-sent by N clients back to back (closed loop) or at a fixed rate (open loop), some cancelled mid-stream by
-the client; every request becomes a `Record` (start, first token, end, how it ended), so rates, TTFT
-percentiles and errors can be read per time window."""
+"""Steady streaming traffic for long fault runs: greedy streams from a prompt mix, sent by N clients back to back
+(closed loop) or at a fixed rate (open loop), some cancelled mid-stream; every request becomes a `Record` (start,
+first token, end, how it ended), so rates, TTFT percentiles and errors can be read per time window."""
 
 from __future__ import annotations
 

@@ -22,8 +22,7 @@ from libs.engine.args import DEFAULTS
 class SeqView:
     """What the planner needs of one request.
 
-    For a waiting request num_computed is the prefix-cache hit it would start from and num_pages 0.
-    """
+    For a waiting request num_computed is the prefix-cache hit it would start from and num_pages 0."""
 
     rid: str
     num_computed: int  # tokens whose KV is (or, for waiting, would be) in the pool

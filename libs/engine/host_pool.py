@@ -1,12 +1,6 @@
-"""The host tier's memory: KV pages in host RAM (pinned beside a CUDA pool), page-major [H, L, page_size, C],
-so one page of every layer is one contiguous byte range (one Mooncake Store object, one copy).
-
-Who calls what: the radix cache (engine thread) allocates and frees host pages and moves pages with
-`to_host` / `to_device`; the store tier's thread reads and writes page bytes (`page_ptr`) of pages the
-engine thread allocated for it. On CUDA the copies run on a side stream: the compute stream waits only for
-what it must (the gather of offloaded pages, the scatter of loaded ones), and a host page freed while a
-copy may still read it returns to the free list once that copy's event completed (`free_after`).
-"""
+"""The host tier's KV pages in host RAM (pinned beside a CUDA pool), page-major [H, L, page_size, C]: one page of
+every layer is one contiguous range. The engine thread allocates, frees and copies (`to_host`, `to_device`); the
+store tier's thread reads and writes the bytes (`page_ptr`) of pages allocated for it."""
 
 from __future__ import annotations
 

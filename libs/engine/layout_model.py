@@ -1,14 +1,6 @@
-"""Checkpoints in DeepSeek-V3's released layout at a reduced width (`moemesh tiny-model --preset v3-layout`):
-its exact tensor names and dtypes, 61 layers (3 dense) plus layer 61 as the MTP module, 256 routed experts
-a layer, `model.safetensors.index.json` over 163 shards named as DeepSeek's, each tensor in the shard where
-its full-size counterpart falls (shards cut at equal shares of the 671B bytes, in DeepSeek's file order:
-embeddings, layers 0-60, head and final norm, then layer 61).
-
-Dtypes as the release: FP8 e4m3 projections with float32 `weight_scale_inv` per 128x128 block (kv_b_proj
-too), bf16 embeddings, norms, router, head and the MTP's eh_proj, float32 `e_score_correction_bias`. Only
-the widths shrink (hidden, MLA ranks, heads, FFN sizes; the vocabulary is the tiny tokenizer's 1,024), so
-a loader meets the real file and tensor counts (91,991 tensors) at a few tens of MB.
-"""
+"""Checkpoints in DeepSeek-V3's released layout at a reduced width (`moemesh tiny-model --preset v3-layout`): the
+release's tensor names, dtypes, shard files and tensor-to-shard placement, with only the widths shrunk, so a
+loader meets the real files and tensor counts (docs/gpu.md, "Serving DeepSeek-V3 for real")."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""`PageStore`: a shared store of KV pages keyed by name (the store tier's backend), and an in-process one.
-
-Who calls what: only the store tier's thread (libs.engine.store_tier) calls these methods, one at a time.
-`connect` is called first, again until it succeeds, never after; any other method may raise or return
-failures (a client must recover from a store outage by itself), and the store tier then treats the store
-as down for a while (recompute, never an error). Pages are immutable
-once put (names are content hashes), so a put of a name that exists is a success. The Mooncake Store
-implementation is libs.kvtransfer.mooncake_store; `InProcessPageStore` serves tests in one process.
-"""
+"""A shared store of KV pages keyed by name (`PageStore`, the store tier's backend) and an in-process one (tests).
+Only the store tier's thread calls it, one call at a time; `connect` until it succeeds, never after. Other calls
+may raise or fail (the client recovers by itself); pages never change once put, so re-putting a name succeeds."""
 
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
-"""Radix-tree prefix cache over KV pages (SGLang's RadixCache, at page granularity), with an optional host tier.
-
-Each edge holds a run of whole pages: its token key (a multiple of page_size tokens) and the page ids
-whose KV rows hold exactly those tokens at those positions. Only full pages are cached, so a request
-that reuses a prefix starts writing at a page boundary into pages of its own and cached pages are never
-written again.
-
-Invariants:
-- The cache holds one allocator reference per page it stores (taken at insert, dropped at eviction);
-  whoever matched a prefix takes its own references too, so a page lives while anyone holds it.
-- `lock(node)` pins the path root..node while a request uses it; only unlocked nodes are evicted,
-  least recently used first. `evictable_pages` counts device pages in unlocked nodes.
-- Tiers (`host` set, HiCache's layout): a node's pages live on the device or in the host pool (`tier`).
-  Device nodes form the top of the tree (a device node's parent is on the device). Evicting a device
-  node copies it to the host pool instead of dropping it (when the host pool has room, after dropping
-  its own least recently used host leaves); a match through host nodes reports them, and `load_host`
-  copies them back to device pages before a request reads them; an insert over a host node gives it the
-  inserting request's device pages.
-
-Events (prefix-aware routing): with a `CacheListener` set (or `hashing` on), every node also keeps its
-pages' block hashes (libs.prefix); the listener hears each run of pages that enters the cache
-(`blocks_stored`), leaves it (`blocks_removed`) and, if it has `blocks_moved`, changes tier; all on the
-thread that changed the cache. `on_stored(hashes, device_pages)` hears new pages (the store tier's publish).
-"""
+"""Radix-tree prefix cache over whole KV pages (SGLang's RadixCache), optionally tiered to a host pool.
+The cache holds one allocator reference per page it stores (a matcher takes its own); `lock` pins a path, and only
+unlocked nodes are evicted, least recently used first. Listeners hear page runs enter, leave and change tier."""
 
 from __future__ import annotations
 
@@ -56,7 +35,7 @@ class RadixNode:
     lock_ref: int = 0
     last_access: int = 0
     hashes: list[int] = field(default_factory=list)  # block hash per page, while hashing
-    tier: Tier = Tier.DEVICE
+    tier: Tier = Tier.DEVICE  # device nodes top the tree: a device node's parent is on the device
 
     def __lt__(self, other: RadixNode) -> bool:
         return self.last_access < other.last_access
@@ -104,11 +83,12 @@ class RadixCache:
         self.root = RadixNode()
         self.root.lock_ref = 1  # the root is never evicted
         self.cached_pages = 0  # device pages
-        self.evictable_pages = 0
+        self.evictable_pages = 0  # device pages in unlocked nodes
         self.host_cached_pages = 0
         self.counters = TierCounters()
-        self.listener: CacheListener | None = None
+        self.listener: CacheListener | None = None  # called on the thread that changed the cache
         self.hashing = False  # hash new pages even without a listener (the store tier names them so)
+        # hears (hashes, device pages) of every new run (the store tier's publish)
         self.on_stored: Callable[[list[int], list[int]], None] | None = None
 
     def set_listener(self, listener: CacheListener | None) -> None:
@@ -204,18 +184,12 @@ class RadixCache:
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], hashes: Sequence[int] = ()) -> int:
         """Cache the whole pages of `tokens` (KV in `pages`); returns how many tokens were cached already.
-
-        Where a prefix is already cached on the device the existing pages stay and the caller's duplicates
-        are left to the caller; host-tier nodes of that prefix take the caller's pages (they are on the
-        device already); the cache takes references only on the pages it newly stores.
-
-        `hashes`: block hashes already known for the leading pages of `tokens` (a PD prompt's, computed by
-        the prefill worker's cache): used for the new pages they cover, where they chain onto the cached
-        prefix, instead of hashing those pages again; the rest are computed. (They only name blocks in KV
-        events, the routing hints; what matches is always decided on the tokens.)"""
+        Cached device pages stay (duplicates remain the caller's), cached host nodes take the caller's pages; the
+        cache increfs only pages it newly stores. `hashes`: known block hashes of leading pages (KV event names)."""
         full = len(tokens) // self.page_size * self.page_size
         if len(pages) < full // self.page_size:
             raise ValueError(f"insert: {len(pages)} pages cannot hold {full} tokens")
+        # only whole pages are cached: a request reusing a prefix writes into pages of its own, never cached ones
         match = self.match_prefix(tokens[:full])
         for node in match.host_nodes:
             first = self._depth_pages(node)
@@ -298,6 +272,7 @@ class RadixCache:
             self._moved(leaf)
 
     def lock(self, node: RadixNode) -> None:
+        """Pin the path root..node while a request uses it (locked nodes are never evicted)."""
         while node is not self.root and node is not None:
             if node.lock_ref == 0 and node.tier is Tier.DEVICE:
                 self.evictable_pages -= len(node.pages)

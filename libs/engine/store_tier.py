@@ -1,19 +1,6 @@
-"""The store tier: KV pages shared between workers through a `PageStore` (Mooncake Store), keyed by
-"<namespace>:<block hash>", staged through the host tier's pool.
-
-Who calls what: the engine thread calls `publish` (the radix cache's new pages: copied to host pages, put
-by this tier's thread: write-through), `prefetch` when a request arrives (its pages past the local cache
-that the store holds are fetched into host pages and enter the radix cache as host-tier nodes, so the
-request's admission loads them like any host hit), `pending`, `cancel` and `poll` (results back on the
-engine thread: only it touches the cache and the host pool's allocator). One thread talks to the store.
-
-Nothing here raises into the engine: a failed, slow or unreachable store marks the tier down for
-`retry_s` (no new store work; requests recompute); the store is joined once (`connect` until it works). A
-request waits for its prefetch at most `timeout_s`. Names are content hashes (libs.prefix chains every
-earlier token, the page size is in the root) under a namespace naming the checkpoint and KV layout, so a
-stored page never changes: a put of a name that exists is a no-op and a reader never sees a page
-replaced (Mooncake Store also leases an object to its reader for the read).
-"""
+"""The store tier: KV pages shared between workers through a `PageStore`, named "<namespace>:<block hash>" and
+staged in host pages. The engine thread calls `publish`, `prefetch`, `pending`, `cancel`, `poll` (results land only
+there); one own thread talks to the store. Nothing raises into the engine: a failing store is down for `retry_s`."""
 
 from __future__ import annotations
 

@@ -334,8 +334,7 @@ def _split_sm90_config(xq, w, split: int):
 def fp8_gemm(xq, xs, w, w_s, out_dtype=torch.bfloat16, out=None, block_m=None, split_k=None) -> torch.Tensor:
     """Dense: xq [M, K] fp8, xs [M, K/128] f32, w [N, K] fp8, w_s [N/128, K/128] f32 -> [M, N].
 
-    split_k: None picks by shape on the GPU (1 under the interpreter); > 1 forces that many K slices.
-    """
+    split_k: None picks by shape on the GPU (1 under the interpreter); > 1 forces that many K slices."""
     m, k = xq.shape
     _check_weight(w, w_s, k)
     out = out if out is not None else torch.empty(m, w.shape[0], dtype=out_dtype, device=xq.device)

@@ -79,8 +79,7 @@ def quant_fp8_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def silu_mul_quant(gate_up: torch.Tensor, counts: torch.Tensor | None = None):
     """SwiGLU then quantize: gate_up [..., 2I] (gate first) -> (q [..., I] fp8, s [..., I/128]).
 
-    With counts (masked layout, gate_up [E, M_max, 2I]) rows at or past counts[e] are skipped.
-    """
+    With counts (masked layout, gate_up [E, M_max, 2I]) rows at or past counts[e] are skipped."""
     i2 = gate_up.shape[-1]
     if i2 % 2:
         raise ValueError(f"gate_up width {i2} must be even")

@@ -1,14 +1,6 @@
-"""Mooncake Store as the engine's shared page store (libs.engine.page_store.PageStore).
-
-Who calls what: the engine's store-tier thread only. Each worker is a store client in embedded mode: it
-contributes `segment_bytes` of its RAM to the store's pool (pages it puts may land in any client's
-segment, chosen by the master) and copies pages straight from and into its registered host KV pool.
-Metadata goes through the P2P handshake (no etcd, no HTTP metadata server): only the master's address
-is needed. Setup and close hold the GIL (for minutes against a master that is gone): setup is called only
-once the master accepts connections, and never again (the client remounts by itself when a restarted
-master is back); close (seconds) runs only while the master answers, at shutdown (else the master drops
-the silent client after its client_ttl).
-"""
+"""Mooncake Store as the engine's `PageStore`, for the store-tier thread only: an embedded client that lends
+`segment_bytes` of its RAM to the store's pool and copies pages straight from and into its registered host KV
+pool. Metadata goes through the P2P handshake, so only the master's address is needed."""
 
 from __future__ import annotations
 
@@ -80,6 +72,7 @@ class MooncakePageStore(PageStore):
 
     def close(self) -> None:
         store, self._store = self._store, None
+        # close() holds the GIL until the master answers: skip it for a silent one (it drops us after client_ttl)
         if store is not None and self._healthy:
             store.close()
 

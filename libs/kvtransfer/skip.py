@@ -1,7 +1,6 @@
-"""A KV transport that moves nothing: for the timing-model engine at scale (libs/sim), where the pools are
-scaled-down stand-ins. `write` checks the run plan as the real transports do and returns its byte count,
-so handles, leases, KvReady and the transfer metrics all run; no bytes are copied and no sockets opened.
-"""
+"""A KV transport that moves nothing, for the timing-model engine (libs/sim): `write` checks the run plan as the
+real transports do and returns its byte count, so handles, leases, KvReady and the transfer metrics all run;
+no bytes are copied and no sockets opened."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Start and stop a local `mooncake_master` (the Mooncake Store's master, from the Mooncake wheel): the
-KV store tier's directory of objects, started by `moemesh up --kv-store` as it starts nats-server.
-
-Its RPC port is chosen by the kernel (`--rpc_port 0`) and read back from the listening sockets of the
-process (Linux /proc), the admin port (also 0) being the one its log names; so there is no pick-then-bind
-race. `argv(port)` is the command that starts it again on the same port (the supervisor's restart).
-"""
+"""Start and stop a local `mooncake_master` (the Mooncake Store's master) for `moemesh up --kv-store`. The kernel
+picks its RPC port (`--rpc_port 0`), read back from the process's listening sockets: no pick-then-bind race.
+`argv(port)` is the command that starts it again on the same port (the supervisor's restart)."""
 
 from __future__ import annotations
 

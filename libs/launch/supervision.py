@@ -1,7 +1,6 @@
 """The launcher's supervision loop: a thread that runs `Supervisor.poll` a few times a second, reports exits,
 restarts and give-ups, and publishes `LauncherStatus` every second and on every change (a gateway exports
-it). While the bus is down it keeps supervising; only the publishing waits (the bus reconnects on its own).
-"""
+it). While the bus is down it keeps supervising; only the publishing waits (the bus reconnects on its own)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The timing-model engine ("mocker"): the real Engine (admission, batching, paging, prefix cache and its
 events, PD reserve/add_prefilled, stop checks) with each forward replaced by a wait from a StepTimeModel
-and its logits by deterministic tokens (a hash of previous token and position, never an end id).
-"""
+and its logits by deterministic tokens (a hash of previous token and position, never an end id)."""
 
 # The engine thread sleeps the modeled time, holding it for the step as a GPU worker's forward does. The KV
 # pool is one layer of one byte per token: page geometry, handles and transfer plans are real; the bytes a

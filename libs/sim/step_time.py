@@ -1,7 +1,6 @@
 """How long a worker's forward pass takes, as a pure function of what it runs (the timing-model engine's clock):
 a decode step of B sequences with C context tokens costs `fixed + per_seq * B + per_ctx * C` ms; a prefill
-of T new tokens `prefill_fixed + prefill_per_token * T` ms.
-"""
+of T new tokens `prefill_fixed + prefill_per_token * T` ms."""
 
 # The decode terms: attention grows with the KV read (C), the GEMMs and host work with the batch, launch and
 # sync costs are fixed. `fit_decode` fits them by least squares to bench/decode_rank records; `H200_DECODE`

@@ -1,7 +1,6 @@
 """When the decode worker's step loop waits, sleeps, steps or publishes: a pure state machine. The shell
 (service.py) reports events (`wake`, `kick`, `finished`, `failed`, `set_slowdown`) and runs what `next`
-returns; no asyncio, engine or bus here, and no allocation per call.
-"""
+returns; no asyncio, engine or bus here, and no allocation per call."""
 
 from __future__ import annotations
 

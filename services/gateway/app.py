@@ -1,7 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI): routes, auth, body limits, errors, SSE and disconnects. A request
 is converted (convert.py), submitted (generation.py), then streamed as SSE or collected; a client that goes
-away, streaming or not, closes its generation (Cancel on the bus).
-"""
+away, streaming or not, closes its generation (Cancel on the bus)."""
 
 # Bodies are read and validated here, not by FastAPI's injection, so every refusal has OpenAI's error body
 # and status (400, not FastAPI's 422) and the size limit is enforced while reading.

@@ -118,8 +118,7 @@ class MeshClient:
     async def submit(self, msg: Submit, timeout: float) -> None:
         """Ask a scheduler to admit the request; ApiError with its code when refused or unanswered.
 
-        A Submit that got no answer may still have been admitted, so it is cancelled (cheap, idempotent).
-        """
+        A Submit that got no answer may still have been admitted, so it is cancelled (cheap, idempotent)."""
         local = self.local
         try:
             if local is not None and local.taking_work():

@@ -1,7 +1,6 @@
 """OpenAI request bodies as pydantic models (the HTTP edge only; converted to proto at once). Range checks on
 the fields name the parameter; unknown top-level fields are ignored with a log line (`strict_fields`: refused);
-unimplemented output-changing fields (`OUTPUT_CHANGING`) and values (`check_unsupported`) are refused.
-"""
+unimplemented output-changing fields (`OUTPUT_CHANGING`) and values (`check_unsupported`) are refused."""
 
 # Unknown fields are ignored by default as vLLM does: clients built on the OpenAI SDK send `store`,
 # `metadata`, `service_tier`, ... by default.

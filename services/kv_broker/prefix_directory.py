@@ -1,7 +1,6 @@
-"""The kv-broker's prefix directory: a PrefixReplica (libs/prefix/replica.py: KV events, heartbeats,
-snapshot resyncs) that also answers PrefixQuery on proto.subjects.BROKER_PREFIX (queue group
-QUEUE_BROKER), for schedulers that ask instead of keeping their own replica (prefix_index=broker), and
-says which workers are live (heard within dead_after_intervals of their heartbeat interval)."""
+"""The kv-broker's prefix directory: a PrefixReplica (libs/prefix/replica.py) that also answers PrefixQuery on
+BROKER_PREFIX (queue group QUEUE_BROKER) for schedulers with prefix_index=broker, and says which workers are
+live (heard within dead_after_intervals of their heartbeat interval)."""
 
 from __future__ import annotations
 
