@@ -52,6 +52,7 @@ from libs.engine.sampling import SamplingParams
 from libs.engine.tbo_split import decode_round_tokens
 from libs.engine.tiny import is_fp8_weight
 from libs.ep.emulated import EmulatedEP, enable_emulated_ep
+from libs.kernels import mla_decode_fp8 as fp8_attn
 
 PAGE = 64
 COMMUNICATION = {
@@ -222,7 +223,7 @@ def run(a) -> list[dict]:
             "host_ms": step - t["graph_ms"] if t["graph_ms"] is not None else None,
             "roofline_step_ms": roof["step_s"] * 1e3, "roofline_fraction": roof["step_s"] * 1e3 / step,
             "roofline_spec_step_ms": spec["step_s"] * 1e3, "roofline_fraction_spec": spec["step_s"] * 1e3 / step,
-            "attention_backend": backend, "kv_cache_dtype": a.kv_cache_dtype, "ep": a.ep, "physical_experts": a.physical,
+            "attention_backend": backend, "kv_cache_dtype": a.kv_cache_dtype, "fp8_dots": fp8_attn.DECODE_DOTS, "ep": a.ep, "physical_experts": a.physical,
             "local_experts": a.physical // a.ep, "dispatch": a.dispatch, "ep_communication": COMMUNICATION[a.dispatch],
             "fast_path": engine.model.fast is not None, "cuda_graph": engine.runner.graphs is not None,
             "tbo": engine.model.tbo is not None,
@@ -236,7 +237,7 @@ def run(a) -> list[dict]:
             f"{', TBO' if a.tbo else ''}]", flush=True,
         )  # fmt: skip
     suffix = ("-real-dispatch" if a.dispatch == "real" else "") + ("-tbo" if a.tbo else "")
-    suffix += "-fp8kv" if a.kv_cache_dtype != "auto" else ""
+    suffix += f"-fp8kv-{fp8_attn.DECODE_DOTS}" if a.kv_cache_dtype != "auto" else ""
     print("wrote", write_results(f"decode_rank-engine-{backend}{suffix}", records))
     return records
 
@@ -259,7 +260,11 @@ def main() -> None:
     ap.add_argument("--tbo", action="store_true", help="two-batch overlap (needs --attn triton or flashinfer)")
     ap.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                     help="the latent KV cache: auto (bf16) or fp8_e4m3 (FP8 rows, the FP8 MLA decode kernel)")  # fmt: skip
-    run(ap.parse_args())
+    ap.add_argument("--fp8-dots", choices=list(fp8_attn.DOTS), default=fp8_attn.DECODE_DOTS,
+                    help="with fp8_e4m3: which of QK / PV the decode kernel runs on FP8 tensor cores")  # fmt: skip
+    a = ap.parse_args()
+    fp8_attn.DECODE_DOTS = a.fp8_dots
+    run(a)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from libs.kernels.fused import FP8_ROW_BYTES, FP8_SCALE_OFFSET
 from libs.kernels.mla_decode import LATENT_DIM, ROPE_DIM, MLAConfig, _mla_combine_kernel, mla_decode_reference
 
 FP8_MAX = 448.0
+DOTS = ("fp8", "fp8-qk", "bf16")
+DECODE_DOTS = "fp8"  # what the Engine's decode runs (bench.kernels compares DOTS side by side)
 
 
 @triton.jit
@@ -28,7 +30,7 @@ def _mla_fp8_split_kernel(
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     NUM_SPLITS, PAGE_SIZE: tl.constexpr, DIRECT_OUT: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, D_LAT: tl.constexpr, D_ROPE: tl.constexpr, ROPE_IDX: tl.constexpr,
-    SCALE_IDX: tl.constexpr, FMAX: tl.constexpr,
+    SCALE_IDX: tl.constexpr, FMAX: tl.constexpr, QK_FP8: tl.constexpr, PV_FP8: tl.constexpr,
 ):  # fmt: skip
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -43,14 +45,18 @@ def _mla_fp8_split_kernel(
     offs_r = tl.arange(0, D_ROPE)
     q = tl.load(QL + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :]).to(tl.float32)
     q_amax = tl.maximum(tl.max(tl.abs(q), 1), 1e-30)
-    q8 = (q * (FMAX / q_amax)[:, None]).to(tl.float8e4nv)
-    q_scale = q_amax / FMAX
+    if QK_FP8:
+        q8 = (q * (FMAX / q_amax)[:, None]).to(tl.float8e4nv)
+        q_scale = q_amax / FMAX
+    else:
+        q8 = q.to(tl.bfloat16)
+        q_scale = tl.full([BLOCK_H], 1.0, tl.float32)
     q_rope = tl.load(QR + b * stride_rb + offs_h[:, None] * stride_rh + offs_r[None, :]).to(tl.bfloat16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D_LAT], dtype=tl.float32)  # sum of p * v, in units of `unit`
-    unit = tl.full([], 1e-30, tl.float32)
+    unit = tl.full([], 1e-30 if PV_FP8 else 1.0, tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
@@ -61,17 +67,24 @@ def _mla_fp8_split_kernel(
             KVR + slot[:, None] * stride_kvr + ROPE_IDX + offs_r[None, :], mask=mask_n[:, None], other=0.0
         )
         k_scale = tl.load(KVS + slot * stride_kvs + SCALE_IDX, mask=mask_n, other=0.0)
-        qk = tl.dot(q8, tl.trans(k8)) * (q_scale[:, None] * k_scale[None, :])
+        if QK_FP8:
+            qk = tl.dot(q8, tl.trans(k8)) * (q_scale[:, None] * k_scale[None, :])
+        else:
+            qk = tl.dot(q8, tl.trans(k8.to(tl.bfloat16))) * k_scale[None, :]
         qk = tl.dot(q_rope, tl.trans(k_rope), qk)
         qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        new_unit = tl.maximum(unit, tl.max(k_scale, 0) / FMAX)  # never shrinks: p8 <= 448, rescale <= 1
-        p8 = (p * (k_scale / new_unit)[None, :]).to(tl.float8e4nv)
-        acc = tl.dot(p8, k8, acc * (alpha * (unit / new_unit))[:, None])
-        unit = new_unit
+        if PV_FP8:
+            new_unit = tl.maximum(unit, tl.max(k_scale, 0) / FMAX)  # never shrinks: p8 <= 448, rescale <= 1
+            p8 = (p * (k_scale / new_unit)[None, :]).to(tl.float8e4nv)
+            acc = tl.dot(p8, k8, acc * (alpha * (unit / new_unit))[:, None])
+            unit = new_unit
+        else:  # bf16 holds every e4m3 code exactly; the row scales go into the probabilities
+            pv = (p * k_scale[None, :]).to(tl.bfloat16)
+            acc = tl.dot(pv, k8.to(tl.bfloat16), acc * alpha[:, None])
         m_i = m_new
 
     has = l_i > 0
@@ -98,10 +111,14 @@ def mla_decode_fp8(
     num_splits: int = 1,
     cfg: MLAConfig | None = None,
     out: torch.Tensor | None = None,
+    dots: str = "fp8",
 ) -> torch.Tensor:
     """q [B, H, 512] (latent query, any batch/head strides) and q_rope [B, H, 64] attend over each sequence's
     FP8 rows -> [B, H, 512] in q's dtype. kv_rows: one layer's row bytes [slots, 656] uint8; page_table
-    [B, max_pages] int32 (any strides), seq_lens [B] int32 (>= 1 each), as mla_decode takes them."""
+    [B, max_pages] int32 (any strides), seq_lens [B] int32 (>= 1 each), as mla_decode takes them. dots: which
+    products run on FP8 tensor cores, one of DOTS ("fp8": QK and PV; "fp8-qk": QK; "bf16": neither)."""
+    if dots not in DOTS:
+        raise ValueError(f"dots must be one of {DOTS}, got {dots!r}")
     cfg = cfg or MLAConfig()
     B, H, D = q.shape
     if D != LATENT_DIM or q_rope.shape != (B, H, ROPE_DIM):
@@ -109,6 +126,8 @@ def mla_decode_fp8(
     if kv_rows.dtype != torch.uint8 or kv_rows.dim() != 2 or kv_rows.shape[1] != FP8_ROW_BYTES:
         raise ValueError(f"FP8 MLA decode expects [slots, {FP8_ROW_BYTES}] uint8 rows, got {kv_rows.dtype} "
                          f"{tuple(kv_rows.shape)}")  # fmt: skip
+    if cfg.block_n < 32:  # an FP8 tensor-core dot's K (PV's is the tile's rows) is at least 32 on a GPU
+        raise ValueError(f"FP8 MLA decode needs tiles of at least 32 rows, got block_n={cfg.block_n}")
     block_h = min(cfg.block_h, max(16, triton.next_power_of_2(H)))
     if H % block_h:
         raise ValueError(f"num_heads {H} must be a multiple of the head block {block_h}")
@@ -130,6 +149,7 @@ def mla_decode_fp8(
         opart.stride(0), opart.stride(1), opart.stride(2) if num_splits > 1 else 0, lse.stride(0), lse.stride(1),
         num_splits, PAGE_SIZE=page_size, DIRECT_OUT=num_splits == 1, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         D_LAT=LATENT_DIM, D_ROPE=ROPE_DIM, ROPE_IDX=LATENT_DIM // 2, SCALE_IDX=FP8_SCALE_OFFSET // 4, FMAX=FP8_MAX,
+        QK_FP8=dots != "bf16", PV_FP8=dots == "fp8",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:

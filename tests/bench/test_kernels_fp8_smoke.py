@@ -16,10 +16,12 @@ def test_fp8_case_records_every_kernel_on_the_same_values(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(K, "bench_ms", lambda fn: (fn(), 1.0)[1])  # run once, "1 ms"
     monkeypatch.setattr(K, "MLAConfig", lambda: MLAConfig(16, 16, 4, 1))
-    recs = K.mla_fp8_case(2, 20, 16, None, lambda _: None, device="cpu", sweep=[MLAConfig(16, 16, 4, 1)])
+    recs = K.mla_fp8_case(2, 20, 16, None, lambda _: None, device="cpu", sweep=[MLAConfig(16, 32, 4, 1)])
     by = {(r["backend"], r.get("sweep")): r for r in recs}
     assert by[("triton-bf16", None)]["rel_err_vs_exact"] < 1e-2
-    best = by[("triton-fp8-dots", False)]
-    assert best["kv_cache"] == "fp8_e4m3" and best["speedup_vs_triton-bf16"] == 1.0
-    assert best["rel_err_vs_q8_reference"] < 2e-2 and best["rel_err_vs_exact"] < 1e-1
-    assert best["GBps"] < by[("triton-bf16", None)]["GBps"]  # 656 bytes a row against 1,152, same time
+    for dots in ("fp8", "fp8-qk", "bf16"):  # one best record per product mode
+        best = by[(f"triton-{dots}-dots", False)]
+        assert best["kv_cache"] == "fp8_e4m3" and best["dots"] == dots and best["speedup_vs_triton-bf16"] == 1.0
+        assert best["rel_err_vs_exact"] < (1e-2 if dots == "bf16" else 1e-1), dots
+        assert best["GBps"] < by[("triton-bf16", None)]["GBps"]  # 656 bytes a row against 1,152, same time
+    assert by[("triton-fp8-dots", False)]["rel_err_vs_q8_reference"] < 2e-2

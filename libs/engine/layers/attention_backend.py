@@ -167,11 +167,11 @@ class TritonAttention(AttentionBackend):
         if self.kernel_cfg is None:
             return mla_decode_paged(q_latent, q_pe, layer_rows, meta, self.scale)
         if is_fp8(layer_rows):
-            from libs.kernels.mla_decode_fp8 import mla_decode_fp8
+            from libs.kernels import mla_decode_fp8 as fp8
 
-            return mla_decode_fp8(
+            return fp8.mla_decode_fp8(
                 q_latent, layer_rows, meta.page_table, meta.seq_lens, meta.page_size, self.scale,
-                q_rope=q_pe, num_splits=meta.num_splits, cfg=self.kernel_cfg,
+                q_rope=q_pe, num_splits=meta.num_splits, cfg=self.kernel_cfg, dots=fp8.DECODE_DOTS,
             )  # fmt: skip
         from libs.kernels.mla_decode import mla_decode
 

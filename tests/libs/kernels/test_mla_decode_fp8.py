@@ -13,7 +13,7 @@ from libs.kernels.mla_decode_fp8 import dequantize_rows, mla_decode_fp8, mla_dec
 
 from .conftest import HAS_CUDA  # noqa: E402
 
-SMALL = MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+SMALL = MLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=1)  # FP8 dots: K >= 32 on a GPU
 FMT = Fp8Rows(512, 64)
 
 
@@ -54,6 +54,23 @@ def test_matches_attention_over_the_dequantized_rows(device, num_splits):
     assert _rel(out, mla_decode_reference(q.float(), dequantize_rows(kv), table, seq, 16, 0.07)) < 1e-1
 
 
+@pytest.mark.parametrize("dots", ["fp8-qk", "bf16"])
+def test_bf16_products_over_the_same_rows(device, dots):
+    q, kv, table, seq = _case(device, 16, 16, [1, 37, 70], row_spread=2.0)
+    out = _run(q, kv, table, seq, 16, 0.07, num_splits=3, cfg=SMALL, dots=dots)
+    exact = mla_decode_reference(q.float(), dequantize_rows(kv), table, seq, 16, 0.07)
+    # bf16 PV: only bf16 rounding of the probabilities and output (~0.4%) beyond the FP8 query ("fp8-qk")
+    assert _rel(out, _ref(q, kv, table, seq, 16, 0.07) if dots == "fp8-qk" else exact) < 1e-2
+
+
+def test_small_tiles_and_unknown_dots_are_refused(device):
+    q, kv, table, seq = _case(device, 16, 16, [3])
+    with pytest.raises(ValueError, match="dots"):
+        _run(q, kv, table, seq, 16, 0.1, cfg=SMALL, dots="int8")
+    with pytest.raises(ValueError, match="32"):
+        _run(q, kv, table, seq, 16, 0.1, cfg=MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1))
+
+
 def test_dequantized_rows_are_the_torch_formats(device):
     _, kv, _, _ = _case(device, 16, 16, [5])
     torch.testing.assert_close(dequantize_rows(kv).cpu(), FMT.dequantize(kv.cpu(), torch.float32))
@@ -77,11 +94,14 @@ def test_rejects_rows_that_are_not_fp8_rows(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("heads", [128, 16])
-def test_real_shapes_on_gpu(heads):
+@pytest.mark.parametrize("dots", ["fp8", "fp8-qk", "bf16"])
+def test_real_shapes_on_gpu(heads, dots):
     from libs.kernels.mla_decode import choose_num_splits
 
     lens = [2048, 1, 3000, 517, 64, 2100, 1999, 8]
     q, kv, table, seq = _case("cuda", heads, 64, lens, seed=3, row_spread=1.0)
     cfg = MLAConfig()
-    out = _run(q, kv, table, seq, 64, 0.1352, num_splits=choose_num_splits(len(lens), heads, 3000, cfg), cfg=cfg)
-    assert _rel(out, _ref(q, kv, table, seq, 64, 0.1352)) < 1.5e-2
+    splits = choose_num_splits(len(lens), heads, 3000, cfg)
+    out = _run(q, kv, table, seq, 64, 0.1352, num_splits=splits, cfg=cfg, dots=dots)
+    exact = mla_decode_reference(q.float(), dequantize_rows(kv), table, seq, 64, 0.1352)
+    assert _rel(out, exact if dots == "bf16" else _ref(q, kv, table, seq, 64, 0.1352)) < 1.5e-2
