@@ -239,6 +239,11 @@ def mesh_config(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[MeshC
         )
     if args.kv_store and not (worker.host_kv_pages or worker.host_kv_cache_gb):
         raise ValueError("--kv-store stages KV pages in the host tier: give --host-kv-pages or --host-kv-cache-gb")
+    if args.kv_store:
+        from libs.kvtransfer.mooncake_store import store_unavailable
+
+        if why := store_unavailable():
+            raise ValueError(f"--kv-store needs Mooncake Store: {why}")
     if args.gateways < 1 or args.schedulers < 1:
         raise ValueError(f"--gateways and --schedulers must be >= 1, got {args.gateways}, {args.schedulers}")
     if args.scheduler_mode not in ("process", "embedded"):

@@ -4,6 +4,8 @@ pool. Metadata goes through the P2P handshake, so only the master's address is n
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import logging
 import socket
 from collections.abc import Sequence
@@ -14,6 +16,17 @@ from libs.engine.page_store import PageStore
 log = logging.getLogger("moemesh.kvtransfer.mooncake_store")
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 ALREADY_EXISTS = -706  # OBJECT_ALREADY_EXISTS: another worker put the same (immutable) page first
+
+
+def store_unavailable() -> str | None:
+    """Why this Python cannot be a Mooncake Store client (None when it can), naming the installed wheel."""
+    if importlib.util.find_spec("mooncake") is None:
+        return "Mooncake is not installed (pip install mooncake-transfer-engine-non-cuda, or the CUDA wheel)"
+    if importlib.util.find_spec("mooncake.store") is None:
+        wheel = ", ".join(importlib.metadata.packages_distributions().get("mooncake", [])) or "the installed wheel"
+        return (f"{wheel} has the transfer engine but not Mooncake Store (no mooncake.store); "
+                "mooncake-transfer-engine and mooncake-transfer-engine-non-cuda ship both")  # fmt: skip
+    return None
 
 
 class MooncakePageStore(PageStore):
