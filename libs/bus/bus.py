@@ -204,16 +204,20 @@ class Bus:
     def write_pending(self) -> None:
         """Hand what this connection has queued to the socket now, rather than after whatever the publishing
         task does next (nats-py's writer task sends on a later loop turn). Leaves the queue to that task when
-        not connected, on a non-TCP transport, or with WRITE_NOW_MAX_BUFFERED bytes already buffered."""
+        not connected, on a non-TCP transport, with WRITE_NOW_MAX_BUFFERED bytes already buffered, or on a
+        socket that closed before nats-py noticed (its reconnect sends the queue). Never raises."""
         nc = self.nc
         pending = getattr(nc, "_pending", None)
         transport = getattr(nc, "_transport", None)
         sock = getattr(getattr(transport, "_io_writer", None), "transport", None)
-        if not pending or transport is None or sock is None or not nc.is_connected:
+        if not pending or transport is None or sock is None or not nc.is_connected or sock.is_closing():
             return
         if sock.get_write_buffer_size() >= WRITE_NOW_MAX_BUFFERED:
             return
-        transport.writelines(pending[:])
+        try:
+            transport.writelines(pending[:])
+        except (RuntimeError, OSError):  # closed under us (uvloop raises RuntimeError): the queue stays
+            return
         nc._pending = []
         nc._pending_data_size = 0
 

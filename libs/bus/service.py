@@ -44,6 +44,7 @@ class Service:
         self.started = asyncio.Event()  # set once setup() is done and the service is ready
         self.startup_stage = "connecting to NATS"  # what /ready names while setup() runs
         self.stopping = asyncio.Event()
+        self.exit_code = 0  # main()'s: 1 after fail()
         self.freeze_heap_when_set_up = False  # main(): this process is the service's own
         self.gc_pauses = GcPauses(self.registry)
         self.http_port: int | None = None  # the bound port, once run() started the side port
@@ -105,6 +106,12 @@ class Service:
     def request_stop(self) -> None:
         """Begin the graceful drain (what SIGINT/SIGTERM do)."""
         self.stopping.set()
+
+    def fail(self, why: str, exc: BaseException | None = None) -> None:
+        """A part the service cannot run without has ended: drain, then exit 1 (a supervisor restarts it)."""
+        log.critical("%s %s: %s; stopping", self.name, self.instance_id, why, exc_info=exc)
+        self.exit_code = 1
+        self.request_stop()
 
     # --- lifecycle ---
     async def run(self, install_signals: bool = True) -> None:
@@ -271,4 +278,4 @@ class Service:
         except BusError as e:  # NATS unreachable within connect_timeout_s: say so, no traceback
             log.error("%s: %s", cls.name, e)
             return 1
-        return 0
+        return service.exit_code

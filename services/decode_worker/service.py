@@ -129,6 +129,12 @@ class DecodeWorker(WorkerService):
         )  # fmt: skip
         self.heartbeat.start()
         self.loop_task = asyncio.create_task(self._step_loop())
+        self.loop_task.add_done_callback(self._step_loop_ended)
+
+    def _step_loop_ended(self, task: asyncio.Task) -> None:
+        """Nothing steps without the loop: its end before the drain stops the worker for a restart."""
+        if not task.cancelled() and not self.draining:
+            self.fail("the step loop ended", task.exception())
 
     def _metrics(self) -> None:
         r = self.registry
@@ -414,7 +420,10 @@ class DecodeWorker(WorkerService):
                 for rid, (code, why) in refused.items():
                     if (live := self.live.get(rid)) is not None:
                         await self._error(live.stream_subject, rid, code, why)
-            await self._publish(outputs)
+            try:
+                await self._publish(outputs)
+            except Exception:  # the bus went away mid-publish: gateways migrate their streams
+                log.exception("publishing a step's tokens failed")
             if self.trace is not None:
                 self._trace_step(t0, span, seen, outputs, sleep_ms)
 

@@ -135,6 +135,25 @@ async def test_write_pending_leaves_a_backed_up_socket_to_the_clients_writer(bus
     assert bus.nc._pending_data_size == 0
 
 
+async def test_write_pending_on_a_socket_closed_under_it_keeps_the_queue(bus, monkeypatch):
+    """The server went away and nats-py has not noticed yet: write_pending neither raises (it once ended the
+    decode worker's step loop) nor drops the queue, which the client's reconnect sends."""
+    sock = bus.nc._transport._io_writer.transport
+    await bus.flush()
+    await bus.publish(subj(), Ping(1))
+
+    def closed(*_a):
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+    monkeypatch.setattr(bus.nc._transport, "writelines", closed)
+    bus.write_pending()
+    assert bus.nc._pending_data_size > 0
+    monkeypatch.setattr(sock, "is_closing", lambda: True)
+    bus.write_pending()
+    assert bus.nc._pending_data_size > 0
+    monkeypatch.undo()  # the fixture's close writes through the real socket
+
+
 async def test_request_reply_typed(bus):
     s = subj()
 

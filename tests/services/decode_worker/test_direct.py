@@ -361,3 +361,38 @@ async def _joins_while_the_last_step_runs(rig: Rig, model_dir: Path) -> None:
     publish_held.set()
     await rig.until(lambda: {"alone", "joined"} <= rig.finished, "both streams to finish")
     assert rig.tokens["joined"] == greedy(model_dir, prompt)
+
+
+async def test_a_failed_publish_leaves_the_step_loop_running(rig: Rig, model_dir: Path) -> None:
+    """A step's tokens that cannot be published (the bus went away under the publish) are logged; the loop
+    steps on, so the next requests stream (a raise here once ended the loop and the worker served nothing)."""
+    worker, publish, failed = rig.worker, rig.worker._publish, []
+
+    async def flaky(outputs: list) -> None:
+        if outputs and not failed:
+            failed.append(outputs)
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+        await publish(outputs)
+
+    worker._publish = flaky  # type: ignore[method-assign]
+    await rig.direct("lost", [5, 9, 13])
+    await rig.until(lambda: bool(failed), "the failed publish")
+    prompt = [7, 3, 11, 2]
+    await rig.direct("after", prompt)
+    await rig.until(lambda: "after" in rig.finished, "the next request streamed")
+    assert rig.tokens["after"] == greedy(model_dir, prompt) and not worker.loop_task.done()
+    assert not worker.stopping.is_set()
+
+
+async def test_a_step_loop_that_ends_stops_the_worker_with_exit_code_1(rig: Rig) -> None:
+    """Nothing steps without the loop: if it ends before the drain the worker stops (a supervisor restarts
+    it) rather than staying up, heartbeating, with requests that never advance."""
+    worker = rig.worker
+
+    def broken(inline: bool = False) -> tuple:
+        raise AssertionError("pacing bug")  # outside the step's own error handling: ends the loop
+
+    worker._start_step = broken  # type: ignore[method-assign]
+    await rig.direct("x", [5, 9, 13])
+    await rig.until(lambda: worker.stopping.is_set(), "the worker stopping")
+    assert worker.exit_code == 1 and worker.loop_task.done()
