@@ -107,6 +107,16 @@ class Service:
         """Begin the graceful drain (what SIGINT/SIGTERM do)."""
         self.stopping.set()
 
+    def essential(self, task: asyncio.Task, what: str) -> asyncio.Task:
+        """`task` runs until the drain: if it ends before, the service fails (and is restarted)."""
+
+        def ended(t: asyncio.Task) -> None:
+            if not t.cancelled() and not self.draining:
+                self.fail(f"{what} ended", t.exception())
+
+        task.add_done_callback(ended)
+        return task
+
     def fail(self, why: str, exc: BaseException | None = None) -> None:
         """A part the service cannot run without has ended: drain, then exit 1 (a supervisor restarts it)."""
         log.critical("%s %s: %s; stopping", self.name, self.instance_id, why, exc_info=exc)

@@ -128,13 +128,7 @@ class DecodeWorker(WorkerService):
             s.stall_dump_s,
         )  # fmt: skip
         self.heartbeat.start()
-        self.loop_task = asyncio.create_task(self._step_loop())
-        self.loop_task.add_done_callback(self._step_loop_ended)
-
-    def _step_loop_ended(self, task: asyncio.Task) -> None:
-        """Nothing steps without the loop: its end before the drain stops the worker for a restart."""
-        if not task.cancelled() and not self.draining:
-            self.fail("the step loop ended", task.exception())
+        self.loop_task = self.essential(asyncio.create_task(self._step_loop()), "the step loop")
 
     def _metrics(self) -> None:
         r = self.registry

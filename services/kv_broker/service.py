@@ -138,7 +138,7 @@ class KvBroker(Service):
             subjects.BROKER, m.BrokerRequest, self._traced, queue=subjects.QUEUE_BROKER, concurrent=True,
             max_in_flight=s.max_in_flight,
         )  # fmt: skip
-        self._sweeper = asyncio.create_task(self._sweep_loop())
+        self._sweeper = self.essential(asyncio.create_task(self._sweep_loop()), "the handle sweeper")
         self.prefix = PrefixDirectory(
             self.bus, self.registry, snapshot_timeout_s=s.snapshot_timeout_s,
             dead_after_intervals=s.dead_after_intervals,

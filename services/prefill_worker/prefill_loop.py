@@ -90,8 +90,9 @@ class PrefillLoop:
     def unwatch(self, rid: str) -> None:
         self._watchers.pop(rid, None)
 
-    def start(self) -> None:
+    def start(self) -> asyncio.Task:
         self._task = asyncio.create_task(self._loop(), name="prefill-loop")
+        return self._task
 
     async def stop(self) -> None:
         if self._task is not None:

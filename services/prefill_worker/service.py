@@ -151,7 +151,7 @@ class PrefillWorker(WorkerService):
         )
         self._early_sweep = Periodic(1.0, self._expire_early, "early-prefill-sweep")
         self._early_sweep.start()
-        self.prefills.start()
+        self.essential(self.prefills.start(), "the prefill loop")
         await self.bus.subscribe(
             subjects.prefill_inbox(self.instance_id), m.PrefillInbox, self.on_inbox, concurrent=True
         )

@@ -261,7 +261,9 @@ class SchedulerService(Service):
             bus, self.registry, s.prefix_query_timeout_s, s.prefix_pending_ttl_s, self.clock, self.replica,
             tier_weights=(s.prefix_host_weight, s.prefix_store_weight),
         )  # fmt: skip
-        self._loop_task = asyncio.create_task(self._placement_loop(), name="scheduler-placement")
+        self._loop_task = self.essential(
+            asyncio.create_task(self._placement_loop(), name="scheduler-placement"), "the placement loop"
+        )
         self.beacon = SchedulerBeacon(
             bus, self.instance_id, self.settings.heartbeat_interval_ms, lambda: len(self.queue)
         )
