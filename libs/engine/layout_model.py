@@ -13,12 +13,11 @@ import torch
 
 from libs.engine.models.deepseek_v3 import CHECKPOINT_EXPERT_NAME
 from libs.engine.presets import deepseek_v3_config
-from libs.engine.tiny import is_fp8_weight, weight_shapes
+from libs.engine.tiny import is_fp8_weight, weight_shapes, write_folder_files
 from libs.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX
-from libs.tokenizer.build import VOCAB_SIZE, build_tokenizer
+from libs.tokenizer.build import VOCAB_SIZE
 
 SHARDS = 163
-INDEX_FILE = "model.safetensors.index.json"
 BLOCK = 128
 # the reduced widths (DeepSeek-V3's in comments); every other config.json value is V3's
 NARROW: dict[str, Any] = {
@@ -152,12 +151,7 @@ def write_layout_model(
             current, batch = plan[name], {}
         batch.update(experts.take(name, shapes[name]) or _draw(name, shapes[name], gen))
     total += write_shard(out, shard_name(current, shards), batch, weight_map)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    build_tokenizer(out, model_max_length=config["max_position_embeddings"])
+    write_folder_files(out, config, weight_map, total)
     return out
 
 

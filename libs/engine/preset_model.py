@@ -9,7 +9,6 @@ scales, bf16 embeddings, norms and router, float32 e_score_correction_bias, as D
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,13 +18,11 @@ import torch
 from safetensors.torch import save_file
 
 from libs.engine.presets import deepseek_v3_config
-from libs.engine.tiny import is_fp8_weight, weight_shapes
+from libs.engine.tiny import is_fp8_weight, weight_shapes, write_folder_files
 from libs.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX
-from libs.tokenizer.build import build_tokenizer
 
 PRESETS = ("v3-width",)
 BLOCK = 128
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def preset_config(
@@ -124,10 +121,5 @@ def write_preset_model(
         weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    build_tokenizer(out, model_max_length=config["max_position_embeddings"])
+    write_folder_files(out, config, weight_map, total)
     return out

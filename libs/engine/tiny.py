@@ -216,8 +216,8 @@ def _quantize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_shards(out: Path, tensors: dict[str, torch.Tensor], num_layers: int) -> None:
-    """Two shards split between layers (a weight and its scale always together), plus the index."""
+def _write_shards(out: Path, tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, str]:
+    """Two shards split between layers (a weight and its scale always together); their weight map."""
     first_half = (num_layers + 1) // 2
 
     def shard_of(name: str) -> int:
@@ -235,9 +235,18 @@ def _write_shards(out: Path, tensors: dict[str, torch.Tensor], num_layers: int) 
     for file, shard in zip(SHARD_NAMES, shards, strict=True):
         save_file(shard, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    return weight_map
+
+
+def write_folder_files(out: Path, config: dict[str, Any], weight_map: dict[str, str], total: int) -> None:
+    """Everything but the shards: the index over them (`weight_map`, `total` bytes), config.json,
+    generation_config.json and the tokenizer."""
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    build_tokenizer(out, model_max_length=config["max_position_embeddings"])
 
 
 def write_tiny_model(
@@ -257,13 +266,6 @@ def write_tiny_model(
         tensors = _quantize(tensors)
         config["quantization_config"] = dict(QUANTIZATION_CONFIG)
     out.mkdir(parents=True, exist_ok=True)
-    _write_shards(out, tensors, config["num_hidden_layers"])
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {
-        "_from_model_config": True,
-        "bos_token_id": config["bos_token_id"],
-        "eos_token_id": config["eos_token_id"],
-    }
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    build_tokenizer(out, model_max_length=config["max_position_embeddings"])
+    weight_map = _write_shards(out, tensors, config["num_hidden_layers"])
+    write_folder_files(out, config, weight_map, sum(t.numel() * t.element_size() for t in tensors.values()))
     return out
