@@ -24,9 +24,9 @@ RULES: dict[str, re.Pattern[str]] = {
     "numpy-pickle": re.compile(r"\ballow_pickle\s*=\s*(?!False\b)"),
     # multiprocessing Pipe/Connection: send() pickles, recv() unpickles (by the names connections go by)
     "pipe": re.compile(r"\bPipe\(|\bmultiprocessing\.connection\b|\b_?conns?\b(\[[^\]]*\])?\.(send|recv)\("),
-    # queues and managers move objects between processes by pickling them
+    # queues and managers move objects between processes by pickling them (queue.SimpleQueue: threads only)
     "mp-queue": re.compile(
-        rf"{_MP}\.(Simple|Joinable)?Queue\(|\b(SimpleQueue|JoinableQueue)\(|{_MP}\.Manager\(|\bBaseManager\b"
+        rf"{_MP}\.(Simple|Joinable)?Queue\(|(?<!queue\.)\b(SimpleQueue|JoinableQueue)\(|{_MP}\.Manager\(|\bBaseManager\b"
     ),
     # a spawned process's target and arguments are pickled to the child (spawn, forkserver)
     "spawn-args": re.compile(
@@ -108,6 +108,7 @@ FORBIDDEN_SAMPLES = {
     "mp-queue": [
         "q = mp.Queue()",
         "q = ctx.SimpleQueue()",
+        "q = SimpleQueue()",
         "torch.multiprocessing.Queue(4)",
         "m = mp.Manager()",
     ],
@@ -128,6 +129,7 @@ ALLOWED_SAMPLES = [
     "await websocket.send(data)",
     "q: asyncio.Queue[int] = asyncio.Queue()",
     "q = queue.Queue()",
+    "q: queue.SimpleQueue[tuple] = queue.SimpleQueue()",
     "sp = ServiceProcess(spec, proc, log_path)",
     "proc = subprocess.Popen(args)",
     "import multiprocessing.util",

@@ -203,7 +203,7 @@ def worker_view(
     try:
         return msgspec.convert({**values, "model_dir": str(model)}, WorkerSettings, strict=False)
     except msgspec.ValidationError as e:
-        raise ValueError(f"worker settings: {e}") from None
+        raise ValueError(f"{kind}-worker settings: {e}") from None
 
 
 def worker_env(args: argparse.Namespace) -> dict[str, dict[str, str]]:

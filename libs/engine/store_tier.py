@@ -60,6 +60,7 @@ class StoreTier:
         self.counters = StoreCounters()
         self._pending: dict[str, _Prefetch] = {}
         self._publishing = 0  # host pages held by puts in flight
+        self._fetching = 0  # host pages held by fetches in flight (given-up ones too: freed when they end)
         self._known: OrderedDict[str, None] = OrderedDict()
         self._down_until = 0.0
         self._jobs: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
@@ -113,12 +114,18 @@ class StoreTier:
         hashes = block_hashes(tokens, ps)
         p = _Prefetch(rid, list(tokens), hashes, start, self.clock() + self.timeout_s, self.host.alloc(n))
         self._pending[rid] = p
+        self._fetching += n
         names = [self.name(h) for h in hashes[start : start + n]]
         self._jobs.put(("fetch", p, names, [self.host.page_ptr(pg) for pg in p.pages]))
         return True
 
     def pending(self, rid: str) -> bool:
         return rid in self._pending
+
+    @property
+    def pages_in_flight(self) -> int:
+        """Host pages the store thread still holds (puts and fetches, given-up fetches included)."""
+        return self._publishing + self._fetching
 
     @property
     def num_pending(self) -> int:
@@ -158,6 +165,7 @@ class StoreTier:
                 self._put_done(hashes, names, host_pages, oks, error)
 
     def _fetch_done(self, p: _Prefetch, oks: list[bool], seconds: float, error: str) -> None:
+        self._fetching -= len(p.pages)
         if error:
             self._failed(error)
         k = next((i for i, ok in enumerate(oks) if not ok), len(oks))

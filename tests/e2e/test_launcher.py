@@ -79,7 +79,8 @@ def mesh_processes(nats_url: str) -> list[int]:
 def up_with_a_broken_prefill_worker(
     tiny_model: Path, tmp_path: Path
 ) -> Iterator[tuple[subprocess.Popen, Console]]:
-    env = {**os.environ, "MOEMESH_PREFILL_WORKER_NUM_PAGES": "-1"}  # every prefill-worker start fails
+    # a prefill-only setting (up checks the settings both workers share before it starts anything)
+    env = {**os.environ, "MOEMESH_PREFILL_WORKER_MAX_PREFILL_PROMPTS": "-1"}  # every prefill-worker start fails
     cmd = [
         sys.executable, "-m", "libs.cli.main", "up", "--model", str(tiny_model), "--port", "0",
         "--prefill-workers", "1", "--decode-workers", "1", "--log-dir", str(tmp_path / "logs"),
@@ -107,7 +108,7 @@ def test_a_service_crashing_at_start_up_is_given_up_while_the_rest_serves(
     assert out.count("prefill-0 exited with code 2") == 3, out
     assert out.count("prefill-0 restarted") == 2, out
     give_up = out[out.index("prefill-0 exited with code 2; GIVING UP") :]
-    assert "(from MOEMESH_PREFILL_WORKER_NUM_PAGES='-1')" in give_up, out  # its log tail says why
+    assert "(from MOEMESH_PREFILL_WORKER_MAX_PREFILL_PROMPTS='-1')" in give_up, out  # its log tail says why
     assert "given up: prefill-0" in out, out
 
     # the rest serves: the prompt is prefilled on the decode worker

@@ -41,15 +41,15 @@ def tiered(reference: Engine, store, **kw) -> Engine:
 
 
 def settle(engine: Engine) -> None:
-    """Until the engine's puts are back (a worker's engine thread polls every step)."""
+    """Until the store thread's jobs are back, puts and fetches (a worker's engine thread polls every step)."""
     tier = engine.store_tier
     assert tier is not None
 
     def done() -> bool:
         tier.poll()
-        return tier._publishing == 0
+        return tier.pages_in_flight == 0
 
-    until(done, "the puts finished")
+    until(done, "the store jobs finished")
 
 
 def test_a_prompt_computed_on_one_engine_is_served_to_another_from_the_store(reference) -> None:
