@@ -5,10 +5,8 @@ prefill on the decode worker; both give the in-process Engine's greedy text."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -45,16 +43,7 @@ def test_the_released_layout_through_pd_gives_the_engines_greedy_text(tmp_path: 
         ))  # fmt: skip
         return [r.choices[0].text for r in rs]
 
-    def prefill_live(mesh: Mesh) -> bool:
-        text = httpx.get(mesh.metrics_url("scheduler"), timeout=10).text
-        return 'moemesh_scheduler_live_workers{role="prefill"} 1.0' in text
-
     with Mesh(cfg) as mesh:
-        asyncio.run(ask(mesh.url, mesh.model_name))  # first forwards (a worker's first is slow on the CPU)
-        deadline = time.monotonic() + 30
-        while not prefill_live(mesh):  # the prefill worker heard again after its first forward
-            assert time.monotonic() < deadline, "the scheduler never heard the prefill worker again"
-            time.sleep(0.1)
         assert asyncio.run(ask(mesh.url, mesh.model_name)) == want
         assert metric_total(mesh.metrics_url("prefill-0"), "moemesh_kv_transfer_bytes_total") > 0  # PD ran
         assert_no_leaks(mesh)

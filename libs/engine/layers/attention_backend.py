@@ -34,6 +34,7 @@ from libs.engine.layers.mla import (
     mla_expanded,
     mla_extend_sdpa,
     padded_page_table,
+    preload_extend_sdpa,
 )
 
 BACKENDS = ("auto", "torch", "triton", "flashinfer")
@@ -124,6 +125,7 @@ class TritonAttention(AttentionBackend):
         is 16-bit. True runs it whenever the dims fit, CPU tensors included, which needs Triton's interpreter
         (TRITON_INTERPRET=1, set before triton is imported: tests)."""
         super().__init__(cfg, device, kv_cache_dtype)
+        preload_extend_sdpa()  # extend() needs it; loaded here, before the worker takes requests
         fits = _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         auto = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
         self.kernel_cfg = None

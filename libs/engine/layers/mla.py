@@ -157,6 +157,12 @@ def mla_decode_paged(
     return out.view(s, h, -1)
 
 
+def preload_extend_sdpa() -> None:
+    """Import what mla_extend_sdpa needs (torch._dynamo and sympy: ~1.5 s of CPU holding the GIL) now, at
+    start-up, rather than in a worker's first prefill, where it stalls the event loop past its heartbeats."""
+    import torch.nn.attention.bias  # noqa: F401
+
+
 def mla_extend_sdpa(
     q_nope: torch.Tensor,  # [T, H, N]
     q_pe: torch.Tensor,  # [T, H, r] roped
@@ -170,9 +176,7 @@ def mla_extend_sdpa(
     expanded keys), never [S, Q, K] across the batch."""
     if meta.extend_lens is None or meta.kv_lens is None:
         raise ValueError("mla_extend_sdpa needs the host extend_lens and kv_lens in the metadata")
-    # imported on first use: the module imports torch._dynamo (and sympy), ~1.5 s of CPU that every worker
-    # process paid at start-up although only the paged backends' prefill calls it
-    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.attention.bias import causal_lower_right  # loaded by preload_extend_sdpa()
 
     t, h, n = q_nope.shape
     r = q_pe.shape[-1]
