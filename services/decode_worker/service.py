@@ -497,8 +497,8 @@ class DecodeWorker(WorkerService):
         with contextlib.suppress(Exception):
             await self.heartbeat.beat()
         deadline = time.monotonic() + self.settings.drain_timeout_s
-        while self.live and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # the step loop is running the batch down
+        while self.live and not self.loop_task.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the step loop is running the batch down (none left to: fail them now)
         await self._fail_all(503, "decode worker shut down")
         for rid, handle_id in list(self.reserved.items()):
             await self.drop_reservation(rid, handle_id, "decode worker shut down")
