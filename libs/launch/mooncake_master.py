@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from libs.natsd.server import stop_child
+
 BINARY_ENV = "MOEMESH_MOONCAKE_MASTER_BIN"
 
 
@@ -61,14 +63,7 @@ class MooncakeMaster:
         return f"{self.host}:{self.port}"
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        stop_child(self.proc, self._workdir, timeout)
 
     def __enter__(self) -> MooncakeMaster:
         return self
@@ -92,10 +87,7 @@ def start_mooncake_master(
     try:
         bound = _wait_listening(proc, host, port, log_path, time.monotonic() + ready_timeout)
     except BaseException:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
+        stop_child(proc, workdir, timeout=0)
         raise
     return MooncakeMaster(proc, host, bound, log_path, workdir)
 

@@ -25,6 +25,19 @@ from pathlib import Path
 BINARY_ENV = "MOEMESH_NATS_SERVER_BIN"
 
 
+def stop_child(proc: subprocess.Popen, workdir: str | Path, timeout: float) -> None:
+    """Stop a helper process the launcher started (SIGTERM, SIGKILL after `timeout` s; 0: SIGKILL at once)
+    and remove its temporary work dir."""
+    if timeout > 0 and proc.poll() is None:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
 class NatsServerError(RuntimeError):
     """The server could not be found, exited early, or did not become ready in time."""
 
@@ -82,14 +95,7 @@ class NatsServer:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `timeout` seconds; removes the temporary work dir (a given store_dir stays)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        stop_child(self.proc, self._workdir, timeout)
 
     def __enter__(self) -> NatsServer:
         return self
@@ -130,10 +136,7 @@ def start_nats_server(
     try:
         url, monitor_url = _wait_ready(proc, workdir, time.monotonic() + ready_timeout)
     except BaseException:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
+        stop_child(proc, workdir, timeout=0)
         raise
     return NatsServer(proc, url, monitor_url, workdir)
 

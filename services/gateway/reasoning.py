@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.gateway.tool_parser import partial_suffix
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 PARSERS = ("deepseek_r1",)
@@ -32,14 +34,6 @@ def resolve_parser(setting: str, chat_template: str | None) -> str | None:
 def starts_in_reasoning(prompt_text: str) -> bool:
     """Whether a choice's output begins inside the reasoning: unless the prompt closed it already."""
     return not prompt_text.rstrip().endswith(THINK_END)
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of marker."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 @dataclass
@@ -70,7 +64,7 @@ class ReasoningStream:
             reasoning, answer = self.buf[:i], self.buf[i + len(THINK_END) :]
             self.buf, self.state = "", "answer"
             return reasoning, answer
-        keep = _partial_suffix(self.buf, THINK_END)
+        keep = partial_suffix(self.buf, THINK_END)
         reasoning, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
         return reasoning, ""
 

@@ -37,7 +37,7 @@ CALL_END = "\n```<｜tool▁call▁end｜>"
 Event = tuple[str, str]
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of marker."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):
@@ -125,7 +125,7 @@ class _DeepSeekCalls:
 
     def _hold(self, marker: str, emit: Callable[[str], object]) -> bool:
         """Pass on the buffer but for a tail that could begin `marker`; the state stays."""
-        keep = _partial_suffix(self.buf, marker)
+        keep = partial_suffix(self.buf, marker)
         emit(self.buf[: len(self.buf) - keep])
         self.buf = self.buf[len(self.buf) - keep :]
         return False
