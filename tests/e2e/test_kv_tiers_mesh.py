@@ -26,7 +26,7 @@ pytestmark = pytest.mark.e2e
 
 PS = 4
 MODEL = "tiny-v3"  # the tiny checkpoint's folder name
-DIRECT = 8  # uncached prompt tokens up to this go straight to a decode worker
+DIRECT = 40  # uncached prompt tokens up to this go straight to a decode worker (the store test: A and B)
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +131,12 @@ def test_a_prompt_computed_on_one_decode_worker_is_served_to_the_other_from_the_
     p = [(13 * i) % 900 + 7 for i in range(36)]
     decode = mesh.worker_ids(m.Role.DECODE)
     before = total(mesh, decode, "moemesh_kv_tier_hit_pages_total", '{tier="store"}')
+    put_before = total(mesh, decode, "moemesh_kv_tier_bytes_total", '{direction="host_to_store"}')
+
+    async def stored() -> None:  # A's pages written through to the store before B is placed
+        async with asyncio.timeout(30):
+            while total(mesh, decode, "moemesh_kv_tier_bytes_total", '{direction="host_to_store"}') <= put_before:
+                await asyncio.sleep(0.05)
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=mesh.url, timeout=60) as client:
@@ -140,6 +146,7 @@ def test_a_prompt_computed_on_one_decode_worker_is_served_to_the_other_from_the_
             assert a["choices"][0]["text"] == tok.decode(want(reference, p))
             l2 = asyncio.create_task(complete(client, [6, 7, 8], 56))
             await l1
+            await stored()
             await heard_one_decode_worker_idle(mesh)  # the scheduler sees the load as it is now
             b_prompt = p + [970, 971, 972]
             b = await complete(client, b_prompt, 4)
