@@ -52,6 +52,16 @@ for _ in 1 2 3 4 5 6; do  # each round adds what the previous round's libraries 
   [ -z "$missing" ] && break
   for lib in $missing; do cp -P "$bundle/syslib/$lib"* "$syslib/" 2>/dev/null; done
 done
+master=$(dirname "$engine_so")/mooncake_master  # `up --kv-store`: the bundle keeps it, unpacked without its x bit
+if [ -f "$master" ]; then
+  chmod +x "$master"
+  for lib in $(ldd "$master" 2>/dev/null | awk '/not found/ {print $1}'); do  # libetcd_wrapper-ed49c416.so ...
+    own=$(dirname "$engine_so")/${lib%%-*}.so  # ... the pruned bundle keeps only mooncake/libetcd_wrapper.so
+    [ -f "$own" ] && ln -sf "$own" "$(dirname "$engine_so")/../mooncake_transfer_engine_cuda13.libs/$lib"
+  done
+  still=$(ldd "$master" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' ')
+  [ -n "$still" ] && say "mooncake_master still lacks: $still"
+fi
 say "libcudart from: ${cudart:-not found}"
 say "Debian libraries taken from the bundle (missing here): $(ls "$syslib" | grep -v -- '-> ' | tr '\n' ' ')"
 still=$(ldd "$engine_so" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' ')

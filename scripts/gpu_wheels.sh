@@ -4,9 +4,11 @@
 #   bash scripts/gpu_wheels.sh flashinfer   # .whl/: flashinfer-python (JIT sources it cannot use on Hopper
 #                                           # pruned) + tvm-ffi (bench/gpu_check.sh)
 #   bash scripts/gpu_wheels.sh mesh         # .whl-mesh/: what the services import beyond torch, triton and
-#                                           # numpy, Mooncake's CUDA 13 transfer engine (pruned to
-#                                           # mooncake.engine) and the Debian libraries it loads (bench/gpu_mesh.sh)
-# The two sets do not fit one carry together (~33 MB + ~45 MB): the mesh runs Triton attention and needs
+#                                           # numpy, Mooncake's CUDA 13 wheel (pruned to its transfer engine,
+#                                           # store client and master) (bench/gpu_mesh.sh); SYSLIB=1 adds the
+#                                           # Debian libraries Mooncake loads, for a bare image (the lent H100 and
+#                                           # H200 hosts have them all; with them the set passes 64 MiB)
+# The two sets do not fit one carry together (~33 MB + ~59 MB): the mesh runs Triton attention and needs
 # no FlashInfer. Versions are the ones the project's tests run with.
 # On the GPU machine: pip install --no-index --no-deps --target /tmp/site DIR/*.whl; PYTHONPATH=/tmp/site
 # (bench/gpu_check.sh and bench/gpu_mesh.sh do that).
@@ -67,22 +69,28 @@ case "$what" in
     # models/auto stays (the pair then fits one carry beside the project: 13.5 MB -> ~2.5 MB)
     prune "$(ls "$dir"/transformers-*.whl)" -path './transformers/models/*' -type d ! -name auto \
       ! -path './transformers/models/auto/*'
-    # Mooncake's wheel (49 MB) also carries its store, EP, process group and binaries: only mooncake.engine
-    # (the transfer engine) and the libraries it loads (readelf NEEDED, RPATH $ORIGIN first) are kept.
+    # Mooncake's wheel (49 MB) also carries EP, its process group and tools: kept are mooncake.engine (the
+    # transfer engine), the store's client (mooncake._store) and mooncake_master (`up --kv-store`), and the
+    # libraries they load (readelf NEEDED, RPATH $ORIGIN first). The master's auditwheel copies of
+    # libetcd_wrapper/libasio (24 MB) go: bench/gpu_mesh.sh links their names to mooncake/'s own copies.
     prune "$(ls "$dir"/mooncake_transfer_engine_cuda13-*.whl)" -path './mooncake/*' \
       ! -name __init__.py ! -name engine.so ! -name engine.pyi ! -name libasio.so ! -name libetcd_wrapper.so \
-      ! -name nvlink_allocator.so -o -path './mooncake_transfer_engine_cuda13.libs/*' ! -name 'libyaml-cpp-*' \
-      ! -name 'libjsoncpp-*' ! -name 'libglog-*' ! -name 'libgflags-*'
-    # System libraries mooncake/engine.so needs that a bare Ubuntu/Debian image may lack: libibverbs,
-    # libmlx5 (ibverbs-providers), libnuma, libcurl and its own chain. From Debian 12 (glibc 2.36);
-    # bench/gpu_mesh.sh puts on LD_LIBRARY_PATH only those the machine does not have (ldd "not found").
-    debs=$(mktemp -d)
-    (cd "$debs" && apt-get download -q libibverbs1 ibverbs-providers libnuma1 libcurl4 libnghttp2-14 librtmp1 \
-      libssh2-1 libpsl5 libbrotli1 libldap-2.5-0 libsasl2-2 libgssapi-krb5-2 libkrb5-3 libk5crypto3 \
-      libkrb5support0 libkeyutils1 >/dev/null 2>&1)
-    for deb in "$debs"/*.deb; do dpkg-deb -x "$deb" "$debs/root"; done
-    find "$debs/root" -name '*.so.*' \( -type f -o -type l \) ! -path '*/libibverbs/*' -exec cp -P {} "$dir/syslib/" \;
-    rm -rf "$debs"
+      ! -name nvlink_allocator.so ! -name '_store.*.so' ! -name mooncake_master \
+      -o -path './mooncake_transfer_engine_cuda13.libs/*' ! -name 'libyaml-cpp-*' ! -name 'libjsoncpp-*' \
+      ! -name 'libglog-*' ! -name 'libgflags-*' ! -name 'libcrypto-*' ! -name 'libzstd-*' ! -name 'libxxhash-*' \
+      ! -name 'libzmq-*' ! -name 'libunwind-*' ! -name 'libsodium-*' ! -name 'libpgm-*' ! -name 'liburing-*'
+    # SYSLIB=1: system libraries Mooncake needs that a bare Ubuntu/Debian image may lack: libibverbs, libmlx5
+    # (ibverbs-providers), libnuma, libcurl and its own chain. From Debian 12 (glibc 2.36); bench/gpu_mesh.sh
+    # puts on LD_LIBRARY_PATH only those the machine does not have (ldd "not found").
+    if [ "${SYSLIB:-0}" = 1 ]; then
+      debs=$(mktemp -d)
+      (cd "$debs" && apt-get download -q libibverbs1 ibverbs-providers libnuma1 libcurl4 libnghttp2-14 librtmp1 \
+        libssh2-1 libpsl5 libbrotli1 libldap-2.5-0 libsasl2-2 libgssapi-krb5-2 libkrb5-3 libk5crypto3 \
+        libkrb5support0 libkeyutils1 >/dev/null 2>&1)
+      for deb in "$debs"/*.deb; do dpkg-deb -x "$deb" "$debs/root"; done
+      find "$debs/root" -name '*.so.*' \( -type f -o -type l \) ! -path '*/libibverbs/*' -exec cp -P {} "$dir/syslib/" \;
+      rm -rf "$debs"
+    fi
     ;;
   *) echo "usage: $0 flashinfer|mesh" >&2; exit 2 ;;
 esac

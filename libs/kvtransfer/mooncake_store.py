@@ -18,14 +18,25 @@ NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 ALREADY_EXISTS = -706  # OBJECT_ALREADY_EXISTS: another worker put the same (immutable) page first
 
 
+# where the store's client lives: mooncake.store (0.3.13 wheels), mooncake._store (the CUDA 13 wheel 0.3.14)
+STORE_MODULES = ("mooncake.store", "mooncake._store")
+
+
+def _store_module() -> str | None:
+    for name in STORE_MODULES:
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return None
+
+
 def store_unavailable() -> str | None:
     """Why this Python cannot be a Mooncake Store client (None when it can), naming the installed wheel."""
     if importlib.util.find_spec("mooncake") is None:
         return "Mooncake is not installed (pip install mooncake-transfer-engine-non-cuda, or the CUDA wheel)"
-    if importlib.util.find_spec("mooncake.store") is None:
+    if _store_module() is None:
         wheel = ", ".join(importlib.metadata.packages_distributions().get("mooncake", [])) or "the installed wheel"
-        return (f"{wheel} has the transfer engine but not Mooncake Store (no mooncake.store); "
-                "mooncake-transfer-engine and mooncake-transfer-engine-non-cuda ship both")  # fmt: skip
+        return (f"{wheel} has the transfer engine but not Mooncake Store (neither of {', '.join(STORE_MODULES)}; "
+                "a pruned wheel?): mooncake-transfer-engine, -non-cuda and -cuda13 ship both")  # fmt: skip
     return None
 
 
@@ -42,8 +53,10 @@ class MooncakePageStore(PageStore):
         self._healthy = False  # the last call worked
 
     def connect(self) -> None:
-        from mooncake.store import MooncakeDistributedStore
-
+        module = _store_module()
+        if module is None:
+            raise ConnectionError(f"Mooncake Store client unavailable: {store_unavailable()}")
+        MooncakeDistributedStore = importlib.import_module(module).MooncakeDistributedStore  # noqa: N806
         host, port = self.master.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=2.0):
             pass  # raises while the master is not there: setup would block every thread for minutes
