@@ -1,6 +1,7 @@
 """The store tier: KV pages shared between workers through a `PageStore`, named "<namespace>:<block hash>" and
 staged in host pages. The engine thread calls `publish`, `prefetch`, `pending`, `cancel`, `poll` (results land only
-there); one own thread talks to the store. Nothing raises into the engine: a failing store is down for `retry_s`."""
+there); one own thread talks to the store and calls `on_result` as each result is ready (a worker polls then: an
+idle engine takes no step). Nothing raises into the engine: a failing store is down for `retry_s`."""
 
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ class StoreTier:
         self._jobs: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._connected = False  # set by the thread
+        # called on the store's thread when a result is ready for `poll` (it must not block nor call the tier)
+        self.on_result: Callable[[], object] | None = None
         self._thread = threading.Thread(target=self._run, name="kv-store-tier", daemon=True)
         cache.hashing = True
         cache.on_stored = self.publish
@@ -238,7 +241,7 @@ class StoreTier:
             time.sleep(self.retry_s)  # no store yet: try again later
         while (job := self._jobs.get()) is not None:
             try:
-                self._done.put(self._do(job))
+                self._result(self._do(job))
             except Exception as e:  # the engine hears it as a failure (the client recovers on its own)
                 log.info("KV store call failed: %s", e)
                 self._fail_job(job, str(e) or type(e).__name__)
@@ -284,11 +287,19 @@ class StoreTier:
     def _fail_job(self, job: tuple, why: str) -> None:
         match job:
             case ("fetch", p, names, _):
-                self._done.put(("fetch", p, [False] * len(names), 0.0, why))
+                self._result(("fetch", p, [False] * len(names), 0.0, why))
             case ("put", hashes, names, host_pages, fence):
                 if fence is not None:
                     fence.synchronize()
-                self._done.put(("put", hashes, names, host_pages, [False] * len(names), why))
+                self._result(("put", hashes, names, host_pages, [False] * len(names), why))
+
+    def _result(self, item: tuple) -> None:
+        self._done.put(item)
+        if (notify := self.on_result) is not None:
+            try:
+                notify()
+            except Exception:  # the owner shutting down: the result waits for a poll that may never come
+                log.debug("on_result failed", exc_info=True)
 
 
 def stats_of(tier: StoreTier | None) -> dict[str, Any]:

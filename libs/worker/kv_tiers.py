@@ -1,11 +1,14 @@
 """The worker side of the KV tiers: the shared store attached to the engine (Mooncake Store, its pages named
-under a digest of the checkpoint and the KV layout) and the tiers' Prometheus metrics, read at scrape time
-from the engine's counters (libs.engine.Engine.tier_stats)."""
+under a digest of the checkpoint and the KV layout), its results taken on the engine thread as they come back
+(`StoreResults`), and the tiers' Prometheus metrics, read at scrape time from the engine's counters
+(libs.engine.Engine.tier_stats)."""
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import hashlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from libs.worker.engine_thread import EngineThread
 from libs.worker.settings import WorkerSettings
+
+log = logging.getLogger("moemesh.worker.kv_tiers")
 
 _SAMPLE = 1 << 20  # bytes read from each end of every shard for the digest
 
@@ -58,6 +64,47 @@ def attach_kv_store(engine: Any, s: WorkerSettings) -> None:
         store, store_namespace(s, engine), timeout_s=s.kv_store_timeout_s, retry_s=s.kv_store_retry_s
     )
     atexit.register(tier.close, 5.0)  # unmount from a live master before the interpreter tears down
+
+
+class StoreResults:
+    """Takes the store tier's results (puts and fetches done) on the engine thread as they come back, not only
+    at the engine's next step: an idle worker would otherwise keep the host pages of its last puts, and report
+    neither their bytes nor (on its KV events) that the store holds those blocks, until its next request."""
+
+    def __init__(self, et: EngineThread, tier: Any) -> None:
+        self.et, self.tier = et, tier
+        self.loop = asyncio.get_running_loop()
+        self._queued = False  # a poll is queued and not started yet (event loop only)
+        self._tasks: set[asyncio.Task] = set()
+        tier.on_result = self.notify
+
+    def notify(self) -> None:
+        """On the store's thread: a result is ready."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._queue)
+
+    def _queue(self) -> None:
+        if self._queued:  # the poll queued takes this result too
+            return
+        self._queued = True
+        task = asyncio.create_task(self._poll())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _poll(self) -> None:
+        self._queued = False  # a result from now on may come after this poll: it queues another
+        try:
+            await self.et.call(self.tier.poll)  # after_call publishes the KV events it produced
+        except RuntimeError:  # the engine thread shut down (the worker stopping): nothing left to take
+            log.debug("KV store results not taken", exc_info=True)
+        except Exception:  # poll raises nothing by design; the next step polls again
+            log.exception("taking the KV store's results failed")
+
+
+def take_store_results(et: EngineThread) -> StoreResults | None:
+    """With the shared store attached: its results taken as they come back (StoreResults), from now on."""
+    tier = getattr(et.engine, "store_tier", None)
+    return None if tier is None else StoreResults(et, tier)
 
 
 class KvTierCollector(Collector):

@@ -14,7 +14,7 @@ from libs.bus import Service
 from libs.engine.protocol import EngineLike
 from libs.kvtransfer import KvTransport
 from libs.worker.engine_thread import EngineCallsCollector, EngineThread
-from libs.worker.kv_tiers import install_kv_tiers
+from libs.worker.kv_tiers import install_kv_tiers, take_store_results
 from libs.worker.settings import WorkerSettings
 from libs.worker.startup import load_engine, open_transport, register_at_broker
 from libs.worker.warmup import plan_warmup, run_warmup, warmup_enabled
@@ -46,6 +46,7 @@ class WorkerService(Service):
         self.engine = await asyncio.to_thread(load_engine, s)
         install_kv_tiers(self.engine, s, self.registry)  # the shared store joined, tier metrics
         self.et = EngineThread(self.engine)
+        self.store_results = take_store_results(self.et)  # an idle worker's store puts and fetches too
         self.registry.register(EngineCallsCollector(self.et))
         await self.warm_up(role)
         self.startup_stage = "registering the KV pool (transfer engine, kv-broker)"
