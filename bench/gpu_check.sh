@@ -13,10 +13,28 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 summary="$OUT/summary.txt"
 : > "$summary"
+if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: its MLA kernel beside FlashInfer's bf16 one, the Engine, then the
+  # GPU tests with what is left of BUDGET (default 560 s: one device call), measurements first
+  t0=$(date +%s)
+  timeout 170 python3 -m bench.kernels --mla-fp8-only --quick > "$OUT/kernels_fp8.log" 2>&1
+  grep -E "^mla fp8|flashinfer|triton-bf16|failed" "$OUT/kernels_fp8.log" | cut -c1-220 | tee -a "$summary"
+  for run in "auto 256" "fp8_e4m3 256"; do
+    set -- $run
+    timeout 150 python3 -m bench.decode_rank --batch "$2" --attn flashinfer --kv-cache-dtype "$1" 2>&1 \
+      | grep -E "^B=|Error|error" | sed "s/^/$1 /" | tee -a "$summary"
+  done
+  for f in tests/libs/kernels/test_mla_decode_fp8.py tests/libs/engine/test_kv_fp8.py; do
+    left=$(( ${BUDGET:-560} - ($(date +%s) - t0) ))
+    [ "$left" -lt 40 ] && { echo "$f: not run ($left s left)" | tee -a "$summary"; continue; }
+    log=$(timeout "$left" python3 -m pytest -q -rf --tb=short --confcutdir=tests/libs -p no:cacheprovider "$f" 2>&1)
+    echo "$f: $(echo "$log" | grep -E "^(FAILED|ERROR)|passed|failed|error" | tail -6 | tr '\n' ' ')" | tee -a "$summary"
+    echo "$log" | grep -v -i warn | tail -60 > "$OUT/log-$(basename "$f" .py).txt"
+  done
+  exit 0
+fi
 # `wave`: only the files of the latest work not yet run on a GPU (EP dispatch, TBO, EPLB, MTP graphs), so one
 # call can cover them beside a benchmark; otherwise every GPU test file (several calls' worth with cold JIT).
 case "${1:-}" in
-  fp8) files="tests/libs/kernels/test_mla_decode_fp8.py tests/libs/engine/test_kv_fp8.py";;
   wave) files="tests/libs/ep/test_fixed_dispatch_gpu.py tests/libs/engine/test_two_batch_overlap.py
     tests/libs/ep/test_rebalance.py tests/libs/engine/test_spec_graphs.py tests/libs/engine/test_mtp_fast_path.py
     tests/libs/ep/test_deepep.py";;
@@ -32,16 +50,6 @@ for f in $files; do
   case "$line" in *failed*|*error*|"") echo "$log" | grep -v -i warn | tail -60 > "$OUT/fail-$(basename "$f" .py).txt";; esac
 done
 case "${1:-}" in quick|wave) exit 0;; esac
-if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: its MLA kernel beside FlashInfer's bf16 one, then the Engine
-  timeout 150 python3 -m bench.kernels --mla-fp8-only > "$OUT/kernels_fp8.log" 2>&1
-  grep -E "TFLOP|x " "$OUT/kernels_fp8.log" | cut -c1-200 | tee -a "$summary"
-  for run in "auto 256" "fp8_e4m3 256" "fp8_e4m3 512"; do  # bf16 rows at B=512 do not fit an 80 GB GPU
-    set -- $run
-    timeout 200 python3 -m bench.decode_rank --batch "$2" --attn flashinfer --kv-cache-dtype "$1" 2>&1 \
-      | grep -E "^B=|Error|error" | sed "s/^/$1 /" | tee -a "$summary"
-  done
-  exit 0
-fi
 timeout 300 python3 -m bench.decode_rank --batch 256,512 2>&1 | grep -E "^B=" | tee -a "$summary"
 timeout 240 python3 -m bench.kernels --skip-mla > "$OUT/kernels.log" 2>&1
 grep -E "masked-chosen|sm90-masked-128-128-8-4-4|choices" "$OUT/kernels.log" | cut -c1-160 | tee -a "$summary"
