@@ -1,0 +1,131 @@
+"""What a Triton kernel of the project costs in registers, local-memory spills, shared memory and which MMA
+instructions it got, compiled for sm_90 on any machine (Triton ships ptxas and cuobjdump): spills show without a
+GPU, speed still needs one. `python -m bench.kernel_resources [--kernel mla-fp8 mla quant] [--config BH-BN-W-S]`"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import triton
+
+_MMA = re.compile(r"\b([HQ]GMMA\.[0-9A-Za-z.]+|HMMA\.[0-9A-Za-z.]+)")
+_SPILL = re.compile(r"\b(STL|LDL)\b")
+
+
+@dataclass
+class Resources:
+    registers: int
+    stack_bytes: int
+    spill_instructions: int  # STL/LDL in the SASS: local-memory traffic, mostly spills
+    shared_bytes: int
+    mma: dict[str, int]  # SASS MMA instruction -> count (HGMMA/QGMMA: wgmma; HMMA: mma.sync)
+
+    def line(self) -> str:
+        mma = ", ".join(f"{k} x{v}" for k, v in sorted(self.mma.items())) or "no MMA"
+        return (f"{self.registers} regs, {self.stack_bytes} B stack, {self.spill_instructions} spill insts, "
+                f"{self.shared_bytes} B smem; {mma}")  # fmt: skip
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def compile_sm90(fn: Any, pointers: dict[str, str], constexprs: dict[str, Any], floats: tuple[str, ...] = (),
+                 num_warps: int = 4, num_stages: int = 2) -> Any:  # fmt: skip
+    """fn's arguments: pointers (name -> "*bf16"...), constexprs, floats ("fp32"); the rest int32. Under
+    TRITON_INTERPRET=1 (the tests) the kernel's own function is compiled."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(fn, InterpretedFunction):
+        fn = JITFunction(fn.fn)
+
+    def kind(name: str) -> str:
+        if name in pointers:
+            return pointers[name]
+        return "constexpr" if name in constexprs else "fp32" if name in floats else "i32"
+
+    src = ASTSource(fn=fn, signature={n: kind(n) for n in fn.arg_names}, constexprs=constexprs)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resources(compiled: Any) -> Resources:
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True, check=True)
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True)
+    regs = re.search(r"REG:(\d+)", usage.stdout)
+    stack = re.search(r"STACK:(\d+)", usage.stdout)
+    return Resources(
+        registers=int(regs.group(1)) if regs else -1, stack_bytes=int(stack.group(1)) if stack else -1,
+        spill_instructions=len(_SPILL.findall(sass.stdout)), shared_bytes=int(compiled.metadata.shared),
+        mma=dict(Counter(_MMA.findall(sass.stdout))),
+    )  # fmt: skip
+
+
+def _mla_fp8(cfg: tuple[int, int, int, int], dots: str) -> Resources:
+    from libs.kernels import mla_decode_fp8 as K
+    from libs.kernels.fused import FP8_SCALE_OFFSET
+
+    bh, bn, warps, stages = cfg
+    pointers = {"QL": "*bf16", "QR": "*bf16", "KV8": "*fp8e4nv", "KVR": "*bf16", "KVS": "*fp32", "PT": "*i32",
+                "SEQ": "*i32", "O": "*bf16", "OPART": "*fp32", "LSE": "*fp32"}  # fmt: skip
+    consts = dict(PAGE_SIZE=64, DIRECT_OUT=False, BLOCK_H=bh, BLOCK_N=bn, D_LAT=512, D_ROPE=64, ROPE_IDX=256,
+                  SCALE_IDX=FP8_SCALE_OFFSET // 4, FMAX=K.FP8_MAX, QK_FP8=dots != "bf16", PV_FP8=dots == "fp8")  # fmt: skip
+    return resources(compile_sm90(K._mla_fp8_split_kernel, pointers, consts, ("sm_scale_log2",), warps, stages))
+
+
+def _mla(cfg: tuple[int, int, int, int]) -> Resources:
+    from libs.kernels import mla_decode as M
+
+    bh, bn, warps, stages = cfg
+    pointers = {"QL": "*bf16", "QR": "*bf16", "KV": "*bf16", "PT": "*i32", "SEQ": "*i32", "O": "*bf16",
+                "OPART": "*fp32", "LSE": "*fp32"}  # fmt: skip
+    consts = dict(PAGE_SIZE=64, DIRECT_OUT=False, BLOCK_H=bh, BLOCK_N=bn, D_LAT=512, D_ROPE=64)
+    return resources(compile_sm90(M._mla_split_kernel, pointers, consts, ("sm_scale_log2", "out_scale"), warps, stages))
+
+
+def quant_rows(swiglu: bool = True, masked: bool = True) -> Resources:
+    from libs.kernels import quant as Q
+
+    pointers = {"X": "*bf16", "XQ": "*fp8e4nv", "XS": "*fp32", "COUNTS": "*i32"}
+    consts = dict(SWIGLU=swiglu, MASKED=masked, GROUPS_POW2=16, GROUP_SIZE=128, FMAX=448.0)
+    return resources(compile_sm90(Q._quant_rows_kernel, pointers, consts, num_warps=4, num_stages=1))
+
+
+def main() -> None:
+    from libs.kernels.mla_decode import MLAConfig
+    from libs.kernels.mla_decode_fp8 import DOTS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernel", nargs="+", default=["mla-fp8", "mla", "quant"], choices=["mla-fp8", "mla", "quant"])
+    ap.add_argument("--config", nargs="+", default=None, help="MLA tiles BLOCK_H-BLOCK_N-warps-stages (default: "
+                    "the kernels' default)")  # fmt: skip
+    a = ap.parse_args()
+    d = MLAConfig()
+    configs = [tuple(int(x) for x in c.split("-")) for c in a.config] if a.config else [
+        (d.block_h, d.block_n, d.num_warps, d.num_stages)]  # fmt: skip
+    for name in a.kernel:
+        if name == "quant":
+            print(f"quant rows (SwiGLU, masked): {quant_rows().line()}", flush=True)
+            continue
+        for cfg in configs:
+            for dots in DOTS if name == "mla-fp8" else ("bf16 rows",):
+                r = _mla_fp8(cfg, dots) if name == "mla-fp8" else _mla(cfg)  # type: ignore[arg-type]
+                print(f"{name} {dots} {'-'.join(map(str, cfg))}: {r.line()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
