@@ -8,8 +8,9 @@ set -u
 export OUT=${OUT:-/tmp/gpu_check}  # write_results puts the new records here
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  pip install --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} FLASHINFER_WORKSPACE_BASE=/tmp/fi
+  # its own folder: gpu_mesh.sh's /tmp/site holds a transformers without its models (a warm machine keeps it)
+  pip install --no-index --no-deps --target /tmp/site-check .whl/*.whl >/dev/null 2>&1
+  export PYTHONPATH=/tmp/site-check${PYTHONPATH:+:$PYTHONPATH} FLASHINFER_WORKSPACE_BASE=/tmp/fi
 fi
 summary="$OUT/summary.txt"
 : > "$summary"

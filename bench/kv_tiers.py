@@ -24,6 +24,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -217,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = model_dir(a, tmp)
     workers = a.prefill_workers + a.decode_workers
     rec: dict[str, Any] = {
-        "bench": "kv_tiers", **provenance(), "device": a.device, "model": str(model),
+        "bench": "kv_tiers", **provenance(["python", "-m", "bench.kv_tiers", *(sys.argv[1:] if argv is None else argv)]),
+        "device": a.device, "model": str(model),
         "workload": {k: getattr(a, k) for k in ("sessions", "turns", "system_len", "user_len", "gen_tokens",
                                                 "concurrency", "page_size", "seed")},
         "pool": {"workers": workers, "device_pages_per_worker": a.num_pages, "host_pages_per_worker": a.host_kv_pages,

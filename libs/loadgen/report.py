@@ -61,10 +61,11 @@ def write_json(path: str | Path, data: Any) -> Path:
     return p
 
 
-def provenance() -> dict[str, Any]:
-    """The command line and the client machine, for a results file to say how it was made."""
+def provenance(command: list[str] | None = None) -> dict[str, Any]:
+    """The command line (default: this `moemesh` invocation's) and the client machine, for a results file to
+    say how it was made."""
     return {
-        "command": shlex.join(["moemesh", *sys.argv[1:]]),
+        "command": shlex.join(command if command is not None else ["moemesh", *sys.argv[1:]]),
         "environment": {
             "cpus": os.cpu_count(),
             "load_average_1m_5m_15m": [round(x, 2) for x in os.getloadavg()],

@@ -30,7 +30,7 @@ def test_temperature_zero_is_argmax_with_ties_to_the_lowest_id(device):
 
 def test_draws_follow_the_tempered_softmax(device):
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2], device=device)
-    b, temp = 1000, 0.5  # the interpreter runs ~8 ms per row
+    b, temp = 400, 0.5  # the interpreter runs ~8 ms per row; the draws are keyed, so the test is deterministic
     tokens = gumbel_sample(logits.expand(b, -1).contiguous(), *_inputs(b, device, temp)).cpu()
     freq = torch.bincount(tokens, minlength=8).float() / b
     p = torch.softmax(logits.cpu() / temp, -1)
