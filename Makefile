@@ -2,6 +2,8 @@
 # Both create .venv and install what they need on first use (scripts/bootstrap.sh).
 VENV := .venv/bin
 PYTEST_ARGS ?=
+# pytest-xdist processes for `make test`; a test file's tests stay in one (--dist loadfile)
+TEST_WORKERS ?= 2
 
 .PHONY: setup up demo test lint bench clean
 
@@ -16,7 +18,8 @@ demo: setup  # train the demo model once (minutes on a CPU); `make up` serves it
 
 # A Triton cache of the run's own, cold each time: a warm ~/.triton/cache must never hide a failure.
 test: setup
-	@cache=$$(mktemp -d); TRITON_CACHE_DIR=$$cache $(VENV)/python -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS); \
+	@cache=$$(mktemp -d); TRITON_CACHE_DIR=$$cache $(VENV)/python -m pytest -q -p no:cacheprovider --durations=30 \
+	  -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); \
 	rc=$$?; rm -rf $$cache; exit $$rc
 
 lint: setup

@@ -1,6 +1,7 @@
 """What a Triton kernel of the project costs in registers, local-memory spills, shared memory and which MMA
 instructions it got, compiled for sm_90 on any machine (Triton ships ptxas and cuobjdump): spills show without a
-GPU, speed still needs one. `python -m bench.kernel_resources [--kernel mla-fp8 mla quant] [--config BH-BN-W-S]`"""
+GPU, speed still needs one. `python -m bench.kernel_resources [--kernel mla-fp8 mla quant dot] [--config BH-BN-W-S]`
+(run it without TRITON_INTERPRET: a process that has run the interpreter may keep triton.language patched)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import triton
+import triton.language as tl
 
 _MMA = re.compile(r"\b([HQ]GMMA\.[0-9A-Za-z.]+|HMMA\.[0-9A-Za-z.]+)")
 _SPILL = re.compile(r"\b(STL|LDL)\b")
@@ -105,21 +107,36 @@ def quant_rows(swiglu: bool = True, masked: bool = True) -> Resources:
     return resources(compile_sm90(Q._quant_rows_kernel, pointers, consts, num_warps=4, num_stages=1))
 
 
-def main() -> None:
+@triton.jit
+def _dot64(A, B, C, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    a = tl.load(A + r[:, None] * BLOCK + r[None, :])
+    b = tl.load(B + r[:, None] * BLOCK + r[None, :])
+    tl.store(C + r[:, None] * BLOCK + r[None, :], tl.dot(a, b))
+
+
+def dot_reference() -> Resources:
+    """A lone 64x64x64 bf16 dot: it gets wgmma and no spills (a check on reading the SASS)."""
+    return resources(compile_sm90(_dot64, {"A": "*bf16", "B": "*bf16", "C": "*fp32"}, {"BLOCK": 64}))
+
+
+def main(argv: list[str] | None = None) -> None:
     from libs.kernels.mla_decode import MLAConfig
     from libs.kernels.mla_decode_fp8 import DOTS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kernel", nargs="+", default=["mla-fp8", "mla", "quant"], choices=["mla-fp8", "mla", "quant"])
+    kernels = ["mla-fp8", "mla", "quant", "dot"]
+    ap.add_argument("--kernel", nargs="+", default=kernels[:3], choices=kernels)
     ap.add_argument("--config", nargs="+", default=None, help="MLA tiles BLOCK_H-BLOCK_N-warps-stages (default: "
                     "the kernels' default)")  # fmt: skip
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     d = MLAConfig()
     configs = [tuple(int(x) for x in c.split("-")) for c in a.config] if a.config else [
         (d.block_h, d.block_n, d.num_warps, d.num_stages)]  # fmt: skip
     for name in a.kernel:
-        if name == "quant":
-            print(f"quant rows (SwiGLU, masked): {quant_rows().line()}", flush=True)
+        if name in ("quant", "dot"):
+            r = quant_rows() if name == "quant" else dot_reference()
+            print(f"{'quant rows (SwiGLU, masked)' if name == 'quant' else 'dot 64x64x64 bf16'}: {r.line()}", flush=True)
             continue
         for cfg in configs:
             for dots in DOTS if name == "mla-fp8" else ("bf16 rows",):
