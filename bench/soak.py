@@ -157,12 +157,14 @@ async def sample(mesh: Mesh, t0: float) -> dict[str, Any]:
     return s
 
 
-async def faults(mesh: Mesh, every: float, stop: asyncio.Event, t0: float, log: list[dict]) -> None:
+async def faults(
+    mesh: Mesh, every: float, stop: asyncio.Event, t0: float, log: list[dict], order: Sequence[str] = FAULTS
+) -> None:
     for i in range(10**6):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every)  # the fault clock, or the end of the run
             return
-        name = FAULTS[i % len(FAULTS)]
+        name = order[i % len(order)]
         n = mesh.sup.restarts(name)
         t = time.monotonic()
         await asyncio.to_thread(mesh.sup.kill, name)
@@ -265,7 +267,8 @@ async def run(args: argparse.Namespace, mesh: Mesh, prompts: list[list[int]], wa
     samples: list[dict] = []
     faults_log: list[dict] = []
     load = asyncio.create_task(soak.open_loop(rate, stop))
-    fault_task = asyncio.create_task(faults(mesh, args.fault_every, stop, t0, faults_log))
+    order = [f for f in args.faults.split(",") if f]
+    fault_task = asyncio.create_task(faults(mesh, args.fault_every, stop, t0, faults_log, order))
     end = t0 + 60 * args.minutes
     while time.monotonic() < end:
         samples.append(await sample(mesh, t0))
@@ -312,6 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-minutes", type=float, default=5.0)
     p.add_argument("--clients", type=int, default=8, help="concurrency of the capacity measurement")
     p.add_argument("--capacity-seconds", type=float, default=60.0, help="the first third warms up")
+    p.add_argument(
+        "--faults", default=",".join(FAULTS), help="the services to SIGKILL, in turn (comma-separated)"
+    )
+    p.add_argument(
+        "--heap-report", action="append", default=[], metavar="SERVICE[:FRAMES]",
+        help="log the heap of a kind of service (kv-broker, scheduler, gateway, prefill-worker, decode-worker) "
+        "every minute into its log (heap_report_s; FRAMES > 0: traced, heap_report_frames); repeatable",
+    )  # fmt: skip
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     out = args.out or f"bench/results/soak-cpu-{args.minutes:g}min.json"
@@ -332,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
         "leaves_out": "trace spans (no OTLP exporter configured: the SDK is not loaded); GPU workers; EP; "
         "more than one replica per service; hours (run --minutes 480 on a real box)",
     }  # fmt: skip
+    for what in args.heap_report:  # the services inherit the environment (a setting of that kind only)
+        service, _, frames = what.partition(":")
+        prefix = "MOEMESH_" + service.upper().replace("-", "_") + "_"
+        os.environ[prefix + "HEAP_REPORT_S"] = "60"
+        os.environ[prefix + "HEAP_REPORT_FRAMES"] = frames or "0"
     mesh = mesh_from_up(model, folder / "logs")
     mesh.start(timeout=up.ready_timeout(None, "cpu"))
     try:

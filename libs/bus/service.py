@@ -20,10 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 
 from libs.bus.bus import Bus, BusError
 from libs.bus.loop import run as run_loop
+from libs.bus.periodic import Periodic
 from libs.bus.ports import write_ports
 from libs.bus.security import nats_connect_options, redact_url
 from libs.bus.settings import ServiceSettings, SettingsError, load_settings, settings_json
 from libs.telemetry.gc_pauses import GcPauses, freeze_startup_heap
+from libs.telemetry.heap_report import HeapReport
 
 log = logging.getLogger("moemesh.service")
 
@@ -48,6 +50,8 @@ class Service:
         self.freeze_heap_when_set_up = False  # main(): this process is the service's own
         self.gc_pauses = GcPauses(self.registry)
         self.http_port: int | None = None  # the bound port, once run() started the side port
+        self.heap_report: HeapReport | None = None  # heap_report_s > 0: tracemalloc, reported periodically
+        self._heap_reports: Periodic | None = None
         self._ready_gauge = Gauge(
             "moemesh_service_ready", "1 when this instance takes work", registry=self.registry
         )
@@ -127,6 +131,9 @@ class Service:
     async def run(self, install_signals: bool = True) -> None:
         """Connect, set up, serve until stopped, then drain gracefully (see the module docstring)."""
         s = self.settings
+        if s.heap_report_s > 0:
+            self.heap_report = HeapReport(frames=s.heap_report_frames)
+            self.heap_report.start()
         self._bus = await Bus.connect(
             s.nats_url, f"{self.name}:{self.instance_id}", connect_deadline=s.connect_timeout_s,
             drain_timeout=s.drain_timeout_s, registry=self.registry, **nats_connect_options(s),
@@ -149,6 +156,10 @@ class Service:
                     "%s %s: start-up heap frozen (%d objects, %.2f s)",
                     self.name, self.instance_id, frozen, time.perf_counter() - t0,
                 )  # fmt: skip
+            if self.heap_report is not None:  # the baseline: the set-up heap
+                self.heap_report.mark_ready()
+                self._heap_reports = Periodic(s.heap_report_s, self._report_heap, "heap-report")
+                self._heap_reports.start()
             self._ready = True
             self._ready_gauge.set(1)
             self.started.set()
@@ -163,6 +174,10 @@ class Service:
         finally:
             await self._shutdown(http, signals)
 
+    async def _report_heap(self) -> None:
+        if self.heap_report is not None:
+            self.heap_report.report()
+
     async def _shutdown(self, http: asyncio.Server | None, signals: list[int]) -> None:
         # Order: /health turns 503; unsubscribe (queue-group peers take new work); delivered messages and
         # running handlers finish (up to drain_timeout_s); on_drain(); the connection drains; HTTP closes.
@@ -172,6 +187,8 @@ class Service:
         loop = asyncio.get_running_loop()
         for sig in signals:
             loop.remove_signal_handler(sig)
+        if self._heap_reports is not None:
+            await self._heap_reports.stop()
         bus = self.bus
         try:
             await bus.stop_subscriptions(self.settings.drain_timeout_s)

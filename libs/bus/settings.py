@@ -79,6 +79,16 @@ class ServiceSettings(msgspec.Struct, frozen=True, kw_only=True):
         Literal["auto", "uvloop", "asyncio"], _d("event loop: auto takes uvloop when installed, else asyncio")
     ] = "auto"
     gc_freeze: Annotated[bool, _d("freeze the start-up heap once set up (gc.freeze), as vLLM does")] = True
+    heap_report_s: Annotated[
+        float, _d("every this many seconds, log RSS and the allocators' heap with their growth; 0: off", ge=0)
+    ] = 0.0
+    heap_report_frames: Annotated[
+        int,
+        _d(
+            "with heap_report_s: trace allocations (tracemalloc, this many frames) and log the lines grown most",
+            ge=0,
+        ),
+    ] = 0
     nats_user: Annotated[str, _d("NATS user (with nats_password)")] = ""
     nats_password: Annotated[str, _d("NATS password (secret)")] = ""
     nats_token: Annotated[str, _d("NATS token (secret)")] = ""

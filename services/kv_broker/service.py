@@ -38,7 +38,7 @@ from proto import subjects
 from services.kv_broker import handles
 from services.kv_broker.handles import HandleError
 from services.kv_broker.prefix_directory import PrefixDirectory
-from services.kv_broker.store import Bucket, Conflict
+from services.kv_broker.store import MARKER_AGE_S, PURGE_EVERY_S, Bucket, Conflict
 
 log = logging.getLogger("moemesh.kv_broker")
 
@@ -61,6 +61,13 @@ class BrokerSettings(ServiceSettings, frozen=True, kw_only=True):
     retention_ms: Annotated[
         int, msgspec.Meta(ge=0, description="milliseconds consumed or expired handle records are kept")
     ] = 60_000
+    marker_age_s: Annotated[
+        float,
+        msgspec.Meta(gt=0, description="seconds a bucket's delete markers are kept before they are purged"),
+    ] = MARKER_AGE_S
+    purge_every_s: Annotated[
+        float, msgspec.Meta(ge=0, description="seconds between purges of old delete markers; 0: never")
+    ] = PURGE_EVERY_S
     max_lease_ms: Annotated[int, msgspec.Meta(gt=0, description="longest lease a KV handle may ask for")] = (
         600_000
     )
@@ -126,8 +133,9 @@ class KvBroker(Service):
     # --- lifecycle ---
     async def setup(self) -> None:
         s, js = self.settings, self.bus.jetstream()
-        self.workers = Bucket(js, s.workers_bucket, m.WorkerRecord, s.bucket_replicas)
-        self.handles = Bucket(js, s.handles_bucket, m.HandleRecord, s.bucket_replicas)
+        markers = {"marker_age_s": s.marker_age_s, "purge_every_s": s.purge_every_s}
+        self.workers = Bucket(js, s.workers_bucket, m.WorkerRecord, s.bucket_replicas, **markers)
+        self.handles = Bucket(js, s.handles_bucket, m.HandleRecord, s.bucket_replicas, **markers)
         await self.workers.open()
         await self.handles.open()
         log.info("kv-broker loaded %d workers and %d handles", len(self.workers), len(self.handles))

@@ -26,6 +26,8 @@ from libs.bus.periodic import Periodic
 log = logging.getLogger("moemesh.kv_broker.store")
 
 R = TypeVar("R", bound=msgspec.Struct)
+MARKER_AGE_S = 600.0  # a delete marker older than this is purged (every watcher has long applied it)
+PURGE_EVERY_S = 300.0
 
 
 class Conflict(Exception):
@@ -34,8 +36,8 @@ class Conflict(Exception):
 
 class Bucket(Generic[R]):
     def __init__(
-        self, js: Any, name: str, record_type: type[R], replicas: int = 1, marker_age_s: float = 600.0,
-        purge_every_s: float = 300.0,
+        self, js: Any, name: str, record_type: type[R], replicas: int = 1, marker_age_s: float = MARKER_AGE_S,
+        purge_every_s: float = PURGE_EVERY_S,
     ) -> None:  # fmt: skip
         self._js = js
         self._marker_age_s = marker_age_s
