@@ -5,10 +5,11 @@ logged and the next one still happens, so liveness signals do not die with one b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+
+from libs.bus.event_wait import cancel_and_wait
 
 log = logging.getLogger("moemesh.bus")
 
@@ -40,7 +41,5 @@ class Periodic:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)  # fn may await nats-py, whose wait_for can lose a cancel
             self._task = None

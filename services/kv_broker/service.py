@@ -31,7 +31,7 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from libs.bus import BusError, Service, ServiceSettings, now_ms
-from libs.bus.event_wait import wait_event
+from libs.bus.event_wait import cancel_and_wait, wait_event
 from libs.telemetry import attributes as span_attrs
 from proto import messages as m
 from proto import subjects
@@ -156,10 +156,8 @@ class KvBroker(Service):
     async def on_drain(self) -> None:
         if self.prefix is not None:
             await self.prefix.stop()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        if self._sweeper is not None:  # a sweep's JetStream write can lose the cancel (libs.bus.event_wait)
+            await cancel_and_wait(self._sweeper)
         for bucket in (self.handles, self.workers):
             if bucket is not None:
                 await bucket.close()

@@ -259,3 +259,24 @@ async def test_a_restarted_decode_worker_is_a_new_incarnation_its_old_handles_ex
     ).handle.state == m.HandleState.RESERVED
     stale = handle(clock.now + 30_000, old)  # a reservation naming the old session is refused from now on
     assert "stale worker incarnation" in (await ask(client, m.CreateHandle(handle=stale))).message
+
+
+async def test_drain_ends_a_sweeper_whose_cancel_a_jetstream_write_lost() -> None:
+    """The sweeper cancelled while a JetStream write's reply arrives: nats-py's asyncio.wait_for returns the
+    reply and the sweeper goes on; the drain must still end it (it hung a SIGTERMed broker under load)."""
+    b = KvBroker(BrokerSettings())
+    replies: list[asyncio.Future] = []
+
+    async def sweeping() -> None:  # the sweep loop's shape: a write (wait_for on its reply), then the next
+        while True:
+            reply = asyncio.get_running_loop().create_future()
+            replies.append(reply)
+            await asyncio.wait_for(reply, 60.0)
+
+    b._sweeper = asyncio.create_task(sweeping())
+    await asyncio.sleep(0)
+    replies[0].set_result(b"+OK")
+    draining = asyncio.create_task(b.on_drain())  # cancels the sweeper in the turn the reply lands
+    done, _ = await asyncio.wait({draining}, timeout=3.0)
+    assert draining in done and b._sweeper.cancelled()
+
