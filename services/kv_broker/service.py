@@ -12,8 +12,10 @@ queue group QUEUE_BROKER, so replicas share the load)."""
 # - Lease expiry: a sweeper wakes when the next lease comes due, marks overdue handles expired
 #   (compare-and-set, so one replica wins) and sends HandleExpired to the owning decode worker's inbox.
 # - All state lives in two JetStream KV buckets (store.py); a restarted broker reloads it and resumes
-#   sweeping. Expired records are re-announced at start (at-least-once: a crash between marking and
-#   announcing loses nothing; decode workers treat a repeat as a no-op).
+#   sweeping; after a reconnect (the nats-server restarted) the mirrors are read again, and handle records
+#   the server revived are expired or forgotten by the sweep. Expired records are re-announced at start
+#   (at-least-once: a crash between marking and announcing loses nothing; decode workers treat a repeat as
+#   a no-op).
 # - Prefix index (prefix.py): which worker caches which KV block, from the workers' KV events, answering
 #   PrefixQuery on BROKER_PREFIX; soft state rebuilt from worker snapshots, not kept in JetStream.
 
@@ -367,13 +369,31 @@ class KvBroker(Service):
                     await bucket.delete(hid, cur[1])
         return plan
 
+    def _reconnects(self) -> int:
+        return int(self.bus.nc.stats.get("reconnects", 0))
+
+    async def resync(self) -> None:
+        """Both buckets' mirrors made what the server holds (after a reconnect: store.Bucket.resync); revived
+        handle records then expire or are forgotten by the sweep like any other."""
+        for bucket in self._buckets():
+            gained, dropped = await bucket.resync()
+            if gained or dropped:
+                log.warning(
+                    "bucket %s after the reconnect: %d keys the mirror lacked (revived by the server's restart), "
+                    "%d it held that the server lost", bucket.name, gained, dropped,
+                )  # fmt: skip
+
     async def _sweep_loop(self) -> None:
         """Sleep until the next lease (or retention) comes due, a new earlier lease arrives, or
         max_sweep_interval_s passes (handles another replica created reach us through the mirror)."""
         cap = self.settings.max_sweep_interval_s
+        reconnects = self._reconnects()
         while True:
             self._wake.clear()
             try:
+                if self._reconnects() != reconnects and self.bus.is_connected:
+                    await self.resync()
+                    reconnects = self._reconnects()
                 plan = await self.sweep()
                 self._next_due_ms = plan.next_due_ms
                 delay = (

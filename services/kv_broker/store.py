@@ -6,6 +6,8 @@
 # handlers) changing one handle cannot both win; the loser re-reads and re-decides (`Conflict`). A delete
 # leaves a marker in the bucket's stream; markers older than `marker_age_s` are purged every
 # `purge_every_s`, or a bucket of short-lived keys (handles) would grow by one message per key forever.
+# After a reconnect the owner calls `resync`: the watcher resumes where it was, but an uncleanly restarted
+# nats-server may have revived purged keys behind it.
 
 from __future__ import annotations
 
@@ -93,6 +95,34 @@ class Bucket(Generic[R]):
         for key in old:
             await self._js.purge_stream(f"KV_{self.name}", subject=f"$KV.{self.name}.{key}")
         return len(old)
+
+    async def resync(self) -> tuple[int, int]:
+        """Make the mirror what the server holds now, after the connection came back: a nats-server that
+        restarted uncleanly may hold entries the watcher never delivers (2.15 revives the last value of a
+        key whose delete marker was purged: an older sequence than where the watcher resumes) and lack
+        writes it acknowledged just before it died. Returns (keys the mirror gained, keys it dropped)."""
+        start = (await self._js.stream_info(f"KV_{self.name}")).state.last_seq
+        watcher = await self.kv.watchall()
+        held: set[str] = set()
+        gained = 0
+        try:
+            async for e in watcher:
+                if e is None:  # the snapshot is complete
+                    break
+                if e.operation in ("DEL", "PURGE"):
+                    continue
+                held.add(e.key)
+                had = e.key in self._mirror
+                self._apply(e)  # an entry our own delete overtook stays out
+                gained += not had and e.key in self._mirror
+        finally:
+            await watcher.stop()
+        gone = [k for k, (_, rev) in self._mirror.items() if k not in held and rev <= start]
+        for k in gone:  # not on the server, and not written since the snapshot began
+            del self._mirror[k]
+        if gained or gone:
+            self.changed.set()
+        return gained, len(gone)
 
     async def _watch(self, loaded: asyncio.Future) -> None:
         try:

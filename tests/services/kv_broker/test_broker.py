@@ -280,3 +280,16 @@ async def test_drain_ends_a_sweeper_whose_cancel_a_jetstream_write_lost() -> Non
     done, _ = await asyncio.wait({draining}, timeout=3.0)
     assert draining in done and b._sweeper.cancelled()
 
+
+async def test_the_sweeper_reads_the_buckets_again_after_a_reconnect(broker, monkeypatch) -> None:
+    b, _ = broker
+    resynced = asyncio.Event()
+
+    async def resync() -> None:
+        resynced.set()
+
+    monkeypatch.setattr(b, "resync", resync)
+    before = b._reconnects()
+    monkeypatch.setattr(b, "_reconnects", lambda: before + 1)  # the connection came back since
+    b._wake.set()
+    await asyncio.wait_for(resynced.wait(), 5.0)

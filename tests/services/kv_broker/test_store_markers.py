@@ -43,3 +43,30 @@ async def test_old_delete_markers_are_purged_and_live_keys_stay(nats_server: str
         await bucket.close()
         await js.delete_key_value(name)
         await nc.close()
+
+
+async def test_resync_makes_the_mirror_what_the_server_holds(nats_server: str) -> None:
+    """Keys the watcher will never deliver (revived by a restarted server behind its position) join the
+    mirror; keys the server lost (acknowledged writes gone with an unclean restart) leave it."""
+    nc = await nats.connect(nats_server)
+    js = nc.jetstream()
+    name = f"resync_{uuid.uuid4().hex[:8]}"
+    bucket = Bucket(js, name, Rec, purge_every_s=0)
+    await bucket.open()
+    try:
+        await bucket.create("kept", Rec(0))
+        await bucket.create("lost", Rec(1))
+        assert bucket._watcher is not None and bucket._watch_task is not None
+        await bucket._watcher.stop()  # the watcher delivers nothing from here on
+        await bucket._watch_task
+        kv = await js.key_value(name)
+        await kv.put("revived", msgspec.msgpack.encode(Rec(2)))
+        await kv.purge("lost")
+        assert sorted(k for k, _ in bucket.items()) == ["kept", "lost"]
+        assert await bucket.resync() == (1, 1)
+        assert sorted((k, r.n) for k, r in bucket.items()) == [("kept", 0), ("revived", 2)]
+        assert await bucket.resync() == (0, 0)
+    finally:
+        await bucket.close()
+        await js.delete_key_value(name)
+        await nc.close()
