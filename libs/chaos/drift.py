@@ -1,6 +1,7 @@
 """Is a sampled series flat? Pure judgements for long runs (bench.soak): a slope fitted within process
-lifetimes (a restart resets memory, so each lifetime gets its own intercept), and the median of the last
-third of a run against the first (robust to the spikes faults cause)."""
+lifetimes (a restart resets memory, so each lifetime gets its own intercept), the median of the last
+third of a run against the first (robust to the spikes faults cause), and for a series a periodic purge
+cuts back (a sawtooth), what each purge leaves."""
 
 from __future__ import annotations
 
@@ -64,3 +65,35 @@ def judge_thirds(name: str, points: Sequence[Point], rel_tol: float, abs_tol: fl
     first, last = m
     limit = first * (1 + rel_tol) + abs_tol
     return Judgement(name, last <= limit, f"median {first:.3g} -> {last:.3g} (limit {limit:.3g})")
+
+
+def purge_troughs(points: Sequence[Point]) -> list[Point]:
+    """The samples right after a purge, in a series that only grows between purges: each one lower than
+    the sample before it."""
+    pts = sorted(points)
+    return [b for a, b in zip(pts, pts[1:], strict=False) if b[1] < a[1]]
+
+
+def judge_purged(
+    name: str, points: Sequence[Point], period_s: float, rel_tol: float, abs_tol: float
+) -> Judgement:
+    """A series that grows between purges which cut it back every `period_s` or so (a JetStream bucket's
+    messages: delete markers pile up until they are old enough to purge). Its medians rise and fall with
+    the purge clock, so thirds would judge the phase; what a purge leaves is what must stay put. Flat when
+    the last trough is at most the first x (1 + rel_tol) + abs_tol, and purges keep coming: no stretch
+    from the first purge to the end of the run longer than 2.5 periods without one. With fewer than two
+    purges seen it is judged by thirds (a series that grows with no purge in sight is not flat)."""
+    pts = sorted(points)
+    troughs = purge_troughs(pts)
+    if len(troughs) < 2:
+        j = judge_thirds(name, pts, rel_tol, abs_tol)
+        return Judgement(name, j.flat, f"{len(troughs)} purge(s) seen, judged by thirds: {j.why}")
+    times = [t for t, _ in troughs] + [pts[-1][0]]
+    gap = max(b - a for a, b in zip(times, times[1:], strict=False))
+    first, last = troughs[0][1], troughs[-1][1]
+    limit = first * (1 + rel_tol) + abs_tol
+    why = (
+        f"after {len(troughs)} purges {first:.3g} -> {last:.3g} (limit {limit:.3g}); at most {gap:.0f} s "
+        f"without a purge (limit {2.5 * period_s:.0f} s)"
+    )
+    return Judgement(name, last <= limit and gap <= 2.5 * period_s, why)
