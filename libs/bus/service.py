@@ -25,6 +25,7 @@ from libs.bus.ports import write_ports
 from libs.bus.security import nats_connect_options, redact_url
 from libs.bus.settings import ServiceSettings, SettingsError, load_settings, settings_json
 from libs.telemetry.gc_pauses import GcPauses, freeze_startup_heap
+from libs.telemetry import heap_trim
 from libs.telemetry.heap_report import HeapReport
 
 log = logging.getLogger("moemesh.service")
@@ -52,6 +53,7 @@ class Service:
         self.http_port: int | None = None  # the bound port, once run() started the side port
         self.heap_report: HeapReport | None = None  # heap_report_s > 0: tracemalloc, reported periodically
         self._heap_reports: Periodic | None = None
+        self._heap_trims: Periodic | None = None  # malloc_trim_s > 0 on glibc
         self._ready_gauge = Gauge(
             "moemesh_service_ready", "1 when this instance takes work", registry=self.registry
         )
@@ -160,6 +162,9 @@ class Service:
                 self.heap_report.mark_ready()
                 self._heap_reports = Periodic(s.heap_report_s, self._report_heap, "heap-report")
                 self._heap_reports.start()
+            if s.malloc_trim_s > 0 and heap_trim.available():
+                self._heap_trims = Periodic(s.malloc_trim_s, self._trim_heap, "malloc-trim")
+                self._heap_trims.start()
             self._ready = True
             self._ready_gauge.set(1)
             self.started.set()
@@ -174,6 +179,9 @@ class Service:
         finally:
             await self._shutdown(http, signals)
 
+    async def _trim_heap(self) -> None:  # off the event loop: a trim walks every arena
+        await asyncio.get_running_loop().run_in_executor(None, heap_trim.trim)
+
     async def _report_heap(self) -> None:
         if self.heap_report is not None:
             self.heap_report.report()
@@ -187,8 +195,9 @@ class Service:
         loop = asyncio.get_running_loop()
         for sig in signals:
             loop.remove_signal_handler(sig)
-        if self._heap_reports is not None:
-            await self._heap_reports.stop()
+        for periodic in (self._heap_reports, self._heap_trims):
+            if periodic is not None:
+                await periodic.stop()
         bus = self.bus
         try:
             await bus.stop_subscriptions(self.settings.drain_timeout_s)

@@ -89,6 +89,10 @@ class ServiceSettings(msgspec.Struct, frozen=True, kw_only=True):
             ge=0,
         ),
     ] = 0
+    malloc_trim_s: Annotated[
+        float,
+        _d("every this many seconds, return glibc's freed-but-kept heap to the OS (malloc_trim); 0: off", ge=0),
+    ] = 0.0
     nats_user: Annotated[str, _d("NATS user (with nats_password)")] = ""
     nats_password: Annotated[str, _d("NATS password (secret)")] = ""
     nats_token: Annotated[str, _d("NATS token (secret)")] = ""
