@@ -24,8 +24,8 @@ from libs.bus.periodic import Periodic
 from libs.bus.ports import write_ports
 from libs.bus.security import nats_connect_options, redact_url
 from libs.bus.settings import ServiceSettings, SettingsError, load_settings, settings_json
-from libs.telemetry.gc_pauses import GcPauses, freeze_startup_heap
 from libs.telemetry import heap_trim
+from libs.telemetry.gc_pauses import GcPauses, freeze_startup_heap
 from libs.telemetry.heap_report import HeapReport
 
 log = logging.getLogger("moemesh.service")
