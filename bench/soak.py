@@ -337,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = soak_prompts(48)
     want = reference(model, prompts, MAX_TOKENS)
     result: dict[str, Any] = {
-        "command": shlex.join(["python", "-m", "bench.soak", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(  # the MOEMESH_* settings every service inherited from this environment first
+            [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("MOEMESH_")]
+            + [shlex.join(["python", "-m", "bench.soak", *(sys.argv[1:] if argv is None else argv)])]
+        ),
         "environment": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                         "commit": commit()},
         "mesh": "moemesh up's default mesh (its parser and launcher): nats-server, kv-broker, scheduler, 1 prefill "
