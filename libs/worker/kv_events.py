@@ -23,6 +23,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from libs.bus import Bus
+from libs.bus.event_wait import cancel_and_wait
 from libs.worker.engine_thread import EngineThread
 from proto import messages as m
 from proto import subjects
@@ -157,9 +158,7 @@ class KvEventPublisher:
         self.flush()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
-        self._sender.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._sender
+        await cancel_and_wait(self._sender)  # again while it runs on: a cancel lost in nats-py's wait_for
         self._sender = None
 
 

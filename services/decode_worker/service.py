@@ -20,7 +20,7 @@ import msgspec
 from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.bus.event_wait import wait_event
+from libs.bus.event_wait import cancel_and_wait, wait_event
 from libs.bus.periodic import Periodic
 from libs.engine.pages import OutOfPagesError
 from libs.engine.sampling import SamplingParams
@@ -502,9 +502,7 @@ class DecodeWorker(WorkerService):
         await self._fail_all(503, "decode worker shut down")
         for rid, handle_id in list(self.reserved.items()):
             await self.drop_reservation(rid, handle_id, "decode worker shut down")
-        self.loop_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.loop_task
+        await cancel_and_wait(self.loop_task)  # again while it runs on: a cancel lost in nats-py's wait_for
         if self._background:
             await asyncio.wait(set(self._background), timeout=self.settings.broker_timeout_s)
         await self.heartbeat.stop()

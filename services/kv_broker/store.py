@@ -23,6 +23,7 @@ import nats.js.errors
 from nats.js import api
 from nats.js.kv import KeyValue
 
+from libs.bus.event_wait import cancel_and_wait
 from libs.bus.periodic import Periodic
 
 log = logging.getLogger("moemesh.kv_broker.store")
@@ -165,9 +166,7 @@ class Bucket(Generic[R]):
             with contextlib.suppress(Exception):
                 await self._watcher.stop()
         if self._watch_task is not None:
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
+            await cancel_and_wait(self._watch_task)  # again while it runs on: a cancel lost in nats-py
 
     # --- reads (mirror) ---
     def get(self, key: str) -> tuple[R, int] | None:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from libs.bus.event_wait import cancel_and_wait
 from libs.engine.outputs import PrefillResult, StepOutput
 from libs.engine.protocol import EngineLike
 from libs.engine.sampling import SamplingParams
@@ -96,9 +97,7 @@ class PrefillLoop:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)  # again while it runs on: a cancel lost in nats-py's wait_for
         for rid in list(self._futures):
             self._fail(rid, RuntimeError("prefill worker is stopping"))
 

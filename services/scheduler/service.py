@@ -41,7 +41,7 @@ from libs.bus import (
     current_traceparent,
     request_context,
 )
-from libs.bus.event_wait import wait_event
+from libs.bus.event_wait import cancel_and_wait, wait_event
 from libs.liveness import StallClock
 from libs.prefix.replica import PrefixReplica
 from libs.telemetry import attributes as span_attrs
@@ -273,8 +273,8 @@ class SchedulerService(Service):
         """Stop placing, let placements in flight finish, then fail what is still queued: no other
         replica knows those requests, and the gateway should hear now rather than at its deadline."""
         if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+            with contextlib.suppress(Exception):  # it failed: the drain goes on regardless
+                await cancel_and_wait(self._loop_task)  # again while it runs on (a cancel lost in nats-py)
         if self._placements:
             await asyncio.wait(set(self._placements), timeout=self.settings.reserve_timeout_s + 1.0)
         while (e := self.queue.head()) is not None:
