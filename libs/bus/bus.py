@@ -169,6 +169,11 @@ class Bus:
         return self.nc.is_connected
 
     @property
+    def reconnects(self) -> int:
+        """How often the connection came back (messages may have been lost each time)."""
+        return int(self.nc.stats.get("reconnects", 0))
+
+    @property
     def max_payload(self) -> int:
         return self.nc.max_payload
 

@@ -24,9 +24,8 @@ from libs.bus.periodic import Periodic
 from libs.bus.ports import write_ports
 from libs.bus.security import nats_connect_options, redact_url
 from libs.bus.settings import ServiceSettings, SettingsError, load_settings, settings_json
-from libs.telemetry import heap_trim
 from libs.telemetry.gc_pauses import GcPauses, freeze_startup_heap
-from libs.telemetry.heap_report import HeapReport
+from libs.telemetry.heap_report import HeapReport, can_trim, trim_heap
 
 log = logging.getLogger("moemesh.service")
 
@@ -51,7 +50,7 @@ class Service:
         self.freeze_heap_when_set_up = False  # main(): this process is the service's own
         self.gc_pauses = GcPauses(self.registry)
         self.http_port: int | None = None  # the bound port, once run() started the side port
-        self.heap_report: HeapReport | None = None  # heap_report_s > 0: tracemalloc, reported periodically
+        self.heap_report: HeapReport | None = None  # heap_report_s > 0: the heap, reported periodically
         self._heap_reports: Periodic | None = None
         self._heap_trims: Periodic | None = None  # malloc_trim_s > 0 on glibc
         self._ready_gauge = Gauge(
@@ -162,7 +161,7 @@ class Service:
                 self.heap_report.mark_ready()
                 self._heap_reports = Periodic(s.heap_report_s, self._report_heap, "heap-report")
                 self._heap_reports.start()
-            if s.malloc_trim_s > 0 and heap_trim.available():
+            if s.malloc_trim_s > 0 and can_trim():
                 self._heap_trims = Periodic(s.malloc_trim_s, self._trim_heap, "malloc-trim")
                 self._heap_trims.start()
             self._ready = True
@@ -180,7 +179,7 @@ class Service:
             await self._shutdown(http, signals)
 
     async def _trim_heap(self) -> None:  # off the event loop: a trim walks every arena
-        await asyncio.get_running_loop().run_in_executor(None, heap_trim.trim)
+        await asyncio.get_running_loop().run_in_executor(None, trim_heap)
 
     async def _report_heap(self) -> None:
         if self.heap_report is not None:

@@ -104,15 +104,12 @@ class LivenessWatch:
         except Exception:  # a failing callback must not stop the watch
             log.exception("liveness callback failed")
 
-    def _reconnects(self) -> int:
-        return int(self.bus.nc.stats.get("reconnects", 0))
-
     async def _loop(self) -> None:
-        seen_reconnects = self._reconnects()
+        seen_reconnects = self.bus.reconnects
         while True:
             now = self.clock()
             if self.bus.is_connected:
-                if (n := self._reconnects()) != seen_reconnects:
+                if (n := self.bus.reconnects) != seen_reconnects:
                     seen_reconnects = n
                     self.table.restart_clock(now)
                     log.info("bus reconnected: liveness clocks restarted")

@@ -1,10 +1,10 @@
-"""Where a service's memory goes over time (opt-in: the `heap_report_s` setting): every interval one log line
-of the process's RSS, Python's small-object allocator (pymalloc: its arenas, and the blocks in use in them)
-and glibc's heap (in use, and freed but kept), each with its change since the service was ready; with
-`heap_report_frames` > 0, tracemalloc instead of pymalloc's counters: the traced total and the source lines
-whose memory grew most. A leak grows what is in use with RSS; an allocator keeping memory after a burst
-(arenas pinned by a few live objects, glibc's free lists) grows RSS while what is in use stays flat."""
+"""Where a service's memory goes (`heap_report_s`): RSS beside pymalloc's arenas and blocks in use and glibc's
+heap in use and freed but kept, or with `heap_report_frames` tracemalloc's lines grown most; and `trim_heap`,
+glibc's freed-but-kept heap handed back to the OS (`malloc_trim_s`)."""
 
+# Each line gives the change since the service was ready. A leak grows what is in use with RSS; an allocator
+# keeping memory after a burst (arenas pinned by a few live objects, glibc's free lists) grows RSS while what
+# is in use stays flat: trim_heap returns glibc's part of that.
 # Without tracing a report costs a walk of pymalloc's pools (milliseconds). With tracing every allocation
 # is slower and a snapshot walks every traced block holding the GIL (longer for a worker's heap): a
 # debugging aid (bench.soak --heap-report turns it on for one service), not for serving.
@@ -38,14 +38,14 @@ class _MallInfo2(ctypes.Structure):
 
 
 def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
     try:
-        lib = ctypes.CDLL(name or "libc.so.6")
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
-    if not hasattr(lib, "mallinfo2"):  # glibc >= 2.33 only; musl and macOS have none
-        return None
-    lib.mallinfo2.restype = _MallInfo2
+    if hasattr(lib, "mallinfo2"):  # glibc >= 2.33 only; musl and macOS have none
+        lib.mallinfo2.restype = _MallInfo2
+    if hasattr(lib, "malloc_trim"):  # glibc only
+        lib.malloc_trim.argtypes, lib.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     return lib
 
 
@@ -55,10 +55,21 @@ _LIBC = _libc()
 def malloc_bytes() -> tuple[int, int] | None:
     """glibc's heap: (bytes in use, bytes freed but kept by malloc), mmapped chunks counted as in use;
     None without glibc's mallinfo2."""
-    if _LIBC is None:
+    if _LIBC is None or not hasattr(_LIBC, "mallinfo2"):
         return None
     mi = _LIBC.mallinfo2()
     return mi.uordblks + mi.hblkhd, mi.fordblks
+
+
+def can_trim() -> bool:
+    """Whether `trim_heap` can do anything here (glibc's malloc_trim)."""
+    return _LIBC is not None and hasattr(_LIBC, "malloc_trim")
+
+
+def trim_heap() -> bool:
+    """glibc's freed-but-kept heap handed back to the OS (`malloc_trim(0)`, as Dask's workers do; the
+    `malloc_trim_s` setting); ctypes releases the GIL. True when memory went back."""
+    return bool(_LIBC.malloc_trim(0)) if _LIBC is not None and can_trim() else False
 
 
 def pymalloc_bytes() -> tuple[int, int] | None:

@@ -370,7 +370,7 @@ class KvBroker(Service):
         return plan
 
     def _reconnects(self) -> int:
-        return int(self.bus.nc.stats.get("reconnects", 0))
+        return self.bus.reconnects
 
     async def resync(self) -> None:
         """Both buckets' mirrors made what the server holds (after a reconnect: store.Bucket.resync); revived

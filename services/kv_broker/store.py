@@ -79,20 +79,27 @@ class Bucket(Generic[R]):
         if self._purge is not None:
             self._purge.start()
 
-    async def purge_markers(self) -> int:
-        """Remove the delete markers older than marker_age_s (every watcher has long applied them);
-        returns how many."""
-        cutoff = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=self._marker_age_s)
+    async def _server_entries(self) -> list[Any]:
+        """The latest entry of every key the server holds, delete and purge markers included (a snapshot)."""
         watcher = await self.kv.watchall()
-        old = []
+        entries = []
         try:
             async for e in watcher:
                 if e is None:  # the snapshot is complete
                     break
-                if e.operation in ("DEL", "PURGE") and e.created is not None and e.created < cutoff:
-                    old.append(e.key)
+                entries.append(e)
         finally:
             await watcher.stop()
+        return entries
+
+    async def purge_markers(self) -> int:
+        """Remove the delete markers older than marker_age_s (every watcher has long applied them);
+        returns how many."""
+        cutoff = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=self._marker_age_s)
+        old = [
+            e.key for e in await self._server_entries()
+            if e.operation in ("DEL", "PURGE") and e.created is not None and e.created < cutoff
+        ]  # fmt: skip
         for key in old:
             await self._js.purge_stream(f"KV_{self.name}", subject=f"$KV.{self.name}.{key}")
         return len(old)
@@ -103,21 +110,15 @@ class Bucket(Generic[R]):
         key whose delete marker was purged: an older sequence than where the watcher resumes) and lack
         writes it acknowledged just before it died. Returns (keys the mirror gained, keys it dropped)."""
         start = (await self._js.stream_info(f"KV_{self.name}")).state.last_seq
-        watcher = await self.kv.watchall()
         held: set[str] = set()
         gained = 0
-        try:
-            async for e in watcher:
-                if e is None:  # the snapshot is complete
-                    break
-                if e.operation in ("DEL", "PURGE"):
-                    continue
-                held.add(e.key)
-                had = e.key in self._mirror
-                self._apply(e)  # an entry our own delete overtook stays out
-                gained += not had and e.key in self._mirror
-        finally:
-            await watcher.stop()
+        for e in await self._server_entries():
+            if e.operation in ("DEL", "PURGE"):
+                continue
+            held.add(e.key)
+            had = e.key in self._mirror
+            self._apply(e)  # an entry our own delete overtook stays out
+            gained += not had and e.key in self._mirror
         gone = [k for k, (_, rev) in self._mirror.items() if k not in held and rev <= start]
         for k in gone:  # not on the server, and not written since the snapshot began
             del self._mirror[k]
