@@ -47,6 +47,7 @@ import nats
 import nats.js.errors
 
 from bench.chaos import reference
+from libs.bus.security import MASK, is_secret, redact_url
 from libs.chaos.drift import Judgement, judge_purged, judge_slope, judge_thirds
 from libs.chaos.overload import rss_kib
 from libs.chaos.partitions import live_handles
@@ -181,6 +182,14 @@ async def faults(
             print(f"{name} not back: {e}", flush=True)
         log.append({"t": round(t - t0, 1), "killed": name, "back_s": back})
         print(f"t={t - t0:.0f}s killed {name}; back after {back} s", flush=True)
+
+
+def shown_setting(env_key: str, value: str) -> str:
+    """An inherited MOEMESH_* value as a record may show it: secrets masked, URLs without credentials."""
+    name = env_key.lower()
+    if is_secret(name):
+        return MASK
+    return redact_url(value) if name.endswith("url") else value
 
 
 def per_minute(traffic: Traffic, t0: float, t_end: float) -> list[dict[str, Any]]:
@@ -338,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     want = reference(model, prompts, MAX_TOKENS)
     result: dict[str, Any] = {
         "command": " ".join(  # the MOEMESH_* settings every service inherited from this environment first
-            [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("MOEMESH_")]
+            [f"{k}={shlex.quote(shown_setting(k, v))}" for k, v in sorted(os.environ.items()) if k.startswith("MOEMESH_")]
             + [shlex.join(["python", "-m", "bench.soak", *(sys.argv[1:] if argv is None else argv)])]
         ),
         "environment": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
