@@ -15,8 +15,10 @@ under steady load for a long time, with a crash every few minutes, sampling what
 4. Samples every --sample-every seconds: RSS per service (and its restart count), request pages, used
    pages and live requests per worker, live and total KV handles at the kv-broker, keys and messages
    (tombstones included) of the JetStream KV buckets; per minute: requests by outcome, TTFT p50/p99.
-5. Verdict, after --warmup-minutes: RSS per service flat within its lifetimes (pooled slope, each restart
-   its own intercept, the first 2 minutes of a lifetime left out); pages, handles and TTFT p99 flat by the
+5. Verdict, after --warmup-minutes: RSS per service flat within its lifetimes (pooled slope over the second
+   half of the time after warm-up, each restart its own intercept, the first 2 minutes of a lifetime left
+   out: a step to a plateau, such as glibc keeping what a burst after a kill took, is not growth, a leak
+   keeps its slope; the slope over all of it is shown beside); pages, handles and TTFT p99 flat by the
    median of the run's last third against its first; the JetStream buckets' messages (delete markers pile
    up between the kv-broker's purges, every 300 s, of those older than 600 s: a sawtooth) by what each purge
    leaves, which must not grow, and by purges that keep coming (by thirds while fewer than two purges are
@@ -210,6 +212,7 @@ def verdict(
     purge_every_s: float = PURGE_EVERY_S,
 ) -> list[Judgement]:  # fmt: skip
     after = [s for s in samples if s["t"] >= warmup_s]
+    late = (warmup_s + after[-1]["t"]) / 2 if after else warmup_s  # RSS: its slope over the second half
     out = []
     kills: dict[str, list[float]] = {}
     for f in faults_log:
@@ -222,7 +225,8 @@ def verdict(
             if name in s["rss_mib"] and s["t"] >= last_kill + SETTLE_S:
                 segs.setdefault(restarts, []).append((s["t"], s["rss_mib"][name]))
         med = statistics.median([v for seg in segs.values() for _, v in seg] or [0.0])
-        out.append(judge_slope(f"rss_mib[{name}]", list(segs.values()), per_hour_tol=max(16.0, 0.05 * med)))
+        tol = max(16.0, 0.05 * med)
+        out.append(judge_slope(f"rss_mib[{name}]", list(segs.values()), per_hour_tol=tol, since=late))
 
     def series(key: str, get: Any) -> list[tuple[float, float]]:
         pts = []
