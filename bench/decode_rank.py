@@ -101,10 +101,12 @@ def build_engine(
 
 
 def kv_roofline(engine: Engine) -> dict:
-    """decode_step_bound's KV arguments for the engine's pool: bytes per cached value, and FP8 attention dots
-    over an FP8 cache."""
+    """decode_step_bound's KV arguments for the engine's pool: bytes per cached value, and whether attention's
+    dots run in FP8 (the Triton kernel over "token" rows with FP8 dots; FlashInfer over "tensor" rows and the
+    Engine's default bf16 dots dequantize first)."""
     pool = engine.kv_pool
-    return {"kv_bytes": pool.row_width * pool.buffer.element_size() / pool.row_dim, "mla_fp8": pool.fp8 is not None}
+    fp8_dots = pool.fp8 is not None and pool.fp8.scales == "token" and fp8_attn.DECODE_DOTS != "bf16"
+    return {"kv_bytes": pool.row_width * pool.buffer.element_size() / pool.row_dim, "mla_fp8": fp8_dots}
 
 
 def real_dispatch(model: DeepseekV3ForCausalLM, local: int, max_tokens: int) -> None:
@@ -223,7 +225,8 @@ def run(a) -> list[dict]:
             "host_ms": step - t["graph_ms"] if t["graph_ms"] is not None else None,
             "roofline_step_ms": roof["step_s"] * 1e3, "roofline_fraction": roof["step_s"] * 1e3 / step,
             "roofline_spec_step_ms": spec["step_s"] * 1e3, "roofline_fraction_spec": spec["step_s"] * 1e3 / step,
-            "attention_backend": backend, "kv_cache_dtype": a.kv_cache_dtype, "fp8_dots": fp8_attn.DECODE_DOTS, "ep": a.ep, "physical_experts": a.physical,
+            "attention_backend": backend, "kv_cache_dtype": a.kv_cache_dtype, "fp8_dots": fp8_attn.DECODE_DOTS,
+            "kv_format": engine.kv_pool.format_name, "ep": a.ep, "physical_experts": a.physical,
             "local_experts": a.physical // a.ep, "dispatch": a.dispatch, "ep_communication": COMMUNICATION[a.dispatch],
             "fast_path": engine.model.fast is not None, "cuda_graph": engine.runner.graphs is not None,
             "tbo": engine.model.tbo is not None,
@@ -237,7 +240,7 @@ def run(a) -> list[dict]:
             f"{', TBO' if a.tbo else ''}]", flush=True,
         )  # fmt: skip
     suffix = ("-real-dispatch" if a.dispatch == "real" else "") + ("-tbo" if a.tbo else "")
-    suffix += f"-fp8kv-{fp8_attn.DECODE_DOTS}" if a.kv_cache_dtype != "auto" else ""
+    suffix += f"-{engine.kv_pool.format_name}" if a.kv_cache_dtype != "auto" else ""
     print("wrote", write_results(f"decode_rank-engine-{backend}{suffix}", records))
     return records
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything GPU-side, for the `device` tool's lent H200:
 #   bash bench/gpu_check.sh [quick|wave|fp8]   (carry .whl: `bash scripts/gpu_wheels.sh flashinfer`)
+#   FP8_EXTRA="fp8_e4m3:512" bash bench/gpu_check.sh fp8   (further decode_rank runs, kv_cache_dtype:batch)
 # Each GPU test file runs in its own process with its own time limit, so one sticky CUDA fault (an
 # illegal address poisons the whole process) cannot hide the others' results; only compact summaries
 # go to $OUT (the device tool brings back a limited number of files).
@@ -14,22 +15,25 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 summary="$OUT/summary.txt"
 : > "$summary"
-if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: its MLA kernel beside FlashInfer's bf16 one, the Engine, then the
-  # GPU tests with what is left of BUDGET (default 560 s: one device call), measurements first
+if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: the MLA kernels over FP8 rows beside FlashInfer's bf16 one, the
+  # Engine (FlashInfer's FP8 decode over "tensor" rows), then the GPU tests with what is left of BUDGET
+  # (default 560 s: one device call), measurements first
   t0=$(date +%s)
-  timeout 170 python3 -m bench.kernels --mla-fp8-only --quick > "$OUT/kernels_fp8.log" 2>&1
-  grep -E "^mla fp8|flashinfer|triton-bf16|failed" "$OUT/kernels_fp8.log" | cut -c1-220 | tee -a "$summary"
-  for run in "auto 256" "fp8_e4m3 256"; do
-    set -- $run
+  timeout 200 python3 -m bench.kernels --mla-fp8-only --quick > "$OUT/kernels_fp8.log" 2>&1
+  grep -E "^mla fp8|flashinfer|triton-bf16|failed|Error" "$OUT/kernels_fp8.log" | cut -c1-220 | tee -a "$summary"
+  for run in auto:256 fp8_e4m3:256 ${FP8_EXTRA:-}; do
+    set -- ${run/:/ }
     timeout 150 python3 -m bench.decode_rank --batch "$2" --attn flashinfer --kv-cache-dtype "$1" 2>&1 \
       | grep -E "^B=|Error|error" | sed "s/^/$1 /" | tee -a "$summary"
   done
-  for f in tests/libs/kernels/test_mla_decode_fp8.py tests/libs/engine/test_kv_fp8.py; do
+  for f in tests/libs/engine/test_cuda_graph.py::test_flashinfer_backend_decodes_fp8_rows_as_the_reference \
+      tests/libs/engine/test_cuda_graph.py::test_flashinfer_fp8_decode_graph_replay_equals_eager_over_tensor_rows \
+      tests/libs/kernels/test_kv_fp8_write.py tests/libs/kernels/test_mla_decode_fp8.py tests/libs/engine/test_kv_fp8.py; do
     left=$(( ${BUDGET:-560} - ($(date +%s) - t0) ))
     [ "$left" -lt 40 ] && { echo "$f: not run ($left s left)" | tee -a "$summary"; continue; }
     log=$(timeout "$left" python3 -m pytest -q -rf --tb=short --confcutdir=tests/libs -p no:cacheprovider "$f" 2>&1)
     echo "$f: $(echo "$log" | grep -E "^(FAILED|ERROR)|passed|failed|error" | tail -6 | tr '\n' ' ')" | tee -a "$summary"
-    echo "$log" | grep -v -i warn | tail -60 > "$OUT/log-$(basename "$f" .py).txt"
+    echo "$log" | grep -v -i warn | tail -60 > "$OUT/log-$(basename "${f%%::*}" .py)-${f##*::}.txt"
   done
   exit 0
 fi

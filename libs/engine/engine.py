@@ -28,6 +28,7 @@ from libs.engine.decode_pipeline import OverlapDecoder
 from libs.engine.host_pool import HostKVPool
 from libs.engine.kv_fp8 import fp8_rows
 from libs.engine.kv_pool import KVPool, row_bytes
+from libs.engine.layers.attention_backend import fp8_scales
 from libs.engine.loader import load_model
 from libs.engine.logits_processors import LogitsProcessors
 from libs.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -72,7 +73,8 @@ class Engine:
         self.config: ModelConfig = model.config
         cfg = self.config
         dtype, device = model.dtype, model.device
-        fp8 = fp8_rows(a.kv_cache_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        scales = fp8_scales(attention_backend, cfg, device, dtype)  # the FP8 row layout its decode kernel reads
+        fp8 = fp8_rows(a.kv_cache_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim, scales)
         token_bytes = row_bytes(cfg.kv_row_dim, dtype, fp8) * cfg.num_hidden_layers
         num_pages = a.num_pages or default_num_pages(cfg, page_size, max_num_seqs, token_bytes)
         graphs = a.cuda_graphs and decode_graphs_supported(model, attention_backend)

@@ -50,8 +50,9 @@ class KVPool:
 
     @property
     def format_name(self) -> str:
-        """What a page's bytes mean, for peers that exchange pages: the row dtype, or "fp8_e4m3"."""
-        return str(self.row_dtype).removeprefix("torch.") if self.fp8 is None else "fp8_e4m3"
+        """What a page's bytes mean, for peers that exchange pages: the row dtype, or the FP8 layout's name
+        ("fp8_e4m3", "fp8_e4m3_tensor")."""
+        return str(self.row_dtype).removeprefix("torch.") if self.fp8 is None else self.fp8.name
 
     def layer(self, layer_id: int) -> torch.Tensor:
         """[P * page_size, W] view of one layer's rows (raw bytes for an FP8 pool)."""

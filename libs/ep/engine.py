@@ -27,6 +27,7 @@ from libs.engine.config import ModelConfig
 from libs.engine.engine import default_num_pages
 from libs.engine.kv_fp8 import Fp8Rows, fp8_rows
 from libs.engine.kv_pool import KVPool, row_bytes
+from libs.engine.layers.attention_backend import fp8_scales
 from libs.engine.loader import parse_dtype
 from libs.engine.outputs import GenerationOutput, PrefillResult, StepOutput
 from libs.engine.sampling import SamplingParams
@@ -62,7 +63,8 @@ class EPEngine:
         )
         self.ep_size, self.page_size, self.eplb_interval_steps = a.ep_size, a.page_size, a.eplb_interval_steps
         torch_dtype = parse_dtype(a.resolved_dtype)
-        fp8 = fp8_rows(a.kv_cache_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        scales = fp8_scales(a.attention_backend, cfg, a.device, torch_dtype)  # as each rank's Engine picks it
+        fp8 = fp8_rows(a.kv_cache_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim, scales)
         token_bytes = row_bytes(cfg.kv_row_dim, torch_dtype, fp8) * cfg.num_hidden_layers
         self.pages_per_rank = a.num_pages or default_num_pages(cfg, a.page_size, a.max_num_seqs, token_bytes)
         self.args = msgspec.structs.replace(a, num_pages=self.pages_per_rank)

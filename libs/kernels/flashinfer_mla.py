@@ -3,7 +3,8 @@ BatchMLAPagedAttentionWrapper, prefill with BatchPrefillWithRaggedKVCacheWrapper
 composition (host work, outside CUDA graphs), `run` once per layer."""
 
 # The latent pool's rows [slots, 576] are viewed as FlashInfer's two caches ([pages, page_size, 512] and
-# [.., 64]) without a copy.
+# [.., 64]) without a copy; FP8 rows of the "tensor" layout (uint8 [slots, 576], libs/engine/kv_fp8.py) the
+# same way as float8_e4m3fn, with their one scale for both caches (its SM90 path dequantizes in shared memory).
 
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ class FlashInferMLA:
         return self._ws
 
     def plan_host(self, seq_lens: np.ndarray, page_table: np.ndarray, page_size: int, num_heads: int,
-                  sm_scale: float, dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
-        """plan() from host arrays (seq_lens [B], page_table [B, P]): no device work but the index copies."""
+                  sm_scale: float, dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        """plan() from host arrays (seq_lens [B], page_table [B, P]): no device work but the index copies.
+        kv_dtype: the rows' (float8_e4m3fn for FP8 rows; default `dtype`)."""
         b = seq_lens.shape[0]
         pages = (seq_lens.astype(np.int64) + page_size - 1) // page_size
         kv_indptr = np.zeros(b + 1, dtype=np.int32)
@@ -59,12 +61,12 @@ class FlashInferMLA:
         self._wrapper.plan(
             torch.arange(b + 1, dtype=torch.int32), torch.from_numpy(kv_indptr), torch.from_numpy(kv_indices),
             torch.from_numpy(seq_lens.astype(np.int32)), num_heads, 512, 64, page_size, False, sm_scale, dtype,
-            dtype,
+            kv_dtype or dtype,
         )  # fmt: skip
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_heads: int,
-             sm_scale: float, dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
-        """page_table [B, max_pages] int32, seq_lens [B] int32 (device tensors)."""
+             sm_scale: float, dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        """page_table [B, max_pages] int32, seq_lens [B] int32 (device tensors); kv_dtype as plan_host's."""
         b = seq_lens.shape[0]
         dev = seq_lens.device
         pages = (seq_lens + page_size - 1) // page_size
@@ -75,11 +77,17 @@ class FlashInferMLA:
         qo_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self._page_size = page_size
         self._wrapper.plan(qo_indptr, kv_indptr, kv_indices, seq_lens.to(torch.int32), num_heads, 512, 64,
-                           page_size, False, sm_scale, dtype, dtype)  # fmt: skip
+                           page_size, False, sm_scale, dtype, kv_dtype or dtype)  # fmt: skip
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
-            out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """q_nope [B, H, 512] and q_pe [B, H, 64] (batch/head strides free), kv_layer [slots, 576] -> [B, H, 512]."""
+            out: torch.Tensor | None = None, kv_scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+        """q_nope [B, H, 512] and q_pe [B, H, 64] (batch/head strides free), kv_layer [slots, 576] (16-bit rows,
+        or FP8 rows of the "tensor" layout as uint8 with their scale, planned with kv_dtype float8_e4m3fn)
+        -> [B, H, 512]."""
+        if kv_layer.dtype == torch.uint8:
+            paged = kv_layer.view(torch.float8_e4m3fn).view(-1, self._page_size, kv_layer.shape[-1])
+            return self._wrapper.run(q_nope, q_pe, paged[..., :512], paged[..., 512:], out=out,
+                                     ckv_scale=kv_scale, kpe_scale=kv_scale)  # fmt: skip
         paged = kv_layer.view(-1, self._page_size, kv_layer.shape[-1])
         return self._wrapper.run(q_nope, q_pe, paged[..., :512], paged[..., 512:], out=out)
 

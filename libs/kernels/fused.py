@@ -15,8 +15,10 @@ from libs.quant.fp8 import FP8_DTYPE as FP8
 from libs.quant.fp8 import FP8_GROUP as GROUP
 from libs.quant.fp8 import FP8_MAX
 
-# DeepSeek's FP8 latent row (libs/engine/kv_fp8.Fp8Rows(512, 64)): byte offset of the scale, row bytes
+# DeepSeek's FP8 latent rows (libs/engine/kv_fp8.Fp8Rows(512, 64)): "token" rows' byte offset of the scale
+# and row bytes; "tensor" rows' bytes and scale (kv_fp8.TENSOR_SCALE)
 FP8_SCALE_OFFSET, FP8_ROW_BYTES = 512 + 2 * 64, 656
+FP8_TENSOR_ROW_BYTES, FP8_TENSOR_SCALE = 576, 1.0
 
 
 @triton.jit
@@ -116,11 +118,13 @@ def _rope_kv_kernel(
     QPE, QOUT, KPE, CKV, KV, KVR, KVS, POS, SLOTS, COS_SIN, NORM_W, eps,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_cb, stride_kv, stride_kvr, stride_kvs,
     stride_cs, BLOCK_H: tl.constexpr, HALF: tl.constexpr, D_LAT: tl.constexpr, NORM: tl.constexpr,
-    FP8_ROWS: tl.constexpr, SCALE_IDX: tl.constexpr,
+    FP8_ROWS: tl.constexpr, SCALE_IDX: tl.constexpr, TENSOR_ROWS: tl.constexpr, INV_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Program (token b, head block): rotates BLOCK_H heads of q; the first head block also writes the
     token's cache row (its latent RMS-normed first when NORM). Pairs are loaded as whole contiguous rows and
-    split in registers. FP8_ROWS: KV, KVR and KVS are the fp8, bf16 and fp32 views of FP8 row bytes."""
+    split in registers. FP8_ROWS: KV, KVR and KVS are the fp8, bf16 and fp32 views of "token" FP8 row bytes;
+    TENSOR_ROWS: KV is the fp8 view of "tensor" rows, every value rounded to the inputs' dtype first (the
+    plain path's row) and scaled by INV_SCALE, clamped to +-448."""
     b = tl.program_id(0)
     hb = tl.program_id(1)
     pos = tl.load(POS + b)
@@ -151,6 +155,13 @@ def _rope_kv_kernel(
             scale, inv = _pow2_scale(tl.max(tl.abs(lat), 0))
             tl.store(row + c, (lat * inv).to(KV.dtype.element_ty))
             tl.store(KVS + slot * stride_kvs + SCALE_IDX, scale)
+        elif TENSOR_ROWS:
+            r0 = (k0 * cos - k1 * sin).to(KPE.dtype.element_ty).to(tl.float32) * INV_SCALE
+            r1 = (k0 * sin + k1 * cos).to(KPE.dtype.element_ty).to(tl.float32) * INV_SCALE
+            tl.store(row + D_LAT + i, tl.clamp(r0, -448.0, 448.0).to(KV.dtype.element_ty))
+            tl.store(row + D_LAT + HALF + i, tl.clamp(r1, -448.0, 448.0).to(KV.dtype.element_ty))
+            lat = lat.to(CKV.dtype.element_ty).to(tl.float32) * INV_SCALE
+            tl.store(row + c, tl.clamp(lat, -448.0, 448.0).to(KV.dtype.element_ty))
         else:
             tl.store(row + D_LAT + i, (k0 * cos - k1 * sin).to(KV.dtype.element_ty))
             tl.store(row + D_LAT + HALF + i, (k0 * sin + k1 * cos).to(KV.dtype.element_ty))
@@ -161,16 +172,17 @@ def rope_and_write_kv(
     q_pe, q_out, k_pe, c_kv, kv_layer, positions, slots, cos_sin, kv_norm: torch.Tensor | None = None, eps=1e-6
 ) -> None:
     """Rotate q_pe [T, H, 64] (H a power of two) into q_out and write each token's latent row [c_kv (512) |
-    rotated k_pe (64)] at slots [T] of kv_layer [slots, 576] (uint8 [slots, 656]: FP8 rows, engine/kv_fp8.py);
-    cos_sin [max_pos, 64] is cos then sin per position. kv_norm [512]: RMS-norm the raw c_kv with it."""
+    rotated k_pe (64)] at slots [T] of kv_layer [slots, 576] (uint8 [slots, 656] or [slots, 576]: FP8 rows of
+    the "token" or "tensor" layout, engine/kv_fp8.py); cos_sin [max_pos, 64] is cos then sin per position.
+    kv_norm [512]: RMS-norm the raw c_kv with it."""
     # That is MLA's kv_a_layernorm, rounded to c_kv's dtype as add_rmsnorm's output would be.
     t, h, r = q_pe.shape
-    fp8 = kv_layer.dtype == torch.uint8
-    width = FP8_ROW_BYTES if fp8 else 576
-    if r != 64 or c_kv.shape[-1] != 512 or kv_layer.shape[-1] != width or k_pe.shape != (t, 64):
+    raw = kv_layer.dtype == torch.uint8
+    fp8, tensor = raw and kv_layer.shape[-1] == FP8_ROW_BYTES, raw and kv_layer.shape[-1] == FP8_TENSOR_ROW_BYTES
+    if r != 64 or c_kv.shape[-1] != 512 or (kv_layer.shape[-1] != 576 and not fp8) or k_pe.shape != (t, 64):
         raise ValueError(
             "rope_and_write_kv expects 64-dim rope parts, 512-dim c_kv and 576-dim cache rows "
-            f"({FP8_ROW_BYTES} bytes as FP8 rows)"
+            f"({FP8_ROW_BYTES} or {FP8_TENSOR_ROW_BYTES} bytes as FP8 rows)"
         )
     if h & (h - 1) or q_pe.stride(2) != 1 or k_pe.stride(1) != 1:
         raise ValueError(f"rope_and_write_kv needs a power-of-two head count and contiguous rows, got {h} heads")
@@ -178,14 +190,15 @@ def rope_and_write_kv(
         return
     block_h = min(h, 16)  # 128 heads: 8 programs per token, each 16 rows of 64
     kv, kvr, kvs = (kv_layer.view(FP8), kv_layer.view(torch.bfloat16), kv_layer.view(torch.float32)) if fp8 else (
-        kv_layer, kv_layer, kv_layer
+        kv_layer.view(FP8) if tensor else kv_layer, kv_layer, kv_layer
     )
     _rope_kv_kernel[(t, h // block_h)](
         q_pe, q_out, k_pe, c_kv, kv, kvr, kvs, positions, slots, cos_sin,
         kv_norm if kv_norm is not None else cos_sin, eps,
         q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1), k_pe.stride(0), c_kv.stride(0),
         kv.stride(0), kvr.stride(0), kvs.stride(0), cos_sin.stride(0), BLOCK_H=block_h, HALF=32, D_LAT=512,
-        NORM=kv_norm is not None, FP8_ROWS=fp8, SCALE_IDX=FP8_SCALE_OFFSET // 4, num_warps=2,
+        NORM=kv_norm is not None, FP8_ROWS=fp8, SCALE_IDX=FP8_SCALE_OFFSET // 4, TENSOR_ROWS=tensor,
+        INV_SCALE=1.0 / FP8_TENSOR_SCALE, num_warps=2,
     )  # fmt: skip
 
 

@@ -12,8 +12,9 @@ absorbed)` once per forward, then `attend(...)` in every layer after writing its
 # each replay (one wrapper per batch size); under two-batch overlap one wrapper per micro-batch
 # (`plan_micro_batches`, `plan_graph`); extend forwards are not split (`splits_extend`).
 # A backend is made for one KV row format (`kv_cache_dtype`). Over FP8 rows (libs/engine/kv_fp8.py) the paged
-# backends decode with libs.kernels.mla_decode_fp8 where its dims fit (FlashInfer's decode takes 16-bit rows)
-# and every other path reads the rows dequantized (FlashInfer's ragged prefill included).
+# backends decode with the kernel of the rows' layout where its dims fit, which `fp8_scales` picks for the
+# pool: FlashInfer's decode over "tensor" rows (its SM90 FP8 path), libs.kernels.mla_decode_fp8 over "token"
+# rows; every other path reads the rows dequantized (FlashInfer's ragged prefill included).
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from libs.engine.config import ModelConfig
 from libs.engine.forward_batch import ForwardBatch
-from libs.engine.kv_fp8 import fp8_rows, is_fp8, read_rows
+from libs.engine.kv_fp8 import TENSOR_SCALE, fp8_rows, is_fp8, read_rows
 from libs.engine.layers.mla import (
     AttentionMetadata,
     PagedMetadata,
@@ -168,6 +169,8 @@ class TritonAttention(AttentionBackend):
     def decode_latent(self, q_latent, q_pe, layer_rows, meta: PagedMetadata) -> torch.Tensor:
         if self.kernel_cfg is None:
             return mla_decode_paged(q_latent, q_pe, layer_rows, meta, self.scale)
+        if is_fp8(layer_rows) and layer_rows.shape[-1] == q_latent.shape[-1] + q_pe.shape[-1]:
+            return mla_decode_paged(q_latent, q_pe, layer_rows, meta, self.scale)  # "tensor" rows: no kernel
         if is_fp8(layer_rows):
             from libs.kernels import mla_decode_fp8 as fp8
 
@@ -198,14 +201,16 @@ class FlashInferAttention(TritonAttention):
     def __init__(
         self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto"
     ) -> None:
-        fp8 = kv_cache_dtype != "auto"  # decode: the FP8 Triton kernel (FlashInfer's takes 16-bit rows)
+        fp8 = kv_cache_dtype != "auto"  # "token" FP8 rows (pools of other backends) decode with the Triton kernel
         super().__init__(cfg, device, dtype, use_kernel=None if fp8 else False, kv_cache_dtype=kv_cache_dtype)
         from libs.kernels import flashinfer_mla
 
         self.dtype, self.head_dims = dtype, (cfg.qk_head_dim, cfg.v_head_dim)
+        self.kv_dtype = torch.float8_e4m3fn if fp8 else dtype  # what FlashInfer's decode is planned for
+        self.row_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         half = dtype in (torch.bfloat16, torch.float16)
         fits = half and _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-        self.mla = flashinfer_mla.FlashInferMLA(device) if fits and not fp8 else None
+        self.mla = flashinfer_mla.FlashInferMLA(device) if fits else None
         ragged = half and flashinfer_mla.ragged_prefill_fits(*self.head_dims)
         self.prefill = flashinfer_mla.FlashInferRaggedPrefill(device) if ragged else None
         self._kv_index: torch.Tensor | None = None  # [sum K] pool slots of the extend batch's keys
@@ -222,7 +227,8 @@ class FlashInferAttention(TritonAttention):
         meta = step.meta
         assert isinstance(meta, PagedMetadata) and meta.extend_lens is not None and meta.kv_lens is not None
         if absorbed and self.mla is not None:
-            self.mla.plan(meta.page_table, meta.seq_lens, page_size, self.num_heads, self.scale, self.dtype)
+            self.mla.plan(meta.page_table, meta.seq_lens, page_size, self.num_heads, self.scale, self.dtype,
+                          self.kv_dtype)  # fmt: skip
         elif not absorbed and self.prefill is not None:
             key = torch.arange(meta.page_table.shape[1] * page_size, device=self.device)
             per_seq = meta.page_table.long()[:, key // page_size] * page_size + key % page_size  # [S, P*page]
@@ -243,14 +249,15 @@ class FlashInferAttention(TritonAttention):
                 parts = tuple(self._wrapper(n, page_table.shape[1]) for n in (s, batch - s))
                 self._graph_parts[batch] = parts
             for part, rows in zip(parts, (slice(0, s), slice(s, None)), strict=True):
-                part.plan_host(seq_lens[rows], page_table[rows], page_size, self.num_heads, self.scale, self.dtype)
+                part.plan_host(seq_lens[rows], page_table[rows], page_size, self.num_heads, self.scale, self.dtype,
+                               self.kv_dtype)  # fmt: skip
             self._active, self._parts = parts[0], parts
             return
         mla = self._graph_mla.get(batch)
         if mla is None:
             mla = self._wrapper(batch, page_table.shape[1])
             self._graph_mla[batch] = mla
-        mla.plan_host(seq_lens, page_table, page_size, self.num_heads, self.scale, self.dtype)
+        mla.plan_host(seq_lens, page_table, page_size, self.num_heads, self.scale, self.dtype, self.kv_dtype)
         self._active, self._parts = mla, None
 
     def _wrapper(self, graph_batch: int | None = None, max_pages: int = 0):
@@ -281,18 +288,18 @@ class FlashInferAttention(TritonAttention):
             self._eager_parts = (self._wrapper(), self._wrapper())
         for part, rows in zip(self._eager_parts, (slice(0, s), slice(s, None)), strict=True):
             part.plan(meta.page_table[rows], meta.seq_lens[rows], meta.page_size, self.num_heads, self.scale,
-                     self.dtype)  # fmt: skip
+                      self.dtype, self.kv_dtype)  # fmt: skip
         self._parts = self._eager_parts
 
     def decode_latent(self, q_latent, q_pe, layer_rows, meta: PagedMetadata) -> torch.Tensor:
-        if self.mla is None:  # FP8 rows (the Triton FP8 kernel where it fits), or dims FlashInfer does not take
-            return super().decode_latent(q_latent, q_pe, layer_rows, meta)
+        if self.mla is None or (is_fp8(layer_rows) and layer_rows.shape[-1] != self.row_dim):
+            return super().decode_latent(q_latent, q_pe, layer_rows, meta)  # dims it does not take, "token" rows
         mla = self._active if self._active is not None else self.mla
         if meta.part is not None:
             if self._parts is None:
                 raise RuntimeError("a micro-batch's FlashInfer decode was not planned (plan_micro_batches)")
             mla = self._parts[meta.part]
-        return mla.run(q_latent, q_pe.to(q_latent.dtype), layer_rows)
+        return mla.run(q_latent, q_pe.to(q_latent.dtype), layer_rows, kv_scale=TENSOR_SCALE)
 
     def extend(self, q_nope, q_pe, layer_rows, weights: MLAWeights, meta: PagedMetadata) -> torch.Tensor:
         if self.prefill is None:
@@ -328,6 +335,15 @@ def resolve_backend(name: str, device: torch.device) -> str:
         if device.type != "cuda" or not flashinfer_mla.available():
             raise ValueError("attention_backend 'flashinfer' needs CUDA and the flashinfer package")
     return name
+
+
+def fp8_scales(name: str, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> str:
+    """The FP8 row layout (libs/engine/kv_fp8.py) a pool should have for backend `name`: "tensor" where
+    FlashInfer's decode reads it (CUDA, a 16-bit model, DeepSeek's 512 + 64 row), else "token"."""
+    resolved = resolve_backend(name, torch.device(device))
+    half = dtype in (torch.bfloat16, torch.float16)
+    fits = _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    return "tensor" if resolved == "flashinfer" and half and fits else "token"
 
 
 def make_attention_backend(

@@ -244,11 +244,12 @@ def test_greedy_with_graphs_equals_eager_and_cpu_float32(tmp_path, dims):
     assert graphed == eager == cpu_tokens
 
 
-def _decode_graph_vs_eager(model, prompts=PROMPTS, tol=1e-2, backend="triton") -> None:
+def _decode_graph_vs_eager(model, prompts=PROMPTS, tol=1e-2, backend="triton", kv_cache_dtype="auto") -> Engine:
     """Prefill the prompts eagerly, then the same decode step replayed from a graph (3 rows pad to 4; 4 do not) and
     eagerly: logits agree to `tol` (kernel choices and split-K counts follow the row count, so not
     bitwise), and a subset of rows gives the same rows."""
-    engine = Engine(model, page_size=16, num_pages=64, max_num_seqs=8, attention_backend=backend)
+    engine = Engine(model, page_size=16, num_pages=64, max_num_seqs=8, attention_backend=backend,
+                    kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     runner = engine.runner
     assert runner.backend.name == backend
     if backend == "triton":
@@ -267,6 +268,7 @@ def _decode_graph_vs_eager(model, prompts=PROMPTS, tol=1e-2, backend="triton") -
     assert _rel(graphed, eager) < tol
     want = runner.forward_last(decode, [True, False, True] + [False] * (len(prompts) - 3))
     assert want.shape[0] == 2 and torch.allclose(want, graphed[[0, 2]])
+    return engine
 
 
 @pytest.mark.gpu
@@ -284,6 +286,54 @@ def test_flashinfer_decode_graph_replay_equals_eager(tmp_path, dims):
     path = _tiny(tmp_path, first_k_dense_replace=3, **(KERNEL_DIMS if dims == "kernel" else PREFILL_DIMS))
     model = load_model(path, device="cuda", dtype="bfloat16", progress=False)
     _decode_graph_vs_eager(model, backend="flashinfer")
+
+
+@pytest.mark.gpu
+@gpu
+def test_flashinfer_fp8_decode_graph_replay_equals_eager_over_tensor_rows(tmp_path):
+    """kv_cache_dtype fp8_e4m3 with FlashInfer: the pool holds "tensor" rows (576 bytes) and FlashInfer's FP8
+    decode reads them, in the decode graph (planned before each replay) as eagerly."""
+    from libs.kernels import flashinfer_mla
+
+    if not flashinfer_mla.available():
+        pytest.skip("flashinfer is not installed")
+    path = _tiny(tmp_path, first_k_dense_replace=3, **PREFILL_DIMS)
+    model = load_model(path, device="cuda", dtype="bfloat16", progress=False)
+    engine = _decode_graph_vs_eager(model, backend="flashinfer", kv_cache_dtype="fp8_e4m3")
+    assert engine.kv_pool.fp8 is not None and engine.kv_pool.fp8.scales == "tensor"
+    assert engine.kv_pool.format_name == "fp8_e4m3_tensor" and engine.kv_pool.row_width == 576
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layout", ["tensor", "token"])
+def test_flashinfer_backend_decodes_fp8_rows_as_the_reference(layout):
+    """FlashInfer's backend over FP8 rows == the torch absorbed reference over the same rows dequantized:
+    "tensor" rows through FlashInfer's FP8 decode, "token" rows (another backend's pool) through the Triton
+    FP8 kernel."""
+    from libs.engine.kv_fp8 import Fp8Rows
+    from libs.engine.layers.attention_backend import FlashInferAttention
+    from libs.kernels import flashinfer_mla
+    from tests.libs.engine.test_attention_backends import _batch, _cfg
+
+    if not flashinfer_mla.available():
+        pytest.skip("flashinfer is not installed")
+    cfg = _cfg(**PREFILL_DIMS)
+    batch = _batch([(0, 1), (37, 1), (200, 1), (63, 1)], num_pages=128)
+    g = torch.Generator().manual_seed(2)
+    h = cfg.num_attention_heads
+    fmt = Fp8Rows(cfg.kv_lora_rank, cfg.qk_rope_head_dim, layout)
+    raw = fmt.quantize(torch.randn(128 * 4, cfg.kv_row_dim, generator=g))
+    w = torch.randn(h * 256, cfg.kv_lora_rank, generator=g) / 20
+    q_nope, q_pe = torch.randn(4, h, 128, generator=g), torch.randn(4, h, 64, generator=g)
+    ref = TorchAttention(cfg, torch.device("cpu"))
+    rows = fmt.dequantize(raw, torch.float32)
+    expected = ref.attend(q_nope, q_pe, rows, MLAWeights.from_dense(w, h, 128), ref.prepare(batch, 4, True))
+    backend = FlashInferAttention(cfg, torch.device("cuda"), torch.bfloat16, kv_cache_dtype="fp8_e4m3")
+    assert backend.mla is not None
+    q_nope, q_pe, w = (x.to("cuda", torch.bfloat16) for x in (q_nope, q_pe, w))
+    got = backend.attend(q_nope, q_pe, raw.cuda(), MLAWeights.from_dense(w, h, 128), backend.prepare(batch, 4, True))
+    assert _rel(got.cpu(), expected) < 2e-2
 
 
 @pytest.mark.gpu

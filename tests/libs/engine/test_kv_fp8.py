@@ -1,5 +1,6 @@
-"""The FP8 KV cache (kv_cache_dtype fp8_e4m3) on CPU: the row format, the pool, attention over it, the Engine
-against the plain cache (greedy agreement measured), PD page moves and the prefix cache."""
+"""The FP8 KV cache (kv_cache_dtype fp8_e4m3) on CPU: the row formats ("token" and "tensor" scales), the pool,
+attention over it, the Engine against the plain cache (greedy agreement measured), PD page moves and the
+prefix cache. The Engine picks "tensor" rows only where FlashInfer decodes (CUDA): here a test sets it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from libs.engine import Engine, SamplingParams
-from libs.engine.kv_fp8 import Fp8Rows, fp8_rows, pow2_scale
+from libs.engine import engine as engine_module
+from libs.engine.kv_fp8 import Fp8Rows, fp8_rows, pow2_scale, read_rows, rows_format
 from libs.engine.kv_pool import KVPool
 from libs.engine.layers.mla import AttentionMetadata, mla_absorbed, mla_expanded
 from libs.engine.runner import Chunk, build_batch
@@ -28,6 +30,13 @@ def _engine(ckpt, kv_cache_dtype: str, **kw) -> Engine:
     )
 
 
+@pytest.fixture(params=["token", "tensor"])
+def scales(request, monkeypatch) -> str:
+    """The FP8 row layout the Engines of a test get (on CPU the Engine's own choice is "token")."""
+    monkeypatch.setattr(engine_module, "fp8_scales", lambda *a: request.param)
+    return request.param
+
+
 def test_row_layout_and_round_trip():
     v3 = Fp8Rows(512, 64)
     assert (v3.rope_offset, v3.scale_offset, v3.row_bytes) == (512, 640, 656)  # FlashMLA's row size
@@ -46,6 +55,24 @@ def test_row_layout_and_round_trip():
     assert back[0].abs().max() == 0
 
 
+def test_tensor_rows_layout_and_round_trip():
+    """The "tensor" layout: the whole row as e4m3 codes with scale 1.0 (vLLM's default), clamped at +-448."""
+    v3 = Fp8Rows(512, 64, "tensor")
+    assert v3.row_bytes == 576 and v3.name == "fp8_e4m3_tensor" and Fp8Rows(512, 64).name == "fp8_e4m3"
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(8, 576, generator=g) * torch.tensor([1, 10, 100, 1e3, 1e-2, 1e-4, 0, 1])[:, None]
+    raw = v3.quantize(rows)
+    assert raw.dtype == torch.uint8 and raw.shape == (8, 576)
+    back = v3.dequantize(raw, torch.float32)
+    assert not back.isnan().any() and back.abs().max() == 448.0  # row 3's values past 448 clamp
+    normal = rows.abs() >= 2**-6  # e4m3's smallest normal: below it a step is 2^-9
+    err = (back - rows.clamp(-448, 448)).abs()
+    assert (err[normal] <= rows.abs()[normal] / 16).all() and (err[~normal] <= 2**-10).all()
+    assert back[6].abs().max() == 0
+    assert rows_format(raw, 512, 64) == v3 and rows_format(Fp8Rows(512, 64).quantize(rows), 512, 64).scales == "token"
+    assert torch.equal(read_rows(raw, 512, 64, torch.float32), back)
+
+
 def test_scale_is_the_smallest_power_of_two_that_fits():
     amax = torch.tensor([448.0, 448.5, 1.0, 3.5, 1e-20, 0.0, 7e4])
     scale, inv = pow2_scale(amax)
@@ -57,6 +84,9 @@ def test_scale_is_the_smallest_power_of_two_that_fits():
 
 def test_setting_names_the_format():
     assert fp8_rows("auto", 512, 64) is None and fp8_rows("fp8_e4m3", 512, 64) == Fp8Rows(512, 64)
+    assert fp8_rows("fp8_e4m3", 512, 64, "tensor") == Fp8Rows(512, 64, "tensor")
+    with pytest.raises(ValueError, match="scales must be one of"):
+        Fp8Rows(512, 64, "page")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3"):
         fp8_rows("fp8_e5m2", 512, 64)
     with pytest.raises(ValueError, match="R % 4"):
@@ -83,13 +113,18 @@ def test_fp8_pool_bytes_rows_and_geometry():
         KVPool(1, 1, 1, 512, fp8=fmt)
     with pytest.raises(ValueError, match="page_bytes"):  # PD: a page means other bytes on the other side
         check_compatible(PageGeometry.of_pool(pool), PageGeometry.of_pool(plain))
+    tensor = KVPool(2, 8, 16, 576, torch.bfloat16, fp8=Fp8Rows(512, 64, "tensor"))
+    assert (tensor.format_name, tensor.kv_cache_dtype, tensor.bytes_per_page) == ("fp8_e4m3_tensor", "fp8_e4m3", 16 * 576)
+    with pytest.raises(ValueError, match="page_bytes"):
+        check_compatible(PageGeometry.of_pool(tensor), PageGeometry.of_pool(pool))
 
 
 @pytest.mark.parametrize("form", [mla_expanded, mla_absorbed])
-def test_reference_attention_reads_fp8_rows_dequantized(ckpt, form):
+@pytest.mark.parametrize("layout", ["token", "tensor"])
+def test_reference_attention_reads_fp8_rows_dequantized(ckpt, form, layout):
     """Both torch forms over an FP8 layer equal the same forms over its dequantized rows."""
     g = torch.Generator().manual_seed(1)
-    fmt = Fp8Rows(32, 8)
+    fmt = Fp8Rows(32, 8, layout)
     h, n = 4, 16
     kv_b = torch.randn(h * (n + 16), 32, generator=g)
     raw = fmt.quantize(torch.randn(40, 40, generator=g))
@@ -101,12 +136,14 @@ def test_reference_attention_reads_fp8_rows_dequantized(ckpt, form):
     assert torch.equal(got, want)
 
 
-def test_engine_greedy_agreement_with_the_plain_cache(ckpt):
+def test_engine_greedy_agreement_with_the_plain_cache(ckpt, scales):
     """Teacher-forced on the plain engine's greedy sequences the FP8 engine picks the same token at 63 of 72
-    positions here (0.875; bench/results/kv_fp8_accuracy-cpu.json: 0.95-0.97 on larger tiny/demo runs): >= 0.75
-    is asserted (3 binomial sigmas below; a wrong scale or layout gives ~0). Where its own greedy text first
-    departs, the plain engine's two candidates are within the logit error FP8 rows add there (a near tie)."""
+    positions here with "token" rows, 62 with "tensor" rows (0.86-0.875; bench/results/kv_fp8_accuracy-cpu.json:
+    0.90-0.97 on larger tiny/demo runs): >= 0.75 is asserted (3 binomial sigmas below; a wrong scale or layout
+    gives ~0). Where its own greedy text first departs, the plain engine's two candidates are within the logit
+    error FP8 rows add there (a near tie)."""
     auto, fp8 = _engine(ckpt, "auto"), _engine(ckpt, "fp8_e4m3")
+    assert fp8.kv_pool.fp8 is not None and fp8.kv_pool.fp8.scales == scales
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (9, 17, 30, 45, 60, 23)]
     ref = [o.token_ids for o in auto.generate(prompts, GREEDY)]
@@ -128,7 +165,7 @@ def test_engine_greedy_agreement_with_the_plain_cache(ckpt):
         assert e.stats()["free_pages"] == e.stats()["total_pages"]
 
 
-def test_pd_moves_fp8_pages_with_their_scales(ckpt):
+def test_pd_moves_fp8_pages_with_their_scales(ckpt, scales):
     """Prefill on one FP8 engine, its pages written into pages reserved on another FP8 engine by the transfer
     layer (byte runs planned from both pools' geometry): decode there gives the single FP8 engine's tokens."""
     solo, prefill_side, decode_side = (_engine(ckpt, "fp8_e4m3") for _ in range(3))
@@ -142,7 +179,8 @@ def test_pd_moves_fp8_pages_with_their_scales(ckpt):
         pages = decode_side.reserve("r", len(prompt))
         src, dst = PageGeometry.of_pool(prefill_side.kv_pool), PageGeometry.of_pool(decode_side.kv_pool)
         runs = plan_page_runs(src.num_layers, res.page_ids, pages, src, dst)
-        assert src_t.write(dst_t.session_id, runs) == len(pages) * src.num_layers * 4 * 64  # 64-byte rows
+        row = 64 if scales == "token" else 40  # 32 + 16 + 4 padded to 16, or 32 + 8 codes
+        assert src_t.write(dst_t.session_id, runs) == len(pages) * src.num_layers * 4 * row
         prefill_side.release("r")
         decode_side.add_prefilled("r", prompt, res.first_token, GREEDY)
         tokens = [res.first_token]
