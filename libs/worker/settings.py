@@ -52,8 +52,9 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     kv_cache_dtype: Annotated[
         str,
         msgspec.Meta(
-            description="latent KV cache: auto (the model dtype) or fp8_e4m3 (FP8 rows with per-token scales, "
-            "about half the bytes); prefill and decode workers must agree"
+            description="latent KV cache: auto (the model dtype) or fp8_e4m3 (FP8 rows, about half the bytes: "
+            "one scale for the tensor where FlashInfer decodes, a scale per token otherwise); prefill and decode "
+            "workers must agree, attention backend included"
         ),
     ] = _E.kv_cache_dtype
     host_kv_pages: Annotated[
