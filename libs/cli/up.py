@@ -237,6 +237,13 @@ def mesh_config(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[MeshC
             f"prefill workers would run kv_cache_dtype {prefill.kv_cache_dtype} and decode workers "
             f"{worker.kv_cache_dtype}: their KV pages must mean the same bytes; set one kv_cache_dtype for both"
         )
+    fp8 = worker.kv_cache_dtype != "auto"
+    if args.prefill_workers and fp8 and prefill.attention_backend != worker.attention_backend:
+        raise ValueError(  # FP8 rows are laid out for the decode kernel the backend runs (attention_backend.fp8_scales)
+            f"prefill workers would run attention_backend {prefill.attention_backend} and decode workers "
+            f"{worker.attention_backend} over an FP8 KV cache, whose row layout follows the backend; set one "
+            "attention_backend for both"
+        )
     if args.kv_store and not (worker.host_kv_pages or worker.host_kv_cache_gb):
         raise ValueError("--kv-store stages KV pages in the host tier: give --host-kv-pages or --host-kv-cache-gb")
     if args.kv_store:

@@ -138,6 +138,17 @@ def test_mixed_kv_cache_dtypes_between_worker_kinds_refuse_to_start(tmp_path: Pa
     assert worker.kv_cache_dtype == "auto"  # no prefill workers: no pages change hands
 
 
+def test_mixed_attention_backends_over_an_fp8_cache_refuse_to_start(tmp_path: Path, model: Path) -> None:
+    """FP8 rows are laid out for the backend's decode kernel ("tensor" for FlashInfer, "token" for Triton), so
+    with kv_cache_dtype fp8_e4m3 prefill and decode workers must name the same attention backend; over the
+    plain cache they need not."""
+    mixed = write(tmp_path, "kv_cache_dtype: fp8_e4m3\nprefill-worker:\n  attention_backend: triton\n")
+    with pytest.raises(ValueError, match="attention_backend triton and decode workers auto over an FP8 KV cache"):
+        mesh_config(parse("--model", str(model), "--config", mixed), {})
+    plain = write(tmp_path, "prefill-worker:\n  attention_backend: triton\n")
+    assert mesh_config(parse("--model", str(model), "--config", plain), {})[1].attention_backend == "auto"
+
+
 def test_kv_store_without_mooncake_store_refuses_to_start(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Mooncake wheel without the store (one pruned to its transfer engine) stops `up --kv-store` before
     anything starts."""
