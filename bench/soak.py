@@ -15,10 +15,9 @@ under steady load for a long time, with a crash every few minutes, sampling what
 4. Samples every --sample-every seconds: RSS per service (and its restart count), request pages, used
    pages and live requests per worker, live and total KV handles at the kv-broker, keys and messages
    (tombstones included) of the JetStream KV buckets; per minute: requests by outcome, TTFT p50/p99.
-5. Verdict, after --warmup-minutes: RSS per service flat within its lifetimes (pooled slope over the second
-   half of the time after warm-up, each restart its own intercept, the first 2 minutes of a lifetime left
-   out: a step to a plateau, such as glibc keeping what a burst after a kill took, is not growth, a leak
-   keeps its slope; the slope over all of it is shown beside); pages, handles and TTFT p99 flat by the
+5. Verdict, after --warmup-minutes: RSS per service flat within its lifetimes (pooled slope, each restart
+   its own intercept, the first 2 minutes of a lifetime left out); beside it, not judged, where that growth
+   came from: the step each kill left in every other service's RSS and the slope between kills; pages, handles and TTFT p99 flat by the
    median of the run's last third against its first; the JetStream buckets' messages (delete markers pile
    up between the kv-broker's purges, every 300 s, of those older than 600 s: a sawtooth) by what each purge
    leaves, which must not grow, and by purges that keep coming (by thirds while fewer than two purges are
@@ -31,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
+import json
 import os
 import platform
 import random
@@ -50,7 +51,7 @@ import nats.js.errors
 
 from bench.chaos import reference
 from libs.bus.security import MASK, is_secret, redact_url
-from libs.chaos.drift import Judgement, judge_purged, judge_slope, judge_thirds
+from libs.chaos.drift import Judgement, Point, judge_purged, judge_slope, judge_thirds, pooled_slope
 from libs.chaos.overload import rss_kib
 from libs.chaos.partitions import live_handles
 from libs.chaos.traffic import Traffic
@@ -207,12 +208,39 @@ def per_minute(traffic: Traffic, t0: float, t_end: float) -> list[dict[str, Any]
     return out
 
 
+def rss_stretches(samples: Sequence[dict], faults_log: Sequence[dict], name: str, warmup_s: float) -> list[list[Point]]:
+    """A service's RSS samples after warm-up cut into the fault-free stretches between kills (of any service:
+    its own kill restarts it), each stretch's first SETTLE_S left out: what a steady leak would grow."""
+    kills = sorted(f["t"] for f in faults_log)
+    out: dict[int, list[Point]] = {}
+    for s in samples:
+        i = bisect.bisect_right(kills, s["t"])  # kills at or before this sample
+        if s["t"] >= warmup_s and name in s["rss_mib"] and (i == 0 or s["t"] >= kills[i - 1] + SETTLE_S):
+            out.setdefault(i, []).append((s["t"], s["rss_mib"][name]))
+    return list(out.values())
+
+
+def rss_steps(samples: Sequence[dict], faults_log: Sequence[dict], warmup_s: float) -> list[dict]:
+    """Per kill after warm-up, each service's RSS before it (the last stretch's median) and after it (the next
+    stretch's median): the high-water marks the bursts around a fault leave, which stretches do not see."""
+    out = []
+    names = list(samples[0]["rss_mib"]) if samples else []
+    for name in names:
+        stretches = rss_stretches(samples, faults_log, name, 0.0)
+        for a, b in zip(stretches, stretches[1:], strict=False):
+            kill = next((f for f in faults_log if a[-1][0] < f["t"] <= b[0][0]), None)
+            if kill is None or kill["t"] < warmup_s or kill["killed"] == name:
+                continue  # a restart's step is its own new lifetime, not growth
+            step = statistics.median(v for _, v in b) - statistics.median(v for _, v in a)
+            out.append({"service": name, "at_kill_of": kill["killed"], "t": kill["t"], "step_mib": round(step, 1)})
+    return out
+
+
 def verdict(
     samples: Sequence[dict], minutes: Sequence[dict], faults_log: Sequence[dict], warmup_s: float,
     purge_every_s: float = PURGE_EVERY_S,
 ) -> list[Judgement]:  # fmt: skip
     after = [s for s in samples if s["t"] >= warmup_s]
-    late = (warmup_s + after[-1]["t"]) / 2 if after else warmup_s  # RSS: its slope over the second half
     out = []
     kills: dict[str, list[float]] = {}
     for f in faults_log:
@@ -225,8 +253,7 @@ def verdict(
             if name in s["rss_mib"] and s["t"] >= last_kill + SETTLE_S:
                 segs.setdefault(restarts, []).append((s["t"], s["rss_mib"][name]))
         med = statistics.median([v for seg in segs.values() for _, v in seg] or [0.0])
-        tol = max(16.0, 0.05 * med)
-        out.append(judge_slope(f"rss_mib[{name}]", list(segs.values()), per_hour_tol=tol, since=late))
+        out.append(judge_slope(f"rss_mib[{name}]", list(segs.values()), per_hour_tol=max(16.0, 0.05 * med)))
 
     def series(key: str, get: Any) -> list[tuple[float, float]]:
         pts = []
@@ -307,21 +334,32 @@ async def run(args: argparse.Namespace, mesh: Mesh, prompts: list[list[int]], wa
     minutes = per_minute(soak, t0, t_end)
     loads = [s["loadavg_1m"] for s in samples]
     purge_every_s = float(os.environ.get("MOEMESH_KV_BROKER_PURGE_EVERY_S", PURGE_EVERY_S))  # as the broker's
-    judged = verdict(samples, minutes, faults_log, 60 * args.warmup_minutes, purge_every_s)
-    final_ok = all(v == 0 for v in left.values()) and handles_left == 0
     totals = soak.counts()
-    return {
+    record = {
         "capacity_rps": round(capacity, 2), "offered_rps": round(rate, 2), "arrivals_skipped": skipped,
         "requests": len(soak.records), "outcomes": totals, "faults": faults_log,
         "after_load": {"left_on_workers": left, "live_handles": handles_left},
         "machine_loadavg_1m": {"median": statistics.median(loads), "max": max(loads)} if loads else {},
-        "verdict": {
-            "flat": final_ok and all(j.flat for j in judged) and totals["error"] == 0 and totals["hung"] == 0
-            and totals["wrong"] == 0,
-            "judgements": [j.as_dict() for j in judged],
-            "nothing_left_after_load": final_ok,
-        },
         "per_minute": minutes, "samples": samples,
+    }  # fmt: skip
+    return {**record, "verdict": judge_record(record, 60 * args.warmup_minutes, purge_every_s)}
+
+
+def judge_record(record: dict, warmup_s: float, purge_every_s: float = PURGE_EVERY_S) -> dict:
+    """A soak record's verdict from what it measured (samples, per-minute outcomes, faults, what was left)."""
+    samples, faults_log, totals = record["samples"], record["faults"], record["outcomes"]
+    judged = verdict(samples, record["per_minute"], faults_log, warmup_s, purge_every_s)
+    left = record["after_load"]
+    final_ok = all(v == 0 for v in left["left_on_workers"].values()) and left["live_handles"] == 0
+    flat = final_ok and all(j.flat for j in judged) and not (totals["error"] or totals["hung"] or totals["wrong"])
+    between = {}
+    for name in samples[0]["rss_mib"] if samples else []:
+        slope = pooled_slope(rss_stretches(samples, faults_log, name, warmup_s))
+        between[name] = round(slope * 3600, 1) if slope is not None else None
+    return {
+        "flat": flat, "judgements": [j.as_dict() for j in judged], "nothing_left_after_load": final_ok,
+        "rss_steps_at_kills": rss_steps(samples, faults_log, warmup_s), "rss_mib_per_h_between_kills": between,
+        "summary": "flat" if flat else "NOT flat: see judgements",
     }  # fmt: skip
 
 
@@ -343,7 +381,16 @@ def main(argv: list[str] | None = None) -> int:
         "every minute into its log (heap_report_s; FRAMES > 0: traced, heap_report_frames); repeatable",
     )  # fmt: skip
     p.add_argument("--out", default="")
+    p.add_argument("--rejudge", metavar="RECORD", help="judge a soak record's samples again with this verdict "
+                   "(writes it back with the commit that judged it); runs nothing")  # fmt: skip
     args = p.parse_args(argv)
+    if args.rejudge:
+        record = json.loads(Path(args.rejudge).read_text())
+        record["verdict"] = judge_record(record, 60 * args.warmup_minutes)
+        record["verdict"]["judged_at_commit"] = commit()
+        write_json(args.rejudge, record)
+        report(record)
+        return 0
     out = args.out or f"bench/results/soak-cpu-{args.minutes:g}min.json"
     folder = Path(tempfile.mkdtemp(prefix="moemesh-soak-"))
     model = write_tiny_model(folder / "tiny-v3", seed=0)
@@ -377,11 +424,20 @@ def main(argv: list[str] | None = None) -> int:
         result.update(asyncio.run(run(args, mesh, prompts, want)))
     finally:
         mesh.stop()
-    result["verdict"]["summary"] = "flat" if result["verdict"]["flat"] else "NOT flat: see judgements"
-    print(f"verdict: {result['verdict']['summary']}; wrote {write_json(out, result)}")
-    for j in result["verdict"]["judgements"]:
-        print(f"  {'ok ' if j['flat'] else 'BAD'} {j['series']}: {j['why']}")
+    print(f"wrote {write_json(out, result)}")
+    report(result)
     return 0
+
+
+def report(record: dict) -> None:
+    v = record["verdict"]
+    print(f"verdict: {v['summary']}")
+    for j in v["judgements"]:
+        print(f"  {'ok ' if j['flat'] else 'BAD'} {j['series']}: {j['why']}")
+    print("  RSS slope between kills (MiB/h): " + ", ".join(f"{k} {v:+g}" for k, v in v["rss_mib_per_h_between_kills"].items() if v is not None))
+    for st in v["rss_steps_at_kills"]:
+        if abs(st["step_mib"]) >= 4:
+            print(f"  step {st['service']}: {st['step_mib']:+.1f} MiB at the kill of {st['at_kill_of']} (t={st['t']:.0f} s)")
 
 
 if __name__ == "__main__":

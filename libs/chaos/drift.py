@@ -1,7 +1,7 @@
 """Is a sampled series flat? Pure judgements for long runs (bench.soak): a slope fitted within process
-lifetimes (a restart resets memory, so each lifetime gets its own intercept; optionally over a run's later
-samples only), the median of the last third of a run against the first (robust to the spikes faults
-cause), and for a series a periodic purge cuts back (a sawtooth), what each purge leaves."""
+lifetimes (a restart resets memory, so each lifetime gets its own intercept), the median of the last
+third of a run against the first (robust to the spikes faults cause), and for a series a periodic purge
+cuts back (a sawtooth), what each purge leaves."""
 
 from __future__ import annotations
 
@@ -48,22 +48,13 @@ class Judgement:
         return {"series": self.name, "flat": self.flat, "why": self.why}
 
 
-def judge_slope(
-    name: str, segments: Sequence[Sequence[Point]], per_hour_tol: float, since: float | None = None
-) -> Judgement:
-    """Flat when the pooled slope, projected over one hour, grows by at most `per_hour_tol`. With `since`,
-    only the samples from that time on are judged (a step to a plateau earlier in the run, such as an
-    allocator keeping what a burst took, is not growth; a leak keeps its slope to the end); the slope over
-    all samples is still shown."""
-    late = [[p for p in seg if p[0] >= since] for seg in segments] if since is not None else segments
-    s = pooled_slope(late)
+def judge_slope(name: str, segments: Sequence[Sequence[Point]], per_hour_tol: float) -> Judgement:
+    """Flat when the pooled slope, projected over one hour, grows by at most `per_hour_tol`."""
+    s = pooled_slope(segments)
     if s is None:
         return Judgement(name, False, "too few samples to fit a slope")
-    why = f"{s * 3600:+.3g}/h (tolerance {per_hour_tol:.3g}/h)"
-    if since is not None:
-        whole = pooled_slope(segments)
-        why += f" from {since:.0f} s on; {whole * 3600:+.3g}/h over all samples" if whole is not None else ""
-    return Judgement(name, s * 3600 <= per_hour_tol, why)
+    growth = s * 3600
+    return Judgement(name, growth <= per_hour_tol, f"{growth:+.3g}/h (tolerance {per_hour_tol:.3g}/h)")
 
 
 def judge_thirds(name: str, points: Sequence[Point], rel_tol: float, abs_tol: float) -> Judgement:
