@@ -2,6 +2,7 @@
 # One device call that checks and measures everything GPU-side, for the `device` tool's lent H200:
 #   bash bench/gpu_check.sh [quick|wave|fp8]   (carry .whl: `bash scripts/gpu_wheels.sh flashinfer`)
 #   FP8_EXTRA="fp8_e4m3:512" bash bench/gpu_check.sh fp8   (further decode_rank runs, kv_cache_dtype:batch)
+#   FP8_FAST=1 bash bench/gpu_check.sh fp8   (no Triton FP8 kernel sweep: FlashInfer's decodes and the Engine)
 # Each GPU test file runs in its own process with its own time limit, so one sticky CUDA fault (an
 # illegal address poisons the whole process) cannot hide the others' results; only compact summaries
 # go to $OUT (the device tool brings back a limited number of files).
@@ -19,7 +20,7 @@ if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: the MLA kernels over FP8 rows b
   # Engine (FlashInfer's FP8 decode over "tensor" rows), then the GPU tests with what is left of BUDGET
   # (default 560 s: one device call), measurements first
   t0=$(date +%s)
-  timeout 200 python3 -m bench.kernels --mla-fp8-only --quick > "$OUT/kernels_fp8.log" 2>&1
+  timeout 200 python3 -m bench.kernels --mla-fp8-only --quick ${FP8_FAST:+--no-triton-fp8} > "$OUT/kernels_fp8.log" 2>&1
   grep -E "^mla fp8|flashinfer|triton-bf16|failed|Error" "$OUT/kernels_fp8.log" | cut -c1-220 | tee -a "$summary"
   for run in auto:256 fp8_e4m3:256 ${FP8_EXTRA:-}; do
     set -- ${run/:/ }

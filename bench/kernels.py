@@ -134,13 +134,14 @@ FP8_SWEEP = [MLAConfig(bh, n, w, s) for bh, n, w, s in [
 ]]  # fmt: skip
 
 
-def mla_fp8_suite(shapes, log) -> list[dict]:
-    """Per (B, L, H): FlashInfer (bf16 rows), the Triton bf16 kernel (same rows) and the FP8-dot kernel over the
-    FP8 rows those came from, each error against float attention over the same values; FP8 configs swept."""
+def mla_fp8_suite(shapes, log, sweep=FP8_SWEEP) -> list[dict]:
+    """Per (B, L, H): FlashInfer (bf16 rows and "tensor" FP8 rows), the Triton bf16 kernel (same rows) and the
+    FP8-dot kernel over the "token" FP8 rows those came from, each error against float attention over the
+    same values; FP8 configs swept (an empty sweep: no Triton FP8 kernel)."""
     fi = flashinfer_mla.FlashInferMLA("cuda") if flashinfer_mla.available() else None
     records: list[dict] = []
     for b, ctx, h in shapes:
-        records += mla_fp8_case(b, ctx, h, fi, log)
+        records += mla_fp8_case(b, ctx, h, fi, log, sweep=sweep)
     return records
 
 
@@ -343,6 +344,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer MLA shapes (FP8: B=256, L=2048, 128 heads only)")
     ap.add_argument("--skip-mla", action="store_true")
     ap.add_argument("--mla-fp8-only", action="store_true", help="only the FP8-cache MLA comparison")
+    ap.add_argument("--no-triton-fp8", action="store_true", help="FP8-cache comparison without the Triton FP8 sweep")
     a = ap.parse_args()
     env = environment()
     print(env, flush=True)
@@ -353,7 +355,7 @@ def main() -> None:
     records = []
     fp8_shapes = [(256, 2048, 128), (512, 2048, 128), (128, 8192, 128), (256, 8192, 16)]
     if a.mla_fp8_only:
-        records += mla_fp8_suite(fp8_shapes[:1] if a.quick else fp8_shapes, log)
+        records += mla_fp8_suite(fp8_shapes[:1] if a.quick else fp8_shapes, log, [] if a.no_triton_fp8 else FP8_SWEEP)
     else:
         records += gemm_suite(log)
     if not a.skip_mla and not a.mla_fp8_only:
