@@ -184,14 +184,14 @@ class FakeFlashInferMLA:
         self.workspace = workspace if workspace is not None else torch.empty(0)
         self.graph_batch, self.planned = graph_batch, None
 
-    def plan_host(self, seq_lens, page_table, page_size, num_heads, sm_scale, dtype=None) -> None:
+    def plan_host(self, seq_lens, page_table, page_size, num_heads, sm_scale, dtype=None, kv_dtype=None) -> None:
         assert seq_lens.shape[0] == self.graph_batch
         self.planned = (torch.from_numpy(page_table.copy()), torch.from_numpy(seq_lens.copy()), page_size, sm_scale)
 
-    def plan(self, page_table, seq_lens, page_size, num_heads, sm_scale, dtype=None) -> None:
+    def plan(self, page_table, seq_lens, page_size, num_heads, sm_scale, dtype=None, kv_dtype=None) -> None:
         self.planned = (page_table.clone(), seq_lens.clone(), page_size, sm_scale)
 
-    def run(self, q_nope, q_pe, kv_layer, out=None):
+    def run(self, q_nope, q_pe, kv_layer, out=None, kv_scale=1.0):
         from libs.engine.layers.mla import PagedMetadata, mla_decode_paged
 
         assert self.planned is not None
