@@ -44,8 +44,8 @@ class EngineArgs(msgspec.Struct, frozen=True, kw_only=True):
         float, _doc("host-memory tier in GiB, when host_kv_pages is 0; 0 and 0: no host tier")
     ] = 0.0
     kv_cache_dtype: Annotated[
-        str, _doc("latent KV cache: auto (the model dtype) or fp8_e4m3 (FP8 rows: one scale for the tensor where "
-                  "FlashInfer decodes, a scale per token otherwise)")
+        str, _doc("latent KV cache: auto (the model dtype) or fp8_e4m3 (FP8 rows: one scale for the tensor with "
+                  "attention_backend flashinfer, a scale per token otherwise)")
     ] = "auto"
     # model and device
     device: Annotated[str, _doc("cpu, cuda or cuda:N (EP ranks: cpu, or cuda, rank r on cuda:r)")] = "cpu"

@@ -69,7 +69,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
-        self.backend = model.attention_backend(attention_backend, kv_pool.kv_cache_dtype)
+        self.backend = model.attention_backend(attention_backend, kv_pool)
         self.graphs: DecodeGraphRunner | None = None
         if graph_batch_sizes:
             if scratch_page is None:

@@ -499,7 +499,7 @@ class MTPEngine(Engine):
         if isinstance(mlp, MoE) and not mlp.graph_safe:
             return verify, None
         # its own backend object: FlashInfer keeps one planned wrapper per captured size
-        backend = self.model.attention_backend(self.runner.backend.name, self.kv_pool.kv_cache_dtype)
+        backend = self.model.attention_backend(self.runner.backend.name, self.kv_pool)
         cfg = self.config
         draft = RowGraphRunner(
             self._draft_body, backend, sizes, hidden_dim=cfg.hidden_size, hidden_dtype=self.model.dtype, **kw

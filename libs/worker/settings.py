@@ -53,7 +53,7 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
         str,
         msgspec.Meta(
             description="latent KV cache: auto (the model dtype) or fp8_e4m3 (FP8 rows, about half the bytes: "
-            "one scale for the tensor where FlashInfer decodes, a scale per token otherwise); prefill and decode "
+            "one scale for the tensor with attention_backend flashinfer, a scale per token otherwise); prefill and decode "
             "workers must agree, attention backend included"
         ),
     ] = _E.kv_cache_dtype

@@ -13,8 +13,9 @@ absorbed)` once per forward, then `attend(...)` in every layer after writing its
 # (`plan_micro_batches`, `plan_graph`); extend forwards are not split (`splits_extend`).
 # A backend is made for one KV row format (`kv_cache_dtype`). Over FP8 rows (libs/engine/kv_fp8.py) the paged
 # backends decode with the kernel of the rows' layout where its dims fit, which `fp8_scales` picks for the
-# pool: FlashInfer's decode over "tensor" rows (its SM90 FP8 path), libs.kernels.mla_decode_fp8 over "token"
-# rows; every other path reads the rows dequantized (FlashInfer's ragged prefill included).
+# pool: FlashInfer's decode over "tensor" rows (its SM90 FP8 path; backend "flashinfer" named), else
+# libs.kernels.mla_decode_fp8 over "token" rows; every other path reads the rows dequantized (FlashInfer's
+# ragged prefill included).
 
 from __future__ import annotations
 
@@ -199,9 +200,12 @@ class FlashInferAttention(TritonAttention):
     splits_extend = False  # the ragged prefill is planned for the whole forward: TBO runs extend whole
 
     def __init__(
-        self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto"
-    ) -> None:
-        fp8 = kv_cache_dtype != "auto"  # "token" FP8 rows (pools of other backends) decode with the Triton kernel
+        self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+        fp8_tensor_rows: bool = False,
+    ) -> None:  # fmt: skip
+        """fp8_tensor_rows: an FP8 pool holds "tensor" rows, which FlashInfer's FP8 decode reads; otherwise FP8
+        ("token") rows decode with the Triton FP8 kernel."""
+        fp8 = kv_cache_dtype != "auto"
         super().__init__(cfg, device, dtype, use_kernel=None if fp8 else False, kv_cache_dtype=kv_cache_dtype)
         from libs.kernels import flashinfer_mla
 
@@ -210,7 +214,7 @@ class FlashInferAttention(TritonAttention):
         self.row_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         half = dtype in (torch.bfloat16, torch.float16)
         fits = half and _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-        self.mla = flashinfer_mla.FlashInferMLA(device) if fits else None
+        self.mla = flashinfer_mla.FlashInferMLA(device) if fits and (not fp8 or fp8_tensor_rows) else None
         ragged = half and flashinfer_mla.ragged_prefill_fits(*self.head_dims)
         self.prefill = flashinfer_mla.FlashInferRaggedPrefill(device) if ragged else None
         self._kv_index: torch.Tensor | None = None  # [sum K] pool slots of the extend batch's keys
@@ -292,8 +296,8 @@ class FlashInferAttention(TritonAttention):
         self._parts = self._eager_parts
 
     def decode_latent(self, q_latent, q_pe, layer_rows, meta: PagedMetadata) -> torch.Tensor:
-        if self.mla is None or (is_fp8(layer_rows) and layer_rows.shape[-1] != self.row_dim):
-            return super().decode_latent(q_latent, q_pe, layer_rows, meta)  # dims it does not take, "token" rows
+        if self.mla is None:  # "token" FP8 rows (the Triton FP8 kernel), or dims FlashInfer does not take
+            return super().decode_latent(q_latent, q_pe, layer_rows, meta)
         mla = self._active if self._active is not None else self.mla
         if meta.part is not None:
             if self._parts is None:
@@ -339,22 +343,25 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 def fp8_scales(name: str, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> str:
     """The FP8 row layout (libs/engine/kv_fp8.py) a pool should have for backend `name`: "tensor" where
-    FlashInfer's decode reads it (CUDA, a 16-bit model, DeepSeek's 512 + 64 row), else "token"."""
+    FlashInfer's FP8 decode reads it (backend "flashinfer" named, CUDA, a 16-bit model, DeepSeek's 512 + 64
+    row), else "token". "auto" keeps "token" rows (the Triton FP8 kernel, measured on a GPU) until FlashInfer's
+    FP8 decode has run on one."""
     resolved = resolve_backend(name, torch.device(device))
     half = dtype in (torch.bfloat16, torch.float16)
     fits = _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-    return "tensor" if resolved == "flashinfer" and half and fits else "token"
+    return "tensor" if name == resolved == "flashinfer" and half and fits else "token"
 
 
 def make_attention_backend(
-    name: str, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, kv_cache_dtype: str = "auto"
-) -> AttentionBackend:
+    name: str, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+    fp8_tensor_rows: bool = False,
+) -> AttentionBackend:  # fmt: skip
     """The backend `name` ("auto" | "torch" | "triton" | "flashinfer") for a model's attention shape over KV
-    rows of `kv_cache_dtype` ("auto" | "fp8_e4m3")."""
+    rows of `kv_cache_dtype` ("auto" | "fp8_e4m3"); fp8_tensor_rows: the pool's FP8 rows are "tensor" rows."""
     device = torch.device(device)
     resolved = resolve_backend(name, device)
     if resolved == "torch":
         return TorchAttention(cfg, device, kv_cache_dtype)
     if resolved == "triton":
         return TritonAttention(cfg, device, dtype, kv_cache_dtype=kv_cache_dtype)
-    return FlashInferAttention(cfg, device, dtype, kv_cache_dtype)
+    return FlashInferAttention(cfg, device, dtype, kv_cache_dtype, fp8_tensor_rows=fp8_tensor_rows)

@@ -369,6 +369,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, self.device)
         self._attention: AttentionBackend | None = None
+        self._attention_format = ""  # the pool format _attention was made for
         self.fast: fast_path.ModelFast | None = None  # the fused decoder path, once enable_fast_path() said yes
         # two-batch overlap (libs/engine/two_batch_overlap.py), set from outside: forward_step(model, step, kv)
         self.tbo: Any = None
@@ -382,10 +383,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Whether a forward with `backend` takes the fused path (it needs the paged kernel backends)."""
         return self.fast is not None and isinstance(backend, TritonAttention)
 
-    def attention_backend(self, name: str = "auto", kv_cache_dtype: str = "auto") -> AttentionBackend:
-        """A new attention backend for this model ("auto" | "torch" | "triton" | "flashinfer") over KV rows of
-        `kv_cache_dtype` ("auto" | "fp8_e4m3")."""
-        return make_attention_backend(name, self.config, self.device, self.dtype, kv_cache_dtype)
+    def attention_backend(self, name: str = "auto", kv: KVPool | None = None) -> AttentionBackend:
+        """A new attention backend for this model ("auto" | "torch" | "triton" | "flashinfer") over the rows of
+        pool `kv` (None: rows in the model dtype)."""
+        fp8 = kv.fp8 if kv is not None else None
+        kv_cache_dtype = "auto" if fp8 is None else "fp8_e4m3"
+        tensor_rows = fp8 is not None and fp8.scales == "tensor"
+        return make_attention_backend(name, self.config, self.device, self.dtype, kv_cache_dtype, tensor_rows)
 
     @torch.inference_mode()
     def forward(
@@ -403,8 +407,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         _check_batch(batch, kv, self.config)
         absorbed = batch.is_decode if attn_mode == "auto" else attn_mode == "absorbed"
         if backend is None:
-            if self._attention is None or self._attention.kv_cache_dtype != kv.kv_cache_dtype:
-                self._attention = self.attention_backend(kv_cache_dtype=kv.kv_cache_dtype)
+            if self._attention is None or self._attention_format != kv.format_name:
+                self._attention, self._attention_format = self.attention_backend(kv=kv), kv.format_name
             backend = self._attention
         if absorbed and not batch.is_decode and not isinstance(backend, TorchAttention):
             backend = TorchAttention(self.config, self.device, kv.kv_cache_dtype)

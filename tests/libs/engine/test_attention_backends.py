@@ -197,3 +197,18 @@ def test_engine_triton_backend_generates_the_reference_tokens(kernel_model, use_
     )
     assert (backend.kernel_cfg is not None) == use_kernel
     assert _generate(kernel_model, backend, max_prefill_tokens=4) == ref  # chunked prefill too
+
+
+def test_fp8_row_layout_follows_the_named_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"tensor" FP8 rows only where FlashInfer's FP8 decode will read them: backend "flashinfer" named, a
+    16-bit model, DeepSeek's 512 + 64 row; "auto" (even where it resolves to FlashInfer), triton and torch,
+    float32 models and other dims keep "token" rows."""
+    from libs.engine.layers import attention_backend as ab
+
+    v3 = _cfg(kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16)
+    assert {ab.fp8_scales(n, v3, "cpu", torch.bfloat16) for n in ("auto", "torch", "triton")} == {"token"}
+    monkeypatch.setattr(ab, "resolve_backend", lambda name, device: "flashinfer" if name == "auto" else name)
+    assert ab.fp8_scales("flashinfer", v3, "cuda", torch.bfloat16) == "tensor"
+    assert ab.fp8_scales("auto", v3, "cuda", torch.bfloat16) == "token"
+    assert ab.fp8_scales("flashinfer", v3, "cuda", torch.float32) == "token"
+    assert ab.fp8_scales("flashinfer", _cfg(), "cuda", torch.bfloat16) == "token"  # the tiny 32 + 8 row

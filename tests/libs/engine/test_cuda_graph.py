@@ -291,8 +291,9 @@ def test_flashinfer_decode_graph_replay_equals_eager(tmp_path, dims):
 @pytest.mark.gpu
 @gpu
 def test_flashinfer_fp8_decode_graph_replay_equals_eager_over_tensor_rows(tmp_path):
-    """kv_cache_dtype fp8_e4m3 with FlashInfer: the pool holds "tensor" rows (576 bytes) and FlashInfer's FP8
-    decode reads them, in the decode graph (planned before each replay) as eagerly."""
+    """kv_cache_dtype fp8_e4m3 with attention_backend "flashinfer" named: the pool holds "tensor" rows (576
+    bytes) and FlashInfer's FP8 decode reads them, in the decode graph (planned before each replay) as eagerly;
+    with "auto" the pool keeps "token" rows."""
     from libs.kernels import flashinfer_mla
 
     if not flashinfer_mla.available():
@@ -302,6 +303,9 @@ def test_flashinfer_fp8_decode_graph_replay_equals_eager_over_tensor_rows(tmp_pa
     engine = _decode_graph_vs_eager(model, backend="flashinfer", kv_cache_dtype="fp8_e4m3")
     assert engine.kv_pool.fp8 is not None and engine.kv_pool.fp8.scales == "tensor"
     assert engine.kv_pool.format_name == "fp8_e4m3_tensor" and engine.kv_pool.row_width == 576
+    assert engine.runner.backend.mla is not None
+    auto = Engine(model, page_size=16, num_pages=8, kv_cache_dtype="fp8_e4m3")
+    assert auto.kv_pool.format_name == "fp8_e4m3" and auto.runner.backend.mla is None
 
 
 @pytest.mark.gpu
@@ -329,8 +333,8 @@ def test_flashinfer_backend_decodes_fp8_rows_as_the_reference(layout):
     ref = TorchAttention(cfg, torch.device("cpu"))
     rows = fmt.dequantize(raw, torch.float32)
     expected = ref.attend(q_nope, q_pe, rows, MLAWeights.from_dense(w, h, 128), ref.prepare(batch, 4, True))
-    backend = FlashInferAttention(cfg, torch.device("cuda"), torch.bfloat16, kv_cache_dtype="fp8_e4m3")
-    assert backend.mla is not None
+    backend = FlashInferAttention(cfg, torch.device("cuda"), torch.bfloat16, "fp8_e4m3", layout == "tensor")
+    assert (backend.mla is not None) == (layout == "tensor")
     q_nope, q_pe, w = (x.to("cuda", torch.bfloat16) for x in (q_nope, q_pe, w))
     got = backend.attend(q_nope, q_pe, raw.cuda(), MLAWeights.from_dense(w, h, 128), backend.prepare(batch, 4, True))
     assert _rel(got.cpu(), expected) < 2e-2
