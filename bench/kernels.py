@@ -145,14 +145,20 @@ def mla_fp8_suite(shapes, log, sweep=FP8_SWEEP) -> list[dict]:
     return records
 
 
+def quantize_rows(fmt, kv: torch.Tensor) -> torch.Tensor:
+    """kv [slots, R + r] as FP8 rows of `fmt`, a chunk at a time (bounded temporaries)."""
+    out = torch.empty(kv.shape[0], fmt.row_bytes, dtype=torch.uint8, device=kv.device)
+    for s in range(0, kv.shape[0], 1 << 18):
+        out[s : s + (1 << 18)] = fmt.quantize(kv[s : s + (1 << 18)])
+    return out
+
+
 def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP) -> list[dict]:
     from libs.engine.kv_fp8 import Fp8Rows
 
     fmt, records = Fp8Rows(512, 64), []
     q, kv, table, seq = mla_inputs(b, h, ctx, device=device)
-    rows8 = torch.empty(kv.shape[0], fmt.row_bytes, dtype=torch.uint8, device=device)
-    for s in range(0, kv.shape[0], 1 << 18):  # bounded temporaries
-        rows8[s : s + (1 << 18)] = fmt.quantize(kv[s : s + (1 << 18)])
+    rows8 = quantize_rows(fmt, kv)
     kv16 = dequantize_rows(rows8).to(torch.bfloat16)  # the same values as bf16 rows
     ql, qr = q[..., :512], q[..., 512:]
     exact = mla_decode_reference(q[:4].float(), kv16.float(), table[:4], seq[:4], PAGE, 0.1352)
@@ -177,9 +183,7 @@ def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP) -> list[dic
         rec = mla_record(b, h, ctx, ms, torch.bfloat16, "flashinfer-fa3")
         records.append({**rec, "rel_err_vs_exact": err(fi_run()), "kv_cache": "bf16"})
         tensor = Fp8Rows(512, 64, "tensor")  # FlashInfer's FP8 decode over "tensor" rows of the same values
-        rows_t = torch.empty(kv.shape[0], tensor.row_bytes, dtype=torch.uint8, device=device)
-        for s in range(0, kv.shape[0], 1 << 18):
-            rows_t[s : s + (1 << 18)] = tensor.quantize(kv[s : s + (1 << 18)])
+        rows_t = quantize_rows(tensor, kv)
         exact_t = mla_decode_reference(q[:4].float(), tensor.dequantize(rows_t, torch.float32), table[:4], seq[:4],
                                        PAGE, 0.1352)  # fmt: skip
         fi8 = flashinfer_mla.FlashInferMLA(device, workspace=fi.workspace)

@@ -17,13 +17,13 @@ under steady load for a long time, with a crash every few minutes, sampling what
    (tombstones included) of the JetStream KV buckets; per minute: requests by outcome, TTFT p50/p99.
 5. Verdict, after --warmup-minutes: RSS per service flat within its lifetimes (pooled slope, each restart
    its own intercept, the first 2 minutes of a lifetime left out); beside it, not judged, where that growth
-   came from: the step each kill left in every other service's RSS and the slope between kills; pages, handles and TTFT p99 flat by the
-   median of the run's last third against its first; the JetStream buckets' messages (delete markers pile
-   up between the kv-broker's purges, every 300 s, of those older than 600 s: a sawtooth) by what each purge
-   leaves, which must not grow, and by purges that keep coming (by thirds while fewer than two purges are
-   seen: the first that removes anything comes 10-15 minutes after the bucket starts filling); after the
-   load stops, no request page, live request or live handle is left. JSON to
-   bench/results/soak-cpu-<minutes>min.json.
+   came from: the step each kill left in every other service's RSS and the slope between kills; pages,
+   handles and TTFT p99 flat by the median of the run's last third against its first; the JetStream
+   buckets' messages (delete markers pile up between the kv-broker's purges, every 300 s, of those older
+   than 600 s: a sawtooth) by what each purge leaves, which must not grow, and by purges that keep coming
+   (by thirds while fewer than two purges are seen: the first that removes anything comes 10-15 minutes
+   after the bucket starts filling); after the load stops, no request page, live request or live handle is
+   left. JSON to bench/results/soak-cpu-<minutes>min.json; `--rejudge RECORD` judges a record again.
 """
 
 from __future__ import annotations
@@ -434,7 +434,8 @@ def report(record: dict) -> None:
     print(f"verdict: {v['summary']}")
     for j in v["judgements"]:
         print(f"  {'ok ' if j['flat'] else 'BAD'} {j['series']}: {j['why']}")
-    print("  RSS slope between kills (MiB/h): " + ", ".join(f"{k} {v:+g}" for k, v in v["rss_mib_per_h_between_kills"].items() if v is not None))
+    between = v["rss_mib_per_h_between_kills"]
+    print("  RSS slope between kills (MiB/h): " + ", ".join(f"{k} {x:+g}" for k, x in between.items() if x is not None))
     for st in v["rss_steps_at_kills"]:
         if abs(st["step_mib"]) >= 4:
             print(f"  step {st['service']}: {st['step_mib']:+.1f} MiB at the kill of {st['at_kill_of']} (t={st['t']:.0f} s)")

@@ -211,7 +211,6 @@ class FlashInferAttention(TritonAttention):
 
         self.dtype, self.head_dims = dtype, (cfg.qk_head_dim, cfg.v_head_dim)
         self.kv_dtype = torch.float8_e4m3fn if fp8 else dtype  # what FlashInfer's decode is planned for
-        self.row_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         half = dtype in (torch.bfloat16, torch.float16)
         fits = half and _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         self.mla = flashinfer_mla.FlashInferMLA(device) if fits and (not fp8 or fp8_tensor_rows) else None

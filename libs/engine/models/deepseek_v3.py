@@ -386,10 +386,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     def attention_backend(self, name: str = "auto", kv: KVPool | None = None) -> AttentionBackend:
         """A new attention backend for this model ("auto" | "torch" | "triton" | "flashinfer") over the rows of
         pool `kv` (None: rows in the model dtype)."""
-        fp8 = kv.fp8 if kv is not None else None
-        kv_cache_dtype = "auto" if fp8 is None else "fp8_e4m3"
-        tensor_rows = fp8 is not None and fp8.scales == "tensor"
-        return make_attention_backend(name, self.config, self.device, self.dtype, kv_cache_dtype, tensor_rows)
+        if kv is None:
+            return make_attention_backend(name, self.config, self.device, self.dtype)
+        tensor_rows = kv.fp8 is not None and kv.fp8.scales == "tensor"
+        return make_attention_backend(name, self.config, self.device, self.dtype, kv.kv_cache_dtype, tensor_rows)
 
     @torch.inference_mode()
     def forward(
