@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -80,10 +81,17 @@ def run_fault(
     seen = _Strike(killed=fault.killed)
 
     async def strike(progress: Progress) -> None:
-        if not await progress.wait(*fault.after, timeout=deadline_s):
-            raise RuntimeError(f"traffic never reached {fault.after} before striking {fault.killed}")
-        if fault.queued:
-            seen.killed = await until_queued(mesh, mesh.scheduler_names(), timeout=deadline_s)
+        queues = QueueWatch(mesh, mesh.scheduler_names()) if fault.queued else None
+        if queues is not None:
+            await queues.start()  # watching from the first request on: no heartbeat before the point is lost
+        try:
+            if not await progress.wait(*fault.after, timeout=deadline_s):
+                raise RuntimeError(f"traffic never reached {fault.after} before striking {fault.killed}")
+            if queues is not None:
+                seen.killed = await queues.first_queued(progress, timeout=deadline_s)
+        finally:
+            if queues is not None:
+                await queues.close()
         seen.finished_before = progress.finished()
         seen.restarts_before = mesh.sup.restarts(seen.killed)
         t0 = time.monotonic()
@@ -106,26 +114,57 @@ def run_fault(
     return row, left
 
 
-async def until_queued(mesh: Mesh, schedulers: Sequence[str], timeout: float) -> str:
-    """The first of these scheduler replicas whose heartbeat reports requests in its queue."""
-    dec = decoder(m.SchedulerHeartbeat)
-    first: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+class QueueWatch:
+    """The scheduler replicas' heartbeats: what each last reported waiting in its queue."""
 
-    async def on_beat(msg: Msg) -> None:
-        hb = dec.decode(msg.data)
-        if hb.scheduler_id in schedulers and hb.queued > 0 and not first.done():
-            first.set_result(hb.scheduler_id)
+    def __init__(self, mesh: Mesh, schedulers: Sequence[str]) -> None:
+        self.mesh, self.schedulers = mesh, list(schedulers)
+        self.latest: dict[str, int] = {}  # replica -> `queued` of its last heartbeat
+        self.most: dict[str, int] = {}  # replica -> the most it ever reported
+        self.beats = 0
+        self._changed = asyncio.Event()
+        self._nc: nats.NATS | None = None
 
-    nc = await nats.connect(mesh.nats_url, **mesh.connect_options())
-    try:
-        await nc.subscribe(subjects.SCHED_HEARTBEAT, cb=on_beat)
-        return await asyncio.wait_for(first, timeout)
-    except TimeoutError:
-        raise RuntimeError(
-            f"no scheduler of {list(schedulers)} reported a queued request within {timeout:.0f}s"
-        ) from None
-    finally:
-        await nc.close()
+    async def start(self) -> None:
+        dec = decoder(m.SchedulerHeartbeat)
+
+        async def on_beat(msg: Msg) -> None:
+            hb = dec.decode(msg.data)
+            if hb.scheduler_id in self.schedulers:
+                self.beats += 1
+                self.latest[hb.scheduler_id] = hb.queued
+                self.most[hb.scheduler_id] = max(hb.queued, self.most.get(hb.scheduler_id, 0))
+                self._changed.set()
+
+        self._nc = await nats.connect(self.mesh.nats_url, **self.mesh.connect_options())
+        await self._nc.subscribe(subjects.SCHED_HEARTBEAT, cb=on_beat)
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            await self._nc.close()
+
+    def queued(self) -> str | None:
+        """The first replica (in the mesh's order) whose last heartbeat reported a request in its queue."""
+        return next((s for s in self.schedulers if self.latest.get(s, 0) > 0), None)
+
+    async def first_queued(self, progress: Progress, timeout: float) -> str:
+        """The replica `queued` names, as soon as there is one; an error saying what was seen if none is
+        within `timeout`, or once every stream has ended (no request is left to queue)."""
+        deadline = time.monotonic() + timeout
+        while (name := self.queued()) is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or progress.finished() == len(progress.chunks):
+                raise RuntimeError(
+                    f"no scheduler of {self.schedulers} reported a queued request: {self.beats} heartbeats, "
+                    f"most queued {self.most}, last {self.latest}; {progress.finished()} of "
+                    f"{len(progress.chunks)} streams ended, chunks {progress.chunks}"
+                )
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._changed.wait(), min(left, 1.0)
+                )  # re-check the streams each second
+        return name
 
 
 def wait_serving(mesh: Mesh, name: str, restarts: int, timeout: float = 90.0) -> None:

@@ -102,18 +102,28 @@ async def test_second_turn_goes_to_the_prefill_worker_holding_the_first(mesh: Me
     await nc.subscribe(subjects.prefill_inbox("*"), cb=tasks.on_msg)
     client = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
     model = (await client.models.list()).data[0].id
-    n = 4
+    n, rounds = 4, 4
     try:
-        convs = [[{"role": "system", "content": system_prompt(i)}, {"role": "user", "content": f"Hi {i}"}]
-                 for i in range(n)]  # fmt: skip
-        # first turns at once: placed on load alone (nothing cached yet), so both prefill workers get some
-        replies = await asyncio.gather(*(chat(client, model, c) for c in convs))
-        assert all(cached == 0 for _, cached in replies)
+        # first turns, 4 at once: placed on load alone (nothing cached yet), so both prefill workers get some,
+        # unless a loaded machine serialized them (each then finds both workers idle, and ties go to the
+        # first id): then 4 more conversations, until both workers hold some
+        convs: list[list[dict]] = []
+        replies: list[tuple[str, int]] = []
         first: dict[int, tuple[str, list[int]]] = {}
-        for worker, task in tasks.seen:
-            (i,) = [i for i in range(n) if f"assistant number {i}." in tok.decode(task.prompt_ids)]
-            first[i] = (worker, task.prompt_ids)
-        assert sorted(first) == list(range(n))
+        for _ in range(rounds):
+            batch = [[{"role": "system", "content": system_prompt(i)}, {"role": "user", "content": f"Hi {i}"}]
+                     for i in range(len(convs), len(convs) + n)]  # fmt: skip
+            replies += await asyncio.gather(*(chat(client, model, c) for c in batch))
+            convs += batch
+            for worker, task in tasks.seen:
+                (i,) = [
+                    i for i in range(len(convs)) if f"assistant number {i}." in tok.decode(task.prompt_ids)
+                ]
+                first[i] = (worker, task.prompt_ids)
+            if {w for w, _ in first.values()} == set(mesh.worker_ids(m.Role.PREFILL)):
+                break
+        assert all(cached == 0 for _, cached in replies)
+        assert sorted(first) == list(range(len(convs)))
         assert {w for w, _ in first.values()} == set(mesh.worker_ids(m.Role.PREFILL)), first
         for worker, prompt in first.values():
             await index_knows(nc, prompt, worker)
@@ -122,8 +132,8 @@ async def test_second_turn_goes_to_the_prefill_worker_holding_the_first(mesh: Me
         for c, (text, _) in zip(convs, replies, strict=True):
             c += [{"role": "assistant", "content": text}, {"role": "user", "content": "And then?"}]
         tasks.seen.clear()
-        second = await asyncio.gather(*(chat(client, model, convs[i]) for i in reversed(range(n))))
-        for i, (_, cached) in zip(reversed(range(n)), second, strict=True):
+        second = await asyncio.gather(*(chat(client, model, convs[i]) for i in reversed(range(len(convs)))))
+        for i, (_, cached) in zip(reversed(range(len(convs))), second, strict=True):
             worker, prompt = first[i]
             ((worker2, task2),) = tasks.extending(prompt)
             assert worker2 == worker, f"conversation {i}: turn 1 on {worker}, turn 2 on {worker2}"
