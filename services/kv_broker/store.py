@@ -109,6 +109,7 @@ class Bucket(Generic[R]):
         restarted uncleanly may hold entries the watcher never delivers (2.15 revives the last value of a
         key whose delete marker was purged: an older sequence than where the watcher resumes) and lack
         writes it acknowledged just before it died. Returns (keys the mirror gained, keys it dropped)."""
+        deleted = dict(self._deleted)  # our deletes before the snapshot began
         start = (await self._js.stream_info(f"KV_{self.name}")).state.last_seq
         held: set[str] = set()
         gained = 0
@@ -116,6 +117,10 @@ class Bucket(Generic[R]):
             if e.operation in ("DEL", "PURGE"):
                 continue
             held.add(e.key)
+            if e.revision <= deleted.get(e.key, -1) == self._deleted.get(e.key):
+                # the server's latest is a value our delete overtook, so the delete's marker is gone (lost in
+                # the restart, or purged and the value revived) before the watcher delivered it: the key is back
+                del self._deleted[e.key]
             had = e.key in self._mirror
             self._apply(e)  # an entry our own delete overtook stays out
             gained += not had and e.key in self._mirror

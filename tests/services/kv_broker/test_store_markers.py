@@ -70,3 +70,34 @@ async def test_resync_makes_the_mirror_what_the_server_holds(nats_server: str) -
         await bucket.close()
         await js.delete_key_value(name)
         await nc.close()
+
+
+async def test_resync_takes_back_a_key_whose_delete_marker_the_server_lost(nats_server: str) -> None:
+    """A delete whose marker the watcher never delivered, and which the server no longer holds (its latest
+    entry is the value again, as after a marker purged and the value revived), no longer hides the key."""
+    nc = await nats.connect(nats_server)
+    js = nc.jetstream()
+    name = f"lostdel_{uuid.uuid4().hex[:8]}"
+    # a KV stream of two entries a key that allows deleting one message: this test stands in for a server
+    # that lost the delete marker (the broker's own buckets keep one and refuse such deletes)
+    await js.add_stream(name=f"KV_{name}", subjects=[f"$KV.{name}.>"], max_msgs_per_subject=2,
+                        allow_rollup_hdrs=True, deny_delete=False)  # fmt: skip
+    bucket = Bucket(js, name, Rec, purge_every_s=0)
+    await bucket.open()
+    try:
+        await bucket.create("back", Rec(1))
+        await bucket.create("gone", Rec(2))
+        assert bucket._watcher is not None and bucket._watch_task is not None
+        await bucket._watcher.stop()  # the delete markers below are never delivered
+        await bucket._watch_task
+        await bucket.delete("gone")
+        await bucket.delete("back")
+        marker = (await js.stream_info(f"KV_{name}")).state.last_seq  # "back"'s delete marker
+        await js.delete_msg(f"KV_{name}", marker)  # the server's latest for "back" is its value again
+        assert list(bucket.items()) == []
+        assert await bucket.resync() == (1, 0)
+        assert [(k, r.n) for k, r in bucket.items()] == [("back", 1)]  # "gone" keeps its marker: stays out
+    finally:
+        await bucket.close()
+        await js.delete_key_value(name)
+        await nc.close()
