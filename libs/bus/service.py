@@ -25,7 +25,7 @@ from libs.bus.ports import write_ports
 from libs.bus.security import nats_connect_options, redact_url
 from libs.bus.settings import ServiceSettings, SettingsError, load_settings, settings_json
 from libs.telemetry.gc_pauses import GcPauses, freeze_startup_heap
-from libs.telemetry.heap_report import HeapReport, can_trim, trim_heap
+from libs.telemetry.heap_report import HeapReport, can_trim, set_arena_max, trim_heap
 
 log = logging.getLogger("moemesh.service")
 
@@ -304,6 +304,8 @@ class Service:
         # `kill -USR1 <pid>`: every thread's Python stack to stderr (the service's log), the service runs on;
         # what a stuck request is waiting on (a KV write, the engine thread) shows without a debugger
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+        if (arenas := settings.arena_max()) > 0 and set_arena_max(arenas):  # before the service's threads
+            log.info("%s: glibc malloc arenas at most %d", cls.name, arenas)
         try:
             service = cls(settings)
             service.freeze_heap_when_set_up = True

@@ -26,7 +26,7 @@ S = TypeVar("S")
 # also read from the unprefixed MOEMESH_<FIELD>: one NATS address and one set of credentials for all
 SHARED_FIELDS = (
     "nats_url", "log_level", "nats_user", "nats_password", "nats_token", "nats_tls_ca", "nats_tls_cert",
-    "nats_tls_key",
+    "nats_tls_key", "malloc_trim_s", "malloc_arena_max",
 )  # fmt: skip
 
 CONFIG_ENV = "MOEMESH_CONFIG"
@@ -91,8 +91,22 @@ class ServiceSettings(msgspec.Struct, frozen=True, kw_only=True):
     ] = 0
     malloc_trim_s: Annotated[
         float,
-        _d("every this many seconds, return glibc's freed-but-kept heap to the OS (malloc_trim); 0: off", ge=0),
+        _d(
+            "every this many seconds, return glibc's freed-but-kept heap to the OS (malloc_trim); 0: off",
+            ge=0,
+        ),
     ] = 0.0
+    malloc_arena_max: Annotated[
+        int,
+        _d(
+            "glibc malloc arenas at most (mallopt M_ARENA_MAX, as MALLOC_ARENA_MAX); 0: glibc's default", ge=0
+        ),
+    ] = 0
+
+    def arena_max(self) -> int:
+        """The arena bound to set at start (0: leave glibc's)."""
+        return self.malloc_arena_max
+
     nats_user: Annotated[str, _d("NATS user (with nats_password)")] = ""
     nats_password: Annotated[str, _d("NATS password (secret)")] = ""
     nats_token: Annotated[str, _d("NATS token (secret)")] = ""

@@ -60,6 +60,9 @@ def render() -> str:
 
     base = {d.name for d in describe(ServiceSettings)}
     worker = {d.name for d in describe(WorkerSettings)}
+    # every service's settings whose default the workers change are in the workers' table too
+    kept = {(d.name, repr(d.default), d.description) for d in describe(ServiceSettings)}
+    worker_own = {d.name for d in describe(WorkerSettings) if (d.name, repr(d.default), d.description) not in kept}
     out = [HEADER.format(config_env=CONFIG_ENV, example=EXAMPLE.rstrip(), engine_keys=_keys(ENGINE_KEYS))]
     out += ["## `moemesh up`", "", UP_INTRO, "", *_up_table(), ""]
     out += ["## Every service", "", COMMON_INTRO, "", *_table(ServiceSettings, "*", set()), ""]
@@ -67,7 +70,7 @@ def render() -> str:
         out += [f"## {section}", "", f"Section `{section}:`; env vars `MOEMESH_{_env(section)}_*`.", ""]
         out += [*_table(settings_class(section), _env(section), base), ""]
     out += ["## Workers: prefill-worker and decode-worker", "", WORKERS_INTRO, ""]
-    out += [*_table(WorkerSettings, "*_WORKER", base, up=set(ENGINE_KEYS) | {"mtp_k"}), ""]
+    out += [*_table(WorkerSettings, "*_WORKER", base - worker_own, up=set(ENGINE_KEYS) | {"mtp_k"}), ""]
     for section in ("prefill-worker", "decode-worker"):
         out += [
             f"## {section}",

@@ -1,6 +1,7 @@
 """Where a service's memory goes (`heap_report_s`): RSS beside pymalloc's arenas and blocks in use and glibc's
 heap in use and freed but kept, or with `heap_report_frames` tracemalloc's lines grown most; and `trim_heap`,
-glibc's freed-but-kept heap handed back to the OS (`malloc_trim_s`)."""
+glibc's freed-but-kept heap handed back to the OS (`malloc_trim_s`); `set_arena_max`, glibc's arenas bounded
+(`malloc_arena_max`)."""
 
 # Each line gives the change since the service was ready. A leak grows what is in use with RSS; an allocator
 # keeping memory after a burst (arenas pinned by a few live objects, glibc's free lists) grows RSS while what
@@ -46,6 +47,8 @@ def _libc() -> ctypes.CDLL | None:
         lib.mallinfo2.restype = _MallInfo2
     if hasattr(lib, "malloc_trim"):  # glibc only
         lib.malloc_trim.argtypes, lib.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    if hasattr(lib, "mallopt"):
+        lib.mallopt.argtypes, lib.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return lib
 
 
@@ -64,6 +67,19 @@ def malloc_bytes() -> tuple[int, int] | None:
 def can_trim() -> bool:
     """Whether `trim_heap` can do anything here (glibc's malloc_trim)."""
     return _LIBC is not None and hasattr(_LIBC, "malloc_trim")
+
+
+M_ARENA_MAX = -8  # mallopt's parameter (glibc malloc.h)
+
+
+def set_arena_max(n: int) -> bool:
+    """At most `n` glibc malloc arenas from here on (mallopt M_ARENA_MAX, what MALLOC_ARENA_MAX sets at exec):
+    with 1 every thread allocates from the main arena, whose free memory `trim_heap` can hand back; a thread's
+    own arena keeps a freed burst at its top (glibc trims those only on a free past its threshold, which
+    grows up to 64 MiB). Call it before the threads start; False where glibc is not there."""
+    if _LIBC is None or not hasattr(_LIBC, "mallopt") or n <= 0:
+        return False
+    return bool(_LIBC.mallopt(M_ARENA_MAX, n))
 
 
 def trim_heap() -> bool:

@@ -173,11 +173,35 @@ class WorkerSettings(ServiceSettings, frozen=True, kw_only=True):
     warmup: Annotated[
         str, msgspec.Meta(description="warm-up before serving: auto (on for a model on CUDA), on or off")
     ] = "auto"
+    # An engine thread's forwards free activation bursts into its own glibc arena, which keeps them (a CPU
+    # decode worker prefilling long prompts while no prefill worker was up kept +50-80 MiB for good): the
+    # main arena alone, trimmed every 30 s, hands them back.
+    malloc_trim_s: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0,
+            description="every this many seconds, return glibc's freed-but-kept heap to the OS (malloc_trim); "
+            "0: off",
+        ),
+    ] = 30.0
+    malloc_arena_max: Annotated[
+        int,
+        msgspec.Meta(
+            ge=-1,
+            description="glibc malloc arenas at most (mallopt M_ARENA_MAX, as MALLOC_ARENA_MAX); 0: glibc's "
+            "default; -1 (auto): 1 on the CPU, where activations live in the heap, else glibc's default",
+        ),
+    ] = -1
 
     @property
     def kv_per_rank(self) -> bool:
         """EP ranks keep their own KV pools (rank_kv.py): asked for, or forced by pools on GPUs."""
         return self.ep_size > 1 and (self.ep_kv_per_rank or self.device != "cpu")
+
+    def arena_max(self) -> int:
+        if self.malloc_arena_max >= 0:
+            return self.malloc_arena_max
+        return 1 if self.device == "cpu" else 0
 
     def __post_init__(self) -> None:
         if not self.model_dir:

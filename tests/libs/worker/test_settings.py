@@ -54,3 +54,21 @@ def test_worker_settings_take_two_batch_overlap_where_it_runs() -> None:
     for bad in (dict(mtp_k=2), dict(engine="sim")):
         with pytest.raises(ValueError, match="two_batch_overlap"):
             WorkerSettings(model_dir="m", two_batch_overlap=True, **bad)  # type: ignore[arg-type]
+
+
+def test_workers_keep_one_malloc_arena_on_the_cpu_and_trim_it_every_30_s() -> None:
+    from libs.bus.settings import load_settings
+    from services.decode_worker.service import DecodeWorkerSettings
+    from services.scheduler.service import SchedulerSettings
+
+    assert WorkerSettings(model_dir="m").arena_max() == 1
+    assert WorkerSettings(model_dir="m", device="cuda").arena_max() == 0  # glibc's default
+    assert WorkerSettings(model_dir="m", malloc_arena_max=0).arena_max() == 0
+    assert WorkerSettings(model_dir="m", device="cuda", malloc_arena_max=2).arena_max() == 2
+    assert WorkerSettings(model_dir="m").malloc_trim_s == 30.0
+    assert SchedulerSettings().arena_max() == 0 and SchedulerSettings().malloc_trim_s == 0.0
+    # MOEMESH_MALLOC_TRIM_S / _ARENA_MAX reach every service; a service's own variable wins
+    env = {"MOEMESH_MALLOC_TRIM_S": "5", "MOEMESH_MALLOC_ARENA_MAX": "2", "MOEMESH_DECODE_WORKER_MODEL_DIR": "m"}
+    assert load_settings(SchedulerSettings, "scheduler", env=env).malloc_trim_s == 5.0
+    decode = load_settings(DecodeWorkerSettings, "decode-worker", env=env | {"MOEMESH_DECODE_WORKER_MALLOC_TRIM_S": "0"})
+    assert decode.malloc_trim_s == 0.0 and decode.arena_max() == 2
