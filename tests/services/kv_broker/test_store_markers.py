@@ -45,6 +45,13 @@ async def test_old_delete_markers_are_purged_and_live_keys_stay(nats_server: str
         await nc.close()
 
 
+async def deafen(bucket: Bucket) -> None:
+    """The bucket's watcher stopped: it delivers nothing from here on."""
+    assert bucket._watcher is not None and bucket._watch_task is not None
+    await bucket._watcher.stop()
+    await bucket._watch_task
+
+
 async def test_resync_makes_the_mirror_what_the_server_holds(nats_server: str) -> None:
     """Keys the watcher will never deliver (revived by a restarted server behind its position) join the
     mirror; keys the server lost (acknowledged writes gone with an unclean restart) leave it."""
@@ -56,9 +63,7 @@ async def test_resync_makes_the_mirror_what_the_server_holds(nats_server: str) -
     try:
         await bucket.create("kept", Rec(0))
         await bucket.create("lost", Rec(1))
-        assert bucket._watcher is not None and bucket._watch_task is not None
-        await bucket._watcher.stop()  # the watcher delivers nothing from here on
-        await bucket._watch_task
+        await deafen(bucket)
         kv = await js.key_value(name)
         await kv.put("revived", msgspec.msgpack.encode(Rec(2)))
         await kv.purge("lost")
@@ -87,9 +92,7 @@ async def test_resync_takes_back_a_key_whose_delete_marker_the_server_lost(nats_
     try:
         await bucket.create("back", Rec(1))
         await bucket.create("gone", Rec(2))
-        assert bucket._watcher is not None and bucket._watch_task is not None
-        await bucket._watcher.stop()  # the delete markers below are never delivered
-        await bucket._watch_task
+        await deafen(bucket)  # the delete markers below are never delivered
         await bucket.delete("gone")
         await bucket.delete("back")
         marker = (await js.stream_info(f"KV_{name}")).state.last_seq  # "back"'s delete marker
