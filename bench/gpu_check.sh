@@ -34,7 +34,8 @@ if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: the MLA kernels over FP8 rows b
     [ "$left" -lt 40 ] && { echo "$f: not run ($left s left)" | tee -a "$summary"; continue; }
     log=$(timeout "$left" python3 -m pytest -q -rf --tb=short --confcutdir=tests/libs -p no:cacheprovider "$f" 2>&1)
     echo "$f: $(echo "$log" | grep -E "^(FAILED|ERROR)|passed|failed|error" | tail -6 | tr '\n' ' ')" | tee -a "$summary"
-    echo "$log" | grep -v -i warn | tail -60 > "$OUT/log-$(basename "${f%%::*}" .py)-${f##*::}.txt"
+    name=$(basename "${f%%::*}" .py); [ "$f" != "${f%%::*}" ] && name="$name-${f##*::}"
+    echo "$log" | grep -v -i warn | tail -60 > "$OUT/log-$name.txt"
   done
   exit 0
 fi
