@@ -2,7 +2,8 @@
 # One device call that checks and measures everything GPU-side, for the `device` tool's lent H200:
 #   bash bench/gpu_check.sh [quick|wave|fp8]   (carry .whl: `bash scripts/gpu_wheels.sh flashinfer`)
 #   FP8_EXTRA="fp8_e4m3:512" bash bench/gpu_check.sh fp8   (further decode_rank runs, kv_cache_dtype:batch)
-#   FP8_FAST=1 bash bench/gpu_check.sh fp8   (no Triton FP8 kernel sweep: FlashInfer's decodes and the Engine)
+#   FP8_TRITON=engine bash bench/gpu_check.sh fp8   (the Triton FP8 kernel only as the Engine runs it, no tile
+#   sweep; none: FlashInfer's decodes only) beside FlashInfer's bf16 and FP8 decodes, then the Engine
 # Each GPU test file runs in its own process with its own time limit, so one sticky CUDA fault (an
 # illegal address poisons the whole process) cannot hide the others' results; only compact summaries
 # go to $OUT (the device tool brings back a limited number of files).
@@ -20,7 +21,9 @@ if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: the MLA kernels over FP8 rows b
   # Engine (FlashInfer's FP8 decode over "tensor" rows), then the GPU tests with what is left of BUDGET
   # (default 560 s: one device call), measurements first
   t0=$(date +%s)
-  timeout 200 python3 -m bench.kernels --mla-fp8-only --quick ${FP8_FAST:+--no-triton-fp8} > "$OUT/kernels_fp8.log" 2>&1
+  triton_fp8=${FP8_TRITON:-sweep}
+  [ -n "${FP8_FAST:-}" ] && triton_fp8=none  # the older name of FP8_TRITON=none
+  timeout 200 python3 -m bench.kernels --mla-fp8-only --quick --triton-fp8 "$triton_fp8" > "$OUT/kernels_fp8.log" 2>&1
   grep -E "^mla fp8|flashinfer|triton-bf16|failed|Error" "$OUT/kernels_fp8.log" | cut -c1-220 | tee -a "$summary"
   for run in auto:256 fp8_e4m3:256 ${FP8_EXTRA:-}; do
     set -- ${run/:/ }

@@ -27,7 +27,13 @@ from bench.harness import bench_ms, environment, write_results
 from libs.kernels import flashinfer_mla, gemm_tuning
 from libs.kernels import fp8_gemm as G
 from libs.kernels.mla_decode import MLAConfig, choose_num_splits, mla_decode, mla_decode_reference
-from libs.kernels.mla_decode_fp8 import DOTS, dequantize_rows, mla_decode_fp8, mla_decode_fp8_reference
+from libs.kernels.mla_decode_fp8 import (
+    DECODE_DOTS,
+    DOTS,
+    dequantize_rows,
+    mla_decode_fp8,
+    mla_decode_fp8_reference,
+)
 from libs.kernels.quant import quant_fp8_groups
 
 PAGE = 64
@@ -134,14 +140,14 @@ FP8_SWEEP = [MLAConfig(bh, n, w, s) for bh, n, w, s in [
 ]]  # fmt: skip
 
 
-def mla_fp8_suite(shapes, log, sweep=FP8_SWEEP) -> list[dict]:
+def mla_fp8_suite(shapes, log, sweep=FP8_SWEEP, dots_modes=DOTS) -> list[dict]:
     """Per (B, L, H): FlashInfer (bf16 rows and "tensor" FP8 rows), the Triton bf16 kernel (same rows) and the
     FP8-dot kernel over the "token" FP8 rows those came from, each error against float attention over the
-    same values; FP8 configs swept (an empty sweep: no Triton FP8 kernel)."""
+    same values; FP8 configs swept for each of `dots_modes` (an empty sweep: no Triton FP8 kernel)."""
     fi = flashinfer_mla.FlashInferMLA("cuda") if flashinfer_mla.available() else None
     records: list[dict] = []
     for b, ctx, h in shapes:
-        records += mla_fp8_case(b, ctx, h, fi, log, sweep=sweep)
+        records += mla_fp8_case(b, ctx, h, fi, log, sweep=sweep, dots_modes=dots_modes)
     return records
 
 
@@ -153,7 +159,7 @@ def quantize_rows(fmt, kv: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP) -> list[dict]:
+def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP, dots_modes=DOTS) -> list[dict]:
     from libs.engine.kv_fp8 import Fp8Rows
 
     fmt, records = Fp8Rows(512, 64), []
@@ -202,7 +208,7 @@ def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP) -> list[dic
     base["triton-bf16"] = ms = bench_ms(bf16_run)
     records.append({**mla_record(b, h, ctx, ms, torch.bfloat16, "triton-bf16", cfg16, s16),
                     "rel_err_vs_exact": err(bf16_run()), "kv_cache": "bf16"})  # fmt: skip
-    for dots in DOTS:
+    for dots in dots_modes:
         best = None
         for cfg in sweep:
             if h % min(cfg.block_h, max(16, h)):
@@ -348,7 +354,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer MLA shapes (FP8: B=256, L=2048, 128 heads only)")
     ap.add_argument("--skip-mla", action="store_true")
     ap.add_argument("--mla-fp8-only", action="store_true", help="only the FP8-cache MLA comparison")
-    ap.add_argument("--no-triton-fp8", action="store_true", help="FP8-cache comparison without the Triton FP8 sweep")
+    ap.add_argument("--triton-fp8", choices=["sweep", "engine", "none"], default="sweep",
+                    help="the Triton FP8-cache kernel: every dots mode over the tile sweep, only what the Engine runs "
+                    "(its dots mode and tile), or none")  # fmt: skip
+    ap.add_argument("--no-triton-fp8", action="store_true", help="as --triton-fp8 none")
     a = ap.parse_args()
     env = environment()
     print(env, flush=True)
@@ -359,7 +368,10 @@ def main() -> None:
     records = []
     fp8_shapes = [(256, 2048, 128), (512, 2048, 128), (128, 8192, 128), (256, 8192, 16)]
     if a.mla_fp8_only:
-        records += mla_fp8_suite(fp8_shapes[:1] if a.quick else fp8_shapes, log, [] if a.no_triton_fp8 else FP8_SWEEP)
+        mode = "none" if a.no_triton_fp8 else a.triton_fp8
+        sweep = {"sweep": FP8_SWEEP, "engine": [MLAConfig()], "none": []}[mode]
+        dots_modes = (DECODE_DOTS,) if mode == "engine" else DOTS
+        records += mla_fp8_suite(fp8_shapes[:1] if a.quick else fp8_shapes, log, sweep, dots_modes)
     else:
         records += gemm_suite(log)
     if not a.skip_mla and not a.mla_fp8_only:
