@@ -43,6 +43,7 @@ def burst():  # an engine thread's forward: one large buffer (glibc raises its t
         libc.memset(c, 1, 64 << 10)
     for c in reversed(chunks):
         libc.free(c)
+trim_heap()  # the baseline trimmed too: the trim after the burst hands back only the burst's pages
 before = rss_bytes()
 t = threading.Thread(target=burst)
 t.start()
@@ -60,6 +61,6 @@ def kept_mib(arena_max: int) -> int:
 
 def test_a_threads_burst_comes_back_with_one_arena_and_stays_with_its_own():
     # glibc's default: the thread's own arena keeps the burst at its top, which malloc_trim does not shrink
-    assert kept_mib(0) >= 24
+    assert kept_mib(0) >= 16  # of the 32 MiB burst (measured 23-32 under a loaded suite)
     # malloc_arena_max 1 (the workers' default on the CPU): the main arena, which the trim hands back
     assert kept_mib(1) <= 4
