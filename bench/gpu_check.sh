@@ -3,7 +3,8 @@
 #   bash bench/gpu_check.sh [quick|wave|fp8]   (carry .whl: `bash scripts/gpu_wheels.sh flashinfer`)
 #   FP8_EXTRA="fp8_e4m3:512" bash bench/gpu_check.sh fp8   (further decode_rank runs, kv_cache_dtype:batch)
 #   FP8_TRITON=engine bash bench/gpu_check.sh fp8   (the Triton FP8 kernel only as the Engine runs it, no tile
-#   sweep; none: FlashInfer's decodes only) beside FlashInfer's bf16 and FP8 decodes, then the Engine
+#   sweep; none: FlashInfer's decodes only) beside FlashInfer's bf16 and FP8 decodes, then the Engine, then the
+#   FP8 cache's accuracy on a random V3-width checkpoint with each row layout (bench.kv_fp8_accuracy)
 # Each GPU test file runs in its own process with its own time limit, so one sticky CUDA fault (an
 # illegal address poisons the whole process) cannot hide the others' results; only compact summaries
 # go to $OUT (the device tool brings back a limited number of files).
@@ -29,6 +30,13 @@ if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: the MLA kernels over FP8 rows b
     set -- ${run/:/ }
     timeout 150 python3 -m bench.decode_rank --batch "$2" --attn flashinfer --kv-cache-dtype "$1" 2>&1 \
       | grep -E "^B=|Error|error" | sed "s/^/$1 /" | tee -a "$summary"
+  done
+  # accuracy against the bf16 cache on a random V3-width checkpoint (written once), with each FP8 row layout
+  [ -f /tmp/v3-width/config.json ] || timeout 120 python3 -c "from libs.engine.preset_model import write_preset_model as w
+w('/tmp/v3-width', overwrite=True)" >/dev/null 2>&1
+  for backend in auto flashinfer; do
+    timeout 150 python3 -m bench.kv_fp8_accuracy --model /tmp/v3-width --device cuda --attention-backend "$backend" \
+      2>&1 | grep -E "rel err|Error" | tee -a "$summary"
   done
   for f in tests/libs/engine/test_cuda_graph.py::test_flashinfer_backend_decodes_fp8_rows_as_the_reference \
       tests/libs/engine/test_cuda_graph.py::test_flashinfer_fp8_decode_graph_replay_equals_eager_over_tensor_rows \

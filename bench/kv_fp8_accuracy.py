@@ -2,6 +2,7 @@
 
     python -m bench.kv_fp8_accuracy                    # CPU: the demo model (held-out text) and tiny-v3
     python -m bench.kv_fp8_accuracy --model DIR --device cuda [--seqs 8 --prompt 512 --gen 64]
+    python -m bench.kv_fp8_accuracy --preset v3-width --device cuda --attention-backend flashinfer
 
 Two Engines share one model, one with each cache. Each sequence runs teacher-forced through each engine's
 runner as the engine runs it: the prompt as chunked prefill (expanded attention over the cached rows), then
@@ -75,9 +76,10 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor], seqs: list[list[in
     }  # fmt: skip
 
 
-def engines(model_dir: str, device: str, dtype: str) -> tuple[Engine, Engine]:
+def engines(model_dir: str, device: str, dtype: str, attention_backend: str = "auto") -> tuple[Engine, Engine]:
     model = load_model(model_dir, dtype=dtype, device=device, progress=False)
-    kw = dict(page_size=16, num_pages=4096, max_num_seqs=64, max_prefill_tokens=4096, enable_prefix_cache=False)
+    kw = dict(page_size=16, num_pages=4096, max_num_seqs=64, max_prefill_tokens=4096, enable_prefix_cache=False,
+              attention_backend=attention_backend)  # fmt: skip
     return Engine(model, kv_cache_dtype="auto", **kw), Engine(model, kv_cache_dtype="fp8_e4m3", **kw)
 
 
@@ -156,17 +158,17 @@ def format_study(auto: Engine, seqs, prompt_len, chunk, ref) -> dict:
     return out
 
 
-def run_model(name, model_dir, device, dtype, seqs, prompt_len, chunk, formats, log) -> dict:
+def run_model(name, model_dir, device, dtype, seqs, prompt_len, chunk, formats, log, backend="auto") -> dict:
     t0 = time.perf_counter()
-    auto, fp8 = engines(model_dir, device, dtype)
+    auto, fp8 = engines(model_dir, device, dtype, backend)
     ref = teacher_forced(auto, seqs, prompt_len, chunk)
     rec = {"model": name, "model_dir": str(model_dir), "device_arg": device, "dtype": dtype, "sequences": len(seqs),
            "prompt_tokens": prompt_len, "decode_tokens": len(seqs[0]) - 1 - prompt_len, "prefill_chunk": chunk,
-           "attention_backend": fp8.runner.backend.name, "fast_path": fp8.model.fast is not None,
+           "attention_backend": fp8.runner.backend.name, "kv_format": fp8.kv_pool.format_name, "fast_path": fp8.model.fast is not None,
            "decode_graphs": fp8.runner.graphs is not None,
            "fp8": compare(ref, teacher_forced(fp8, seqs, prompt_len, chunk), seqs)}  # fmt: skip
     f = rec["fp8"]
-    log(f"{name} [{dtype}, {rec['attention_backend']}]: rel err {f['logits_rel_err_mean']:.2e}, agreement "
+    log(f"{name} [{dtype}, {rec['attention_backend']}, {rec['kv_format']}]: rel err {f['logits_rel_err_mean']:.2e}, agreement "
         f"{f['argmax_agreement']:.4f} of {f['positions']}, KL {f['kl_per_position']:.2e}, ppl {f['ppl_auto']:.3f} -> "
         f"{f['ppl_fp8']:.3f} ({f['ppl_rel_change']:+.2%})")  # fmt: skip
     if formats:
@@ -190,6 +192,11 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64, help="teacher-forced decode tokens per sequence")
     ap.add_argument("--chunk", type=int, default=32, help="prefill chunk")
     ap.add_argument("--formats", action="store_true", help="also the row-format study (CPU, torch reference)")
+    ap.add_argument("--preset", default="", choices=["", "v3-width"],
+                    help="instead of --model: a random checkpoint of DeepSeek-V3's width (4 layers, 16 experts, FP8), "
+                    "written to a temporary folder (seconds on a GPU)")
+    ap.add_argument("--attention-backend", default="auto", help="auto | torch | triton | flashinfer (the FP8 rows "
+                    "follow it: FlashInfer's \"tensor\" rows with flashinfer named)")  # fmt: skip
     a = ap.parse_args()
     torch.manual_seed(0)
     length = a.prompt + a.gen + 1
@@ -198,6 +205,12 @@ def main() -> None:
     def log(s):
         print(s, flush=True)
 
+    if a.preset:
+        import tempfile
+
+        from libs.engine.preset_model import write_preset_model
+
+        a.model = str(write_preset_model(Path(tempfile.mkdtemp(prefix="kv-fp8-accuracy-")) / a.preset, a.preset))
     if a.model is None:
         from libs.demo.cache import ensure_demo_model
         from libs.engine.tiny import write_tiny_model
@@ -216,7 +229,9 @@ def main() -> None:
 
         vocab = ModelConfig.from_pretrained(a.model).vocab_size
         seqs = random_tokens(vocab, a.seqs or 8, length)
-        records.append(run_model(Path(a.model).name, a.model, a.device, a.dtype, seqs, a.prompt, a.chunk, a.formats, log))
+        name = f"{a.preset} (random)" if a.preset else Path(a.model).name
+        records.append(run_model(name, a.model, a.device, a.dtype, seqs, a.prompt, a.chunk, a.formats, log,
+                                 a.attention_backend))  # fmt: skip
     env = environment()
     for r in records:
         r.update({"benchmark": "kv_fp8_accuracy", "command": "python -m bench.kv_fp8_accuracy " + " ".join(
