@@ -17,9 +17,11 @@ demo: setup  # train the demo model once (minutes on a CPU); `make up` serves it
 	$(VENV)/moemesh demo-model
 
 # A Triton cache of the run's own, cold each time: a warm ~/.triton/cache must never hide a failure.
+# A worker process that dies fails the run at once, naming the test it ran (xdist's replacement worker can
+# wait forever under --dist loadfile: pytest-xdist#784).
 test: setup
 	@cache=$$(mktemp -d); TRITON_CACHE_DIR=$$cache $(VENV)/python -m pytest -q -p no:cacheprovider --durations=30 \
-	  -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); \
+	  -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0 $(PYTEST_ARGS); \
 	rc=$$?; rm -rf $$cache; exit $$rc
 
 lint: setup
