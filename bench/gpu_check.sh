@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything GPU-side, for the `device` tool's lent H200:
 #   bash bench/gpu_check.sh [quick|wave|fp8]   (carry .whl: `bash scripts/gpu_wheels.sh flashinfer`)
-#   FP8_EXTRA="fp8_e4m3:512" bash bench/gpu_check.sh fp8   (further decode_rank runs, kv_cache_dtype:batch)
+#   FP8_EXTRA="fp8_e4m3:512 fp8_e4m3:256:triton" bash bench/gpu_check.sh fp8   (further decode_rank runs,
+#   kv_cache_dtype:batch[:attention backend, default flashinfer]; triton decodes the FP8 cache's "token" rows)
 #   FP8_TRITON=engine bash bench/gpu_check.sh fp8   (the Triton FP8 kernel only as the Engine runs it, no tile
 #   sweep; none: FlashInfer's decodes only) beside FlashInfer's bf16 and FP8 decodes, then the Engine, then the
 #   FP8 cache's accuracy on a random V3-width checkpoint with each row layout (bench.kv_fp8_accuracy)
@@ -27,9 +28,9 @@ if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: the MLA kernels over FP8 rows b
   timeout 200 python3 -m bench.kernels --mla-fp8-only --quick --triton-fp8 "$triton_fp8" > "$OUT/kernels_fp8.log" 2>&1
   grep -E "^mla fp8|flashinfer|triton-bf16|failed|Error" "$OUT/kernels_fp8.log" | cut -c1-220 | tee -a "$summary"
   for run in auto:256 fp8_e4m3:256 ${FP8_EXTRA:-}; do
-    set -- ${run/:/ }
-    timeout 150 python3 -m bench.decode_rank --batch "$2" --attn flashinfer --kv-cache-dtype "$1" 2>&1 \
-      | grep -E "^B=|Error|error" | sed "s/^/$1 /" | tee -a "$summary"
+    IFS=: read -r dtype batch attn <<< "$run"
+    timeout 150 python3 -m bench.decode_rank --batch "$batch" --attn "${attn:-flashinfer}" --kv-cache-dtype "$dtype" \
+      2>&1 | grep -E "^B=|Error|error" | sed "s/^/$dtype ${attn:-flashinfer} /" | tee -a "$summary"
   done
   # accuracy against the bf16 cache on a random V3-width checkpoint (written once), with each FP8 row layout
   [ -f /tmp/v3-width/config.json ] || timeout 120 python3 -c "from libs.engine.preset_model import write_preset_model as w
