@@ -2,7 +2,7 @@
 
     python -m bench.kv_fp8_accuracy                    # CPU: the demo model (held-out text) and tiny-v3
     python -m bench.kv_fp8_accuracy --model DIR --device cuda [--seqs 8 --prompt 512 --gen 64]
-    python -m bench.kv_fp8_accuracy --preset v3-width --device cuda --attention-backend flashinfer
+    python -m bench.kv_fp8_accuracy --model DIR --device cuda --attention-backend flashinfer   # "tensor" FP8 rows
 
 Two Engines share one model, one with each cache. Each sequence runs teacher-forced through each engine's
 runner as the engine runs it: the prompt as chunked prefill (expanded attention over the cached rows), then
@@ -192,9 +192,6 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64, help="teacher-forced decode tokens per sequence")
     ap.add_argument("--chunk", type=int, default=32, help="prefill chunk")
     ap.add_argument("--formats", action="store_true", help="also the row-format study (CPU, torch reference)")
-    ap.add_argument("--preset", default="", choices=["", "v3-width"],
-                    help="instead of --model: a random checkpoint of DeepSeek-V3's width (4 layers, 16 experts, FP8), "
-                    "written to a temporary folder (seconds on a GPU)")
     ap.add_argument("--attention-backend", default="auto", help="auto | torch | triton | flashinfer (the FP8 rows "
                     "follow it: FlashInfer's \"tensor\" rows with flashinfer named)")  # fmt: skip
     a = ap.parse_args()
@@ -205,12 +202,6 @@ def main() -> None:
     def log(s):
         print(s, flush=True)
 
-    if a.preset:
-        import tempfile
-
-        from libs.engine.preset_model import write_preset_model
-
-        a.model = str(write_preset_model(Path(tempfile.mkdtemp(prefix="kv-fp8-accuracy-")) / a.preset, a.preset))
     if a.model is None:
         from libs.demo.cache import ensure_demo_model
         from libs.engine.tiny import write_tiny_model
@@ -229,8 +220,7 @@ def main() -> None:
 
         vocab = ModelConfig.from_pretrained(a.model).vocab_size
         seqs = random_tokens(vocab, a.seqs or 8, length)
-        name = f"{a.preset} (random)" if a.preset else Path(a.model).name
-        records.append(run_model(name, a.model, a.device, a.dtype, seqs, a.prompt, a.chunk, a.formats, log,
+        records.append(run_model(Path(a.model).name, a.model, a.device, a.dtype, seqs, a.prompt, a.chunk, a.formats, log,
                                  a.attention_backend))  # fmt: skip
     env = environment()
     for r in records:

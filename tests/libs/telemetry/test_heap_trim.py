@@ -61,6 +61,6 @@ def kept_mib(arena_max: int) -> int:
 
 def test_a_threads_burst_comes_back_with_one_arena_and_stays_with_its_own():
     # glibc's default: the thread's own arena keeps the burst at its top, which malloc_trim does not shrink
-    assert kept_mib(0) >= 16  # of the 32 MiB burst (measured 23-32 under a loaded suite)
+    assert kept_mib(0) >= 16  # of the 32 MiB burst (32 alone, 25 beside a process churning memory: kept_mib(0) on the VM)
     # malloc_arena_max 1 (the workers' default on the CPU): the main arena, which the trim hands back
     assert kept_mib(1) <= 4
