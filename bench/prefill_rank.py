@@ -17,8 +17,10 @@ the MoE blocks; "other" is the rest of the step), outside the timed rounds.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -70,6 +72,25 @@ def part_breakdown(engine, budget: int, prompt: int, seed: int) -> dict:
     return {k: round(v, 4) for k, v in rec.items()}
 
 
+def profile_forward(engine, budget: int, prompt: int, seed: int) -> None:
+    """One forward of a budget's worth of prompts under torch.profiler, outside the timed rounds: kernels by
+    CUDA time to profile-prefill-b<budget>.txt beside the records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = random.Random(seed)
+    for i in range(max(1, budget // prompt)):
+        engine.add_request(f"prof{budget}-{i}", [rng.randrange(engine.config.vocab_size) for _ in range(prompt)],
+                           SamplingParams(temperature=0, max_tokens=1))  # fmt: skip
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    out = Path(os.environ.get("OUT") or "bench/results") / f"profile-prefill-b{budget}.txt"
+    out.write_text(p.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", default="4096,8192,16384")
@@ -81,6 +102,7 @@ def main() -> None:
     ap.add_argument("--attn", choices=["auto", "triton", "flashinfer"], default="auto")
     ap.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                     help="the latent KV cache: auto (bf16) or fp8_e4m3 (FP8 rows, read dequantized by prefill)")  # fmt: skip
+    ap.add_argument("--profile", type=int, default=0, help="budget to profile one forward of (torch.profiler)")
     ap.add_argument("--moe-block-m", choices=["auto", "64", "128"], default="auto",
                     help="the contiguous MoE's row tile: auto (backend.contiguous_block_m, what serving runs) or "
                          "one forced for every forward, to compare")  # fmt: skip
@@ -98,6 +120,8 @@ def main() -> None:
     for b in budgets:
         rec = run_budget(engine, b, a.prompt, a.rounds, seed=b)
         rec["breakdown"] = part_breakdown(engine, b, a.prompt, seed=b + 1)
+        if a.profile == b:
+            profile_forward(engine, b, a.prompt, seed=b + 2)
         roof = prefill_bound(rec["tokens"], a.prompt, ep=a.ep)
         spec = prefill_bound(rec["tokens"], a.prompt, ep=a.ep, peaks="spec")
         rec.update({
