@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything GPU-side, for the `device` tool's lent H200:
 #   bash bench/gpu_check.sh [quick|wave|fp8|prefill]   (carry .whl: `bash scripts/gpu_wheels.sh flashinfer`)
-#   PREFILL_BUDGETS=4096,16384 bash bench/gpu_check.sh prefill   (the contiguous MoE's 64- against 128-row tile)
+#   PREFILL_BUDGETS=4096,16384 PREFILL_PROFILE=4096 bash bench/gpu_check.sh prefill   (prefill_rank, a profiled
+#   forward, the grouped GEMMs' GPU tests)
 #   FP8_EXTRA="fp8_e4m3:512 fp8_e4m3:256:triton" bash bench/gpu_check.sh fp8   (further decode_rank runs,
 #   kv_cache_dtype:batch[:attention backend, default flashinfer]; triton decodes the FP8 cache's "token" rows)
 #   FP8_TRITON=engine bash bench/gpu_check.sh fp8   (the Triton FP8 kernel only as the Engine runs it, no tile
@@ -52,17 +53,11 @@ if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: the MLA kernels over FP8 rows b
   done
   exit 0
 fi
-if [ "${1:-}" = prefill ]; then  # prefill's contiguous MoE row tile: 64 against the policy's 128 (fixed default,
-  # then tuned), through bench.prefill_rank in the same call; the new keys tuned into $OUT/tuning; the GPU tests
+if [ "${1:-}" = prefill ]; then  # prefill through the Engine (bench.prefill_rank, one forward profiled), then the
+  # GPU tests of the grouped GEMMs it runs
   t0=$(date +%s)
-  budgets=${PREFILL_BUDGETS:-4096,16384}
-  for mode in 64 auto; do
-    timeout 200 python3 -m bench.prefill_rank --budgets "$budgets" --attn flashinfer --moe-block-m "$mode" 2>&1 \
-      | grep -E "^budget|one forward|Error" | sed "s/^/block_m $mode default: /" | tee -a "$summary"
-  done
-  timeout 200 python3 -m bench.tune_gemm --table-dir "$OUT/tuning" 2>&1 | tail -2 | cut -c1-300 | tee -a "$summary"
-  MOEMESH_TUNING_DIR="$OUT/tuning" timeout 200 python3 -m bench.prefill_rank --budgets "$budgets" --attn flashinfer \
-    2>&1 | grep -E "^budget|one forward|Error" | sed "s/^/block_m auto tuned: /" | tee -a "$summary"
+  timeout 240 python3 -m bench.prefill_rank --budgets "${PREFILL_BUDGETS:-4096,16384}" --attn flashinfer \
+    --profile "${PREFILL_PROFILE:-4096}" 2>&1 | grep -E "^budget|one forward|Error" | tee -a "$summary"
   for f in tests/libs/kernels/test_fp8_gemm_sm90.py tests/libs/kernels/test_fp8_engine_gpu.py; do
     left=$(( ${BUDGET:-560} - ($(date +%s) - t0) ))
     [ "$left" -lt 30 ] && { echo "$f: not run ($left s left)" | tee -a "$summary"; continue; }

@@ -31,7 +31,6 @@ from bench.roofline import prefill_bound
 from libs.engine.args import KV_CACHE_DTYPES
 from libs.engine.presets import deepseek_v3_config
 from libs.engine.sampling import SamplingParams
-from libs.kernels import backend as kernel_backend
 
 
 def run_budget(engine, budget: int, prompt: int, rounds: int, seed: int) -> dict:
@@ -103,12 +102,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                     help="the latent KV cache: auto (bf16) or fp8_e4m3 (FP8 rows, read dequantized by prefill)")  # fmt: skip
     ap.add_argument("--profile", type=int, default=0, help="budget to profile one forward of (torch.profiler)")
-    ap.add_argument("--moe-block-m", choices=["auto", "64", "128"], default="auto",
-                    help="the contiguous MoE's row tile: auto (backend.contiguous_block_m, what serving runs) or "
-                         "one forced for every forward, to compare")  # fmt: skip
     a = ap.parse_args()
-    if a.moe_block_m != "auto":  # the policy's threshold set out of reach (64) or to nothing (128)
-        kernel_backend.CONTIGUOUS_TALL_ROWS = 1 << 62 if a.moe_block_m == "64" else 0
     budgets = [int(b) for b in a.budgets.split(",")]
     config = deepseek_v3_config(num_hidden_layers=a.layers, max_position_embeddings=a.prompt + 64)
     engine = build_engine(
@@ -127,7 +121,6 @@ def main() -> None:
         rec.update({
             "benchmark": "prefill_rank", "path": "engine", "prompt": a.prompt, "layers": a.layers, "ep": a.ep,
             "local_experts": a.physical // a.ep, "attention_backend": backend, "kv_cache_dtype": a.kv_cache_dtype,
-            "moe_block_m": a.moe_block_m, "contiguous_tall_rows": kernel_backend.CONTIGUOUS_TALL_ROWS,
             "ep_communication": "emulated (no bytes moved)",
             "roofline_fraction": roof["step_s"] / rec["seconds"], "roofline_fraction_spec": spec["step_s"] / rec["seconds"],
             **env,
@@ -140,7 +133,6 @@ def main() -> None:
         print("  one forward of " + ", ".join(f"{p} {parts[p + '_ms']:.1f} ms ({parts[p + '_share']:.0%})"
               for p in ("attention", "attention_kernel", "moe", "other")), flush=True)  # fmt: skip
     suffix = "-fp8kv" if a.kv_cache_dtype != "auto" else ""
-    suffix += f"-bm{a.moe_block_m}" if a.moe_block_m != "auto" else ""
     print("wrote", write_results(f"prefill_rank-engine-{backend}{suffix}", records))
 
 

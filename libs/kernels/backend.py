@@ -62,13 +62,12 @@ def fp8_swiglu_mlp(x: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor
 
 def fp8_moe(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple, w2: tuple,
-    add: torch.Tensor | None = None, *, masked: bool, block_m: int | None = None, m_max: int | None = None,
+    add: torch.Tensor | None = None, *, masked: bool, block_m: int = 64, m_max: int | None = None,
     quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Routed experts with FP8 weights: x [T, D], ids [T, K] (-1: none; distinct per token), weights [T, K] f32,
     w13 = (gate_up [E, 2I, D], scales), w2 = (down [E, D, I], scales) -> [T, D] = sum_k weights * expert(x)
-    (+ add). masked=True: the graph-safe decode layout; False: contiguous by expert (one host sync; prefill),
-    each expert's rows padded to block_m (default `contiguous_block_m` of the shapes)."""
+    (+ add). masked=True: the graph-safe decode layout; False: contiguous by expert (one host sync; prefill)."""
     # masked buffers are [E, m_max, D], fixed by the shapes: m_max defaults to T (an expert gets at most one
     # row per token); an emulated EP rank whose picks repeat a local expert needs T * K. quantized: x as 1x128
     # FP8 rows + scales already (what an EP dispatch received), copied into the expert buffers as they are.
@@ -81,21 +80,8 @@ def fp8_moe(
     elif masked:
         out, dest = _moe_masked(x.contiguous(), ids.reshape(-1), w13, w2, m_max or x.shape[0])
     else:
-        block_m = block_m or contiguous_block_m(ids.numel(), w13[0].shape[0])
         out, dest = _moe_contiguous(x.contiguous(), ids.reshape(-1), w13, w2, block_m)
     return moe_ops.combine_fused(out, dest, weights.float().contiguous(), add=add)
-
-
-# The contiguous layout's row tile: 128 rows (two warpgroups' WGMMA tile, each weight tile brought in once per 128
-# rows rather than 64) once the experts average enough rows that padding each run to 128 wastes little (<= 127
-# rows per expert: under 1/8 of the work at 1,024 rows per expert, ~2% at a 4k-token prefill of 10 experts).
-CONTIGUOUS_TALL_ROWS = 1024
-
-
-def contiguous_block_m(pairs: int, experts: int) -> int:
-    """The contiguous layout's row tile for `pairs` (token, expert) slots over `experts` local experts: a
-    function of shapes only (the tile picks the kernel, so the sums' order, so the greedy tokens)."""
-    return 128 if pairs >= CONTIGUOUS_TALL_ROWS * experts else 64
 
 
 def _moe_masked(x, pair_ids, w13, w2, m_max):

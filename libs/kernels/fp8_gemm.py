@@ -245,22 +245,8 @@ def _choose(layout, a3, s3, w3, ws3, c3, m, counts, tile_expert, grid_e, block_m
             else:
                 _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cfg)
 
-        default = sm90_default(layout, block_m, cands)
-        gemm_tuning.choose(_KERNEL_CHOICE, key, [None, *cands], run, table="kernel_choice", default=default)
+        gemm_tuning.choose(_KERNEL_CHOICE, key, [None, *cands], run, table="kernel_choice", default=None)
     return _KERNEL_CHOICE[key]
-
-
-# The Gluon config a shape no table answers takes on SM90, where one is fixed: the contiguous layout's 128-row
-# tile (prefill's MoE, M in the top bucket), as the shipped H100 and H200 tables answer every dense shape of
-# that bucket and the masked layout at 512 rows: 128x128 tiles on two warpgroups. Elsewhere the Triton kernel.
-_SM90_DEFAULTS = {(CONTIGUOUS, 128): (128, 128, 8, 4, 4)}
-
-
-def sm90_default(layout: int, block_m: int | None, candidates: list[tuple]) -> tuple | None:
-    """The fixed default among `candidates` (the shape's usable Gluon configs) for a key no table answers:
-    a Gluon config where `_SM90_DEFAULTS` names one the shape takes, else None (the Triton kernel)."""
-    cfg = _SM90_DEFAULTS.get((layout, block_m))
-    return cfg if cfg in candidates else None
 
 
 def _check_weight(w: torch.Tensor, w_s: torch.Tensor, k: int) -> None:

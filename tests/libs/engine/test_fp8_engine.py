@@ -145,33 +145,6 @@ def test_fp8_linear_and_mlp_equal_the_torch_math(fp8_model) -> None:
     _assert_tight(mlp(x), h @ mlp.down_proj.dense_weight().T)
 
 
-def test_contiguous_row_tile_is_a_function_of_shapes_and_keeps_the_answer(fp8_model, monkeypatch) -> None:
-    """Prefill's contiguous MoE takes 128-row tiles once the experts average CONTIGUOUS_TALL_ROWS rows, 64
-    below; either tile gives the masked layout's numbers (the policy is lowered here so a small batch
-    reaches it)."""
-    from libs.kernels import backend
-
-    assert backend.contiguous_block_m(10 * 1024, 10) == 128
-    assert backend.contiguous_block_m(10 * 1024 - 1, 10) == 64
-    moe = fp8_model.model.layers[1].mlp
-    ex = moe.experts
-    x = torch.randn(24, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    weights, ids = moe.gate(x)
-    w13, w2 = (ex.gate_up_proj, ex.gate_up_proj_scale_inv), (ex.down_proj, ex.down_proj_scale_inv)
-    tiles, real = [], backend._moe_contiguous
-
-    def spy(*args):
-        tiles.append(args[-1])  # block_m
-        return real(*args)
-
-    monkeypatch.setattr(backend, "_moe_contiguous", spy)
-    masked = backend.fp8_moe(x, ids, weights, w13, w2, masked=True)
-    for tall_rows in (ids.numel() // ex.gate_up_proj.shape[0] + 1, 1):  # 64 rows, then 128
-        monkeypatch.setattr(backend, "CONTIGUOUS_TALL_ROWS", tall_rows)
-        _assert_tight(backend.fp8_moe(x, ids, weights, w13, w2, masked=False), masked)
-    assert tiles == [64, 128]
-
-
 @pytest.mark.parametrize("tokens", [1, 7, 40])
 def test_moe_masked_equals_contiguous_equals_reference(fp8_model, tokens: int) -> None:
     """(c) decode layout == prefill layout == the torch math, on the model's MoE layer and router."""

@@ -210,16 +210,3 @@ def test_default_configs_are_candidates_of_their_bucket_and_fixed():
     for bm in (16, 32, 64, 128):
         cfg = G.default_config(4096, block_m=bm)
         assert cfg.kwargs["BLOCK_M"] == bm and cfg in G._CONFIGS
-
-
-def test_sm90_default_is_a_fixed_gluon_tile_for_prefills_tall_contiguous_rows_only():
-    """A contiguous key of 128-row tiles that no table answers takes the 128x128 two-warpgroup Gluon config
-    wherever the shape admits it; every other key keeps the Triton kernel (None)."""
-    from libs.kernels import fp8_gemm_sm90 as S
-
-    tall = (128, 128, 8, 4, 4)
-    assert tall in S.CONFIGS
-    assert G.sm90_default(G.CONTIGUOUS, 128, S.CONFIGS) == tall
-    assert G.sm90_default(G.CONTIGUOUS, 128, [c for c in S.CONFIGS if c != tall]) is None  # shape refuses it
-    for layout, block_m in ((G.CONTIGUOUS, 64), (G.DENSE, None), (G.MASKED, None)):
-        assert G.sm90_default(layout, block_m, S.CONFIGS) is None
