@@ -31,6 +31,7 @@ from libs.engine.kv_fp8 import TENSOR_SCALE, fp8_rows, is_fp8, read_rows
 from libs.engine.layers.mla import (
     AttentionMetadata,
     PagedMetadata,
+    joined_query,
     mla_absorbed,
     mla_decode_paged,
     mla_expanded,
@@ -313,8 +314,7 @@ class FlashInferAttention(TritonAttention):
         rows = read_rows(rows, weights.dense.shape[1], q_pe.shape[-1], weights.dense.dtype)
         kv = F.linear(rows[:, :-r].to(weights.dense.dtype), weights.dense).view(rows.shape[0], h, -1)
         k = torch.cat([kv[..., :n], rows[:, None, -r:].to(kv.dtype).expand(-1, h, r)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        return self.prefill.run(q, k, kv[..., n:].contiguous())
+        return self.prefill.run(joined_query(q_nope, q_pe), k, kv[..., n:].contiguous())
 
 
 def _kernel_fits(num_heads: int, latent: int, rope: int) -> bool:

@@ -196,7 +196,9 @@ def attention(attn, x8: tuple[torch.Tensor, torch.Tensor], step, kv, fast: Model
     q_q, q_s = fused.add_rmsnorm_quant(qkv[:, :q_lora], attn.q_a_layernorm.weight, NORM_EPS)
     q = fp8_gemm.fp8_gemm(q_q, q_s, attn.q_b_proj.weight, attn.q_b_proj.weight_scale_inv, out_dtype=qkv.dtype)
     q = q.view(t, h, n + r)
-    q_pe = torch.empty(t, h, r, dtype=q.dtype, device=q.device)
+    # decode rotates into a [T, H, r] tensor of its own; prefill in place, so that q stays the one [T, H, N + r]
+    # query the expanded attention takes (mla.joined_query: no copy)
+    q_pe = torch.empty(t, h, r, dtype=q.dtype, device=q.device) if step.absorbed else q[..., n:]
     rows = kv.layer(attn.layer_id)
     fused.rope_and_write_kv(
         q[..., n:], q_pe, qkv[:, q_lora + lat :], qkv[:, q_lora : q_lora + lat], rows, step.positions,

@@ -163,6 +163,20 @@ def preload_extend_sdpa() -> None:
     import torch.nn.attention.bias  # noqa: F401
 
 
+def joined_query(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+    """The expanded query [T, H, N + r]: a view when q_pe continues q_nope inside one tensor (the fused path
+    rotates q's rope part in place), else their concatenation."""
+    n, width = q_nope.shape[-1], q_nope.shape[-1] + q_pe.shape[-1]
+    adjacent = (
+        q_nope.stride(-1) == 1 and q_pe.stride() == q_nope.stride() and q_pe.shape[:-1] == q_nope.shape[:-1]
+        and q_pe.dtype == q_nope.dtype and q_pe.data_ptr() == q_nope.data_ptr() + n * q_nope.element_size()
+        and all(st >= width for st in q_nope.stride()[:-1])
+    )  # fmt: skip
+    if adjacent:
+        return q_nope.as_strided((*q_nope.shape[:-1], width), q_nope.stride())
+    return torch.cat([q_nope, q_pe], dim=-1)
+
+
 def mla_extend_sdpa(
     q_nope: torch.Tensor,  # [T, H, N]
     q_pe: torch.Tensor,  # [T, H, r] roped
@@ -180,7 +194,7 @@ def mla_extend_sdpa(
 
     t, h, n = q_nope.shape
     r = q_pe.shape[-1]
-    q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, N + r]
+    q = joined_query(q_nope, q_pe)  # [T, H, N + r]
     out = q_nope.new_empty(t, h, kv_b_weight.shape[0] // h - n)
     start = 0
     for s, (q_len, k_len) in enumerate(zip(meta.extend_lens, meta.kv_lens, strict=True)):

@@ -212,3 +212,18 @@ def test_fp8_row_layout_follows_the_named_backend(monkeypatch: pytest.MonkeyPatc
     assert ab.fp8_scales("auto", v3, "cuda", torch.bfloat16) == "token"
     assert ab.fp8_scales("flashinfer", v3, "cuda", torch.float32) == "token"
     assert ab.fp8_scales("flashinfer", _cfg(), "cuda", torch.bfloat16) == "token"  # the tiny 32 + 8 row
+
+
+def test_joined_query_is_a_view_where_the_rope_part_continues_the_query_else_a_copy():
+    """The fused path's prefill query [T, H, N + r] reaches the expanded attention whole (no copy) when its
+    rope part was rotated in place; separate tensors, or slices that do not meet, are concatenated."""
+    from libs.engine.layers.mla import joined_query
+
+    q = torch.randn(5, 4, 24)
+    whole = joined_query(q[..., :16], q[..., 16:])
+    assert whole.data_ptr() == q.data_ptr() and torch.equal(whole, q)
+    q_pe = torch.randn(5, 4, 8)
+    assert torch.equal(joined_query(q[..., :16], q_pe), torch.cat([q[..., :16], q_pe], -1))
+    apart = joined_query(q[..., :12], q[..., 16:])  # a gap between them: copied, the gap left out
+    assert apart.shape == (5, 4, 20) and apart.data_ptr() != q.data_ptr()
+    assert torch.equal(apart, torch.cat([q[..., :12], q[..., 16:]], -1))

@@ -390,7 +390,10 @@ def _ragged_case(dtype, seed=0):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("backend_name", ["triton", "flashinfer"])
-def test_prefill_backend_matches_expanded_reference_on_gpu(backend_name):
+@pytest.mark.parametrize("one_query", [False, True], ids=["apart", "one-query"])
+def test_prefill_backend_matches_expanded_reference_on_gpu(backend_name, one_query):
+    """one_query: q_nope and q_pe as slices of one [T, H, N + r] tensor, as the fused path hands them over
+    (taken whole, no copy)."""
     from libs.kernels import flashinfer_mla
 
     if backend_name == "flashinfer" and not flashinfer_mla.available():
@@ -398,6 +401,9 @@ def test_prefill_backend_matches_expanded_reference_on_gpu(backend_name):
     from libs.engine.layers.attention_backend import make_attention_backend
 
     cfg, batch, (q_nope, q_pe, rows, w), expected = _ragged_case(torch.bfloat16)
+    if one_query:
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        q_nope, q_pe = q[..., : q_nope.shape[-1]], q[..., q_nope.shape[-1] :]
     backend = make_attention_backend(backend_name, cfg, "cuda", torch.bfloat16)
     step = backend.prepare(batch, 4, absorbed=False)
     got = backend.attend(q_nope, q_pe, rows, MLAWeights.from_dense(w, cfg.num_attention_heads, 128), step)

@@ -70,3 +70,8 @@ def test_rope_and_kv_write(device, h):
     torch.testing.assert_close(kv[slots, :512], F.add_rmsnorm_reference(raw, w, 1e-6), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="power-of-two head count"):
         F.rope_and_write_kv(q_pe[:, :3], q_out[:, :3], k_pe, c_kv, kv, pos, slots, cs)
+    # in place (the fused prefill path rotates q's rope part where it lies): the same rotation, nothing else moved
+    before = q.clone()
+    F.rope_and_write_kv(q_pe, q_pe, k_pe, c_kv, kv, pos, slots, cs)
+    torch.testing.assert_close(q[..., 128:], F.rope_reference(before[..., 128:], pos, cs), rtol=1e-5, atol=1e-5)
+    assert torch.equal(q[..., :128], before[..., :128])
