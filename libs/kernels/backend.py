@@ -67,7 +67,8 @@ def fp8_moe(
 ) -> torch.Tensor:  # fmt: skip
     """Routed experts with FP8 weights: x [T, D], ids [T, K] (-1: none; distinct per token), weights [T, K] f32,
     w13 = (gate_up [E, 2I, D], scales), w2 = (down [E, D, I], scales) -> [T, D] = sum_k weights * expert(x)
-    (+ add). masked=True: the graph-safe decode layout; False: contiguous by expert (one host sync; prefill)."""
+    (+ add). masked=True: the graph-safe decode layout; False: contiguous by expert (prefill; sized for any
+    routing, so no host sync either)."""
     # masked buffers are [E, m_max, D], fixed by the shapes: m_max defaults to T (an expert gets at most one
     # row per token); an emulated EP rank whose picks repeat a local expert needs T * K. quantized: x as 1x128
     # FP8 rows + scales already (what an EP dispatch received), copied into the expert buffers as they are.
@@ -112,13 +113,12 @@ def _moe_masked_quantized(xq, xs, pair_ids, w13, w2, m_max, out_dtype):
 def _moe_contiguous(x, pair_ids, w13, w2, block_m):
     e, t = w13[0].shape[0], x.shape[0]
     k = pair_ids.numel() // t
-    order, tile_expert = moe_ops.align_contiguous(pair_ids, e, block_m)  # host sync
-    dest = torch.full((pair_ids.numel(),), -1, dtype=torch.long, device=x.device)
-    if order.numel() == 0:
-        return x.new_zeros(1, x.shape[1]), dest
+    order, tile_expert = moe_ops.align_contiguous(pair_ids, e, block_m)  # no host sync: sized by the shapes
     valid = order >= 0
     rows = torch.arange(order.numel(), device=x.device)
-    dest[order[valid]] = rows[valid]
+    dest = torch.full((pair_ids.numel() + 1,), -1, dtype=torch.long, device=x.device)
+    dest.scatter_(0, torch.where(valid, order, pair_ids.numel()), rows)  # padding rows land on the spare slot
+    dest = dest[:-1]
     xq, xs = quant.quant_fp8_groups(x)  # each token once, then gathered into its K expert rows
     token = torch.where(valid, order // k, 0)
     rq = xq.view(torch.uint8)[token].view(fp8_gemm.FP8)

@@ -1,6 +1,6 @@
 """Token permutation for the local experts of one EP rank, around the grouped FP8 GEMMs. Decode (CUDA graphs,
-no host sync): `align_masked` -> `moe_masked` -> `combine` over an [E, M_max, D] expert-major buffer; prefill:
-`align_contiguous` sorts pairs by expert, runs padded to the GEMM's row tile, for `fp8_gemm_contiguous`."""
+no host sync): `align_masked` -> `moe_masked` -> `combine` over an [E, M_max, D] expert-major buffer; prefill
+(no host sync either): `align_contiguous` sorts pairs by expert, runs padded to the GEMM's row tile."""
 
 # Legend: T tokens, K top-k, P = T*K token-expert pairs, E local experts, D hidden, I expert width.
 # The masked buffer is the layout a low-latency EP dispatch delivers; moe_masked runs gate/up -> SwiGLU+quant
@@ -164,30 +164,46 @@ def combine(expert_out: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor)
     return torch.einsum("tkd,tk->td", rows, w).to(expert_out.dtype)
 
 
+def contiguous_tiles(pairs: int, num_experts: int, block_m: int) -> int:
+    """Row tiles `align_contiguous` allots: enough for any routing of `pairs` pairs over `num_experts` experts
+    (sum of ceil(count_e / block_m) <= (pairs + E * (block_m - 1)) // block_m), a function of shapes."""
+    return (pairs + num_experts * (block_m - 1)) // block_m
+
+
 def align_contiguous(local_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Sort pairs by expert, pad each run to block_m (one host sync, for the padded length: prefill only), in a
-    fixed number of tensor ops whatever the expert count. Returns (order [P'] pair index per row or -1 for
-    padding, tile_expert [P'/block_m] int32)."""
-    ids = local_ids.long()
-    valid = ids >= 0
-    counts = torch.bincount(ids[valid], minlength=num_experts)  # [E]
+    """Sort pairs by expert, each expert's run padded to block_m, with no host sync (a fixed number of tensor
+    ops, sized by `contiguous_tiles`: tiles past the routing's own are empty). Returns (order [tiles *
+    block_m] pair index per row or -1 for padding, tile_expert [tiles] int32, -1 for an empty tile)."""
+    ids = local_ids.long().view(-1)
+    p, e = ids.numel(), num_experts
+    tiles_total = contiguous_tiles(p, e, block_m)
+    key = torch.where((ids >= 0) & (ids < e), ids, e)  # e: routed elsewhere
+    counts = torch.zeros(e + 1, dtype=torch.long, device=ids.device).scatter_add_(0, key, torch.ones_like(key))[:e]
     tiles = (counts + block_m - 1) // block_m  # [E] row tiles per expert
-    total_tiles, num_pairs = torch.stack([tiles.sum(), counts.sum()]).tolist()  # the host sync
-    sorted_pairs = torch.argsort(torch.where(valid, ids, num_experts), stable=True)[:num_pairs]
+    cum_tiles = torch.cumsum(tiles, 0)
+    padded_start = (cum_tiles - tiles) * block_m  # [E] first row of each expert's run
     run_start = torch.cumsum(counts, 0) - counts  # [E] first sorted pair of each expert
-    padded_start = (torch.cumsum(tiles, 0) - tiles) * block_m  # [E] first row of each expert's run
-    expert = ids[sorted_pairs]
-    rank = torch.arange(sorted_pairs.numel(), device=ids.device) - run_start[expert]
-    order = torch.full((total_tiles * block_m,), -1, dtype=torch.long, device=ids.device)
-    order[padded_start[expert] + rank] = sorted_pairs
-    experts = torch.arange(num_experts, dtype=torch.int32, device=ids.device)
-    return order, torch.repeat_interleave(experts, tiles, output_size=total_tiles)
+    sorted_pairs = torch.argsort(key, stable=True)  # pairs routed elsewhere last
+    expert = key[sorted_pairs]
+    mine = expert.clamp(max=e - 1)
+    rank = torch.arange(p, device=ids.device) - run_start[mine]
+    row = torch.where(expert < e, padded_start[mine] + rank, tiles_total * block_m)  # past the end: dropped
+    order = torch.full((tiles_total * block_m + 1,), -1, dtype=torch.long, device=ids.device)
+    order.scatter_(0, row, sorted_pairs)
+    tile = torch.arange(tiles_total, device=ids.device)
+    tile_expert = torch.searchsorted(cum_tiles, tile, right=True)  # the expert whose run holds the tile
+    return order[:-1], torch.where(tile_expert < e, tile_expert, -1).to(torch.int32)
 
 
 def moe_contiguous(
     xq, xs, order, tile_expert, block_m, w13, w13_s, w2, w2_s, out_dtype=torch.bfloat16
 ) -> torch.Tensor:
-    """Prefill MoE over sorted rows: xq/xs are per pair in `order` (padding rows may hold anything)."""
+    """Prefill MoE over sorted rows: xq/xs are per pair in `order` (padding rows may hold anything). Rows of
+    empty tiles (tile_expert -1) are neither computed nor quantized: their output rows hold no values."""
     gate_up = fp8_gemm_contiguous(xq, xs, w13, w13_s, tile_expert, block_m, out_dtype=out_dtype)
-    hq, hs = silu_mul_quant(gate_up)
-    return fp8_gemm_contiguous(hq, hs, w2, w2_s, tile_expert, block_m, out_dtype=out_dtype)
+    tiles = tile_expert.numel()
+    rows_per_tile = torch.where(tile_expert >= 0, block_m, 0).to(torch.int32)  # the masked mode's counts
+    hq, hs = silu_mul_quant(gate_up.view(tiles, block_m, -1), rows_per_tile)
+    return fp8_gemm_contiguous(
+        hq.view(tiles * block_m, -1), hs.view(tiles * block_m, -1), w2, w2_s, tile_expert, block_m, out_dtype=out_dtype
+    )

@@ -26,7 +26,7 @@ KERNEL_BLOCK = (128, 128)  # the only weight block the Triton GEMMs take
 DENSE_ONLY = ("kv_b_proj",)  # read as a matrix by MLA, never run as a Linear
 # Masked (graph-safe) MoE layout while its [E, T, ...] buffers stay small: at most this many token-expert
 # pairs, and E * T rows (256 experts: decode batches up to 512). Beyond that, prefill-sized batches take
-# the contiguous layout (one host sync). Chosen from buffer sizes, not measured yet.
+# the contiguous layout (sorted by expert, padded per expert). Chosen from buffer sizes, not measured yet.
 MASKED_MAX_PAIRS = 8192
 MASKED_MAX_ROWS = 131072
 
@@ -94,9 +94,9 @@ def fuse_rows_fp8(first, second) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def use_masked_moe(tokens: int, top_k: int, num_experts: int) -> bool:
-    """Decode-sized batches take the graph-safe masked layout, and so does anything run under CUDA-graph
-    capture (the contiguous layout syncs with the host); a function of shapes otherwise, so a captured
-    graph replays the path the same batch size takes eagerly."""
+    """Decode-sized batches take the graph-safe masked layout (the one the graphs are made with), and so does
+    anything run under CUDA-graph capture; a function of shapes otherwise, so a captured graph replays the
+    path the same batch size takes eagerly."""
     small = tokens * top_k <= MASKED_MAX_PAIRS and num_experts * tokens <= MASKED_MAX_ROWS
     return small or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 

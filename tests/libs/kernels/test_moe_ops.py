@@ -142,16 +142,32 @@ def _align_contiguous_loop(ids: torch.Tensor, num_experts: int, block_m: int):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_align_contiguous_equals_the_per_expert_loop(seed):
+    """The loop's layout, then empty tiles up to `contiguous_tiles` (the size any routing fits, so no host
+    sync is needed to size it)."""
     g = torch.Generator().manual_seed(seed)
     num_experts, block_m = 9, 4
     ids = torch.randint(-1, num_experts, (57,), generator=g)  # -1: a pair routed elsewhere
     ids[ids == 5] = 3  # an expert without rows: no tile
     order, tile_expert = M.align_contiguous(ids, num_experts, block_m)
     want_order, want_tiles = _align_contiguous_loop(ids, num_experts, block_m)
-    assert torch.equal(order, want_order) and torch.equal(tile_expert, want_tiles)
-    assert 5 not in tile_expert.tolist() and order.numel() == block_m * tile_expert.numel()
+    tiles = M.contiguous_tiles(57, num_experts, block_m)
+    assert tile_expert.numel() == tiles and order.numel() == block_m * tiles and tiles >= want_tiles.numel()
+    assert torch.equal(order[: want_order.numel()], want_order) and (order[want_order.numel() :] == -1).all()
+    assert torch.equal(tile_expert[: want_tiles.numel()], want_tiles)
+    assert (tile_expert[want_tiles.numel() :] == -1).all() and 5 not in tile_expert.tolist()
 
 
-def test_align_contiguous_of_no_pairs_is_empty():
+def test_contiguous_tiles_fit_the_worst_routing():
+    """Every expert's run one row past a tile boundary: the most tiles any routing of P pairs needs."""
+    num_experts, block_m = 7, 16
+    counts = [block_m + 1] * num_experts
+    ids = torch.arange(num_experts).repeat_interleave(torch.tensor(counts))
+    order, tile_expert = M.align_contiguous(ids, num_experts, block_m)
+    assert (tile_expert >= 0).sum() == 2 * num_experts == M.contiguous_tiles(ids.numel(), num_experts, block_m)
+    assert sorted(order[order >= 0].tolist()) == list(range(ids.numel()))
+
+
+def test_align_contiguous_of_no_pairs_has_only_empty_tiles():
     order, tile_expert = M.align_contiguous(torch.full((6,), -1), 4, 16)
-    assert order.numel() == 0 and tile_expert.numel() == 0 and tile_expert.dtype == torch.int32
+    assert (order == -1).all() and (tile_expert == -1).all() and tile_expert.dtype == torch.int32
+    assert tile_expert.numel() == M.contiguous_tiles(6, 4, 16) and order.numel() == 16 * tile_expert.numel()
