@@ -63,12 +63,12 @@ def fp8_swiglu_mlp(x: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor
 def fp8_moe(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple, w2: tuple,
     add: torch.Tensor | None = None, *, masked: bool, block_m: int = 64, m_max: int | None = None,
-    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None, all_local: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Routed experts with FP8 weights: x [T, D], ids [T, K] (-1: none; distinct per token), weights [T, K] f32,
     w13 = (gate_up [E, 2I, D], scales), w2 = (down [E, D, I], scales) -> [T, D] = sum_k weights * expert(x)
-    (+ add). masked=True: the graph-safe decode layout; False: contiguous by expert (prefill; sized for any
-    routing, so no host sync either)."""
+    (+ add). masked=True: the graph-safe decode layout; False: contiguous by expert (prefill). all_local: no id
+    is -1, so the contiguous layout is sized from the shapes (no host sync); else one sync reads its size."""
     # masked buffers are [E, m_max, D], fixed by the shapes: m_max defaults to T (an expert gets at most one
     # row per token); an emulated EP rank whose picks repeat a local expert needs T * K. quantized: x as 1x128
     # FP8 rows + scales already (what an EP dispatch received), copied into the expert buffers as they are.
@@ -81,7 +81,7 @@ def fp8_moe(
     elif masked:
         out, dest = _moe_masked(x.contiguous(), ids.reshape(-1), w13, w2, m_max or x.shape[0])
     else:
-        out, dest = _moe_contiguous(x.contiguous(), ids.reshape(-1), w13, w2, block_m)
+        out, dest = _moe_contiguous(x.contiguous(), ids.reshape(-1), w13, w2, block_m, all_local)
     return moe_ops.combine_fused(out, dest, weights.float().contiguous(), add=add)
 
 
@@ -110,10 +110,15 @@ def _moe_masked_quantized(xq, xs, pair_ids, w13, w2, m_max, out_dtype):
     return out, dest
 
 
-def _moe_contiguous(x, pair_ids, w13, w2, block_m):
+def _moe_contiguous(x, pair_ids, w13, w2, block_m, all_local):
+    """all_local: every pair has a row, so a size for any routing wastes at most a tile per expert (an EP
+    rank's received pairs are mostly -1: there the size is read back, one host sync)."""
     e, t = w13[0].shape[0], x.shape[0]
     k = pair_ids.numel() // t
-    order, tile_expert = moe_ops.align_contiguous(pair_ids, e, block_m)  # no host sync: sized by the shapes
+    tiles = moe_ops.contiguous_tiles(pair_ids.numel(), e, block_m) if all_local else None
+    order, tile_expert = moe_ops.align_contiguous(pair_ids, e, block_m, tiles)
+    if order.numel() == 0:
+        return x.new_zeros(1, x.shape[1]), torch.full_like(pair_ids, -1, dtype=torch.long)
     valid = order >= 0
     rows = torch.arange(order.numel(), device=x.device)
     dest = torch.full((pair_ids.numel() + 1,), -1, dtype=torch.long, device=x.device)

@@ -1,6 +1,6 @@
 """Token permutation for the local experts of one EP rank, around the grouped FP8 GEMMs. Decode (CUDA graphs,
-no host sync): `align_masked` -> `moe_masked` -> `combine` over an [E, M_max, D] expert-major buffer; prefill
-(no host sync either): `align_contiguous` sorts pairs by expert, runs padded to the GEMM's row tile."""
+no host sync): `align_masked` -> `moe_masked` -> `combine` over an [E, M_max, D] expert-major buffer; prefill:
+`align_contiguous` sorts pairs by expert, runs padded to the GEMM's row tile (sized by the shapes or the routing)."""
 
 # Legend: T tokens, K top-k, P = T*K token-expert pairs, E local experts, D hidden, I expert width.
 # The masked buffer is the layout a low-latency EP dispatch delivers; moe_masked runs gate/up -> SwiGLU+quant
@@ -165,33 +165,35 @@ def combine(expert_out: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor)
 
 
 def contiguous_tiles(pairs: int, num_experts: int, block_m: int) -> int:
-    """Row tiles `align_contiguous` allots: enough for any routing of `pairs` pairs over `num_experts` experts
-    (sum of ceil(count_e / block_m) <= (pairs + E * (block_m - 1)) // block_m), a function of shapes."""
+    """Row tiles enough for any routing of `pairs` pairs over `num_experts` experts (sum of
+    ceil(count_e / block_m) <= (pairs + E * (block_m - 1)) // block_m): a layout size from the shapes alone."""
     return (pairs + num_experts * (block_m - 1)) // block_m
 
 
-def align_contiguous(local_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Sort pairs by expert, each expert's run padded to block_m, with no host sync (a fixed number of tensor
-    ops, sized by `contiguous_tiles`: tiles past the routing's own are empty). Returns (order [tiles *
-    block_m] pair index per row or -1 for padding, tile_expert [tiles] int32, -1 for an empty tile)."""
+def align_contiguous(local_ids: torch.Tensor, num_experts: int, block_m: int, tiles: int | None = None):
+    """Sort pairs by expert, each expert's run padded to block_m, in a fixed number of tensor ops. tiles: the
+    row tiles to lay out, at least what the routing needs (`contiguous_tiles` bounds any routing): no host
+    sync, the tiles past the routing's own empty; None: exactly the routing's, read back (one host sync).
+    Returns (order [tiles * block_m] pair index per row or -1 for padding, tile_expert [tiles] int32, -1 for an
+    empty tile)."""
     ids = local_ids.long().view(-1)
     p, e = ids.numel(), num_experts
-    tiles_total = contiguous_tiles(p, e, block_m)
     key = torch.where((ids >= 0) & (ids < e), ids, e)  # e: routed elsewhere
     counts = torch.zeros(e + 1, dtype=torch.long, device=ids.device).scatter_add_(0, key, torch.ones_like(key))[:e]
-    tiles = (counts + block_m - 1) // block_m  # [E] row tiles per expert
-    cum_tiles = torch.cumsum(tiles, 0)
-    padded_start = (cum_tiles - tiles) * block_m  # [E] first row of each expert's run
+    per_expert = (counts + block_m - 1) // block_m  # [E] row tiles per expert
+    cum_tiles = torch.cumsum(per_expert, 0)
+    if tiles is None:
+        tiles = int(cum_tiles[-1])  # the host sync
+    padded_start = (cum_tiles - per_expert) * block_m  # [E] first row of each expert's run
     run_start = torch.cumsum(counts, 0) - counts  # [E] first sorted pair of each expert
     sorted_pairs = torch.argsort(key, stable=True)  # pairs routed elsewhere last
     expert = key[sorted_pairs]
     mine = expert.clamp(max=e - 1)
     rank = torch.arange(p, device=ids.device) - run_start[mine]
-    row = torch.where(expert < e, padded_start[mine] + rank, tiles_total * block_m)  # past the end: dropped
-    order = torch.full((tiles_total * block_m + 1,), -1, dtype=torch.long, device=ids.device)
+    row = torch.where(expert < e, padded_start[mine] + rank, tiles * block_m)  # past the end: dropped
+    order = torch.full((tiles * block_m + 1,), -1, dtype=torch.long, device=ids.device)
     order.scatter_(0, row, sorted_pairs)
-    tile = torch.arange(tiles_total, device=ids.device)
-    tile_expert = torch.searchsorted(cum_tiles, tile, right=True)  # the expert whose run holds the tile
+    tile_expert = torch.searchsorted(cum_tiles, torch.arange(tiles, device=ids.device), right=True)
     return order[:-1], torch.where(tile_expert < e, tile_expert, -1).to(torch.int32)
 
 

@@ -236,7 +236,7 @@ def moe(block, x: torch.Tensor) -> torch.Tensor:
         ids[:, :k] = fast.emulate_ep(ids[:, :k])
         rows_per_expert = x.shape[0] * k  # several picks of one token can land on one local expert
     return backend.fp8_moe(x, ids, weights, fast.w13, fast.w2, masked=backend_masked(x, ids, fast),
-                           m_max=rows_per_expert)  # fmt: skip
+                           m_max=rows_per_expert, all_local=True)  # fmt: skip
 
 
 def backend_masked(x: torch.Tensor, ids: torch.Tensor, fast: MoEFast) -> bool:

@@ -108,7 +108,7 @@ def experts_forward(experts, x, ids, weights, add: torch.Tensor | None = None) -
     masked = use_masked_moe(x.shape[0], ids.shape[1], experts.gate_up_proj.shape[0])
     w13 = (experts.gate_up_proj, experts.gate_up_proj_scale_inv)
     w2 = (experts.down_proj, experts.down_proj_scale_inv)
-    return fp8_moe(x, ids, weights, w13, w2, add, masked=masked)
+    return fp8_moe(x, ids, weights, w13, w2, add, masked=masked, all_local=True)  # the router's picks, all local
 
 
 def fused_route(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

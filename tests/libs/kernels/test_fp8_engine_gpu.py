@@ -126,19 +126,20 @@ def test_decode_moe_replays_in_a_cuda_graph(moe) -> None:
 
 @torch.inference_mode()
 def test_prefill_moe_has_no_host_sync(moe) -> None:
-    """The contiguous (prefill) layout is sized by the shapes, not read back from the routing: after a first
-    call (kernel choices), a 4k-token MoE runs with CUDA's sync debug mode set to raise on any sync."""
+    """With every pair local (the router's picks), the contiguous (prefill) layout is sized by the shapes, not
+    read back from the routing: after a first call (kernel choices), a 4k-token MoE runs with CUDA's sync
+    debug mode set to raise on any sync."""
     from libs.kernels.backend import fp8_moe
 
     ex = moe.experts
     x = torch.randn(4096, 7168, device="cuda").to(torch.bfloat16)
     weights, ids = moe.gate(x)
     w13, w2 = (ex.gate_up_proj, ex.gate_up_proj_scale_inv), (ex.down_proj, ex.down_proj_scale_inv)
-    want = fp8_moe(x, ids, weights, w13, w2, masked=False)
+    want = fp8_moe(x, ids, weights, w13, w2, masked=False, all_local=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = fp8_moe(x, ids, weights, w13, w2, masked=False)
+        got = fp8_moe(x, ids, weights, w13, w2, masked=False, all_local=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got, want)

@@ -142,15 +142,17 @@ def _align_contiguous_loop(ids: torch.Tensor, num_experts: int, block_m: int):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_align_contiguous_equals_the_per_expert_loop(seed):
-    """The loop's layout, then empty tiles up to `contiguous_tiles` (the size any routing fits, so no host
-    sync is needed to size it)."""
+    """Sized by the routing (one host sync): the loop's layout. Sized by the shapes (`contiguous_tiles`, no
+    sync): the same layout, then empty tiles."""
     g = torch.Generator().manual_seed(seed)
     num_experts, block_m = 9, 4
     ids = torch.randint(-1, num_experts, (57,), generator=g)  # -1: a pair routed elsewhere
     ids[ids == 5] = 3  # an expert without rows: no tile
-    order, tile_expert = M.align_contiguous(ids, num_experts, block_m)
     want_order, want_tiles = _align_contiguous_loop(ids, num_experts, block_m)
+    order, tile_expert = M.align_contiguous(ids, num_experts, block_m)
+    assert torch.equal(order, want_order) and torch.equal(tile_expert, want_tiles)
     tiles = M.contiguous_tiles(57, num_experts, block_m)
+    order, tile_expert = M.align_contiguous(ids, num_experts, block_m, tiles)
     assert tile_expert.numel() == tiles and order.numel() == block_m * tiles and tiles >= want_tiles.numel()
     assert torch.equal(order[: want_order.numel()], want_order) and (order[want_order.numel() :] == -1).all()
     assert torch.equal(tile_expert[: want_tiles.numel()], want_tiles)
@@ -160,14 +162,30 @@ def test_align_contiguous_equals_the_per_expert_loop(seed):
 def test_contiguous_tiles_fit_the_worst_routing():
     """Every expert's run one row past a tile boundary: the most tiles any routing of P pairs needs."""
     num_experts, block_m = 7, 16
-    counts = [block_m + 1] * num_experts
-    ids = torch.arange(num_experts).repeat_interleave(torch.tensor(counts))
-    order, tile_expert = M.align_contiguous(ids, num_experts, block_m)
-    assert (tile_expert >= 0).sum() == 2 * num_experts == M.contiguous_tiles(ids.numel(), num_experts, block_m)
+    ids = torch.arange(num_experts).repeat_interleave(block_m + 1)
+    tiles = M.contiguous_tiles(ids.numel(), num_experts, block_m)
+    order, tile_expert = M.align_contiguous(ids, num_experts, block_m, tiles)
+    assert (tile_expert >= 0).sum() == 2 * num_experts == tiles
     assert sorted(order[order >= 0].tolist()) == list(range(ids.numel()))
 
 
-def test_align_contiguous_of_no_pairs_has_only_empty_tiles():
+def test_align_contiguous_of_no_pairs():
     order, tile_expert = M.align_contiguous(torch.full((6,), -1), 4, 16)
-    assert (order == -1).all() and (tile_expert == -1).all() and tile_expert.dtype == torch.int32
-    assert tile_expert.numel() == M.contiguous_tiles(6, 4, 16) and order.numel() == 16 * tile_expert.numel()
+    assert order.numel() == 0 and tile_expert.numel() == 0 and tile_expert.dtype == torch.int32
+    order, tile_expert = M.align_contiguous(torch.full((6,), -1), 4, 16, M.contiguous_tiles(6, 4, 16))
+    assert (order == -1).all() and (tile_expert == -1).all() and order.numel() == 16 * tile_expert.numel() > 0
+
+
+def test_contiguous_moe_sized_by_shapes_or_by_routing_gives_one_answer(device):
+    """fp8_moe's contiguous layout sized from the shapes (all_local: no host sync, empty tiles neither
+    computed nor read) equals the one sized from the routing, and pairs routed elsewhere add nothing."""
+    from libs.kernels.backend import fp8_moe
+
+    x, ids, w, weights = _setup(device)
+    w13, w2 = weights[:2], weights[2:]
+    by_routing = fp8_moe(x, ids, w, w13, w2, masked=False, block_m=16)
+    assert torch.equal(fp8_moe(x, ids, w, w13, w2, masked=False, block_m=16, all_local=True), by_routing)
+    dropped = ids.clone()
+    dropped[:, -1] = -1
+    want = fp8_moe(x, ids[:, :-1].contiguous(), w[:, :-1].contiguous(), w13, w2, masked=False, block_m=16)
+    torch.testing.assert_close(fp8_moe(x, dropped, w, w13, w2, masked=False, block_m=16), want)
