@@ -54,16 +54,17 @@ if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: the MLA kernels over FP8 rows b
   exit 0
 fi
 if [ "${1:-}" = prefill ]; then  # prefill through the Engine (bench.prefill_rank, one forward profiled), then the
-  # GPU tests of the grouped GEMMs it runs
+  # GPU tests of what it runs: the grouped GEMMs, the MoE's no-sync layout, the prefill attention backends
   t0=$(date +%s)
   timeout 240 python3 -m bench.prefill_rank --budgets "${PREFILL_BUDGETS:-4096,16384}" --attn flashinfer \
     --profile "${PREFILL_PROFILE:-4096}" 2>&1 | grep -E "^budget|one forward|Error" | tee -a "$summary"
-  for f in tests/libs/kernels/test_fp8_gemm_sm90.py tests/libs/kernels/test_fp8_engine_gpu.py; do
+  for f in tests/libs/kernels/test_fp8_gemm_sm90.py tests/libs/kernels/test_fp8_engine_gpu.py \
+      tests/libs/engine/test_cuda_graph.py::test_prefill_backend_matches_expanded_reference_on_gpu; do
     left=$(( ${BUDGET:-560} - ($(date +%s) - t0) ))
     [ "$left" -lt 30 ] && { echo "$f: not run ($left s left)" | tee -a "$summary"; continue; }
     log=$(timeout "$left" python3 -m pytest -q -rf --tb=short --confcutdir=tests/libs -p no:cacheprovider "$f" 2>&1)
     echo "$f: $(echo "$log" | grep -E "^(FAILED|ERROR)|passed|failed|error" | tail -6 | tr '\n' ' ')" | tee -a "$summary"
-    echo "$log" | grep -v -i warn | tail -60 > "$OUT/log-$(basename "$f" .py).txt"
+    echo "$log" | grep -v -i warn | tail -60 > "$OUT/log-$(basename "${f%%::*}" .py).txt"
   done
   exit 0
 fi
