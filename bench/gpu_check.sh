@@ -2,7 +2,8 @@
 # One device call that checks and measures everything GPU-side, for the `device` tool's lent H200:
 #   bash bench/gpu_check.sh [quick|wave|fp8|prefill]   (carry .whl: `bash scripts/gpu_wheels.sh flashinfer`)
 #   PREFILL_BUDGETS=4096,16384 PREFILL_PROFILE=4096 bash bench/gpu_check.sh prefill   (prefill_rank, a profiled
-#   forward, the grouped GEMMs' GPU tests)
+#   forward, the GPU tests of what prefill runs); PREFILL_BASELINE=.baseline runs prefill_rank on that build first
+#   (`bash scripts/baseline_tree.sh REV`, carry [".whl", ".baseline"])
 #   FP8_EXTRA="fp8_e4m3:512 fp8_e4m3:256:triton" bash bench/gpu_check.sh fp8   (further decode_rank runs,
 #   kv_cache_dtype:batch[:attention backend, default flashinfer]; triton decodes the FP8 cache's "token" rows)
 #   FP8_TRITON=engine bash bench/gpu_check.sh fp8   (the Triton FP8 kernel only as the Engine runs it, no tile
@@ -56,6 +57,11 @@ fi
 if [ "${1:-}" = prefill ]; then  # prefill through the Engine (bench.prefill_rank, one forward profiled), then the
   # GPU tests of what it runs: the grouped GEMMs, the MoE's no-sync layout, the prefill attention backends
   t0=$(date +%s)
+  if [ -n "${PREFILL_BASELINE:-}" ]; then  # the same benchmark on a baseline build first (scripts/baseline_tree.sh)
+    (cd "$PREFILL_BASELINE" && OUT="$OUT/baseline" && mkdir -p "$OUT" && export OUT && timeout 240 python3 -m \
+      bench.prefill_rank --budgets "${PREFILL_BUDGETS:-4096,16384}" --attn flashinfer 2>&1 \
+      | grep -E "^budget|one forward|Error" | sed "s/^/baseline $(cat REV 2>/dev/null): /" | tee -a "$summary")
+  fi
   timeout 240 python3 -m bench.prefill_rank --budgets "${PREFILL_BUDGETS:-4096,16384}" --attn flashinfer \
     --profile "${PREFILL_PROFILE:-4096}" 2>&1 | grep -E "^budget|one forward|Error" | tee -a "$summary"
   for f in tests/libs/kernels/test_fp8_gemm_sm90.py tests/libs/kernels/test_fp8_engine_gpu.py \
