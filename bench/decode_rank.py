@@ -183,15 +183,16 @@ def time_steps(engine: Engine, b: int, warmup: int, iters: int) -> dict:
     return {"step_ms": sorted(steps)[iters // 2], "graph_ms": replay, "step_ms_all": [round(s, 3) for s in steps]}
 
 
-def profile(engine: Engine, path: Path) -> None:
+def profile(engine: Engine, path: Path, steps: int = 3) -> None:
+    """`steps` engine steps under torch.profiler: operators and kernels by CUDA time, written to path."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        for _ in range(3):
+        for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    path.write_text(p.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    path.write_text(p.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70))
 
 
 def run(a) -> list[dict]:

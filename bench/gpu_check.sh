@@ -22,6 +22,20 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 summary="$OUT/summary.txt"
 : > "$summary"
+# budgeted_tests MIN FILE...: each pytest target in its own process, limited to what is left of BUDGET (default
+# 560 s: one device call) since t0; skipped when under MIN seconds are left. Its log goes to $OUT/log-<name>.txt.
+budgeted_tests() {
+  local min=$1 f left log name
+  shift
+  for f in "$@"; do
+    left=$(( ${BUDGET:-560} - ($(date +%s) - t0) ))
+    [ "$left" -lt "$min" ] && { echo "$f: not run ($left s left)" | tee -a "$summary"; continue; }
+    log=$(timeout "$left" python3 -m pytest -q -rf --tb=short --confcutdir=tests/libs -p no:cacheprovider "$f" 2>&1)
+    echo "$f: $(echo "$log" | grep -E "^(FAILED|ERROR)|passed|failed|error" | tail -6 | tr '\n' ' ')" | tee -a "$summary"
+    name=$(basename "${f%%::*}" .py); [ "$f" != "${f%%::*}" ] && name="$name-${f##*::}"
+    echo "$log" | grep -v -i warn | tail -60 > "$OUT/log-$name.txt"
+  done
+}
 if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: the MLA kernels over FP8 rows beside FlashInfer's bf16 one, the
   # Engine (FlashInfer's FP8 decode over "tensor" rows), then the GPU tests with what is left of BUDGET
   # (default 560 s: one device call), measurements first
@@ -42,16 +56,9 @@ if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: the MLA kernels over FP8 rows b
     timeout 150 python3 -m bench.kv_fp8_accuracy --model /tmp/v3-width --device cuda --attention-backend "$backend" \
       2>&1 | grep -E "rel err|Error" | tee -a "$summary"
   done
-  for f in tests/libs/engine/test_cuda_graph.py::test_flashinfer_backend_decodes_fp8_rows_as_the_reference \
-      tests/libs/engine/test_cuda_graph.py::test_flashinfer_fp8_decode_graph_replay_equals_eager_over_tensor_rows \
-      tests/libs/kernels/test_kv_fp8_write.py tests/libs/kernels/test_mla_decode_fp8.py tests/libs/engine/test_kv_fp8.py; do
-    left=$(( ${BUDGET:-560} - ($(date +%s) - t0) ))
-    [ "$left" -lt 40 ] && { echo "$f: not run ($left s left)" | tee -a "$summary"; continue; }
-    log=$(timeout "$left" python3 -m pytest -q -rf --tb=short --confcutdir=tests/libs -p no:cacheprovider "$f" 2>&1)
-    echo "$f: $(echo "$log" | grep -E "^(FAILED|ERROR)|passed|failed|error" | tail -6 | tr '\n' ' ')" | tee -a "$summary"
-    name=$(basename "${f%%::*}" .py); [ "$f" != "${f%%::*}" ] && name="$name-${f##*::}"
-    echo "$log" | grep -v -i warn | tail -60 > "$OUT/log-$name.txt"
-  done
+  budgeted_tests 40 tests/libs/engine/test_cuda_graph.py::test_flashinfer_backend_decodes_fp8_rows_as_the_reference \
+    tests/libs/engine/test_cuda_graph.py::test_flashinfer_fp8_decode_graph_replay_equals_eager_over_tensor_rows \
+    tests/libs/kernels/test_kv_fp8_write.py tests/libs/kernels/test_mla_decode_fp8.py tests/libs/engine/test_kv_fp8.py
   exit 0
 fi
 if [ "${1:-}" = prefill ]; then  # prefill through the Engine (bench.prefill_rank, one forward profiled), then the
@@ -64,14 +71,8 @@ if [ "${1:-}" = prefill ]; then  # prefill through the Engine (bench.prefill_ran
   fi
   timeout 240 python3 -m bench.prefill_rank --budgets "${PREFILL_BUDGETS:-4096,16384}" --attn flashinfer \
     --profile "${PREFILL_PROFILE:-4096}" 2>&1 | grep -E "^budget|one forward|Error" | tee -a "$summary"
-  for f in tests/libs/kernels/test_fp8_gemm_sm90.py tests/libs/kernels/test_fp8_engine_gpu.py \
-      tests/libs/engine/test_cuda_graph.py::test_prefill_backend_matches_expanded_reference_on_gpu; do
-    left=$(( ${BUDGET:-560} - ($(date +%s) - t0) ))
-    [ "$left" -lt 30 ] && { echo "$f: not run ($left s left)" | tee -a "$summary"; continue; }
-    log=$(timeout "$left" python3 -m pytest -q -rf --tb=short --confcutdir=tests/libs -p no:cacheprovider "$f" 2>&1)
-    echo "$f: $(echo "$log" | grep -E "^(FAILED|ERROR)|passed|failed|error" | tail -6 | tr '\n' ' ')" | tee -a "$summary"
-    echo "$log" | grep -v -i warn | tail -60 > "$OUT/log-$(basename "${f%%::*}" .py).txt"
-  done
+  budgeted_tests 30 tests/libs/kernels/test_fp8_gemm_sm90.py tests/libs/kernels/test_fp8_engine_gpu.py \
+    tests/libs/engine/test_cuda_graph.py::test_prefill_backend_matches_expanded_reference_on_gpu
   exit 0
 fi
 # `wave`: only the files of the latest work not yet run on a GPU (EP dispatch, TBO, EPLB, MTP graphs), so one

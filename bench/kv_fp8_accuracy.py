@@ -27,6 +27,7 @@ from bench.harness import environment, write_results
 from libs.engine import Engine
 from libs.engine.batcher import pages_for
 from libs.engine.kv_pool import KVPool
+from libs.engine.layers.attention_backend import BACKENDS
 from libs.engine.loader import load_model
 from libs.engine.runner import Chunk
 
@@ -192,8 +193,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64, help="teacher-forced decode tokens per sequence")
     ap.add_argument("--chunk", type=int, default=32, help="prefill chunk")
     ap.add_argument("--formats", action="store_true", help="also the row-format study (CPU, torch reference)")
-    ap.add_argument("--attention-backend", default="auto", help="auto | torch | triton | flashinfer (the FP8 rows "
-                    "follow it: FlashInfer's \"tensor\" rows with flashinfer named)")  # fmt: skip
+    ap.add_argument("--attention-backend", default="auto", choices=BACKENDS,
+                    help="the FP8 rows follow it: FlashInfer's \"tensor\" rows with flashinfer named")  # fmt: skip
     a = ap.parse_args()
     torch.manual_seed(0)
     length = a.prompt + a.gen + 1

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.decode_rank import build_engine
+from bench.decode_rank import build_engine, profile
 from bench.harness import environment, write_results
 from bench.part_timer import breakdown
 from bench.roofline import prefill_bound
@@ -72,22 +72,16 @@ def part_breakdown(engine, budget: int, prompt: int, seed: int) -> dict:
 
 
 def profile_forward(engine, budget: int, prompt: int, seed: int) -> None:
-    """One forward of a budget's worth of prompts under torch.profiler, outside the timed rounds: kernels by
-    CUDA time to profile-prefill-b<budget>.txt beside the records."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """One forward of a budget's worth of prompts under torch.profiler (bench.decode_rank's), outside the timed
+    rounds: kernels by CUDA time to profile-prefill-b<budget>.txt beside the records."""
     rng = random.Random(seed)
     for i in range(max(1, budget // prompt)):
         engine.add_request(f"prof{budget}-{i}", [rng.randrange(engine.config.vocab_size) for _ in range(prompt)],
                            SamplingParams(temperature=0, max_tokens=1))  # fmt: skip
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        engine.step()
-        torch.cuda.synchronize()
+    profile(engine, Path(os.environ.get("OUT") or "bench/results") / f"profile-prefill-b{budget}.txt", steps=1)
     while engine.has_unfinished():
         engine.step()
-    out = Path(os.environ.get("OUT") or "bench/results") / f"profile-prefill-b{budget}.txt"
-    out.write_text(p.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70))
 
 
 def main() -> None:
