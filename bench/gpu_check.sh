@@ -50,8 +50,10 @@ if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: the MLA kernels over FP8 rows b
       2>&1 | grep -E "^B=|Error|error" | sed "s/^/$dtype ${attn:-flashinfer} /" | tee -a "$summary"
   done
   # accuracy against the bf16 cache on a random V3-width checkpoint (written once), with each FP8 row layout
-  [ -f /tmp/v3-width/config.json ] || timeout 120 python3 -m libs.cli.main tiny-model --preset v3-width \
-    --out /tmp/v3-width --force 2>&1 | tail -1 | tee -a "$summary"
+  # (the writer `moemesh tiny-model --preset v3-width` runs, called directly: the CLI's parser imports the bus,
+  # aiohttp, OpenTelemetry and prometheus-client, which the GPU image lacks)
+  [ -f /tmp/v3-width/config.json ] || timeout 120 python3 -c "from libs.engine.preset_model import write_preset_model
+print('wrote', write_preset_model('/tmp/v3-width', 'v3-width', overwrite=True))" 2>&1 | tail -1 | tee -a "$summary"
   for backend in auto flashinfer; do
     timeout 150 python3 -m bench.kv_fp8_accuracy --model /tmp/v3-width --device cuda --attention-backend "$backend" \
       2>&1 | grep -E "rel err|Error" | tee -a "$summary"

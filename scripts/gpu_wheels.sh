@@ -2,7 +2,7 @@
 # Gather, on a machine with PyPI, the wheels a GPU machine without internet lacks, for the device tool's
 # `carry` (64 MiB a call, the repository included). Python 3.12, manylinux x86_64.
 #   bash scripts/gpu_wheels.sh flashinfer   # .whl/: flashinfer-python (JIT sources it cannot use on Hopper
-#                                           # pruned) + tvm-ffi, msgspec, safetensors, tokenizers, nats-py
+#                                           # pruned) + tvm-ffi, msgspec, safetensors, tokenizers
 #                                           # (bench/gpu_check.sh)
 #   bash scripts/gpu_wheels.sh mesh         # .whl-mesh/: what the services import beyond torch, triton and
 #                                           # numpy, Mooncake's CUDA 13 wheel (pruned to its transfer engine,
@@ -39,10 +39,9 @@ case "$what" in
   flashinfer)
     dir=.whl
     mkdir -p "$dir"
-    # with what the Engine and the benchmarks import beyond torch, triton and numpy (the GPU image lacks them);
-    # nats-py for the CLI (`moemesh tiny-model`) and bench.tune_gemm, which import the bus
+    # with what the Engine and the benchmarks import beyond torch, triton and numpy (the GPU image lacks them)
     dl flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 msgspec==0.23.0 safetensors==0.8.0 \
-      tokenizers==0.23.3 nats-py==2.16.0
+      tokenizers==0.23.3
     # FlashInfer JIT-compiles from sources shipped in the wheel; those of Blackwell-only and unused kernels
     # are dropped so the pair fits one carry beside the project (measured: 62 MB -> 33 MB).
     prune "$(ls "$dir"/flashinfer_python-*.whl)" -path '*flashinfer/data/csrc/*' \( -name 'cake_*' -o -name 'kda*' \
