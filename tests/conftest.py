@@ -6,12 +6,21 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import pytest
 
 from libs.natsd import start_nats_server
 from tests.libs.kernels.conftest import HAS_CUDA  # noqa: F401  (the import sets the interpreter up)
+from tests.worker_exit import report, worker_returncode
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """A pytest-xdist worker that died mid-test: its exit status and the memory state (tests/worker_exit.py)."""
+    if error:
+        print(report(node.gateway.id, worker_returncode(node)), file=sys.stderr, flush=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,38 @@
+"""The crash report `make test` prints for a dead xdist worker names how the process ended."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from tests.worker_exit import describe_status, oom_kills, report, worker_returncode
+
+
+def test_a_killed_process_is_named_by_its_signal_and_an_exit_by_its_code() -> None:
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.send_signal(signal.SIGKILL)
+    node = SimpleNamespace(gateway=SimpleNamespace(id="gw7", _io=SimpleNamespace(popen=killed)))
+    assert describe_status(worker_returncode(node)) == "killed by SIGKILL (9)"
+    exited = subprocess.Popen([sys.executable, "-c", "import os; os._exit(3)"])
+    assert (
+        describe_status(
+            worker_returncode(SimpleNamespace(gateway=SimpleNamespace(_io=SimpleNamespace(popen=exited))))
+        )
+        == "exited with code 3"
+    )
+    assert worker_returncode(SimpleNamespace(gateway=SimpleNamespace())) is None
+    text = report("gw7", -9)
+    assert text.splitlines()[0] == "[gw7] worker process killed by SIGKILL (9)"
+    assert "MiB available; OOM kills in this cgroup:" in text.splitlines()[1]
+
+
+def test_oom_kills_read_from_either_cgroup_version(tmp_path: Path) -> None:
+    v2, v1 = tmp_path / "memory.events", tmp_path / "memory.oom_control"
+    v2.write_text("low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\n")
+    v1.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
+    assert oom_kills((v2, v1)) == 2
+    assert oom_kills((tmp_path / "missing", v1)) == 5
+    assert oom_kills((tmp_path / "missing",)) is None
