@@ -13,14 +13,18 @@ import pytest
 
 from libs.natsd import start_nats_server
 from tests.libs.kernels.conftest import HAS_CUDA  # noqa: F401  (the import sets the interpreter up)
-from tests.worker_exit import report, worker_returncode
+from tests.worker_exit import oom_kills, report, worker_returncode
+
+_OOM_KILLS_AT_START = oom_kills()  # read where the run begins: this module is imported before any test runs
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
     """A pytest-xdist worker that died mid-test: its exit status and the memory state (tests/worker_exit.py)."""
     if error:
-        print(report(node.gateway.id, worker_returncode(node)), file=sys.stderr, flush=True)
+        print(
+            report(node.gateway.id, worker_returncode(node), _OOM_KILLS_AT_START), file=sys.stderr, flush=True
+        )
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,13 @@ import signal
 import subprocess
 from pathlib import Path
 
-# cgroup v2, then v1: the OOM kills counted in this machine's (or container's) memory cgroup
-OOM_EVENTS = (Path("/sys/fs/cgroup/memory.events"), Path("/sys/fs/cgroup/memory/memory.oom_control"))
+# the kernel's count of OOM kills since boot (a global OOM is counted here, not in the memory cgroup's own
+# files), then the memory cgroup's (v2, v1) for a container's limit: the first readable one answers
+OOM_EVENTS = (
+    Path("/proc/vmstat"),
+    Path("/sys/fs/cgroup/memory.events"),
+    Path("/sys/fs/cgroup/memory/memory.oom_control"),
+)
 
 
 def describe_status(returncode: int | None) -> str:
@@ -27,7 +32,7 @@ def describe_status(returncode: int | None) -> str:
 
 
 def oom_kills(paths: tuple[Path, ...] = OOM_EVENTS) -> int | None:
-    """The `oom_kill` count of the first readable memory-cgroup events file; None where none is readable."""
+    """The `oom_kill` count of the first readable file of `paths` that has one; None where none has."""
     for path in paths:
         try:
             text = path.read_text()
@@ -65,13 +70,15 @@ def largest_processes(n: int = 5) -> list[str]:
     return rows
 
 
-def report(worker: str, returncode: int | None) -> str:
-    """The lines printed for a worker that went down with an error."""
+def report(worker: str, returncode: int | None, oom_kills_at_start: int | None) -> str:
+    """The lines printed for a worker that went down with an error; oom_kills_at_start: `oom_kills()` when
+    the run began (the kills since are the run's)."""
     lines = [f"[{worker}] worker process {describe_status(returncode)}"]
     avail, kills = mem_available_mib(), oom_kills()
+    since = "unknown" if kills is None or oom_kills_at_start is None else kills - oom_kills_at_start
     lines.append(
-        f"[{worker}] memory now: {'?' if avail is None else avail} MiB available; OOM kills in this cgroup: "
-        f"{'unknown' if kills is None else kills}"
+        f"[{worker}] memory now: {'?' if avail is None else avail} MiB available; OOM kills since the run "
+        f"began: {since}"
     )
     lines += [f"[{worker}]   {row}" for row in largest_processes()]
     return "\n".join(lines)
