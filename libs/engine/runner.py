@@ -97,12 +97,12 @@ class ModelRunner:
                 return self.forward_last(chunks, want)
             if want is None:
                 return logits
-            return logits[torch.tensor(list(want), dtype=torch.bool, device=logits.device)]
+            return logits[_rows(want, logits.device)]
         batch = build_batch(chunks, self.kv_pool.page_size)
         hidden = self.model(batch, self.kv_pool, backend=self.backend)  # [T, D]
         last = batch.last_token_index().to(hidden.device)
         if want is not None:
-            last = last[torch.tensor(list(want), dtype=torch.bool, device=hidden.device)]
+            last = last[_rows(want, hidden.device)]
         return self.model.compute_logits(hidden[last], raw=self.model.uses_fast_path(self.backend))
 
     def can_graph_decode(self, n: int, positions: Sequence[int]) -> bool:
@@ -127,3 +127,9 @@ class ModelRunner:
         """[len(chunk.tokens), V] float32 logits at every new token of one chunk."""
         batch = build_batch([chunk], self.kv_pool.page_size)
         return self.model.compute_logits(self.model(batch, self.kv_pool, backend=self.backend))
+
+
+def _rows(want: Sequence[bool], device: torch.device) -> torch.Tensor:
+    """The indices of the chunks that sample, made on the host: a boolean mask would be turned into indices on
+    the device (nonzero), making the host wait there for the whole forward before it queues the logits."""
+    return torch.tensor([i for i, w in enumerate(want) if w], dtype=torch.long, device=device)
