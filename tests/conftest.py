@@ -16,15 +16,23 @@ from tests.libs.kernels.conftest import HAS_CUDA  # noqa: F401  (the import sets
 from tests.worker_exit import oom_kills, report, worker_returncode
 
 _OOM_KILLS_AT_START = oom_kills()  # read where the run begins: this module is imported before any test runs
+_CRASHES: list[str] = []  # the reports of workers that died, repeated in the run's summary
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
-    """A pytest-xdist worker that died mid-test: its exit status and the memory state (tests/worker_exit.py)."""
+    """A pytest-xdist worker that died mid-test: its exit status and the memory state (tests/worker_exit.py),
+    printed at once and again at the end of the run (where a CI log's tail shows it)."""
     if error:
-        print(
-            report(node.gateway.id, worker_returncode(node), _OOM_KILLS_AT_START), file=sys.stderr, flush=True
-        )
+        _CRASHES.append(report(node.gateway.id, worker_returncode(node), _OOM_KILLS_AT_START))
+        print(_CRASHES[-1], file=sys.stderr, flush=True)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _CRASHES:
+        terminalreporter.section("test workers that died")
+        for text in _CRASHES:
+            terminalreporter.write_line(text)
 
 
 @pytest.fixture(scope="module")
