@@ -56,15 +56,19 @@ def run_budget(engine, budget: int, prompt: int, rounds: int, seed: int) -> dict
             "tokens_per_s_per_gpu": tokens / secs}  # fmt: skip
 
 
+def add_forward(engine, tag: str, budget: int, prompt: int, seed: int) -> None:
+    """A budget's worth of random prompts (max_tokens 1), queued for the next forward; the GPU idle after."""
+    rng = random.Random(seed)
+    for i in range(max(1, budget // prompt)):
+        ids = [rng.randrange(engine.config.vocab_size) for _ in range(prompt)]
+        engine.add_request(f"{tag}-{i}", ids, SamplingParams(temperature=0, max_tokens=1))
+    torch.cuda.synchronize()
+
+
 def part_breakdown(engine, budget: int, prompt: int, seed: int) -> dict:
     """One forward of a budget's worth of prompts under bench.part_timer, outside the timed rounds: ms and
     share of the step for the MLA blocks (with their attention kernel apart), the MoE blocks and the rest."""
-    rng = random.Random(seed)
-    vocab = engine.config.vocab_size
-    for i in range(max(1, budget // prompt)):
-        ids = [rng.randrange(vocab) for _ in range(prompt)]
-        engine.add_request(f"parts{budget}-{i}", ids, SamplingParams(temperature=0, max_tokens=1))
-    torch.cuda.synchronize()
+    add_forward(engine, f"parts{budget}", budget, prompt, seed)
     rec = breakdown(engine.step)
     while engine.has_unfinished():
         engine.step()
@@ -74,11 +78,7 @@ def part_breakdown(engine, budget: int, prompt: int, seed: int) -> dict:
 def profile_forward(engine, budget: int, prompt: int, seed: int) -> None:
     """One forward of a budget's worth of prompts under torch.profiler (bench.decode_rank's), outside the timed
     rounds: kernels by CUDA time to profile-prefill-b<budget>.txt beside the records."""
-    rng = random.Random(seed)
-    for i in range(max(1, budget // prompt)):
-        engine.add_request(f"prof{budget}-{i}", [rng.randrange(engine.config.vocab_size) for _ in range(prompt)],
-                           SamplingParams(temperature=0, max_tokens=1))  # fmt: skip
-    torch.cuda.synchronize()
+    add_forward(engine, f"prof{budget}", budget, prompt, seed)
     profile(engine, Path(os.environ.get("OUT") or "bench/results") / f"profile-prefill-b{budget}.txt", steps=1)
     while engine.has_unfinished():
         engine.step()

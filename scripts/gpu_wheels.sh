@@ -2,8 +2,7 @@
 # Gather, on a machine with PyPI, the wheels a GPU machine without internet lacks, for the device tool's
 # `carry` (64 MiB a call, the repository included). Python 3.12, manylinux x86_64.
 #   bash scripts/gpu_wheels.sh flashinfer   # .whl/: flashinfer-python (JIT sources it cannot use on Hopper
-#                                           # pruned) + tvm-ffi, msgspec, safetensors, tokenizers
-#                                           # (bench/gpu_check.sh)
+#                                           # pruned) + tvm-ffi, msgspec, safetensors, tokenizers (bench/gpu_check.sh)
 #   bash scripts/gpu_wheels.sh mesh         # .whl-mesh/: what the services import beyond torch, triton and
 #                                           # numpy, Mooncake's CUDA 13 wheel (pruned to its transfer engine,
 #                                           # store client and master) (bench/gpu_mesh.sh); SYSLIB=1 adds the

@@ -17,12 +17,8 @@ def test_a_killed_process_is_named_by_its_signal_and_an_exit_by_its_code() -> No
     node = SimpleNamespace(gateway=SimpleNamespace(id="gw7", _io=SimpleNamespace(popen=killed)))
     assert describe_status(worker_returncode(node)) == "killed by SIGKILL (9)"
     exited = subprocess.Popen([sys.executable, "-c", "import os; os._exit(3)"])
-    assert (
-        describe_status(
-            worker_returncode(SimpleNamespace(gateway=SimpleNamespace(_io=SimpleNamespace(popen=exited))))
-        )
-        == "exited with code 3"
-    )
+    node = SimpleNamespace(gateway=SimpleNamespace(_io=SimpleNamespace(popen=exited)))
+    assert describe_status(worker_returncode(node)) == "exited with code 3"
     assert worker_returncode(SimpleNamespace(gateway=SimpleNamespace())) is None
     text = report("gw7", -9, oom_kills())
     assert text.splitlines()[0] == "[gw7] worker process killed by SIGKILL (9)"

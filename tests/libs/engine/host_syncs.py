@@ -8,13 +8,13 @@ interpreter's own calls left out."""
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 REPO = Path(__file__).resolve().parents[3]
+LIBS = f"{REPO / 'libs'}/"
 T = torch.Tensor
 SYNCING = {
     T.item, T.tolist, T.__bool__, T.__int__, T.__float__, T.__index__, torch.nonzero, T.nonzero, torch.unique,
@@ -34,25 +34,20 @@ def _syncs(func, args, kwargs) -> bool:
     return False
 
 
-@dataclass
 class HostSyncs(TorchFunctionMode):
-    """`with HostSyncs() as s:` ... then `s.sites`: (call, "file:line" of the innermost frame under `root`, a
-    folder of the repository) for each syncing call made meanwhile from code under root."""
+    """`with HostSyncs() as s:` ... then `s.sites`: (call, "file:line" of the innermost frame in libs/) for
+    each syncing call made meanwhile from the project's code."""
 
-    root: str = "libs"
-    sites: list[tuple[str, str]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
+    def __init__(self) -> None:
         super().__init__()
+        self.sites: list[tuple[str, str]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _syncs(func, args, kwargs):
             stack = traceback.extract_stack()
-            if not any("triton/runtime/interpreter" in f.filename for f in stack):
-                prefix = f"{REPO / self.root}/"
-                ours = [f for f in stack if f.filename.startswith(prefix)]
-                if ours:
-                    path = Path(ours[-1].filename).relative_to(REPO)
-                    self.sites.append((getattr(func, "__name__", repr(func)), f"{path}:{ours[-1].lineno}"))
+            ours = [f for f in stack if f.filename.startswith(LIBS)]
+            if ours and not any("triton/runtime/interpreter" in f.filename for f in stack):
+                path = Path(ours[-1].filename).relative_to(REPO)
+                self.sites.append((getattr(func, "__name__", repr(func)), f"{path}:{ours[-1].lineno}"))
         return func(*args, **kwargs)

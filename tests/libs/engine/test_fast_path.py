@@ -151,9 +151,7 @@ def test_fast_path_greedy_tokens_equal_the_plain_path_under_continuous_batching(
     plain_engine, fast_engine = _engine(ckpt, fast=False, damp=True), _engine(ckpt, fast=True, damp=True)
     plain, fast = plain_engine.generate(PROMPTS, params), fast_engine.generate(PROMPTS, params)
     for prompt, f, p in zip(PROMPTS, fast, plain, strict=True):
-        split = next(
-            (k for k, (a, b) in enumerate(zip(f.token_ids, p.token_ids, strict=True)) if a != b), None
-        )
+        split = next((k for k, (a, b) in enumerate(zip(f.token_ids, p.token_ids, strict=True)) if a != b), None)
         if split is None:  # equal (the zip is strict: both have max_tokens)
             continue
         # a split is a near-tie only: at that position the two paths' logits differ by more than the plain
@@ -182,9 +180,7 @@ def test_one_pass_sampler_rows():
     assert one_pass_ok(SamplingParams(temperature=0.7, logprobs=True, seed=1))
     assert not one_pass_ok(SamplingParams(temperature=0, logprobs=True, top_logprobs=2))  # alternatives
     assert not one_pass_ok(SamplingParams(temperature=0, logprobs=3))
-    assert not one_pass_ok(
-        SamplingParams(temperature=0, logprobs=True, presence_penalty=0.5)
-    )  # raw != sampled
+    assert not one_pass_ok(SamplingParams(temperature=0, logprobs=True, presence_penalty=0.5))  # raw != sampled
 
 
 def test_one_pass_logprobs_are_the_exact_samplers():
@@ -205,9 +201,7 @@ def test_one_pass_logprobs_are_the_exact_samplers():
     for g, w in zip(got[:2], want[:2], strict=True):
         assert g is not None and w is not None
         assert (g.token_id, g.top) == (w.token_id, w.top) and abs(g.logprob - w.logprob) < 1e-4
-    assert (
-        one_pass_sample(logits[2:], params[2:], [(2, 5), (3, 5)])[1] is None
-    )  # nobody asked: no logprob work
+    assert one_pass_sample(logits[2:], params[2:], [(2, 5), (3, 5)])[1] is None  # nobody asked: no logprob work
 
 
 @pytest.mark.parametrize("layout", ["masked", "contiguous"])
@@ -230,7 +224,5 @@ def test_a_prefill_step_waits_for_the_device_only_to_pick_its_tokens(fast, layou
         fast.step()  # one forward prefills all three
     while fast.has_unfinished():
         fast.step()
-    files = {site.split(":")[0] for _, site in syncs.sites}
-    assert [call for call, _ in syncs.sites] == ["tolist"] and files == {"libs/engine/sampling.py"}, (
-        syncs.sites
-    )
+    where = [(call, site.split(":")[0]) for call, site in syncs.sites]
+    assert where == [("tolist", "libs/engine/sampling.py")], syncs.sites
