@@ -3,7 +3,7 @@
 #   bash bench/gpu_check.sh [quick|wave|fp8|prefill]   (carry .whl: `bash scripts/gpu_wheels.sh flashinfer`)
 #   PREFILL_BUDGETS=4096,16384 PREFILL_PROFILE=4096 bash bench/gpu_check.sh prefill   (prefill_rank, a profiled
 #   forward, the GPU tests of what prefill runs); PREFILL_BASELINE=.baseline runs prefill_rank on that build first
-#   (`bash scripts/baseline_tree.sh REV`, carry [".whl", ".baseline"])
+#   (`bash scripts/baseline_tree.sh REV`, carry [".whl", ".baseline"]); PREFILL_ATTN=triton: without FlashInfer
 #   FP8_EXTRA="fp8_e4m3:512 fp8_e4m3:256:triton" bash bench/gpu_check.sh fp8   (further decode_rank runs,
 #   kv_cache_dtype:batch[:attention backend, default flashinfer]; triton decodes the FP8 cache's "token" rows)
 #   FP8_TRITON=engine bash bench/gpu_check.sh fp8   (the Triton FP8 kernel only as the Engine runs it, no tile
@@ -68,10 +68,10 @@ if [ "${1:-}" = prefill ]; then  # prefill through the Engine (bench.prefill_ran
   t0=$(date +%s)
   if [ -n "${PREFILL_BASELINE:-}" ]; then  # the same benchmark on a baseline build first (scripts/baseline_tree.sh)
     (cd "$PREFILL_BASELINE" && OUT="$OUT/baseline" && mkdir -p "$OUT" && export OUT && timeout 240 python3 -m \
-      bench.prefill_rank --budgets "${PREFILL_BUDGETS:-4096,16384}" --attn flashinfer 2>&1 \
+      bench.prefill_rank --budgets "${PREFILL_BUDGETS:-4096,16384}" --attn "${PREFILL_ATTN:-flashinfer}" 2>&1 \
       | grep -E "^budget|one forward|Error" | sed "s/^/baseline $(cat REV 2>/dev/null): /" | tee -a "$summary")
   fi
-  timeout 240 python3 -m bench.prefill_rank --budgets "${PREFILL_BUDGETS:-4096,16384}" --attn flashinfer \
+  timeout 240 python3 -m bench.prefill_rank --budgets "${PREFILL_BUDGETS:-4096,16384}" --attn "${PREFILL_ATTN:-flashinfer}" \
     --profile "${PREFILL_PROFILE:-4096}" 2>&1 | grep -E "^budget|one forward|Error" | tee -a "$summary"
   budgeted_tests 30 tests/libs/kernels/test_fp8_gemm_sm90.py tests/libs/kernels/test_fp8_engine_gpu.py \
     tests/libs/engine/test_cuda_graph.py::test_prefill_backend_matches_expanded_reference_on_gpu
