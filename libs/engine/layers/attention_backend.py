@@ -314,7 +314,7 @@ class FlashInferAttention(TritonAttention):
         rows = read_rows(rows, weights.dense.shape[1], q_pe.shape[-1], weights.dense.dtype)
         kv = F.linear(rows[:, :-r].to(weights.dense.dtype), weights.dense).view(rows.shape[0], h, -1)
         k = torch.cat([kv[..., :n], rows[:, None, -r:].to(kv.dtype).expand(-1, h, r)], dim=-1)
-        return self.prefill.run(joined_query(q_nope, q_pe), k, kv[..., n:].contiguous())
+        return self.prefill.run(joined_query(q_nope, q_pe), k, kv[..., n:])  # FlashInfer reads v's strides
 
 
 def _kernel_fits(num_heads: int, latent: int, rope: int) -> bool:
