@@ -313,7 +313,9 @@ class FlashInferAttention(TritonAttention):
         rows = layer_rows[self._kv_index]  # [sum K, C]: every sequence's keys, ragged
         rows = read_rows(rows, weights.dense.shape[1], q_pe.shape[-1], weights.dense.dtype)
         kv = F.linear(rows[:, :-r].to(weights.dense.dtype), weights.dense).view(rows.shape[0], h, -1)
-        k = torch.cat([kv[..., :n], rows[:, None, -r:].to(kv.dtype).expand(-1, h, r)], dim=-1)
+        from libs.kernels.mla_prefill import concat_k
+
+        k = concat_k(kv[..., :n], rows[:, -r:])  # [sum K, H, N + r]
         return self.prefill.run(joined_query(q_nope, q_pe), k, kv[..., n:])  # FlashInfer reads v's strides
 
 
