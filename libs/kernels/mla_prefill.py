@@ -27,6 +27,11 @@ def _concat_k_kernel(
     tl.store(out + N + offs_r[None, :], tl.broadcast_to(k_pe[None, :], (BLOCK_H, R)), mask=mask_h[:, None])
 
 
+def fits(n: int, r: int) -> bool:
+    """Whether concat_k takes keys of N no-RoPE and r RoPE values (powers of two: Triton's block widths)."""
+    return n > 0 and r > 0 and not (n & (n - 1) or r & (r - 1))
+
+
 def concat_k(k_nope: torch.Tensor, k_pe: torch.Tensor, block_h: int = 16) -> torch.Tensor:
     """k_nope [T, H, N] (any token/head strides, contiguous last dim) and k_pe [T, r] -> [T, H, N + r] in
     k_nope's dtype: torch.cat([k_nope, k_pe[:, None].expand(T, H, r)], -1). N and r powers of two."""
@@ -35,7 +40,7 @@ def concat_k(k_nope: torch.Tensor, k_pe: torch.Tensor, block_h: int = 16) -> tor
     if k_pe.shape != (t, r) or k_nope.stride(-1) != 1 or k_pe.stride(-1) != 1:
         raise ValueError(f"concat_k needs k_nope [T, H, N] and k_pe [T, r] with contiguous last dims, got "
                          f"{tuple(k_nope.shape)} {tuple(k_nope.stride())} and {tuple(k_pe.shape)}")  # fmt: skip
-    if n & (n - 1) or r & (r - 1):
+    if not fits(n, r):
         raise ValueError(f"concat_k needs power-of-two widths, got N={n}, r={r}")
     out = k_nope.new_empty(t, h, n + r)
     if t:

@@ -31,6 +31,7 @@ from libs.engine.kv_fp8 import TENSOR_SCALE, fp8_rows, is_fp8, read_rows
 from libs.engine.layers.mla import (
     AttentionMetadata,
     PagedMetadata,
+    expanded_keys,
     joined_query,
     mla_absorbed,
     mla_decode_paged,
@@ -313,9 +314,7 @@ class FlashInferAttention(TritonAttention):
         rows = layer_rows[self._kv_index]  # [sum K, C]: every sequence's keys, ragged
         rows = read_rows(rows, weights.dense.shape[1], q_pe.shape[-1], weights.dense.dtype)
         kv = F.linear(rows[:, :-r].to(weights.dense.dtype), weights.dense).view(rows.shape[0], h, -1)
-        from libs.kernels.mla_prefill import concat_k
-
-        k = concat_k(kv[..., :n], rows[:, -r:])  # [sum K, H, N + r]
+        k = expanded_keys(kv[..., :n], rows[:, -r:])  # [sum K, H, N + r]
         return self.prefill.run(joined_query(q_nope, q_pe), k, kv[..., n:])  # FlashInfer reads v's strides
 
 

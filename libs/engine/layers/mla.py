@@ -177,6 +177,18 @@ def joined_query(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
     return torch.cat([q_nope, q_pe], dim=-1)
 
 
+def expanded_keys(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """The expanded prefill's keys [K, H, N + r]: each head's no-RoPE part k_nope [K, H, N] (a view of the kv_b
+    projection's output) beside the RoPE part k_pe [K, r] every head shares, in k_nope's dtype. On CUDA one
+    Triton copy (libs/kernels/mla_prefill.concat_k), elsewhere torch.cat."""
+    if k_nope.is_cuda:
+        from libs.kernels import mla_prefill
+
+        if mla_prefill.fits(k_nope.shape[-1], k_pe.shape[-1]):
+            return mla_prefill.concat_k(k_nope, k_pe)
+    return torch.cat([k_nope, k_pe[:, None].to(k_nope.dtype).expand(-1, k_nope.shape[1], -1)], dim=-1)
+
+
 def mla_extend_sdpa(
     q_nope: torch.Tensor,  # [T, H, N]
     q_pe: torch.Tensor,  # [T, H, r] roped
@@ -202,7 +214,7 @@ def mla_extend_sdpa(
         rows = gather_pages(layer_rows, pages, meta.page_size)[:k_len]
         rows = read_rows(rows, kv_b_weight.shape[1], r, kv_b_weight.dtype)  # [K, C]
         kv = F.linear(rows[:, :-r].to(kv_b_weight.dtype), kv_b_weight).view(k_len, h, -1)  # [K, H, N + V]
-        k = torch.cat([kv[..., :n], rows[:, None, -r:].to(kv.dtype).expand(k_len, h, r)], dim=-1)
+        k = expanded_keys(kv[..., :n], rows[:, -r:])  # [K, H, N + r]
         # 4-D [1, H, len, dim]: the fused SDPA kernels (and so the mask-free lower-right bias) need a batch dim
         q_s = q[start : start + q_len].transpose(0, 1)[None]
         k_s, v_s = k.transpose(0, 1)[None], kv[..., n:].transpose(0, 1)[None]
