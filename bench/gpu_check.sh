@@ -73,7 +73,8 @@ if [ "${1:-}" = prefill ]; then  # prefill through the Engine (bench.prefill_ran
   fi
   timeout 240 python3 -m bench.prefill_rank --budgets "${PREFILL_BUDGETS:-4096,16384}" --attn "${PREFILL_ATTN:-flashinfer}" \
     --profile "${PREFILL_PROFILE:-4096}" 2>&1 | grep -E "^budget|one forward|Error" | tee -a "$summary"
-  budgeted_tests 30 tests/libs/kernels/test_mla_prefill.py tests/libs/kernels/test_fp8_gemm_sm90.py tests/libs/kernels/test_fp8_engine_gpu.py \
+  budgeted_tests 30 tests/libs/kernels/test_mla_prefill.py tests/libs/kernels/test_fp8_gemm_sm90.py \
+    tests/libs/kernels/test_fp8_engine_gpu.py \
     tests/libs/engine/test_cuda_graph.py::test_prefill_backend_matches_expanded_reference_on_gpu
   exit 0
 fi

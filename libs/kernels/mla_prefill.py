@@ -1,7 +1,7 @@
 """Expanded MLA prefill's keys in one pass: each head's no-RoPE part (a strided view of the kv_b projection's
-output) beside the RoPE part every head shares, written as the [T, H, N + r] tensor FlashInfer's ragged
-prefill takes. torch.cat of the view and the broadcast RoPE part does the same copy at about a third of the
-memory bandwidth (profiled on an H100, bench.prefill_rank --profile: ~3.8% of a 4k-token forward)."""
+output) beside the RoPE part every head shares, written as the [T, H, N + r] tensor the prefill attention
+kernels take; the same copy as torch.cat of the view and the broadcast RoPE part (bench/NOTES-decode.md says
+what that cost in a profiled prefill forward)."""
 
 from __future__ import annotations
 
