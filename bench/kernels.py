@@ -349,6 +349,76 @@ def gemm_suite(log) -> list[dict]:
     return records
 
 
+PREFILL_GEMMS = [  # (experts, rows per expert, N, K): a prefill rank's 4k-token forward (EP-32: 8 routed + shared)
+    (9, 4096, 4096, 7168),  # MoE gate/up, contiguous
+    (9, 4096, 7168, 2048),  # MoE down, contiguous
+    (1, 4096, 7168, 16384),  # o_proj
+    (1, 4096, 24576, 1536),  # q_b
+    (1, 4096, 2112, 7168),  # fused q_a / kv_a
+]
+
+
+def prefill_gemm_suite(log, group_ms=(1, None, 32)) -> list[dict]:
+    """Prefill's FP8 GEMMs at a 4k-token forward's shapes, each Gluon config over program groups of group_ms
+    row tiles (None: the kernels' default, fp8_gemm.group_m_for; 1: every column tile of one row tile in
+    turn) in one run, beside the Triton kernel and what the tuning table chooses. Contiguous cases lay each
+    expert's rows out as tiles of the config's height."""
+    records = []
+    for e, m, n, k in PREFILL_GEMMS:
+        records += _prefill_gemm_case(e, m, n, k, group_ms, log)
+        torch.cuda.empty_cache()
+    return records
+
+
+def _prefill_gemm_case(e, m, n, k, group_ms, log) -> list[dict]:
+    from libs.kernels import fp8_gemm_sm90 as S
+
+    xq, xs, w, ws = gemm_inputs(e, m, n, k)
+    flat_q, flat_s = xq.view(e * m, k), xs.view(e * m, k // 128)
+    out = torch.empty(e * m, n, dtype=torch.bfloat16, device="cuda")
+    ref = G.fp8_gemm_reference(flat_q[:m], flat_s[:m], w[0], ws[0])
+    layout = G.CONTIGUOUS if e > 1 else G.DENSE
+
+    def tiles(bm):  # each expert's rows as tiles of bm rows
+        return torch.arange(e, device="cuda", dtype=torch.int32).repeat_interleave(m // bm)
+
+    variants = {}
+    for cfg in S.CONFIGS if S.available(xq.device) else []:
+        if (k // 128) % cfg[4] or n % cfg[1]:
+            continue
+        for g in group_ms:
+            variants[(cfg, g)] = lambda cfg=cfg, g=g, te=tiles(cfg[0]): S.launch(
+                flat_q, flat_s[None], w.reshape(e * n, k), ws, out[None], e * m, n, k, te, te, layout, 1, cfg,
+                group_m=g,
+            )  # fmt: skip
+    te64 = tiles(64)
+    if e > 1:
+        variants[("triton-bm64", None)] = lambda: G._launch_triton(
+            flat_q[None], flat_s[None], w, ws, out[None], e * m, te64, te64, G.CONTIGUOUS, 1, 64
+        )
+        variants[("chosen-bm64", None)] = lambda: G.fp8_gemm_contiguous(flat_q, flat_s, w, ws, te64, 64, out=out)
+    else:
+        variants[("chosen", None)] = lambda: G.fp8_gemm(flat_q, flat_s, w[0], ws[0], out=out)
+    flops = 2 * e * m * n * k
+    records = []
+    for (cfg, g), fn in variants.items():
+        fn()
+        err = _rel_err(out[:m], ref)
+        ms = gemm_tuning.graph_time(fn)
+        name = cfg if isinstance(cfg, str) else "sm90-" + "-".join(map(str, cfg))
+        group = g or (G.group_m_for(cfg[0]) if not isinstance(cfg, str) else None)
+        records.append({"benchmark": "prefill_gemm", "variant": name, "group_m": group, "experts": e,
+                        "rows_per_expert": m, "N": n, "K": k, "ms": ms, "TFLOPs": flops / ms / 1e9,
+                        "rel_err": err})  # fmt: skip
+        log(f"prefill gemm {name} group_m={group} {e}x{m} N={n} K={k}: {ms * 1e3:.0f} us "
+            f"{flops / ms / 1e9:.0f} TFLOP/s (err {err:.1e})")  # fmt: skip
+    return records
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer MLA shapes (FP8: B=256, L=2048, 128 heads only)")
@@ -358,6 +428,9 @@ def main() -> None:
                     help="the Triton FP8-cache kernel: every dots mode over the tile sweep, only what the Engine runs "
                     "(its dots mode and tile), or none")  # fmt: skip
     ap.add_argument("--no-triton-fp8", action="store_true", help="as --triton-fp8 none")
+    ap.add_argument("--prefill-gemms", action="store_true",
+                    help="only prefill's FP8 GEMMs at a 4k-token forward's shapes, every Gluon config and program "
+                    "grouping")  # fmt: skip
     a = ap.parse_args()
     env = environment()
     print(env, flush=True)
@@ -367,14 +440,16 @@ def main() -> None:
 
     records = []
     fp8_shapes = [(256, 2048, 128), (512, 2048, 128), (128, 8192, 128), (256, 8192, 16)]
-    if a.mla_fp8_only:
+    if a.prefill_gemms:
+        records += prefill_gemm_suite(log)
+    elif a.mla_fp8_only:
         mode = "none" if a.no_triton_fp8 else a.triton_fp8
         sweep = {"sweep": FP8_SWEEP, "engine": [MLAConfig()], "none": []}[mode]
         dots_modes = (DECODE_DOTS,) if mode == "engine" else DOTS
         records += mla_fp8_suite(fp8_shapes[:1] if a.quick else fp8_shapes, log, sweep, dots_modes)
     else:
         records += gemm_suite(log)
-    if not a.skip_mla and not a.mla_fp8_only:
+    if not a.skip_mla and not a.mla_fp8_only and not a.prefill_gemms:
         records += mla_suite([32, 128, 256] if not a.quick else [256], [2048, 8192], log)
         records += mla_fp8_suite(fp8_shapes[:1] if a.quick else fp8_shapes, log)
     for r in records:

@@ -5,8 +5,11 @@ fly, 128x128 weight scales), in three layouts: dense, masked (CUDA-graph decode,
 #   out[m, n] = sum_kb (xq[m, kb] . w[n, kb]) * xs[m, kb] * ws[n // 128, kb]      (kb: 128-wide K blocks)
 # dense: x [M, K] against one weight [N, K]. masked: x [E, M_max, K] with `counts[E]` valid rows per expert,
 # as a low-latency EP dispatch delivers them; tiles past a count exit at once. contiguous: rows sorted by
-# expert, each run padded to BLOCK_M, `tile_expert` per row tile (-1: empty). Program order keeps one column
-# tile's row tiles adjacent, so a weight tile is reused from L2: for decode the weights are what matters.
+# expert, each run padded to BLOCK_M, `tile_expert` per row tile (-1: empty). Program order (`grouped_tile`):
+# GROUP_M row tiles at a time, each group's column tiles in turn with its row tiles adjacent, so the programs
+# in flight share both their activation rows and their weight tiles in L2. Decode's few row tiles are one
+# group (a weight tile's row tiles adjacent, as the weights are what matters there); prefill's thousands of
+# rows would otherwise stream every activation tile from HBM once per column tile.
 # Choice per (layout, bucket of M, N, K, experts) via gemm_tuning.py: the Triton tile config
 # (`_launch_triton`) and on SM90 fp8_gemm_sm90's Gluon configs and split-K (`_choose`, `_split_choice`); a
 # table entry wins, else `default_config`, the Triton kernel, `split_k_for`.
@@ -44,6 +47,24 @@ def triton_usable(t: torch.Tensor) -> bool:
     return isinstance(_fp8_gemm_body, InterpretedFunction)
 
 
+GROUP_ROWS = 1024  # rows per program group (`grouped_tile`): ~16 MB of activations at K = 7168 stay in L2
+
+
+def group_m_for(block_m: int) -> int:
+    """Row tiles per program group for `block_m`-row tiles."""
+    return max(1, GROUP_ROWS // block_m)
+
+
+@triton.jit
+def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Program pid's (row tile, column tile): GROUP_M row tiles at a time; within a group the column tiles
+    in turn, each one's row tiles adjacent."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
 # M (rows; rows per expert in the masked layout) changes with every batch: unspecialized, one compile serves
 # every M (Triton otherwise compiles M == 1, M % 16 == 0 and the rest apart, each compile tens of seconds).
 # M only bounds masks and the tile count here, no address's alignment.
@@ -54,12 +75,9 @@ def _fp8_gemm_body(
     stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
     stride_ce, stride_cm,
     LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr = 1,
+    SPLIT_K: tl.constexpr = 1, GROUP_M: tl.constexpr = 16,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = 0
     rows = M
     if LAYOUT == 1:  # int64: a whole layer's stacked experts pass 2**31 bytes (256 x 4096 x 7168 fp8)
@@ -190,8 +208,8 @@ def _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, 
         def run(cfg: triton.Config) -> None:
             bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
             _fp8_gemm_body[(triton.cdiv(m, bm) * triton.cdiv(n, bn), grid_e)](
-                *args, LAYOUT=layout, BLOCK_K=GROUP, **cfg.kwargs, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
+                *args, LAYOUT=layout, BLOCK_K=GROUP, **cfg.kwargs, GROUP_M=group_m_for(bm),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
 
         key = tuning_key(layout, m, n, k, grid_e, block_m)
@@ -200,7 +218,9 @@ def _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, 
     else:
         bm = block_m or _default_block_m(m)
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, 128), grid_e)
-        _fp8_gemm_body[grid](*args, LAYOUT=layout, BLOCK_M=bm, BLOCK_N=128, BLOCK_K=GROUP, num_warps=4)
+        _fp8_gemm_body[grid](
+            *args, LAYOUT=layout, BLOCK_M=bm, BLOCK_N=128, BLOCK_K=GROUP, GROUP_M=group_m_for(bm), num_warps=4
+        )
 
 
 def _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cfg, split_k=1):
@@ -314,7 +334,7 @@ def _fp8_gemm_split_k(xq, xs, w, w_s, out, split: int) -> None:
         xq, xs, w, w_s, acc, m, n, k, xs, xs,
         0, xq.stride(0), 0, xs.stride(0), xs.stride(1), 0, w.stride(0), 0, w_s.stride(0), w_s.stride(1),
         acc.stride(0), acc.stride(1), LAYOUT=DENSE, BLOCK_M=64, BLOCK_N=128, BLOCK_K=GROUP, SPLIT_K=split,
-        num_warps=4, num_stages=4,
+        GROUP_M=group_m_for(64), num_warps=4, num_stages=4,
     )  # fmt: skip
     torch.sum(acc, 0, out=out) if out.dtype == torch.float32 else out.copy_(acc.sum(0))
 

@@ -19,6 +19,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from libs.kernels.fp8_gemm import group_m_for
+
 DENSE, MASKED, CONTIGUOUS = 0, 1, 2
 BLOCK_K = 128
 
@@ -35,6 +37,15 @@ def _mma_layout(block_m, block_n, num_warps):
     while n > max(block_n // warps[1], 8) or block_n % n:
         n -= 8
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, n, 32])
+
+
+@gluon.jit
+def _grouped_tile(pid, num_m, num_n, GROUP_M: gl.constexpr):
+    """fp8_gemm.grouped_tile's program order (a Gluon kernel calls Gluon functions only)."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
 
 
 @gluon.jit
@@ -176,12 +187,10 @@ def _fp8_gemm_sm90_kernel(
     M, N, K, a_rows_per_expert,
     stride_ce, stride_cm, stride_se, stride_sm, stride_sk, stride_bse, stride_bsn, stride_bsk,
     LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-    SPLIT_K: gl.constexpr, OVERLAP: gl.constexpr, UNROLL: gl.constexpr, num_warps: gl.constexpr,
+    SPLIT_K: gl.constexpr, OVERLAP: gl.constexpr, UNROLL: gl.constexpr, GROUP_M: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
-    pid = gl.program_id(0)
-    num_m = gl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m  # row tiles of one column tile are adjacent: the weight tile is reused from L2
-    pid_n = pid // num_m
+    pid_m, pid_n = _grouped_tile(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
     expert = 0
     rows = M
     if LAYOUT == 1:
@@ -288,9 +297,11 @@ def _shared_layout(block_shape):
 
 
 def launch(a2, a_s, w2, w_s, out, m, n, k, counts, tile_expert, layout, grid_e, cfg, a_rows_per_expert=0,
-           split_k=1) -> None:  # fmt: skip
+           split_k=1, group_m=None) -> None:  # fmt: skip
     """a2 [rows, K] fp8 (experts stacked along rows for MASKED), w2 [E * N, K] fp8, scales and out as the
-    Triton kernel's `_launch` gets them (3-D, expert-major); cfg one of CONFIGS."""
+    Triton kernel's `_launch` gets them (3-D, expert-major); cfg one of CONFIGS; group_m: row tiles per
+    program group (default fp8_gemm.group_m_for; 1 walks the column tiles of one row tile in turn)."""
+
     block_m, block_n, warps, buffers, unroll = cfg
     a_desc = TensorDescriptor.from_tensor(a2, [block_m, BLOCK_K], _shared_layout([block_m, BLOCK_K]))
     b_desc = TensorDescriptor.from_tensor(w2, [block_n, BLOCK_K], _shared_layout([block_n, BLOCK_K]))
@@ -302,7 +313,7 @@ def launch(a2, a_s, w2, w_s, out, m, n, k, counts, tile_expert, layout, grid_e, 
         a_s.stride(0) if per_expert_rows else 0, a_s.stride(1), a_s.stride(2),
         w_s.stride(0), w_s.stride(1), w_s.stride(2),
         LAYOUT=layout, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUFFERS=buffers, SPLIT_K=split_k, OVERLAP=unroll > 1, UNROLL=unroll,
-        num_warps=warps,
+        GROUP_M=group_m or group_m_for(block_m), num_warps=warps,
     )  # fmt: skip
 
 

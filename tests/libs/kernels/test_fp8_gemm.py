@@ -64,6 +64,30 @@ def test_contiguous_uses_each_tiles_expert_and_skips_padding(device):
             assert _rel(out[rows], G.fp8_gemm_reference(xq[rows], xs[rows], w[e], ws[e])) < 1e-2
 
 
+@pytest.mark.parametrize("num_m,num_n,group_m", [(37, 5, 16), (4, 56, 16), (64, 32, 16), (7, 3, 1), (9, 4, 2)])
+def test_grouped_tile_order_is_a_permutation_in_groups(device, num_m, num_n, group_m):
+    """grouped_tile, the programs' order: every (row tile, column tile) once; consecutive programs walk at
+    most group_m row tiles before the column tile moves on (decode's few row tiles: one group)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def where(out, num_m, num_n, GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        pid_m, pid_n = G.grouped_tile(pid, num_m, num_n, GROUP_M)
+        tl.store(out + 2 * pid, pid_m)
+        tl.store(out + 2 * pid + 1, pid_n)
+
+    out = torch.full((num_m * num_n, 2), -1, dtype=torch.int32, device=device)
+    where[(num_m * num_n,)](out, num_m, num_n, GROUP_M=group_m)
+    got = [tuple(t) for t in out.tolist()]
+    assert sorted(got) == [(m, n) for m in range(num_m) for n in range(num_n)]
+    for first, (m, n) in enumerate(got[: min(group_m, num_m)]):  # the first group's first column tile
+        assert (m, n) == (first, 0)
+    groups = [m // group_m for m, _ in got]
+    assert groups == sorted(groups)  # a group's tiles all run before the next group's
+
+
 def test_rejects_mismatched_scales(device):
     xq, xs = _acts((4, 256), device)
     w, ws = _weights(1, 128, 256, device)

@@ -35,7 +35,7 @@ def _compile(cfg, layout, split_k=1):
         sig[name] = "i32"
     const = dict(
         LAYOUT=layout, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=buffers, SPLIT_K=split_k, OVERLAP=unroll > 1,
-        UNROLL=unroll, num_warps=warps,
+        UNROLL=unroll, GROUP_M=G.group_m_for(bm), num_warps=warps,
     )  # fmt: skip
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
@@ -95,6 +95,31 @@ def test_contiguous_uses_each_tiles_expert(cfg):
     G._launch_sm90(
         xq[None], xs[None], w, ws, out[None], bm * 5, tile_expert, tile_expert, S.CONTIGUOUS, 1, cfg
     )
+    for t, ex in enumerate(tile_expert.tolist()):
+        rows = slice(bm * t, bm * (t + 1))
+        if ex < 0:
+            assert out[rows].isnan().all()
+        else:
+            assert _rel(out[rows], G.fp8_gemm_reference(xq[rows], xs[rows], w[ex], ws[ex])) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("cfg", [c for c in S.CONFIGS if c[1] == 128][:2] + [(128, 256, 8, 3, 1)], ids=str)
+@pytest.mark.parametrize("group_m", [1, 3, None])
+def test_contiguous_program_groups_cover_every_tile(cfg, group_m):
+    """Row tiles in groups of group_m (a last group partial) over 11 tiles of 4 experts: every tile
+    computed once with its own expert, whatever the program order."""
+    bm, k, n = cfg[0], 512, 1024
+    tile_expert = torch.tensor([0, 0, 1, 3, 3, 3, -1, 2, 2, 1, 0], dtype=torch.int32, device="cuda")
+    tiles = tile_expert.numel()
+    xq, xs = _acts((bm * tiles, k), "cuda")
+    w, ws = _weights(4, n, k, "cuda")
+    out = torch.full((bm * tiles, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    S.launch(
+        xq, xs[None], w.reshape(4 * n, k), ws, out[None], bm * tiles, n, k, tile_expert, tile_expert,
+        S.CONTIGUOUS, 1, cfg, group_m=group_m,
+    )  # fmt: skip
     for t, ex in enumerate(tile_expert.tolist()):
         rows = slice(bm * t, bm * (t + 1))
         if ex < 0:
