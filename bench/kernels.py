@@ -389,7 +389,7 @@ def _prefill_gemm_case(e, m, n, k, group_ms, log) -> list[dict]:
         for g in group_ms:
             variants[(cfg, g)] = lambda cfg=cfg, g=g, te=tiles(cfg[0]): S.launch(
                 flat_q, flat_s[None], w.reshape(e * n, k), ws, out[None], e * m, n, k, te, te, layout, 1, cfg,
-                group_m=g,
+                group_m=g or G.group_m_for(cfg[0]),
             )  # fmt: skip
     te64 = tiles(64)
     if e > 1:

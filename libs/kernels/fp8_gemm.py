@@ -231,7 +231,7 @@ def _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cf
     a2 = a3.reshape(-1, k)  # masked: experts' row blocks stacked, addressed as e * m_max + row
     fp8_gemm_sm90.launch(
         a2, s3, w3.reshape(e * n, k), ws3, c3, m, n, k, counts, tile_expert, layout, grid_e, cfg,
-        a_rows_per_expert=a3.shape[1], split_k=split_k,
+        a_rows_per_expert=a3.shape[1], split_k=split_k, group_m=group_m_for(cfg[0]),
     )  # fmt: skip
 
 

@@ -19,8 +19,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from libs.kernels.fp8_gemm import group_m_for
-
 DENSE, MASKED, CONTIGUOUS = 0, 1, 2
 BLOCK_K = 128
 
@@ -297,10 +295,10 @@ def _shared_layout(block_shape):
 
 
 def launch(a2, a_s, w2, w_s, out, m, n, k, counts, tile_expert, layout, grid_e, cfg, a_rows_per_expert=0,
-           split_k=1, group_m=None) -> None:  # fmt: skip
+           split_k=1, *, group_m: int) -> None:  # fmt: skip
     """a2 [rows, K] fp8 (experts stacked along rows for MASKED), w2 [E * N, K] fp8, scales and out as the
     Triton kernel's `_launch` gets them (3-D, expert-major); cfg one of CONFIGS; group_m: row tiles per
-    program group (default fp8_gemm.group_m_for; 1 walks the column tiles of one row tile in turn)."""
+    program group (fp8_gemm.group_m_for's; 1 walks the column tiles of one row tile in turn)."""
 
     block_m, block_n, warps, buffers, unroll = cfg
     a_desc = TensorDescriptor.from_tensor(a2, [block_m, BLOCK_K], _shared_layout([block_m, BLOCK_K]))
@@ -313,7 +311,7 @@ def launch(a2, a_s, w2, w_s, out, m, n, k, counts, tile_expert, layout, grid_e, 
         a_s.stride(0) if per_expert_rows else 0, a_s.stride(1), a_s.stride(2),
         w_s.stride(0), w_s.stride(1), w_s.stride(2),
         LAYOUT=layout, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUFFERS=buffers, SPLIT_K=split_k, OVERLAP=unroll > 1, UNROLL=unroll,
-        GROUP_M=group_m or group_m_for(block_m), num_warps=warps,
+        GROUP_M=group_m, num_warps=warps,
     )  # fmt: skip
 
 

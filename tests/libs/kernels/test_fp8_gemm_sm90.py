@@ -118,7 +118,7 @@ def test_contiguous_program_groups_cover_every_tile(cfg, group_m):
     out = torch.full((bm * tiles, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     S.launch(
         xq, xs[None], w.reshape(4 * n, k), ws, out[None], bm * tiles, n, k, tile_expert, tile_expert,
-        S.CONTIGUOUS, 1, cfg, group_m=group_m,
+        S.CONTIGUOUS, 1, cfg, group_m=group_m or G.group_m_for(bm),
     )  # fmt: skip
     for t, ex in enumerate(tile_expert.tolist()):
         rows = slice(bm * t, bm * (t + 1))
