@@ -2,7 +2,9 @@
 H heads x 576 (q_nope @ W_UK, then roped q_pe) against the cached latent rows -> [B, H, 512] in latent space
 (the caller applies W_UV). The split count depends on the batch size only, so a captured graph stays valid."""
 
-# Keys are the cached rows (c_kv then k_pe); values their first 512 values: one load feeds both products.
+# Keys are the cached rows (c_kv then k_pe); values their first 512 values: one load feeds both products. The
+# latent's 512 columns go as four 128-wide chunks with their own dots and accumulators (one [BLOCK_H, 512]
+# tile in registers at a time spilled at 64 x 64 tiles).
 # Flash-decoding: grid (head blocks, splits, sequences); each program walks its share of one context in
 # BLOCK_N-row tiles through the page table with an online softmax, writing the output (one split) or a
 # partial plus its log-sum-exp for `_mla_combine`. The cache may be bf16 or float8_e4m3fn with a per-tensor
@@ -40,6 +42,7 @@ def _mla_split_kernel(
     NUM_SPLITS, PAGE_SIZE: tl.constexpr, DIRECT_OUT: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
 ):  # fmt: skip
+    CH: tl.constexpr = D_LAT // 4  # the latent in four column chunks, each its own dots and accumulator
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -49,45 +52,72 @@ def _mla_split_kernel(
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, D_LAT)
     offs_r = tl.arange(0, D_ROPE)
-    q_lat = tl.load(QL + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :])
-    q_rope = tl.load(QR + b * stride_rb + offs_h[:, None] * stride_rh + offs_r[None, :])
-    if KV.dtype.element_ty == tl.float8e4nv:  # fp8 widens to fp16 in one instruction; compute in fp16
-        q_lat = q_lat.to(tl.float16)
-        q_rope = q_rope.to(tl.float16)
+    q_rows = QL + b * stride_qb + offs_h[:, None] * stride_qh
+    dt = tl.float16 if KV.dtype.element_ty == tl.float8e4nv else QL.dtype.element_ty  # fp8 widens to fp16
+    q0 = _lat_chunk(q_rows, 0, CH).to(dt)
+    q1 = _lat_chunk(q_rows, 1, CH).to(dt)
+    q2 = _lat_chunk(q_rows, 2, CH).to(dt)
+    q3 = _lat_chunk(q_rows, 3, CH).to(dt)
+    q_rope = tl.load(QR + b * stride_rb + offs_h[:, None] * stride_rh + offs_r[None, :]).to(dt)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, D_LAT], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, CH], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, CH], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, CH], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, CH], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         page = tl.load(PT + b * stride_ptb + (offs_n // PAGE_SIZE) * stride_ptp, mask=mask_n, other=0)
         row = KV + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * stride_kv
-        k_lat = tl.load(row + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q_lat.dtype)
-        k_rope = tl.load(row + D_LAT + offs_r[None, :], mask=mask_n[:, None], other=0.0).to(q_lat.dtype)
-        qk = tl.dot(q_lat, tl.trans(k_lat))
-        qk = tl.dot(q_rope, tl.trans(k_rope), qk)
+        k0 = tl.load(row + tl.arange(0, CH)[None, :], mask=mask_n[:, None], other=0.0).to(dt)
+        k1 = tl.load(row + CH + tl.arange(0, CH)[None, :], mask=mask_n[:, None], other=0.0).to(dt)
+        k2 = tl.load(row + 2 * CH + tl.arange(0, CH)[None, :], mask=mask_n[:, None], other=0.0).to(dt)
+        k3 = tl.load(row + 3 * CH + tl.arange(0, CH)[None, :], mask=mask_n[:, None], other=0.0).to(dt)
+        k_rope = tl.load(row + D_LAT + offs_r[None, :], mask=mask_n[:, None], other=0.0).to(dt)
+        qk = tl.dot(q_rope, tl.trans(k_rope))
+        qk = tl.dot(q0, tl.trans(k0), qk)
+        qk = tl.dot(q1, tl.trans(k1), qk)
+        qk = tl.dot(q2, tl.trans(k2), qk)
+        qk = tl.dot(q3, tl.trans(k3), qk)
         qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc)
+        p = p.to(dt)
+        acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(p, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(p, k3, acc3 * alpha[:, None])
         m_i = m_new
 
     has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None] * out_scale
+    scale = out_scale / tl.where(has, l_i, 1.0)
     if DIRECT_OUT:
-        o_ptr = O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptr, out.to(O.dtype.element_ty))
+        ptr = O + b * stride_ob + offs_h[:, None] * stride_oh
     else:
-        p_ptr = OPART + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
-        tl.store(p_ptr, out)
+        ptr = OPART + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(LSE + b * stride_lb + offs_h * stride_lh + split, lse)
+    _store_lat_chunk(ptr, acc0, scale, 0, CH)
+    _store_lat_chunk(ptr, acc1, scale, 1, CH)
+    _store_lat_chunk(ptr, acc2, scale, 2, CH)
+    _store_lat_chunk(ptr, acc3, scale, 3, CH)
+
+
+@triton.jit
+def _lat_chunk(rows, c: tl.constexpr, CH: tl.constexpr):
+    """Columns [c * CH, (c + 1) * CH) of each row that `rows` [BLOCK_H, 1] points at."""
+    return tl.load(rows + c * CH + tl.arange(0, CH)[None, :])
+
+
+@triton.jit
+def _store_lat_chunk(ptr, acc, scale, c: tl.constexpr, CH: tl.constexpr):
+    offs = c * CH + tl.arange(0, CH)
+    tl.store(ptr + offs[None, :], (acc * scale[:, None]).to(ptr.dtype.element_ty))
 
 
 @triton.jit

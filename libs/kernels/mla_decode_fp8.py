@@ -16,7 +16,15 @@ import triton
 import triton.language as tl
 
 from libs.kernels.fused import FP8_ROW_BYTES, FP8_SCALE_OFFSET
-from libs.kernels.mla_decode import LATENT_DIM, ROPE_DIM, MLAConfig, _mla_combine_kernel, mla_decode_reference
+from libs.kernels.mla_decode import (
+    LATENT_DIM,
+    ROPE_DIM,
+    MLAConfig,
+    _lat_chunk,
+    _mla_combine_kernel,
+    _store_lat_chunk,
+    mla_decode_reference,
+)
 
 FP8_MAX = 448.0
 DOTS = ("fp8", "fp8-qk", "bf16")
@@ -28,11 +36,6 @@ def _codes(KV8, slot, stride_kv8, mask_n, c: tl.constexpr, CH: tl.constexpr):
     """Columns [c * CH, (c + 1) * CH) of the tile's FP8 codes [BLOCK_N, CH] (masked rows 0)."""
     offs = c * CH + tl.arange(0, CH)
     return tl.load(KV8 + slot[:, None] * stride_kv8 + offs[None, :], mask=mask_n[:, None], other=0.0)
-
-
-@triton.jit
-def _q_chunk(q_rows, c: tl.constexpr, CH: tl.constexpr):
-    return tl.load(q_rows + c * CH + tl.arange(0, CH)[None, :]).to(tl.float32)
 
 
 @triton.jit
@@ -62,12 +65,6 @@ def _pv(p, k8, acc, PV_FP8: tl.constexpr):
 
 
 @triton.jit
-def _store_chunk(ptr, acc, scale, c: tl.constexpr, CH: tl.constexpr):
-    offs = c * CH + tl.arange(0, CH)
-    tl.store(ptr + offs[None, :], (acc * scale[:, None]).to(ptr.dtype.element_ty))
-
-
-@triton.jit
 def _mla_fp8_split_kernel(
     QL, QR, KV8, KVR, KVS, PT, SEQ, O, OPART, LSE, sm_scale_log2,
     stride_qb, stride_qh, stride_rb, stride_rh, stride_kv8, stride_kvr, stride_kvs, stride_ptb, stride_ptp,
@@ -90,10 +87,10 @@ def _mla_fp8_split_kernel(
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, D_ROPE)
     q_rows = QL + b * stride_qb + offs_h[:, None] * stride_qh
-    q0 = _q_chunk(q_rows, 0, CH)
-    q1 = _q_chunk(q_rows, 1, CH)
-    q2 = _q_chunk(q_rows, 2, CH)
-    q3 = _q_chunk(q_rows, 3, CH)
+    q0 = _lat_chunk(q_rows, 0, CH).to(tl.float32)
+    q1 = _lat_chunk(q_rows, 1, CH).to(tl.float32)
+    q2 = _lat_chunk(q_rows, 2, CH).to(tl.float32)
+    q3 = _lat_chunk(q_rows, 3, CH).to(tl.float32)
     if QK_FP8:  # per head row: its amax over all 512 columns to FP8's largest value
         amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), 1), tl.max(tl.abs(q1), 1)),
                           tl.maximum(tl.max(tl.abs(q2), 1), tl.max(tl.abs(q3), 1)))  # fmt: skip
@@ -160,10 +157,10 @@ def _mla_fp8_split_kernel(
         ptr = OPART + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(LSE + b * stride_lb + offs_h * stride_lh + split, lse)
-    _store_chunk(ptr, acc0, scale, 0, CH)
-    _store_chunk(ptr, acc1, scale, 1, CH)
-    _store_chunk(ptr, acc2, scale, 2, CH)
-    _store_chunk(ptr, acc3, scale, 3, CH)
+    _store_lat_chunk(ptr, acc0, scale, 0, CH)
+    _store_lat_chunk(ptr, acc1, scale, 1, CH)
+    _store_lat_chunk(ptr, acc2, scale, 2, CH)
+    _store_lat_chunk(ptr, acc3, scale, 3, CH)
 
 
 def mla_decode_fp8(
