@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything GPU-side, for the `device` tool's lent H200:
-#   bash bench/gpu_check.sh [quick|wave|fp8|prefill]   (carry .whl: `bash scripts/gpu_wheels.sh flashinfer`)
+#   bash bench/gpu_check.sh [quick|wave|fp8|prefill|mla]   (carry .whl: `bash scripts/gpu_wheels.sh flashinfer`)
 #   PREFILL_BUDGETS=4096,16384 PREFILL_PROFILE=4096 bash bench/gpu_check.sh prefill   (prefill_rank, a profiled
 #   forward, the GPU tests of what prefill runs); PREFILL_BASELINE=.baseline runs prefill_rank on that build first
 #   (`bash scripts/baseline_tree.sh REV`, carry [".whl", ".baseline"]); PREFILL_ATTN=triton: without FlashInfer
@@ -61,6 +61,22 @@ print('wrote', write_preset_model('/tmp/v3-width', 'v3-width', overwrite=True))"
   budgeted_tests 40 tests/libs/engine/test_cuda_graph.py::test_flashinfer_backend_decodes_fp8_rows_as_the_reference \
     tests/libs/engine/test_cuda_graph.py::test_flashinfer_fp8_decode_graph_replay_equals_eager_over_tensor_rows \
     tests/libs/kernels/test_kv_fp8_write.py tests/libs/kernels/test_mla_decode_fp8.py tests/libs/engine/test_kv_fp8.py
+  exit 0
+fi
+if [ "${1:-}" = mla ]; then  # the Triton MLA decode kernels (FP8 rows, every dots mode and tile; bf16 rows)
+  # beside FlashInfer in one run, the Engine's Triton FP8 decode (also on DECODE_BASELINE's build when set, as
+  # PREFILL_BASELINE is), then the kernels' GPU tests
+  t0=$(date +%s)
+  timeout 200 python3 -m bench.kernels --mla-fp8-only --quick --triton-fp8 sweep > "$OUT/kernels_fp8.log" 2>&1
+  grep -E "^mla fp8|flashinfer|triton|failed|Error" "$OUT/kernels_fp8.log" | cut -c1-220 | tee -a "$summary"
+  if [ -n "${DECODE_BASELINE:-}" ]; then
+    (cd "$DECODE_BASELINE" && OUT="$OUT/baseline" && mkdir -p "$OUT" && export OUT && timeout 100 python3 -m \
+      bench.decode_rank --batch 256 --attn triton --kv-cache-dtype fp8_e4m3 2>&1 | grep -E "^B=|Error" \
+      | sed "s/^/baseline $(cat REV 2>/dev/null): /" | tee -a "$summary")
+  fi
+  timeout 100 python3 -m bench.decode_rank --batch 256 --attn triton --kv-cache-dtype fp8_e4m3 2>&1 \
+    | grep -E "^B=|Error" | tee -a "$summary"
+  budgeted_tests 30 tests/libs/kernels/test_mla_decode_fp8.py tests/libs/kernels/test_mla_decode.py
   exit 0
 fi
 if [ "${1:-}" = prefill ]; then  # prefill through the Engine (bench.prefill_rank, one forward profiled), then the
