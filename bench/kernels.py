@@ -363,7 +363,7 @@ PREFILL_GEMMS = [  # (experts, rows per expert, N, K): a prefill rank's 4k-token
 ]
 
 
-def prefill_gemm_suite(log, group_ms=(1, None, 32)) -> list[dict]:
+def prefill_gemm_suite(log, group_ms=(1, None)) -> list[dict]:
     """Prefill's FP8 GEMMs at a 4k-token forward's shapes, each Gluon config over program groups of group_ms
     row tiles (None: the kernels' default, fp8_gemm.group_m_for; 1: every column tile of one row tile in
     turn) in one run, beside the Triton kernel and what the tuning table chooses. Contiguous cases lay each
