@@ -14,6 +14,7 @@ token) beside FlashInfer's and the Triton bf16 kernel over the same rows dequant
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -208,10 +209,15 @@ def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP, dots_modes=
     base["triton-bf16"] = ms = bench_ms(bf16_run)
     records.append({**mla_record(b, h, ctx, ms, torch.bfloat16, "triton-bf16", cfg16, s16),
                     "rel_err_vs_exact": err(bf16_run()), "kv_cache": "bf16"})  # fmt: skip
-    narrow = MLAConfig(block_n=32)  # the Triton bf16 kernel at 32-row tiles too (its spills: bench.kernel_resources)
+    narrow = dataclasses.replace(cfg16, block_n=32)  # 32-row tiles too (their spills: bench.kernel_resources)
     s32 = choose_num_splits(b, h, ctx, narrow)
-    ms = bench_ms(lambda: mla_decode(q, kv16, table, seq, PAGE, 0.1352, num_splits=s32, cfg=narrow))
-    records.append({**mla_record(b, h, ctx, ms, torch.bfloat16, "triton-bf16", narrow, s32), "kv_cache": "bf16"})
+
+    def narrow_run():
+        return mla_decode(q, kv16, table, seq, PAGE, 0.1352, num_splits=s32, cfg=narrow)
+
+    ms = bench_ms(narrow_run)
+    records.append({**mla_record(b, h, ctx, ms, torch.bfloat16, "triton-bf16", narrow, s32), "sweep": True,
+                    "rel_err_vs_exact": err(narrow_run()), "kv_cache": "bf16"})  # fmt: skip
     log(f"triton-bf16 {narrow} h={h} B={b} L={ctx}: {ms * 1e3:.0f} us (64x64: {base['triton-bf16'] * 1e3:.0f} us)")
     for dots in dots_modes:
         best = None

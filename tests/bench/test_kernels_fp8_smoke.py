@@ -19,6 +19,8 @@ def test_fp8_case_records_every_kernel_on_the_same_values(monkeypatch: pytest.Mo
     recs = K.mla_fp8_case(2, 20, 16, None, lambda _: None, device="cpu", sweep=[MLAConfig(16, 32, 4, 1)])
     by = {(r["backend"], r.get("sweep")): r for r in recs}
     assert by[("triton-bf16", None)]["rel_err_vs_exact"] < 1e-2
+    narrow = by[("triton-bf16", True)]  # the same kernel at 32-row tiles, the same values
+    assert narrow["config"]["block_n"] == 32 and narrow["rel_err_vs_exact"] < 1e-2
     for dots in ("fp8", "fp8-qk", "bf16"):  # one best record per product mode
         best = by[(f"triton-{dots}-dots", False)]
         assert best["kv_cache"] == "fp8_e4m3" and best["dots"] == dots and best["speedup_vs_triton-bf16"] == 1.0
