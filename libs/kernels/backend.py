@@ -62,13 +62,15 @@ def fp8_swiglu_mlp(x: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor
 
 def fp8_moe(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple, w2: tuple,
-    add: torch.Tensor | None = None, *, masked: bool, block_m: int = 64, m_max: int | None = None,
+    add: torch.Tensor | None = None, *, masked: bool, block_m: int = 128, m_max: int | None = None,
     quantized: tuple[torch.Tensor, torch.Tensor] | None = None, all_local: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Routed experts with FP8 weights: x [T, D], ids [T, K] (-1: none; distinct per token), weights [T, K] f32,
     w13 = (gate_up [E, 2I, D], scales), w2 = (down [E, D, I], scales) -> [T, D] = sum_k weights * expert(x)
     (+ add). masked=True: the graph-safe decode layout; False: contiguous by expert (prefill). all_local: no id
-    is -1, so the contiguous layout is sized from the shapes (no host sync); else one sync reads its size."""
+    is -1, so the contiguous layout is sized from the shapes (no host sync); else one sync reads its size.
+    block_m: the contiguous layout's row tile (each expert's run padded to it; 128 timed faster than 64 for
+    prefill's rows, bench/NOTES-decode.md)."""
     # masked buffers are [E, m_max, D], fixed by the shapes: m_max defaults to T (an expert gets at most one
     # row per token); an emulated EP rank whose picks repeat a local expert needs T * K. quantized: x as 1x128
     # FP8 rows + scales already (what an EP dispatch received), copied into the expert buffers as they are.

@@ -2,7 +2,7 @@
 PV as FP8 tensor-core dots: a Triton split-K kernel with mla_decode's grid, splits and combine, and its
 float32 torch reference (everything but the probabilities' FP8 rounding)."""
 
-# Per tile of BLOCK_N rows, the latent's 512 columns in four 128-wide chunks each with its own dots and accumulator:
+# Per tile of BLOCK_N rows:
 # - QK: the latent query quantized per head row (its amax to 448) times the codes as an FP8 dot, scaled by
 #   q_scale[h] * k_scale[n]; the 64-wide rope part a bf16 dot against the bf16 k_pe.
 # - PV: the probabilities times each row's scale quantized to FP8 in units of the largest row scale seen so far
@@ -16,52 +16,11 @@ import triton
 import triton.language as tl
 
 from libs.kernels.fused import FP8_ROW_BYTES, FP8_SCALE_OFFSET
-from libs.kernels.mla_decode import (
-    LATENT_DIM,
-    ROPE_DIM,
-    MLAConfig,
-    _lat_chunk,
-    _mla_combine_kernel,
-    _store_lat_chunk,
-    mla_decode_reference,
-)
+from libs.kernels.mla_decode import LATENT_DIM, ROPE_DIM, MLAConfig, _mla_combine_kernel, mla_decode_reference
 
 FP8_MAX = 448.0
 DOTS = ("fp8", "fp8-qk", "bf16")
 DECODE_DOTS = "bf16"  # the Engine's: exact products over the codes (bench.kernels times every mode)
-
-
-@triton.jit
-def _codes(KV8, slot, stride_kv8, mask_n, c: tl.constexpr, CH: tl.constexpr):
-    """Columns [c * CH, (c + 1) * CH) of the tile's FP8 codes [BLOCK_N, CH] (masked rows 0)."""
-    offs = c * CH + tl.arange(0, CH)
-    return tl.load(KV8 + slot[:, None] * stride_kv8 + offs[None, :], mask=mask_n[:, None], other=0.0)
-
-
-@triton.jit
-def _q_operand(q, q_inv, QK_FP8: tl.constexpr):
-    """A latent query chunk as QK's A operand: FP8 times q_inv per head row (its amax to FP8's largest), or
-    bf16."""
-    if QK_FP8:
-        return (q * q_inv[:, None]).to(tl.float8e4nv)
-    else:
-        return q.to(tl.bfloat16)
-
-
-@triton.jit
-def _qk(q, k8, acc, QK_FP8: tl.constexpr):
-    if QK_FP8:
-        return tl.dot(q, tl.trans(k8), acc)
-    else:
-        return tl.dot(q, tl.trans(k8.to(tl.bfloat16)), acc)
-
-
-@triton.jit
-def _pv(p, k8, acc, PV_FP8: tl.constexpr):
-    if PV_FP8:
-        return tl.dot(p, k8, acc)
-    else:  # bf16 holds every e4m3 code exactly
-        return tl.dot(p, k8.to(tl.bfloat16), acc)
 
 
 @triton.jit
@@ -73,9 +32,6 @@ def _mla_fp8_split_kernel(
     BLOCK_N: tl.constexpr, D_LAT: tl.constexpr, D_ROPE: tl.constexpr, ROPE_IDX: tl.constexpr,
     SCALE_IDX: tl.constexpr, FMAX: tl.constexpr, QK_FP8: tl.constexpr, PV_FP8: tl.constexpr,
 ):  # fmt: skip
-    # The latent's 512 columns as four 128-wide chunks, each with its own dots and accumulator: one
-    # [BLOCK_H, 512] tile in registers at a time (the query, the widened codes) spilled at 64 x 64 tiles.
-    CH: tl.constexpr = D_LAT // 4
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -85,82 +41,62 @@ def _mla_fp8_split_kernel(
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D_LAT)
     offs_r = tl.arange(0, D_ROPE)
-    q_rows = QL + b * stride_qb + offs_h[:, None] * stride_qh
-    q0 = _lat_chunk(q_rows, 0, CH).to(tl.float32)
-    q1 = _lat_chunk(q_rows, 1, CH).to(tl.float32)
-    q2 = _lat_chunk(q_rows, 2, CH).to(tl.float32)
-    q3 = _lat_chunk(q_rows, 3, CH).to(tl.float32)
-    if QK_FP8:  # per head row: its amax over all 512 columns to FP8's largest value
-        amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), 1), tl.max(tl.abs(q1), 1)),
-                          tl.maximum(tl.max(tl.abs(q2), 1), tl.max(tl.abs(q3), 1)))  # fmt: skip
-        amax = tl.maximum(amax, 1e-30)
-        q_inv = FMAX / amax
-        q_scale = amax / FMAX
+    q = tl.load(QL + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :]).to(tl.float32)
+    q_amax = tl.maximum(tl.max(tl.abs(q), 1), 1e-30)
+    if QK_FP8:
+        q8 = (q * (FMAX / q_amax)[:, None]).to(tl.float8e4nv)
+        q_scale = q_amax / FMAX
     else:
-        q_inv = tl.full([BLOCK_H], 1.0, tl.float32)
-        q_scale = q_inv
-    q0 = _q_operand(q0, q_inv, QK_FP8)
-    q1 = _q_operand(q1, q_inv, QK_FP8)
-    q2 = _q_operand(q2, q_inv, QK_FP8)
-    q3 = _q_operand(q3, q_inv, QK_FP8)
+        q8 = q.to(tl.bfloat16)
+        q_scale = tl.full([BLOCK_H], 1.0, tl.float32)
     q_rope = tl.load(QR + b * stride_rb + offs_h[:, None] * stride_rh + offs_r[None, :]).to(tl.bfloat16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_H, CH], dtype=tl.float32)  # sum of p * v per chunk, in units of `unit`
-    acc1 = tl.zeros([BLOCK_H, CH], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_H, CH], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_H, CH], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D_LAT], dtype=tl.float32)  # sum of p * v, in units of `unit`
     unit = tl.full([], 1e-30 if PV_FP8 else 1.0, tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         page = tl.load(PT + b * stride_ptb + (offs_n // PAGE_SIZE) * stride_ptp, mask=mask_n, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-        k0 = _codes(KV8, slot, stride_kv8, mask_n, 0, CH)
-        k1 = _codes(KV8, slot, stride_kv8, mask_n, 1, CH)
-        k2 = _codes(KV8, slot, stride_kv8, mask_n, 2, CH)
-        k3 = _codes(KV8, slot, stride_kv8, mask_n, 3, CH)
+        k8 = tl.load(KV8 + slot[:, None] * stride_kv8 + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         k_rope = tl.load(
             KVR + slot[:, None] * stride_kvr + ROPE_IDX + offs_r[None, :], mask=mask_n[:, None], other=0.0
         )
         k_scale = tl.load(KVS + slot * stride_kvs + SCALE_IDX, mask=mask_n, other=0.0)
-        qk = _qk(q0, k0, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), QK_FP8)
-        qk = _qk(q1, k1, qk, QK_FP8)
-        qk = _qk(q2, k2, qk, QK_FP8)
-        qk = _qk(q3, k3, qk, QK_FP8)
-        qk = tl.dot(q_rope, tl.trans(k_rope), qk * (q_scale[:, None] * k_scale[None, :]))
+        if QK_FP8:
+            qk = tl.dot(q8, tl.trans(k8)) * (q_scale[:, None] * k_scale[None, :])
+        else:
+            qk = tl.dot(q8, tl.trans(k8.to(tl.bfloat16))) * k_scale[None, :]
+        qk = tl.dot(q_rope, tl.trans(k_rope), qk)
         qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if PV_FP8:  # each row's scale into the probabilities, in units of the largest row scale seen so far
+        if PV_FP8:
             new_unit = tl.maximum(unit, tl.max(k_scale, 0) / FMAX)  # never shrinks: p8 <= 448, rescale <= 1
-            pv = (p * (k_scale / new_unit)[None, :]).to(tl.float8e4nv)
-            alpha = alpha * (unit / new_unit)
+            p8 = (p * (k_scale / new_unit)[None, :]).to(tl.float8e4nv)
+            acc = tl.dot(p8, k8, acc * (alpha * (unit / new_unit))[:, None])
             unit = new_unit
-        else:
+        else:  # bf16 holds every e4m3 code exactly; the row scales go into the probabilities
             pv = (p * k_scale[None, :]).to(tl.bfloat16)
-        acc0 = _pv(pv, k0, acc0 * alpha[:, None], PV_FP8)
-        acc1 = _pv(pv, k1, acc1 * alpha[:, None], PV_FP8)
-        acc2 = _pv(pv, k2, acc2 * alpha[:, None], PV_FP8)
-        acc3 = _pv(pv, k3, acc3 * alpha[:, None], PV_FP8)
+            acc = tl.dot(pv, k8.to(tl.bfloat16), acc * alpha[:, None])
         m_i = m_new
 
     has = l_i > 0
-    scale = unit / tl.where(has, l_i, 1.0)
+    out = acc * unit / tl.where(has, l_i, 1.0)[:, None]
     if DIRECT_OUT:
-        ptr = O + b * stride_ob + offs_h[:, None] * stride_oh
+        o_ptr = O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptr, out.to(O.dtype.element_ty))
     else:
-        ptr = OPART + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps
+        p_ptr = OPART + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
+        tl.store(p_ptr, out)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(LSE + b * stride_lb + offs_h * stride_lh + split, lse)
-    _store_lat_chunk(ptr, acc0, scale, 0, CH)
-    _store_lat_chunk(ptr, acc1, scale, 1, CH)
-    _store_lat_chunk(ptr, acc2, scale, 2, CH)
-    _store_lat_chunk(ptr, acc3, scale, 3, CH)
 
 
 def mla_decode_fp8(
