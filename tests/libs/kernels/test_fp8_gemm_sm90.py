@@ -83,6 +83,16 @@ def test_masked_every_config_writes_only_counted_rows(cfg):
             assert _rel(out[i, :c], ref) < 1e-2
 
 
+def _assert_each_tile_is_its_experts(out, xq, xs, w, ws, tile_expert, bm):
+    """Each bm-row tile of `out` is its expert's product; a padding tile (-1) stays NaN."""
+    for t, ex in enumerate(tile_expert.tolist()):
+        rows = slice(bm * t, bm * (t + 1))
+        if ex < 0:
+            assert out[rows].isnan().all()
+        else:
+            assert _rel(out[rows], G.fp8_gemm_reference(xq[rows], xs[rows], w[ex], ws[ex])) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("cfg", S.CONFIGS, ids=str)
@@ -95,12 +105,7 @@ def test_contiguous_uses_each_tiles_expert(cfg):
     G._launch_sm90(
         xq[None], xs[None], w, ws, out[None], bm * 5, tile_expert, tile_expert, S.CONTIGUOUS, 1, cfg
     )
-    for t, ex in enumerate(tile_expert.tolist()):
-        rows = slice(bm * t, bm * (t + 1))
-        if ex < 0:
-            assert out[rows].isnan().all()
-        else:
-            assert _rel(out[rows], G.fp8_gemm_reference(xq[rows], xs[rows], w[ex], ws[ex])) < 1e-2
+    _assert_each_tile_is_its_experts(out, xq, xs, w, ws, tile_expert, bm)
 
 
 @pytest.mark.gpu
@@ -120,12 +125,7 @@ def test_contiguous_program_groups_cover_every_tile(cfg, group_m):
         xq, xs[None], w.reshape(4 * n, k), ws, out[None], bm * tiles, n, k, tile_expert, tile_expert,
         S.CONTIGUOUS, 1, cfg, group_m=group_m or G.group_m_for(bm),
     )  # fmt: skip
-    for t, ex in enumerate(tile_expert.tolist()):
-        rows = slice(bm * t, bm * (t + 1))
-        if ex < 0:
-            assert out[rows].isnan().all()
-        else:
-            assert _rel(out[rows], G.fp8_gemm_reference(xq[rows], xs[rows], w[ex], ws[ex])) < 1e-2
+    _assert_each_tile_is_its_experts(out, xq, xs, w, ws, tile_expert, bm)
 
 
 @pytest.mark.gpu
