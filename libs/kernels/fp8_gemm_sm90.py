@@ -299,7 +299,6 @@ def launch(a2, a_s, w2, w_s, out, m, n, k, counts, tile_expert, layout, grid_e, 
     """a2 [rows, K] fp8 (experts stacked along rows for MASKED), w2 [E * N, K] fp8, scales and out as the
     Triton kernel's `_launch` gets them (3-D, expert-major); cfg one of CONFIGS; group_m: row tiles per
     program group (fp8_gemm.group_m_for's; 1 walks the column tiles of one row tile in turn)."""
-
     block_m, block_n, warps, buffers, unroll = cfg
     a_desc = TensorDescriptor.from_tensor(a2, [block_m, BLOCK_K], _shared_layout([block_m, BLOCK_K]))
     b_desc = TensorDescriptor.from_tensor(w2, [block_n, BLOCK_K], _shared_layout([block_n, BLOCK_K]))
