@@ -36,6 +36,14 @@ budgeted_tests() {
     echo "$log" | grep -v -i warn | tail -60 > "$OUT/log-$name.txt"
   done
 }
+# on_baseline DIR PATTERN CMD...: CMD in a baseline build (scripts/baseline_tree.sh) with its records under
+# $OUT/baseline; the lines matching PATTERN go to the summary, marked with the build's revision
+on_baseline() {
+  local dir=$1 pattern=$2
+  shift 2
+  (cd "$dir" && OUT="$OUT/baseline" && mkdir -p "$OUT" && export OUT && "$@" 2>&1 | grep -E "$pattern" \
+    | sed "s/^/baseline $(cat REV 2>/dev/null): /" | tee -a "$summary")
+}
 if [ "${1:-}" = fp8 ]; then  # the FP8 KV cache: the MLA kernels over FP8 rows beside FlashInfer's bf16 one, the
   # Engine (FlashInfer's FP8 decode over "tensor" rows), then the GPU tests with what is left of BUDGET
   # (default 560 s: one device call), measurements first
@@ -70,9 +78,8 @@ if [ "${1:-}" = mla ]; then  # the Triton MLA decode kernels (FP8 rows, every do
   timeout 200 python3 -m bench.kernels --mla-fp8-only --quick --triton-fp8 sweep > "$OUT/kernels_fp8.log" 2>&1
   grep -E "^mla fp8|flashinfer|triton|failed|Error" "$OUT/kernels_fp8.log" | cut -c1-220 | tee -a "$summary"
   if [ -n "${DECODE_BASELINE:-}" ]; then
-    (cd "$DECODE_BASELINE" && OUT="$OUT/baseline" && mkdir -p "$OUT" && export OUT && timeout 100 python3 -m \
-      bench.decode_rank --batch 256 --attn triton --kv-cache-dtype fp8_e4m3 2>&1 | grep -E "^B=|Error" \
-      | sed "s/^/baseline $(cat REV 2>/dev/null): /" | tee -a "$summary")
+    on_baseline "$DECODE_BASELINE" "^B=|Error" timeout 100 python3 -m bench.decode_rank --batch 256 --attn triton \
+      --kv-cache-dtype fp8_e4m3
   fi
   timeout 100 python3 -m bench.decode_rank --batch 256 --attn triton --kv-cache-dtype fp8_e4m3 2>&1 \
     | grep -E "^B=|Error" | tee -a "$summary"
@@ -83,9 +90,8 @@ if [ "${1:-}" = prefill ]; then  # prefill through the Engine (bench.prefill_ran
   # GPU tests of what it runs: the grouped GEMMs, the MoE's no-sync layout, the prefill attention backends
   t0=$(date +%s)
   if [ -n "${PREFILL_BASELINE:-}" ]; then  # the same benchmark on a baseline build first (scripts/baseline_tree.sh)
-    (cd "$PREFILL_BASELINE" && OUT="$OUT/baseline" && mkdir -p "$OUT" && export OUT && timeout 240 python3 -m \
-      bench.prefill_rank --budgets "${PREFILL_BUDGETS:-4096,16384}" --attn "${PREFILL_ATTN:-flashinfer}" 2>&1 \
-      | grep -E "^budget|one forward|Error" | sed "s/^/baseline $(cat REV 2>/dev/null): /" | tee -a "$summary")
+    on_baseline "$PREFILL_BASELINE" "^budget|one forward|Error" timeout 240 python3 -m bench.prefill_rank \
+      --budgets "${PREFILL_BUDGETS:-4096,16384}" --attn "${PREFILL_ATTN:-flashinfer}"
   fi
   timeout 240 python3 -m bench.prefill_rank --budgets "${PREFILL_BUDGETS:-4096,16384}" --attn "${PREFILL_ATTN:-flashinfer}" \
     --profile "${PREFILL_PROFILE:-4096}" 2>&1 | grep -E "^budget|one forward|Error" | tee -a "$summary"

@@ -84,7 +84,7 @@ def sweep(b, h, ctx, configs, log):
         splits = choose_num_splits(b, h, ctx, cfg)
         try:
             out = mla_decode(q, kv, table, seq, PAGE, 0.1352, num_splits=splits, cfg=cfg)
-            err = ((out[:4].float() - ref.float()).norm() / ref.float().norm()).item()
+            err = _rel_err(out[:4], ref)
             ms = time_mla(q, kv, table, seq, cfg, splits)
         except Exception as e:  # a tile that does not fit (shared memory, registers) is skipped
             log(f"  {cfg}: failed {type(e).__name__}: {str(e)[:120]}")
@@ -126,7 +126,7 @@ def mla_suite(batches, ctxs, log) -> list[dict]:
                         ms = bench_ms(lambda q=q, kv=kv: fi.run(q[..., :512], q[..., 512:], kv))
                         ref = mla_decode(q, kv, table, seq, PAGE, 0.1352, num_splits=splits, cfg=cfg)
                         got = fi.run(q[..., :512], q[..., 512:], kv)
-                        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                        err = _rel_err(got, ref)
                         rec = mla_record(b, h, ctx, ms, kv_dtype, "flashinfer-fa3")
                         rec["rel_err_vs_triton"] = err
                         records.append(rec)
@@ -172,7 +172,7 @@ def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP, dots_modes=
     ref8 = mla_decode_fp8_reference(ql[:4], qr[:4], rows8, table[:4], seq[:4], PAGE, 0.1352)
 
     def err(out, ref=exact):
-        return ((out[:4].float() - ref).norm() / ref.norm()).item()
+        return _rel_err(out[:4], ref)
 
     def fi_run():
         return fi.run(ql, qr, kv16)
@@ -267,7 +267,7 @@ def gemm_case(e, m, n, k, log) -> list[dict]:
     counts = torch.full((e,), m, dtype=torch.int32, device="cuda")
     out = G.fp8_gemm_masked(xq, xs, w, ws, counts)
     ref = G.fp8_gemm_reference(xq[0], xs[0], w[0], ws[0])
-    err = ((out[0].float() - ref.float()).norm() / ref.float().norm()).item()
+    err = _rel_err(out[0], ref)
     flops = 2 * e * m * n * k
     variants = {"masked-chosen": lambda: G.fp8_gemm_masked(xq, xs, w, ws, counts, out=out)}
     flat_q, flat_s = xq.view(e * m, k), xs.view(e * m, k // 128)
@@ -284,7 +284,7 @@ def gemm_case(e, m, n, k, log) -> list[dict]:
         fn()
         if name.startswith("sm90-"):  # each Gluon config checked against the reference, not just timed
             got = out[0] if "masked" in name else fn()
-            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            err = _rel_err(got, ref)
         ms = gemm_tuning.graph_time(fn)  # graph-replayed: eager timing of ~100 us kernels times the launch
         f = flops / e if "dense" in name else flops
         cfg = None
@@ -429,6 +429,7 @@ def _prefill_gemm_case(e, m, n, k, group_ms, log) -> list[dict]:
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error of got against ref, in float32."""
     return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
 
 

@@ -75,7 +75,7 @@ def _fp8_gemm_body(
     stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
     stride_ce, stride_cm,
     LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr = 1, GROUP_M: tl.constexpr = 16,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr = 1,
 ):  # fmt: skip
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = 0
