@@ -105,8 +105,22 @@ def kv_roofline(engine: Engine) -> dict:
     dots run in FP8 (the Triton kernel over "token" rows with FP8 dots; FlashInfer over "tensor" rows and the
     Engine's default bf16 dots dequantize first)."""
     pool = engine.kv_pool
-    fp8_dots = pool.fp8 is not None and pool.fp8.scales == "token" and fp8_attn.DECODE_DOTS != "bf16"
+    fp8_dots = pool.fp8 is not None and pool.fp8.scales == "token" and fp8_kernel(engine) != "triton-bf16-dots"
     return {"kv_bytes": pool.row_width * pool.buffer.element_size() / pool.row_dim, "mla_fp8": fp8_dots}
+
+
+def fp8_kernel(engine: Engine) -> str | None:
+    """Which kernel decodes the pool's "token" FP8 rows (attention_backend's choice): the Gluon SM90 kernel (FP8
+    dots) where it reads the pages and heads, else the Triton one with its dots mode; None without them."""
+    from libs.kernels import mla_decode_fp8_sm90 as sm90
+
+    pool = engine.kv_pool
+    if pool.fp8 is None or pool.fp8.scales != "token":
+        return None
+    heads = engine.model.config.num_attention_heads
+    if sm90.available(pool.buffer.device, pool.page_size, heads):
+        return "gluon-sm90-fp8-dots"
+    return f"triton-{fp8_attn.DECODE_DOTS}-dots"
 
 
 def real_dispatch(model: DeepseekV3ForCausalLM, local: int, max_tokens: int) -> None:
@@ -226,7 +240,7 @@ def run(a) -> list[dict]:
             "host_ms": step - t["graph_ms"] if t["graph_ms"] is not None else None,
             "roofline_step_ms": roof["step_s"] * 1e3, "roofline_fraction": roof["step_s"] * 1e3 / step,
             "roofline_spec_step_ms": spec["step_s"] * 1e3, "roofline_fraction_spec": spec["step_s"] * 1e3 / step,
-            "attention_backend": backend, "kv_cache_dtype": a.kv_cache_dtype, "fp8_dots": fp8_attn.DECODE_DOTS,
+            "attention_backend": backend, "kv_cache_dtype": a.kv_cache_dtype, "fp8_kernel": fp8_kernel(engine),
             "kv_format": engine.kv_pool.format_name, "ep": a.ep, "physical_experts": a.physical,
             "local_experts": a.physical // a.ep, "dispatch": a.dispatch, "ep_communication": COMMUNICATION[a.dispatch],
             "fast_path": engine.model.fast is not None, "cuda_graph": engine.runner.graphs is not None,
@@ -237,7 +251,8 @@ def run(a) -> list[dict]:
         print(
             f"B={b} ctx={ctx:.0f}: step {step:.2f} ms (graph {t['graph_ms']:.2f}, host {rec['host_ms']:.2f}) -> "
             f"{rec['tokens_per_s_per_gpu']:.0f} tok/s/GPU; roofline {rec['roofline_fraction']:.2f} measured peaks, "
-            f"{rec['roofline_fraction_spec']:.2f} spec [{backend}, KV {a.kv_cache_dtype}, EP {a.dispatch}"
+            f"{rec['roofline_fraction_spec']:.2f} spec [{backend}, KV {a.kv_cache_dtype}"
+            f"{' ' + rec['fp8_kernel'] if rec['fp8_kernel'] else ''}, EP {a.dispatch}"
             f"{', TBO' if a.tbo else ''}]", flush=True,
         )  # fmt: skip
     suffix = ("-real-dispatch" if a.dispatch == "real" else "") + ("-tbo" if a.tbo else "")

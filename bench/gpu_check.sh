@@ -71,18 +71,24 @@ print('wrote', write_preset_model('/tmp/v3-width', 'v3-width', overwrite=True))"
     tests/libs/kernels/test_kv_fp8_write.py tests/libs/kernels/test_mla_decode_fp8.py tests/libs/engine/test_kv_fp8.py
   exit 0
 fi
-if [ "${1:-}" = mla ]; then  # the Triton MLA decode kernels (FP8 rows, every dots mode and tile; bf16 rows)
-  # beside FlashInfer in one run, the Engine's Triton FP8 decode (also on DECODE_BASELINE's build when set, as
-  # PREFILL_BASELINE is), then the kernels' GPU tests
+if [ "${1:-}" = mla ]; then  # the FP8-row MLA decode: the Gluon SM90 kernel's GPU tests, the kernels beside
+  # FlashInfer's bf16 one in one run (FP8_TRITON: the Triton FP8 kernel's sweep, engine (default) or none), then
+  # the Engine's decode over FP8 rows with each kernel (MOEMESH_MLA_FP8=triton: the Triton one) beside bf16 rows;
+  # DECODE_BASELINE runs the FP8 decode on that build too (as PREFILL_BASELINE), then the Triton kernels' tests
   t0=$(date +%s)
-  timeout 200 python3 -m bench.kernels --mla-fp8-only --quick --triton-fp8 sweep > "$OUT/kernels_fp8.log" 2>&1
-  grep -E "^mla fp8|flashinfer|triton|failed|Error" "$OUT/kernels_fp8.log" | cut -c1-220 | tee -a "$summary"
+  budgeted_tests 30 tests/libs/kernels/test_mla_decode_fp8_sm90.py
+  timeout 200 python3 -m bench.kernels --mla-fp8-only --quick --triton-fp8 "${FP8_TRITON:-engine}" > "$OUT/kernels_fp8.log" 2>&1
+  grep -E "^mla fp8|flashinfer|triton|gluon|failed|Error" "$OUT/kernels_fp8.log" | cut -c1-220 | tee -a "$summary"
   if [ -n "${DECODE_BASELINE:-}" ]; then
     on_baseline "$DECODE_BASELINE" "^B=|Error" timeout 100 python3 -m bench.decode_rank --batch 256 --attn triton \
       --kv-cache-dtype fp8_e4m3
   fi
-  timeout 100 python3 -m bench.decode_rank --batch 256 --attn triton --kv-cache-dtype fp8_e4m3 2>&1 \
-    | grep -E "^B=|Error" | tee -a "$summary"
+  for run in auto:flashinfer:auto fp8_e4m3:auto:auto fp8_e4m3:auto:triton; do  # dtype:backend:FP8 kernel ("auto"
+    # with FP8 keeps "token" rows; "flashinfer" named would give FlashInfer's own FP8 decode "tensor" rows)
+    IFS=: read -r dtype attn kernel <<< "$run"
+    MOEMESH_MLA_FP8=$kernel timeout 100 python3 -m bench.decode_rank --batch 256 --attn "$attn" \
+      --kv-cache-dtype "$dtype" 2>&1 | grep -E "^B=|Error" | sed "s/^/MOEMESH_MLA_FP8=$kernel /" | tee -a "$summary"
+  done
   budgeted_tests 30 tests/libs/kernels/test_mla_decode_fp8.py tests/libs/kernels/test_mla_decode.py
   exit 0
 fi

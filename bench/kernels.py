@@ -219,6 +219,7 @@ def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP, dots_modes=
     records.append({**mla_record(b, h, ctx, ms, torch.bfloat16, "triton-bf16", narrow, s32), "sweep": True,
                     "rel_err_vs_exact": err(narrow_run()), "kv_cache": "bf16"})  # fmt: skip
     log(f"triton-bf16 {narrow} h={h} B={b} L={ctx}: {ms * 1e3:.0f} us (64x64: {base['triton-bf16'] * 1e3:.0f} us)")
+    records += sm90_fp8_variants(b, ctx, h, ql, qr, rows8, table, seq, err, ref8, base, log)
     for dots in dots_modes:
         best = None
         for cfg in sweep:
@@ -250,6 +251,38 @@ def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP, dots_modes=
             log(f"mla fp8 rows, {dots} dots, h={h} B={b} L={ctx}: {best['ms'] * 1e3:.0f} us {best['TFLOPs']:.0f} "
                 f"TFLOP/s, err {best['rel_err_vs_exact']:.1e}; "
                 + ", ".join(f"{k} {v * 1e3:.0f} us ({v / best['ms']:.2f}x)" for k, v in base.items()))  # fmt: skip
+    return records
+
+
+def sm90_fp8_variants(b, ctx, h, ql, qr, rows8, table, seq, err, ref8, base, log) -> list[dict]:
+    """The Gluon SM90 FP8 decode (libs.kernels.mla_decode_fp8_sm90) at each ring depth and split count, each
+    checked against the references, the fastest beside `base`'s kernels."""
+    from libs.kernels import mla_decode_fp8_sm90 as sm90
+
+    if not sm90.available(ql.device, PAGE, h):
+        return []
+    records, best = [], None
+    auto = choose_num_splits(b, h, ctx, MLAConfig())  # the Engine's split count (64 heads x 64 rows a tile)
+    for stages in sm90.STAGES:
+        for splits in sorted({auto, 2 * auto}):
+            run = functools.partial(sm90.mla_decode_fp8_sm90, ql, rows8, table, seq, PAGE, 0.1352, q_rope=qr,
+                                    num_splits=splits, num_stages=stages)  # fmt: skip
+            out = run()
+            ms = bench_ms(run)
+            rec = {**mla_record(b, h, ctx, ms, torch.uint8, "gluon-sm90-fp8-dots", None, splits, rows8.shape[1]),
+                   "num_stages": stages, "rel_err_vs_exact": err(out), "rel_err_vs_q8_reference": err(out, ref8),
+                   "kv_cache": "fp8_e4m3", "dots": "fp8", "sweep": True}  # fmt: skip
+            log(f"  gluon sm90 fp8 rows stages={stages} splits={splits}: {ms * 1e3:.0f} us {rec['TFLOPs']:.0f} "
+                f"TFLOP/s err {rec['rel_err_vs_exact']:.1e} (vs q8 reference {rec['rel_err_vs_q8_reference']:.1e})")
+            records.append(rec)
+            if best is None or ms < best["ms"]:
+                best = rec
+    if best is not None:
+        best = {**best, "sweep": False, **{f"speedup_vs_{k}": v / best["ms"] for k, v in base.items()}}
+        records.append(best)
+        log(f"mla fp8 rows, gluon sm90, h={h} B={b} L={ctx}: {best['ms'] * 1e3:.0f} us {best['TFLOPs']:.0f} TFLOP/s, "
+            f"err {best['rel_err_vs_exact']:.1e}; "
+            + ", ".join(f"{k} {v * 1e3:.0f} us ({v / best['ms']:.2f}x)" for k, v in base.items()))  # fmt: skip
     return records
 
 

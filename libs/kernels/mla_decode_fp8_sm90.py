@@ -1,0 +1,281 @@
+"""Hopper (SM90) MLA decode over FP8 "token" rows (libs/engine/kv_fp8.Fp8Rows(512, 64), 656 bytes) in Gluon: QK
+and PV on FP8 tensor cores (asynchronous WGMMA from shared memory), each page's rows brought by TMA into a
+ring of NUM_STAGES tiles. mla_decode_fp8's math (its "fp8" dots), grid, splits and combine; that Triton kernel
+stays the interpreter-testable reference. Gluon does not run under the interpreter: CPU tests check it
+compiles for sm_90, GPU tests check the numbers."""
+
+# (Reductions through gl.reduce with Gluon combine functions: gl.max and gl.sum are Triton functions, which
+# the CPU tests' interpreter mode would hand the Gluon compiler as interpreted ones.)
+# One program: 64 heads of one sequence (one 64-row WGMMA; the 512-wide output accumulator split between two
+# warpgroups, 128 fp32 registers a thread) over one split of its pages, one 64-row page per tile:
+# - QK: the latent query quantized per head row (amax to 448) once into shared memory, times the tile's codes
+#   in four 128-deep FP8 WGMMAs, scaled by q_scale[h] * k_scale[n]; the bf16 rope part one more WGMMA.
+# - PV: an 8-bit WGMMA reads both operands K-major, and the rows hold V with the latent dimension contiguous, so
+#   while QK runs the tile's codes are copied transposed into a [512, 64] buffer (rows past the sequence's end
+#   zeroed: a stale page may hold NaN codes, and 0 * NaN is NaN). The probabilities times each row's scale go
+#   to FP8 in units of the largest row scale seen so far (mla_decode_fp8's scheme), through shared memory.
+# - The previous tile's PV is still in flight while this tile's QK is issued; it is waited for before the
+#   transposed buffer and the probabilities are rewritten.
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from libs.kernels.fused import FP8_ROW_BYTES, FP8_SCALE_OFFSET
+from libs.kernels.mla_decode import LATENT_DIM, ROPE_DIM, _mla_combine_kernel
+
+BLOCK_H = 64  # heads a program: one 64-row WGMMA
+PAGE = 64  # rows a tile: one page (the only page size this kernel reads)
+CHUNK = 128  # latent columns a TMA box and a QK WGMMA take (a 128-byte swizzled row)
+FP8_MAX = gl.constexpr(448.0)
+STAGES = (2, 3)  # tiles in flight: 40 KB of shared memory each (156 KB in all at 2, 196 KB at 3)
+
+
+@gluon.jit
+def _max(a, b):
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _load_tile(lat_desc, rope_desc, k_smem, kr_smem, bars, PT, pt_row, first_page, i, n_tiles,
+               NUM_STAGES: gl.constexpr):  # fmt: skip
+    """TMA of tile i's page (four latent boxes and the rope box) into ring slot i % NUM_STAGES, skipped past
+    the last tile."""
+    stage = i % NUM_STAGES
+    pred = i < n_tiles
+    page = gl.load(PT + pt_row + first_page + i, mask=pred, other=0)
+    row = page * 64
+    bar = bars.index(stage)
+    mbarrier.expect(bar, 4 * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
+    for c in gl.static_range(4):
+        tma.async_copy_global_to_shared(lat_desc, [row, c * 128], bar, k_smem.index(stage * 4 + c), pred)
+    tma.async_copy_global_to_shared(rope_desc, [row, 0], bar, kr_smem.index(stage), pred)
+
+
+@gluon.jit
+def _mla_fp8_sm90_kernel(
+    lat_desc, rope_desc, QL, QR, KVS, PT, SEQ, O, OPART, LSE, sm_scale_log2,
+    stride_qb, stride_qh, stride_rb, stride_rh, stride_kvs, stride_ptb, stride_ptp,
+    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    NUM_SPLITS, DIRECT_OUT: gl.constexpr, NUM_STAGES: gl.constexpr, SCALE_IDX: gl.constexpr,
+    num_warps: gl.constexpr,
+):  # fmt: skip
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 32])
+    r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 32])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    # query loads: 8 contiguous bf16 a thread; the transpose: a 4 x 4 byte block a thread, read along the
+    # latent dimension and written along the rows (32-bit shared-memory accesses both ways)
+    q_load: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+    t_read: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [2, 4], [1, 0])
+    t_write: gl.constexpr = gl.BlockedLayout([4, 4], [8, 4], [4, 2], [1, 0])
+    q8_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    qr_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    t_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+
+    hb = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    seq_len = gl.load(SEQ + b)
+    split_len = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), 64) * 64
+    start = split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), 64)
+    pt_row = b.to(gl.int64) * stride_ptb
+    first_page = start // 64
+
+    q8_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, 64, 128], q8_sl)
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 64], qr_sl)
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES * 4, 64, 128], lat_desc.layout)
+    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, 64], rope_desc.layout)
+    vt_smem = gl.allocate_shared_memory(gl.float8e4nv, [512, 64], t_sl)
+    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [64, 64], t_sl)
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(NUM_STAGES):
+        mbarrier.init(bars.index(st), count=1)
+    for st in gl.static_range(NUM_STAGES):
+        _load_tile(lat_desc, rope_desc, k_smem, kr_smem, bars, PT, pt_row, first_page, st, n_tiles, NUM_STAGES)
+
+    # the latent query, quantized per head row into shared memory; the rope query as it is
+    offs_qh = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, q_load))
+    offs_qd = gl.arange(0, 128, layout=gl.SliceLayout(0, q_load))
+    q_ptrs = QL + b * stride_qb + offs_qh[:, None] * stride_qh + offs_qd[None, :]
+    amax = gl.full([64], 1e-30, gl.float32, layout=gl.SliceLayout(1, q_load))
+    for c in gl.static_range(4):
+        amax = gl.maximum(amax, gl.reduce(gl.abs(gl.load(q_ptrs + c * 128).to(gl.float32)), 1, _max))
+    for c in gl.static_range(4):
+        x = gl.load(q_ptrs + c * 128).to(gl.float32) * (FP8_MAX / amax)[:, None]
+        q8_smem.index(c).store(x.to(gl.float8e4nv))
+    q_scale = gl.convert_layout(amax / FP8_MAX, row_s)
+    offs_qr = gl.arange(0, 64, layout=gl.SliceLayout(0, q_load))
+    qr = gl.load(QR + b * stride_rb + offs_qh[:, None] * stride_rh + offs_qr[None, :])
+    qr_smem.store(qr.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([64], gl.float32, layout=row_s)
+    s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
+    r_zero = gl.zeros([64, 64], gl.float32, layout=r_layout)
+    o = warpgroup_mma_init(gl.zeros([64, 512], gl.float32, layout=o_layout))  # sum of p * v in `unit`s
+    unit = sm_scale_log2 * 0.0 + 1e-30
+    rows_t = gl.arange(0, 64, layout=gl.SliceLayout(1, t_read))
+    for i in range(0, n_tiles):
+        stage = i % NUM_STAGES
+        n0 = start + i * 64
+        offs_n = n0 + gl.arange(0, 64, layout=col_s)
+        mask_n = offs_n < end
+        page = gl.load(PT + pt_row + first_page + i)
+        slots = page.to(gl.int64) * 64 + gl.arange(0, 64, layout=col_s)
+        k_scale = gl.load(KVS + slots * stride_kvs + SCALE_IDX, mask=mask_n, other=0.0)
+
+        mbarrier.wait(bars.index(stage), (i // NUM_STAGES) & 1)
+        s_acc = warpgroup_mma(q8_smem.index(0), k_smem.index(stage * 4).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)  # fmt: skip
+        for c in gl.static_range(1, 4):
+            s_acc = warpgroup_mma(q8_smem.index(c), k_smem.index(stage * 4 + c).permute((1, 0)), s_acc,
+                                  is_async=True)  # fmt: skip
+        r_acc = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), r_zero, use_acc=False, is_async=True)
+        # the previous tile's PV (issued before these five) is done, in both warpgroups (each reads all of the
+        # transposed tile and the probabilities), before its operands are overwritten
+        o = warpgroup_mma_wait(num_outstanding=5, deps=(o,))
+        gl.thread_barrier()
+        ok_t = (n0 + rows_t) < end
+        for c in gl.static_range(4):
+            codes = k_smem.index(stage * 4 + c).load(t_read).to(gl.int8, bitcast=True)
+            codes = gl.where(ok_t[:, None], codes, 0)
+            codes_t = gl.convert_layout(gl.permute(codes, (1, 0)), t_write)
+            vt_smem.slice(c * 128, 128, 0).store(codes_t.to(gl.float8e4nv, bitcast=True))
+        s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc))
+        gl.thread_barrier()  # every warp is done with this slot (its MMAs and its share of the transpose)
+        _load_tile(lat_desc, rope_desc, k_smem, kr_smem, bars, PT, pt_row, first_page, i + NUM_STAGES, n_tiles,
+                   NUM_STAGES)  # fmt: skip
+
+        s = s * (q_scale[:, None] * k_scale[None, :]) + gl.convert_layout(r, s_layout)
+        s = gl.where(mask_n[None, :], s * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.reduce(s, 1, _max))
+        p = gl.exp2(s - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.reduce(p, 1, _add)
+        new_unit = gl.maximum(unit, gl.reduce(k_scale, 0, _max) / FP8_MAX)  # never shrinks: p8 <= 448, rescale <= 1
+        p_smem.store((p * (k_scale / new_unit)[None, :]).to(gl.float8e4nv))
+        o = o * gl.convert_layout(alpha * (unit / new_unit), row_o)[:, None]
+        unit = new_unit
+        m_i = m_new
+        fence_async_shared()
+        gl.thread_barrier()
+        o = warpgroup_mma(p_smem, vt_smem.permute((1, 0)), o, is_async=True)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+    for st in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(bars.index(st))
+
+    l_o = gl.convert_layout(l_i, row_o)
+    has = l_o > 0
+    out = o * (unit / gl.where(has, l_o, 1.0))[:, None]
+    offs_h = hb * 64 + gl.arange(0, 64, layout=row_o)
+    offs_d = gl.arange(0, 512, layout=col_o)
+    if DIRECT_OUT:
+        gl.store(O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty))
+    else:
+        p_ptrs = OPART + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
+        gl.store(p_ptrs, out)
+        has_s = l_i > 0
+        lse = gl.where(has_s, m_i + gl.log2(gl.where(has_s, l_i, 1.0)), float("-inf"))
+        gl.store(LSE + b * stride_lb + (hb * 64 + gl.arange(0, 64, layout=row_s)) * stride_lh + split, lse)
+
+
+def lat_layout() -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+
+
+def rope_layout() -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def available(device: torch.device, page_size: int, num_heads: int) -> bool:
+    """SM90, 64-row pages and heads in 64s; off with MOEMESH_MLA_FP8=triton (the Triton kernel then runs)."""
+    if device.type != "cuda" or os.environ.get("MOEMESH_MLA_FP8", "auto") == "triton":
+        return False
+    return page_size == PAGE and num_heads % BLOCK_H == 0 and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def mla_decode_fp8_sm90(
+    q: torch.Tensor,
+    kv_rows: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    sm_scale: float,
+    *,
+    q_rope: torch.Tensor,
+    num_splits: int = 1,
+    num_stages: int = 2,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """mla_decode_fp8's contract ("fp8" dots): q [B, H, 512] and q_rope [B, H, 64] (any batch/head strides)
+    over one layer's FP8 row bytes kv_rows [slots, 656] uint8 -> [B, H, 512] in q's dtype; page_size 64,
+    H a multiple of 64."""
+    B, H, D = q.shape
+    if D != LATENT_DIM or q_rope.shape != (B, H, ROPE_DIM):
+        raise ValueError(f"FP8 MLA decode expects 512 + 64-dim q, got {tuple(q.shape)}, {tuple(q_rope.shape)}")
+    if kv_rows.dtype != torch.uint8 or kv_rows.dim() != 2 or kv_rows.shape[1] != FP8_ROW_BYTES:
+        raise ValueError(f"FP8 MLA decode expects [slots, {FP8_ROW_BYTES}] uint8 rows, got {kv_rows.dtype} "
+                         f"{tuple(kv_rows.shape)}")  # fmt: skip
+    if page_size != PAGE or H % BLOCK_H:
+        raise ValueError(f"the SM90 FP8 MLA decode takes {PAGE}-row pages and heads in {BLOCK_H}s, got "
+                         f"page_size={page_size}, {H} heads")  # fmt: skip
+    if num_stages not in STAGES:
+        raise ValueError(f"num_stages must be one of {STAGES}, got {num_stages}")
+    if page_table.dim() != 2 or page_table.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError("page_table must be [B, max_pages] and seq_lens [B]")
+    if q.stride(-1) != 1 or q_rope.stride(-1) != 1 or kv_rows.stride(-1) != 1 or page_table.stride(-1) != 1:
+        raise ValueError("q, q_rope, kv_rows and page_table need a contiguous last dimension")
+    lat = kv_rows.view(torch.float8_e4m3fn)[:, :LATENT_DIM]
+    rope = kv_rows.view(torch.bfloat16)[:, LATENT_DIM // 2 : LATENT_DIM // 2 + ROPE_DIM]
+    lat_desc = TensorDescriptor.from_tensor(lat, [PAGE, CHUNK], lat_layout())
+    rope_desc = TensorDescriptor.from_tensor(rope, [PAGE, ROPE_DIM], rope_layout())
+    kvs = kv_rows.view(torch.float32)
+    out = out if out is not None else torch.empty(B, H, LATENT_DIM, dtype=q.dtype, device=q.device)
+    if num_splits > 1:
+        opart = torch.empty(B, H, num_splits, LATENT_DIM, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        opart, lse = out, out  # unused by the kernel when NUM_SPLITS == 1
+    _mla_fp8_sm90_kernel[(H // BLOCK_H, num_splits, B)](
+        lat_desc, rope_desc, q, q_rope, kvs, page_table, seq_lens, out, opart, lse, sm_scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), kvs.stride(0), page_table.stride(0),
+        page_table.stride(1), out.stride(0), out.stride(1),
+        opart.stride(0), opart.stride(1), opart.stride(2) if num_splits > 1 else 0, lse.stride(0), lse.stride(1),
+        num_splits, DIRECT_OUT=num_splits == 1, NUM_STAGES=num_stages, SCALE_IDX=FP8_SCALE_OFFSET // 4,
+        num_warps=8,
+    )  # fmt: skip
+    if num_splits > 1:
+        _mla_combine_kernel[(H, B)](
+            opart, lse, out,
+            opart.stride(0), opart.stride(1), opart.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D_LAT=LATENT_DIM, num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,103 @@
+"""The Gluon SM90 FP8 MLA decode: it compiles for sm_90a here (no GPU needed: Triton's bundled ptxas) with QK
+and PV as FP8 WGMMAs fed by TMA; on a Hopper GPU it matches the float32 reference of the same math (the
+Triton FP8 kernel's), over pages in any order, ragged ends, splits, and stale NaN bytes past a sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from libs.kernels import mla_decode_fp8_sm90 as S  # noqa: E402
+from libs.kernels.mla_decode import MLAConfig, choose_num_splits, mla_decode_reference  # noqa: E402
+from libs.kernels.mla_decode_fp8 import dequantize_rows  # noqa: E402
+
+from .conftest import HAS_CUDA  # noqa: E402
+from .test_mla_decode_fp8 import _case, _ref, _rel  # noqa: E402
+
+IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+STRIDES = ["stride_qb", "stride_qh", "stride_rb", "stride_rh", "stride_kvs", "stride_ptb", "stride_ptp", "stride_ob",
+           "stride_oh", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh", "NUM_SPLITS"]  # fmt: skip
+
+
+def _compile(stages: int, direct: bool):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {
+        "lat_desc": f"tensordesc<fp8e4nv[64, 128],{S.lat_layout()!r}>",
+        "rope_desc": f"tensordesc<bf16[64, 64],{S.rope_layout()!r}>",
+        "QL": "*bf16", "QR": "*bf16", "KVS": "*fp32", "PT": "*i32", "SEQ": "*i32", "O": "*bf16", "OPART": "*fp32",
+        "LSE": "*fp32", "sm_scale_log2": "fp32", **dict.fromkeys(STRIDES, "i32"),
+    }  # fmt: skip
+    const = dict(DIRECT_OUT=direct, NUM_STAGES=stages, SCALE_IDX=160, num_warps=8)
+    sig.update(dict.fromkeys(const, "constexpr"))
+    names = list(sig)
+    src = GluonASTSource(S._mla_fp8_sm90_kernel, sig, {(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+
+@pytest.mark.parametrize("stages", S.STAGES)
+@pytest.mark.parametrize("direct", [True, False])
+def test_compiles_for_sm90_with_fp8_wgmma_for_qk_and_pv(stages, direct):
+    ptx = _compile(stages, direct).asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx  # the pages arrive by TMA
+    assert "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3" in ptx  # QK over the codes
+    assert "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3" in ptx  # PV: each warpgroup half of V
+    assert "wgmma.wait_group.sync.aligned 5;" in ptx  # the last tile's PV overlaps this tile's QK
+
+
+def _run(q, kv, table, seq, **kw):
+    return S.mla_decode_fp8_sm90(q[..., :512], kv, table, seq, 64, 0.1352, q_rope=q[..., 512:], **kw)
+
+
+def test_refuses_what_it_does_not_read(device):
+    q, kv, table, seq = _case(device, 16, 64, [70])
+    with pytest.raises(ValueError, match="heads in 64s"):
+        _run(q, kv, table, seq)
+    q, kv, table, seq = _case(device, 64, 64, [70])
+    with pytest.raises(ValueError, match="num_stages"):
+        _run(q, kv, table, seq, num_stages=4)
+    with pytest.raises(ValueError, match="uint8 rows"):
+        _run(q, dequantize_rows(kv).to(q.dtype), table, seq)
+
+
+def test_available_only_on_sm90_for_its_pages_and_heads(monkeypatch):
+    assert not S.available(torch.device("cpu"), 64, 128)
+    if IS_SM90:
+        dev = torch.device("cuda")
+        assert S.available(dev, 64, 128) and not S.available(dev, 16, 128) and not S.available(dev, 64, 16)
+        monkeypatch.setenv("MOEMESH_MLA_FP8", "triton")
+        assert not S.available(dev, 64, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("stages", S.STAGES)
+@pytest.mark.parametrize("heads", [128, 64])
+def test_matches_the_reference_on_gpu(stages, heads):
+    lens = [2048, 1, 3000, 517, 64, 2100, 1999, 8, 65]
+    q, kv, table, seq = _case("cuda", heads, 64, lens, seed=3, row_spread=2.0)
+    ref = _ref(q, kv, table, seq, 64, 0.1352)
+    exact = mla_decode_reference(q.float(), dequantize_rows(kv), table, seq, 64, 0.1352)
+    for splits in sorted({1, 3, choose_num_splits(len(lens), heads, 3000, MLAConfig())}):
+        out = torch.full((len(lens), heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        _run(q, kv, table, seq, num_splits=splits, num_stages=stages, out=out)
+        # beyond the reference's rounding of q: the FP8 probabilities and the bf16 output (as the Triton kernel)
+        assert _rel(out, ref) < 1.5e-2, splits
+        assert _rel(out, exact) < 1e-1, splits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
+def test_stale_nan_bytes_past_the_end_and_empty_splits_stay_out():
+    q, kv, table, seq = _case("cuda", 128, 64, [20, 130], seed=1)
+    nan_rows = kv.clone()
+    for b, n in enumerate(seq.tolist()):  # every slot past each sequence's end: NaN codes, NaN scale
+        last = table[b, (n - 1) // 64].long()
+        nan_rows[last * 64 + (n % 64 or 64) : last * 64 + 64] = 0x7F
+    out = _run(q, nan_rows, table, seq, num_splits=8)  # most of the 8 splits of a 20-row sequence are empty
+    assert out.isfinite().all()
+    assert _rel(out, _ref(q, kv, table, seq, 64, 0.1352)) < 1.5e-2
