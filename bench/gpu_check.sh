@@ -89,6 +89,12 @@ if [ "${1:-}" = mla ]; then  # the FP8-row MLA decode: the Gluon SM90 kernel's G
     MOEMESH_MLA_FP8=$kernel timeout 100 python3 -m bench.decode_rank --batch 256 --attn "$attn" \
       --kv-cache-dtype "$dtype" 2>&1 | grep -E "^B=|Error" | sed "s/^/MOEMESH_MLA_FP8=$kernel /" | tee -a "$summary"
   done
+  if [ -n "${MLA_ACCURACY:-}" ]; then  # the Engine's FP8 cache (this kernel on SM90) against bf16, V3-width model
+    [ -f /tmp/v3-width/config.json ] || timeout 120 python3 -c "from libs.engine.preset_model import write_preset_model
+print('wrote', write_preset_model('/tmp/v3-width', 'v3-width', overwrite=True))" 2>&1 | tail -1 | tee -a "$summary"
+    timeout 150 python3 -m bench.kv_fp8_accuracy --model /tmp/v3-width --device cuda --attention-backend auto \
+      2>&1 | grep -E "rel err|agree|Error" | tee -a "$summary"
+  fi
   budgeted_tests 30 tests/libs/kernels/test_mla_decode_fp8.py tests/libs/kernels/test_mla_decode.py
   exit 0
 fi

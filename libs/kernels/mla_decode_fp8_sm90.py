@@ -42,7 +42,7 @@ BLOCK_H = 64  # heads a program: one 64-row WGMMA
 PAGE = 64  # rows a tile: one page (the only page size this kernel reads)
 CHUNK = 128  # latent columns a TMA box and a QK WGMMA take (a 128-byte swizzled row)
 FP8_MAX = gl.constexpr(448.0)
-STAGES = (2, 3)  # tiles in flight: 40 KB of shared memory each (156 KB in all at 2, 196 KB at 3)
+STAGES = (2, 3)  # tiles in flight (stages_for says which fit)
 
 
 @gluon.jit
@@ -56,27 +56,80 @@ def _add(a, b):
 
 
 @gluon.jit
-def _load_tile(lat_desc, rope_desc, k_smem, kr_smem, bars, PT, pt_row, first_page, i, n_tiles,
+def _load_tile(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, page, i, n_tiles,
                NUM_STAGES: gl.constexpr):  # fmt: skip
-    """TMA of tile i's page (four latent boxes and the rope box) into ring slot i % NUM_STAGES, skipped past
-    the last tile."""
+    """TMA of tile i's page (four latent boxes, the rope box and the scales' 16 bytes a row) into ring slot
+    i % NUM_STAGES, skipped past the last tile."""
     stage = i % NUM_STAGES
     pred = i < n_tiles
-    page = gl.load(PT + pt_row + first_page + i, mask=pred, other=0)
     row = page * 64
     bar = bars.index(stage)
-    mbarrier.expect(bar, 4 * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
+    nbytes: gl.constexpr = 4 * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes + scale_desc.block_type.nbytes
+    mbarrier.expect(bar, nbytes, pred=pred)
     for c in gl.static_range(4):
         tma.async_copy_global_to_shared(lat_desc, [row, c * 128], bar, k_smem.index(stage * 4 + c), pred)
     tma.async_copy_global_to_shared(rope_desc, [row, 0], bar, kr_smem.index(stage), pred)
+    tma.async_copy_global_to_shared(scale_desc, [row, 0], bar, ks_smem.index(stage), pred)
+
+
+@gluon.jit
+def _page(PT, pt_row, first_page, i, n_tiles, stride_ptp):
+    """Tile i's page number (0 past the last tile)."""
+    return gl.load(PT + pt_row + (first_page + i) * stride_ptp, mask=i < n_tiles, other=0)
+
+
+@gluon.jit
+def _issue_qk(q8_smem, qr_smem, k_smem, kr_smem, stage, s_zero, r_zero):
+    """Start (asynchronously) the slot's QK: four 128-deep FP8 products over the codes, one bf16 over k_pe."""
+    s_acc = warpgroup_mma(q8_smem.index(0), k_smem.index(stage * 4).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)  # fmt: skip
+    for c in gl.static_range(1, 4):
+        s_acc = warpgroup_mma(q8_smem.index(c), k_smem.index(stage * 4 + c).permute((1, 0)), s_acc, is_async=True)
+    r_acc = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), r_zero, use_acc=False, is_async=True)
+    return s_acc, r_acc
+
+
+@gluon.jit
+def _transpose(k_smem, stage, vt, ok_t, t_read: gl.constexpr, t_write: gl.constexpr):
+    """The slot's codes [64 rows, 512] into vt [512, 64] (PV's K-major operand), rows where not ok_t zeroed."""
+    for c in gl.static_range(4):
+        codes = k_smem.index(stage * 4 + c).load(t_read).to(gl.int8, bitcast=True)
+        codes = gl.where(ok_t[:, None], codes, 0)
+        codes_t = gl.convert_layout(gl.permute(codes, (1, 0)), t_write)
+        vt.slice(c * 128, 128, 0).store(codes_t.to(gl.float8e4nv, bitcast=True))
+
+
+@gluon.jit
+def _row_scales(ks_smem, stage, s_layout: gl.constexpr):
+    """The slot's per-row scales (the first float of each row's 16 TMA'd bytes), along S's columns."""
+    ks_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [2, 4], [1, 0])
+    raw = ks_smem.index(stage).load(ks_layout)
+    first = gl.arange(0, 4, layout=gl.SliceLayout(0, ks_layout)) == 0
+    return gl.convert_layout(gl.reduce(gl.where(first[None, :], raw, 0.0), 1, _add), gl.SliceLayout(0, s_layout))
+
+
+@gluon.jit
+def _softmax(s, r, q_scale, k_scale, mask_n, m_i, l_i, unit, sm_scale_log2, s_layout: gl.constexpr):
+    """One tile's online-softmax step -> (FP8 probabilities times the rows' scales in the new unit, the
+    accumulator's rescale, m, l, unit). A tile with no row (past the end) changes nothing."""
+    s = s * (q_scale[:, None] * k_scale[None, :]) + gl.convert_layout(r, s_layout)
+    s = gl.where(mask_n[None, :], s * sm_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.reduce(s, 1, _max))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no row yet: exp2(-inf - -inf) would be NaN
+    p = gl.exp2(s - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_new = l_i * alpha + gl.reduce(p, 1, _add)
+    new_unit = gl.maximum(unit, gl.reduce(k_scale, 0, _max) / FP8_MAX)  # never shrinks: p8 <= 448, rescale <= 1
+    p8 = (p * (k_scale / new_unit)[None, :]).to(gl.float8e4nv)
+    return p8, alpha * (unit / new_unit), m_new, l_new, new_unit
 
 
 @gluon.jit
 def _mla_fp8_sm90_kernel(
-    lat_desc, rope_desc, QL, QR, KVS, PT, SEQ, O, OPART, LSE, sm_scale_log2,
-    stride_qb, stride_qh, stride_rb, stride_rh, stride_kvs, stride_ptb, stride_ptp,
+    lat_desc, rope_desc, scale_desc, QL, QR, PT, SEQ, O, OPART, LSE, sm_scale_log2,
+    stride_qb, stride_qh, stride_rb, stride_rh, stride_ptb, stride_ptp,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    NUM_SPLITS, DIRECT_OUT: gl.constexpr, NUM_STAGES: gl.constexpr, SCALE_IDX: gl.constexpr,
+    NUM_SPLITS, DIRECT_OUT: gl.constexpr, NUM_STAGES: gl.constexpr, PIPELINE: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 32])
@@ -94,6 +147,7 @@ def _mla_fp8_sm90_kernel(
     q8_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     qr_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     t_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+    BUFS: gl.constexpr = 2 if PIPELINE else 1  # transposed tiles and probabilities: one being read by PV
 
     hb = gl.program_id(0)
     split = gl.program_id(1)
@@ -110,13 +164,16 @@ def _mla_fp8_sm90_kernel(
     qr_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 64], qr_sl)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES * 4, 64, 128], lat_desc.layout)
     kr_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, 64], rope_desc.layout)
-    vt_smem = gl.allocate_shared_memory(gl.float8e4nv, [512, 64], t_sl)
-    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [64, 64], t_sl)
+    ks_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 64, 4], scale_desc.layout)
+    vt_smem = gl.allocate_shared_memory(gl.float8e4nv, [BUFS, 512, 64], t_sl)
+    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [BUFS, 64, 64], t_sl)
     bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(NUM_STAGES):
         mbarrier.init(bars.index(st), count=1)
     for st in gl.static_range(NUM_STAGES):
-        _load_tile(lat_desc, rope_desc, k_smem, kr_smem, bars, PT, pt_row, first_page, st, n_tiles, NUM_STAGES)
+        page = _page(PT, pt_row, first_page, st, n_tiles, stride_ptp)
+        _load_tile(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, page, st, n_tiles, NUM_STAGES)
+    next_page = _page(PT, pt_row, first_page, NUM_STAGES, n_tiles, stride_ptp)  # one refill ahead
 
     # the latent query, quantized per head row into shared memory; the rope query as it is
     offs_qh = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, q_load))
@@ -139,55 +196,76 @@ def _mla_fp8_sm90_kernel(
     l_i = gl.zeros([64], gl.float32, layout=row_s)
     s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
     r_zero = gl.zeros([64, 64], gl.float32, layout=r_layout)
-    o = warpgroup_mma_init(gl.zeros([64, 512], gl.float32, layout=o_layout))  # sum of p * v in `unit`s
     unit = sm_scale_log2 * 0.0 + 1e-30
     rows_t = gl.arange(0, 64, layout=gl.SliceLayout(1, t_read))
-    for i in range(0, n_tiles):
-        stage = i % NUM_STAGES
-        n0 = start + i * 64
-        offs_n = n0 + gl.arange(0, 64, layout=col_s)
-        mask_n = offs_n < end
-        page = gl.load(PT + pt_row + first_page + i)
-        slots = page.to(gl.int64) * 64 + gl.arange(0, 64, layout=col_s)
-        k_scale = gl.load(KVS + slots * stride_kvs + SCALE_IDX, mask=mask_n, other=0.0)
-
-        mbarrier.wait(bars.index(stage), (i // NUM_STAGES) & 1)
-        s_acc = warpgroup_mma(q8_smem.index(0), k_smem.index(stage * 4).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)  # fmt: skip
-        for c in gl.static_range(1, 4):
-            s_acc = warpgroup_mma(q8_smem.index(c), k_smem.index(stage * 4 + c).permute((1, 0)), s_acc,
-                                  is_async=True)  # fmt: skip
-        r_acc = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), r_zero, use_acc=False, is_async=True)
-        # the previous tile's PV (issued before these five) is done, in both warpgroups (each reads all of the
-        # transposed tile and the probabilities), before its operands are overwritten
-        o = warpgroup_mma_wait(num_outstanding=5, deps=(o,))
-        gl.thread_barrier()
-        ok_t = (n0 + rows_t) < end
-        for c in gl.static_range(4):
-            codes = k_smem.index(stage * 4 + c).load(t_read).to(gl.int8, bitcast=True)
-            codes = gl.where(ok_t[:, None], codes, 0)
-            codes_t = gl.convert_layout(gl.permute(codes, (1, 0)), t_write)
-            vt_smem.slice(c * 128, 128, 0).store(codes_t.to(gl.float8e4nv, bitcast=True))
+    cols_s = gl.arange(0, 64, layout=col_s)
+    if PIPELINE:
+        # tile j's QK is issued before tile j - 1's PV, so j's softmax runs while that PV does; tile 0's QK and
+        # softmax come first, and the last iteration's "next" tile is past the end (no load, no change)
+        mbarrier.wait(bars.index(0), 0, pred=n_tiles > 0)
+        s_acc, r_acc = _issue_qk(q8_smem, qr_smem, k_smem, kr_smem, 0, s_zero, r_zero)
+        _transpose(k_smem, 0, vt_smem.index(0), (start + rows_t) < end, t_read, t_write)
         s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc))
-        gl.thread_barrier()  # every warp is done with this slot (its MMAs and its share of the transpose)
-        _load_tile(lat_desc, rope_desc, k_smem, kr_smem, bars, PT, pt_row, first_page, i + NUM_STAGES, n_tiles,
+        k_scale = _row_scales(ks_smem, 0, s_layout)
+        gl.thread_barrier()
+        _load_tile(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page, NUM_STAGES, n_tiles,
                    NUM_STAGES)  # fmt: skip
-
-        s = s * (q_scale[:, None] * k_scale[None, :]) + gl.convert_layout(r, s_layout)
-        s = gl.where(mask_n[None, :], s * sm_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.reduce(s, 1, _max))
-        p = gl.exp2(s - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.reduce(p, 1, _add)
-        new_unit = gl.maximum(unit, gl.reduce(k_scale, 0, _max) / FP8_MAX)  # never shrinks: p8 <= 448, rescale <= 1
-        p_smem.store((p * (k_scale / new_unit)[None, :]).to(gl.float8e4nv))
-        o = o * gl.convert_layout(alpha * (unit / new_unit), row_o)[:, None]
-        unit = new_unit
-        m_i = m_new
+        next_page = _page(PT, pt_row, first_page, NUM_STAGES + 1, n_tiles, stride_ptp)
+        p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, (start + cols_s) < end, m_i, l_i, unit,
+                                               sm_scale_log2, s_layout)  # fmt: skip
+        p_smem.index(0).store(p8)
+        o = gl.zeros([64, 512], gl.float32, layout=o_layout)  # sum of p * v in `unit`s
         fence_async_shared()
         gl.thread_barrier()
-        o = warpgroup_mma(p_smem, vt_smem.permute((1, 0)), o, is_async=True)
-    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        for i in range(0, n_tiles):
+            j = i + 1
+            stage = j % NUM_STAGES
+            buf = i % 2
+            mbarrier.wait(bars.index(stage), (j // NUM_STAGES) & 1, pred=j < n_tiles)
+            s_acc, r_acc = _issue_qk(q8_smem, qr_smem, k_smem, kr_smem, stage, s_zero, r_zero)
+            o_acc = warpgroup_mma(p_smem.index(buf), vt_smem.index(buf).permute((1, 0)),
+                                  o, is_async=True)  # fmt: skip
+            # into the other buffers: their last reader, tile i - 1's PV, was waited for by both warpgroups
+            _transpose(k_smem, stage, vt_smem.index(1 - buf), (start + j * 64 + rows_t) < end,
+                       t_read, t_write)  # fmt: skip
+            s, r = warpgroup_mma_wait(num_outstanding=1, deps=(s_acc, r_acc))  # QK done, PV may still run
+            k_scale = _row_scales(ks_smem, stage, s_layout)
+            gl.thread_barrier()  # every warp is done with this slot (its MMAs, transposes and scales)
+            _load_tile(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page, j + NUM_STAGES,
+                       n_tiles, NUM_STAGES)  # fmt: skip
+            next_page = _page(PT, pt_row, first_page, j + NUM_STAGES + 1, n_tiles, stride_ptp)
+            p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, (start + j * 64 + cols_s) < end, m_i, l_i,
+                                                   unit, sm_scale_log2, s_layout)  # fmt: skip
+            p_smem.index(1 - buf).store(p8)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,))
+            o = o * gl.convert_layout(rescale, row_o)[:, None]
+            fence_async_shared()
+            gl.thread_barrier()
+    else:
+        o_acc = warpgroup_mma_init(gl.zeros([64, 512], gl.float32, layout=o_layout))
+        for i in range(0, n_tiles):
+            stage = i % NUM_STAGES
+            mbarrier.wait(bars.index(stage), (i // NUM_STAGES) & 1)
+            s_acc, r_acc = _issue_qk(q8_smem, qr_smem, k_smem, kr_smem, stage, s_zero, r_zero)
+            # the previous tile's PV (issued before these five) is done, in both warpgroups (each reads all of
+            # the transposed tile and the probabilities), before its operands are overwritten
+            o = warpgroup_mma_wait(num_outstanding=5, deps=(o_acc,))
+            gl.thread_barrier()
+            _transpose(k_smem, stage, vt_smem.index(0), (start + i * 64 + rows_t) < end, t_read, t_write)
+            s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc))
+            k_scale = _row_scales(ks_smem, stage, s_layout)
+            gl.thread_barrier()  # every warp is done with this slot (its MMAs, transposes and scales)
+            _load_tile(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page, i + NUM_STAGES,
+                       n_tiles, NUM_STAGES)  # fmt: skip
+            next_page = _page(PT, pt_row, first_page, i + NUM_STAGES + 1, n_tiles, stride_ptp)
+            p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, (start + i * 64 + cols_s) < end, m_i, l_i,
+                                                   unit, sm_scale_log2, s_layout)  # fmt: skip
+            p_smem.index(0).store(p8)
+            o = o * gl.convert_layout(rescale, row_o)[:, None]
+            fence_async_shared()
+            gl.thread_barrier()
+            o_acc = warpgroup_mma(p_smem.index(0), vt_smem.index(0).permute((1, 0)), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,))
     for st in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(bars.index(st))
 
@@ -214,6 +292,16 @@ def rope_layout() -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
+def scale_layout() -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def stages_for(pipeline: bool) -> tuple[int, ...]:
+    """The ring depths that fit in shared memory (227 KB): 41 KB a tile beside the query (40 KB) and the
+    transposed tile and probabilities (36 KB, twice that when pipelined)."""
+    return (2,) if pipeline else STAGES
+
+
 def available(device: torch.device, page_size: int, num_heads: int) -> bool:
     """SM90, 64-row pages and heads in 64s; off with MOEMESH_MLA_FP8=triton (the Triton kernel then runs)."""
     if device.type != "cuda" or os.environ.get("MOEMESH_MLA_FP8", "auto") == "triton":
@@ -232,11 +320,13 @@ def mla_decode_fp8_sm90(
     q_rope: torch.Tensor,
     num_splits: int = 1,
     num_stages: int = 2,
+    pipeline: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """mla_decode_fp8's contract ("fp8" dots): q [B, H, 512] and q_rope [B, H, 64] (any batch/head strides)
     over one layer's FP8 row bytes kv_rows [slots, 656] uint8 -> [B, H, 512] in q's dtype; page_size 64,
-    H a multiple of 64."""
+    H a multiple of 64. pipeline: each tile's softmax overlaps the previous tile's PV (double-buffered operands);
+num_stages: tiles in flight (stages_for(pipeline))."""
     B, H, D = q.shape
     if D != LATENT_DIM or q_rope.shape != (B, H, ROPE_DIM):
         raise ValueError(f"FP8 MLA decode expects 512 + 64-dim q, got {tuple(q.shape)}, {tuple(q_rope.shape)}")
@@ -246,17 +336,18 @@ def mla_decode_fp8_sm90(
     if page_size != PAGE or H % BLOCK_H:
         raise ValueError(f"the SM90 FP8 MLA decode takes {PAGE}-row pages and heads in {BLOCK_H}s, got "
                          f"page_size={page_size}, {H} heads")  # fmt: skip
-    if num_stages not in STAGES:
-        raise ValueError(f"num_stages must be one of {STAGES}, got {num_stages}")
+    if num_stages not in stages_for(pipeline):
+        raise ValueError(f"num_stages must be one of {stages_for(pipeline)} (pipeline={pipeline}), got {num_stages}")
     if page_table.dim() != 2 or page_table.shape[0] != B or seq_lens.shape != (B,):
         raise ValueError("page_table must be [B, max_pages] and seq_lens [B]")
-    if q.stride(-1) != 1 or q_rope.stride(-1) != 1 or kv_rows.stride(-1) != 1 or page_table.stride(-1) != 1:
-        raise ValueError("q, q_rope, kv_rows and page_table need a contiguous last dimension")
+    if q.stride(-1) != 1 or q_rope.stride(-1) != 1 or kv_rows.stride(-1) != 1:
+        raise ValueError("q, q_rope and kv_rows need a contiguous last dimension")
     lat = kv_rows.view(torch.float8_e4m3fn)[:, :LATENT_DIM]
     rope = kv_rows.view(torch.bfloat16)[:, LATENT_DIM // 2 : LATENT_DIM // 2 + ROPE_DIM]
     lat_desc = TensorDescriptor.from_tensor(lat, [PAGE, CHUNK], lat_layout())
     rope_desc = TensorDescriptor.from_tensor(rope, [PAGE, ROPE_DIM], rope_layout())
-    kvs = kv_rows.view(torch.float32)
+    scales = kv_rows.view(torch.float32)[:, FP8_SCALE_OFFSET // 4 : FP8_SCALE_OFFSET // 4 + 4]  # 16 bytes a row
+    scale_desc = TensorDescriptor.from_tensor(scales, [PAGE, 4], scale_layout())
     out = out if out is not None else torch.empty(B, H, LATENT_DIM, dtype=q.dtype, device=q.device)
     if num_splits > 1:
         opart = torch.empty(B, H, num_splits, LATENT_DIM, dtype=torch.float32, device=q.device)
@@ -264,12 +355,11 @@ def mla_decode_fp8_sm90(
     else:
         opart, lse = out, out  # unused by the kernel when NUM_SPLITS == 1
     _mla_fp8_sm90_kernel[(H // BLOCK_H, num_splits, B)](
-        lat_desc, rope_desc, q, q_rope, kvs, page_table, seq_lens, out, opart, lse, sm_scale * 1.4426950408889634,
-        q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), kvs.stride(0), page_table.stride(0),
-        page_table.stride(1), out.stride(0), out.stride(1),
+        lat_desc, rope_desc, scale_desc, q, q_rope, page_table, seq_lens, out, opart, lse,
+        sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1),
+        page_table.stride(0), page_table.stride(1), out.stride(0), out.stride(1),
         opart.stride(0), opart.stride(1), opart.stride(2) if num_splits > 1 else 0, lse.stride(0), lse.stride(1),
-        num_splits, DIRECT_OUT=num_splits == 1, NUM_STAGES=num_stages, SCALE_IDX=FP8_SCALE_OFFSET // 4,
-        num_warps=8,
+        num_splits, DIRECT_OUT=num_splits == 1, NUM_STAGES=num_stages, PIPELINE=pipeline, num_warps=8,
     )  # fmt: skip
     if num_splits > 1:
         _mla_combine_kernel[(H, B)](
