@@ -142,14 +142,15 @@ FP8_SWEEP = [MLAConfig(bh, n, w, s) for bh, n, w, s in [
 ]]  # fmt: skip
 
 
-def mla_fp8_suite(shapes, log, sweep=FP8_SWEEP, dots_modes=DOTS) -> list[dict]:
+def mla_fp8_suite(shapes, log, sweep=FP8_SWEEP, dots_modes=DOTS, fi_fp8=True) -> list[dict]:
     """Per (B, L, H): FlashInfer (bf16 rows and "tensor" FP8 rows), the Triton bf16 kernel (same rows) and the
     FP8-dot kernel over the "token" FP8 rows those came from, each error against float attention over the
-    same values; FP8 configs swept for each of `dots_modes` (an empty sweep: no Triton FP8 kernel)."""
+    same values; FP8 configs swept for each of `dots_modes` (an empty sweep: no Triton FP8 kernel); fi_fp8:
+    FlashInfer's FP8 decode too."""
     fi = flashinfer_mla.FlashInferMLA("cuda") if flashinfer_mla.available() else None
     records: list[dict] = []
     for b, ctx, h in shapes:
-        records += mla_fp8_case(b, ctx, h, fi, log, sweep=sweep, dots_modes=dots_modes)
+        records += mla_fp8_case(b, ctx, h, fi, log, sweep=sweep, dots_modes=dots_modes, fi_fp8=fi_fp8)
     return records
 
 
@@ -161,7 +162,7 @@ def quantize_rows(fmt, kv: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP, dots_modes=DOTS) -> list[dict]:
+def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP, dots_modes=DOTS, fi_fp8=True) -> list[dict]:
     from libs.engine.kv_fp8 import Fp8Rows
 
     fmt, records = Fp8Rows(512, 64), []
@@ -190,6 +191,7 @@ def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP, dots_modes=
         base["flashinfer-fa3"] = ms = bench_ms(fi_run)
         rec = mla_record(b, h, ctx, ms, torch.bfloat16, "flashinfer-fa3")
         records.append({**rec, "rel_err_vs_exact": err(fi_run()), "kv_cache": "bf16"})
+    if fi is not None and fi_fp8:
         tensor = Fp8Rows(512, 64, "tensor")  # FlashInfer's FP8 decode over "tensor" rows of the same values
         rows_t = quantize_rows(tensor, kv)
         exact_t = mla_decode_reference(q[:4].float(), tensor.dequantize(rows_t, torch.float32), table[:4], seq[:4],
@@ -477,6 +479,7 @@ def main() -> None:
                     help="the Triton FP8-cache kernel: every dots mode over the tile sweep, only what the Engine runs "
                     "(its dots mode and tile), or none")  # fmt: skip
     ap.add_argument("--no-triton-fp8", action="store_true", help="as --triton-fp8 none")
+    ap.add_argument("--skip-flashinfer-fp8", action="store_true", help="FlashInfer's bf16 decode only (no FP8 one)")
     ap.add_argument("--prefill-gemms", action="store_true",
                     help="only prefill's FP8 GEMMs at a 4k-token forward's shapes, every Gluon config and program "
                     "grouping")  # fmt: skip
@@ -495,7 +498,8 @@ def main() -> None:
         mode = "none" if a.no_triton_fp8 else a.triton_fp8
         sweep = {"sweep": FP8_SWEEP, "engine": [MLAConfig()], "none": []}[mode]
         dots_modes = (DECODE_DOTS,) if mode == "engine" else DOTS
-        records += mla_fp8_suite(fp8_shapes[:1] if a.quick else fp8_shapes, log, sweep, dots_modes)
+        records += mla_fp8_suite(fp8_shapes[:1] if a.quick else fp8_shapes, log, sweep, dots_modes,
+                                 fi_fp8=not a.skip_flashinfer_fp8)
     else:
         records += gemm_suite(log)
     if not a.skip_mla and not a.mla_fp8_only and not a.prefill_gemms:

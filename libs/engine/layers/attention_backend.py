@@ -13,9 +13,9 @@ absorbed)` once per forward, then `attend(...)` in every layer after writing its
 # (`plan_micro_batches`, `plan_graph`); extend forwards are not split (`splits_extend`).
 # A backend is made for one KV row format (`kv_cache_dtype`). Over FP8 rows (libs/engine/kv_fp8.py) the paged
 # backends decode with the kernel of the rows' layout where its dims fit, which `fp8_scales` picks for the
-# pool: FlashInfer's decode over "tensor" rows (its SM90 FP8 path; backend "flashinfer" named), else
-# libs.kernels.mla_decode_fp8 over "token" rows; every other path reads the rows dequantized (FlashInfer's
-# ragged prefill included).
+# pool: FlashInfer's decode over "tensor" rows (its SM90 FP8 path; backend "flashinfer" named), else over
+# "token" rows libs.kernels.mla_decode_fp8_sm90 (Hopper, 64-row pages, heads in 64s) or libs.kernels.mla_decode_fp8;
+# every other path reads the rows dequantized (FlashInfer's ragged prefill included).
 
 from __future__ import annotations
 
@@ -176,7 +176,13 @@ class TritonAttention(AttentionBackend):
             return mla_decode_paged(q_latent, q_pe, layer_rows, meta, self.scale)  # "tensor" rows: no kernel
         if is_fp8(layer_rows):
             from libs.kernels import mla_decode_fp8 as fp8
+            from libs.kernels import mla_decode_fp8_sm90 as sm90
 
+            if sm90.available(q_latent.device, meta.page_size, q_latent.shape[1]):
+                return sm90.mla_decode_fp8_sm90(
+                    q_latent, layer_rows, meta.page_table, meta.seq_lens, meta.page_size, self.scale, q_rope=q_pe,
+                    num_splits=meta.num_splits,
+                )  # fmt: skip
             return fp8.mla_decode_fp8(
                 q_latent, layer_rows, meta.page_table, meta.seq_lens, meta.page_size, self.scale,
                 q_rope=q_pe, num_splits=meta.num_splits, cfg=self.kernel_cfg, dots=fp8.DECODE_DOTS,
