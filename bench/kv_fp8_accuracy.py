@@ -159,14 +159,35 @@ def format_study(auto: Engine, seqs, prompt_len, chunk, ref) -> dict:
     return out
 
 
-def run_model(name, model_dir, device, dtype, seqs, prompt_len, chunk, formats, log, backend="auto") -> dict:
+def round_decode_query(engine: Engine) -> None:
+    """The FP8-dot decode's query rounding (mla_decode_fp8.round_query_fp8: per head row to e4m3) in front of
+    `engine`'s absorbed decode, for CPU runs whose decode is the torch one (backend "triton" without a GPU): the
+    SM90 kernel's accuracy but for its FP8 probabilities."""
+    from libs.kernels.mla_decode_fp8 import round_query_fp8
+
+    backend = engine.runner.backend
+    inner = backend.decode_latent
+
+    def decode_latent(q_latent, q_pe, layer_rows, meta):
+        return inner(round_query_fp8(q_latent).to(q_latent.dtype), q_pe, layer_rows, meta)
+
+    backend.decode_latent = decode_latent
+
+
+def run_model(name, model_dir, device, dtype, seqs, prompt_len, chunk, formats, log, backend="auto",
+              fp8_query=False) -> dict:  # fmt: skip
     t0 = time.perf_counter()
     auto, fp8 = engines(model_dir, device, dtype, backend)
+    if fp8_query:
+        if not hasattr(fp8.runner.backend, "decode_latent") or fp8.runner.backend.kernel_cfg is not None:
+            raise ValueError("--fp8-query rounds the query of the torch absorbed decode: --attention-backend "
+                             "triton on a CPU")  # fmt: skip
+        round_decode_query(fp8)
     ref = teacher_forced(auto, seqs, prompt_len, chunk)
     rec = {"model": name, "model_dir": str(model_dir), "device_arg": device, "dtype": dtype, "sequences": len(seqs),
            "prompt_tokens": prompt_len, "decode_tokens": len(seqs[0]) - 1 - prompt_len, "prefill_chunk": chunk,
            "attention_backend": fp8.runner.backend.name, "kv_format": fp8.kv_pool.format_name, "fast_path": fp8.model.fast is not None,
-           "decode_graphs": fp8.runner.graphs is not None,
+           "decode_graphs": fp8.runner.graphs is not None, "fp8_query_rounded": fp8_query,
            "fp8": compare(ref, teacher_forced(fp8, seqs, prompt_len, chunk), seqs)}  # fmt: skip
     f = rec["fp8"]
     log(f"{name} [{dtype}, {rec['attention_backend']}, {rec['kv_format']}]: rel err {f['logits_rel_err_mean']:.2e}, agreement "
@@ -193,6 +214,9 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64, help="teacher-forced decode tokens per sequence")
     ap.add_argument("--chunk", type=int, default=32, help="prefill chunk")
     ap.add_argument("--formats", action="store_true", help="also the row-format study (CPU, torch reference)")
+    ap.add_argument("--fp8-query", action="store_true",
+                    help="round the FP8 engine's decode query as the FP8-dot kernels do (CPU, --attention-backend "
+                    "triton): the SM90 kernel's accuracy but for its FP8 probabilities")  # fmt: skip
     ap.add_argument("--attention-backend", default="auto", choices=BACKENDS,
                     help="the FP8 rows follow it: FlashInfer's \"tensor\" rows with flashinfer named")  # fmt: skip
     a = ap.parse_args()
@@ -209,20 +233,20 @@ def main() -> None:
 
         demo = ensure_demo_model()
         records.append(run_model("demo-v3", demo, a.device, a.dtype, text_windows(demo, a.seqs or 60, length),
-                                 a.prompt, a.chunk, a.formats, log))  # fmt: skip
+                                 a.prompt, a.chunk, a.formats, log, a.attention_backend, a.fp8_query))  # fmt: skip
         tiny = Path.home() / ".cache" / "moemesh" / "tiny-v3"
         if not (tiny / "config.json").exists():
             write_tiny_model(tiny)
         vocab = load_model(tiny, progress=False).config.vocab_size
         records.append(run_model("tiny-v3 (random)", tiny, a.device, a.dtype, random_tokens(vocab, a.seqs or 16, length),
-                                 a.prompt, a.chunk, a.formats, log))  # fmt: skip
+                                 a.prompt, a.chunk, a.formats, log, a.attention_backend, a.fp8_query))  # fmt: skip
     else:
         from libs.engine.config import ModelConfig
 
         vocab = ModelConfig.from_pretrained(a.model).vocab_size
         seqs = random_tokens(vocab, a.seqs or 8, length)
         records.append(run_model(Path(a.model).name, a.model, a.device, a.dtype, seqs, a.prompt, a.chunk, a.formats, log,
-                                 a.attention_backend))  # fmt: skip
+                                 a.attention_backend, a.fp8_query))  # fmt: skip
     env = environment()
     for r in records:
         r.update({"benchmark": "kv_fp8_accuracy", "command": "python -m bench.kv_fp8_accuracy " + " ".join(

@@ -170,14 +170,19 @@ def dequantize_rows(kv_rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([codes * scale, rope], dim=-1)
 
 
+def round_query_fp8(q: torch.Tensor) -> torch.Tensor:
+    """The FP8-dot kernels' latent query as float32: each head row scaled to an amax of 448, rounded to e4m3
+    and scaled back."""
+    lat = q.float()
+    amax = lat.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    return (lat * (FP8_MAX / amax)).to(torch.float8_e4m3fn).float() * (amax / FP8_MAX)
+
+
 def mla_decode_fp8_reference(
     q: torch.Tensor, q_rope: torch.Tensor, kv_rows: torch.Tensor, page_table: torch.Tensor,
     seq_lens: torch.Tensor, page_size: int, sm_scale: float,
 ) -> torch.Tensor:  # fmt: skip
     """The kernel's math in float32 torch but for the FP8 rounding of the probabilities: q quantized per head
     row as the kernel does, attention over the dequantized rows -> [B, H, 512] float32."""
-    lat = q.float()
-    amax = lat.abs().amax(-1, keepdim=True).clamp(min=1e-30)
-    lat = (lat * (FP8_MAX / amax)).to(torch.float8_e4m3fn).float() * (amax / FP8_MAX)
-    full = torch.cat([lat, q_rope.to(torch.bfloat16).float()], dim=-1)
+    full = torch.cat([round_query_fp8(q), q_rope.to(torch.bfloat16).float()], dim=-1)
     return mla_decode_reference(full, dequantize_rows(kv_rows), page_table, seq_lens, page_size, sm_scale)

@@ -112,6 +112,7 @@ def _row_scales(ks_smem, stage, s_layout: gl.constexpr):
 def _softmax(s, r, q_scale, k_scale, mask_n, m_i, l_i, unit, sm_scale_log2, s_layout: gl.constexpr):
     """One tile's online-softmax step -> (FP8 probabilities times the rows' scales in the new unit, the
     accumulator's rescale, m, l, unit). A tile with no row (past the end) changes nothing."""
+    k_scale = gl.where(mask_n, k_scale, 0.0)  # rows past the end: stale bytes, any scale (the unit must not see it)
     s = s * (q_scale[:, None] * k_scale[None, :]) + gl.convert_layout(r, s_layout)
     s = gl.where(mask_n[None, :], s * sm_scale_log2, float("-inf"))
     m_new = gl.maximum(m_i, gl.reduce(s, 1, _max))
