@@ -249,12 +249,17 @@ def mla_fp8_case(b, ctx, h, fi, log, device="cuda", sweep=FP8_SWEEP, dots_modes=
                 if rec["rel_err_vs_exact"] < 8e-2 and (best is None or ms < best["ms"]):
                     best = rec
         if best is not None:
-            best = {**best, "sweep": False, **{f"speedup_vs_{k}": v / best["ms"] for k, v in base.items()}}
-            records.append(best)
-            log(f"mla fp8 rows, {dots} dots, h={h} B={b} L={ctx}: {best['ms'] * 1e3:.0f} us {best['TFLOPs']:.0f} "
-                f"TFLOP/s, err {best['rel_err_vs_exact']:.1e}; "
-                + ", ".join(f"{k} {v * 1e3:.0f} us ({v / best['ms']:.2f}x)" for k, v in base.items()))  # fmt: skip
+            records.append(best_record(best, base, f"{dots} dots", log))
     return records
+
+
+def best_record(best: dict, base: dict, label: str, log) -> dict:
+    """A sweep's fastest record as the one to quote, with its speed-ups over `base`'s kernels, logged."""
+    best = {**best, "sweep": False, **{f"speedup_vs_{k}": v / best["ms"] for k, v in base.items()}}
+    log(f"mla fp8 rows, {label}, h={best['heads']} B={best['batch']} L={best['ctx']}: {best['ms'] * 1e3:.0f} us "
+        f"{best['TFLOPs']:.0f} TFLOP/s, err {best['rel_err_vs_exact']:.1e}; "
+        + ", ".join(f"{k} {v * 1e3:.0f} us ({v / best['ms']:.2f}x)" for k, v in base.items()))  # fmt: skip
+    return best
 
 
 def sm90_fp8_variants(b, ctx, h, ql, qr, rows8, table, seq, err, ref8, base, log) -> list[dict]:
@@ -282,11 +287,7 @@ def sm90_fp8_variants(b, ctx, h, ql, qr, rows8, table, seq, err, ref8, base, log
         if best is None or ms < best["ms"]:
             best = rec
     if best is not None:
-        best = {**best, "sweep": False, **{f"speedup_vs_{k}": v / best["ms"] for k, v in base.items()}}
-        records.append(best)
-        log(f"mla fp8 rows, gluon sm90, h={h} B={b} L={ctx}: {best['ms'] * 1e3:.0f} us {best['TFLOPs']:.0f} TFLOP/s, "
-            f"err {best['rel_err_vs_exact']:.1e}; "
-            + ", ".join(f"{k} {v * 1e3:.0f} us ({v / best['ms']:.2f}x)" for k, v in base.items()))  # fmt: skip
+        records.append(best_record(best, base, "gluon sm90", log))
     return records
 
 

@@ -191,11 +191,7 @@ def mla_decode(
     out = out if out is not None else torch.empty(B, H, LATENT_DIM, dtype=q.dtype, device=q.device)
     log2e = 1.4426950408889634
     scale_log2 = sm_scale * kv_scale * log2e
-    if num_splits > 1:
-        opart = torch.empty(B, H, num_splits, LATENT_DIM, dtype=torch.float32, device=q.device)
-        lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        opart, lse = out, out  # unused by the kernel when NUM_SPLITS == 1
+    opart, lse = split_outputs(out, num_splits)
     grid = (H // block_h, num_splits, B)
     _mla_split_kernel[grid](
         q, q_rope, kv_cache, page_table, seq_lens, out, opart, lse,
@@ -206,15 +202,31 @@ def mla_decode(
         num_splits, PAGE_SIZE=page_size, DIRECT_OUT=num_splits == 1, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         D_LAT=LATENT_DIM, D_ROPE=ROPE_DIM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if num_splits > 1:
-        _mla_combine_kernel[(H, B)](
-            opart, lse, out,
-            opart.stride(0), opart.stride(1), opart.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D_LAT=LATENT_DIM,
-            num_warps=4,
-        )  # fmt: skip
+    combine_splits(opart, lse, out, num_splits)
     return out
+
+
+def split_outputs(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split-K decode's float32 partial outputs [B, H, splits, 512] and log-sum-exps [B, H, splits] for
+    output `out` [B, H, 512]; one split writes `out` directly (the two returned are `out`, unused)."""
+    if num_splits == 1:
+        return out, out
+    B, H = out.shape[:2]
+    opart = torch.empty(B, H, num_splits, LATENT_DIM, dtype=torch.float32, device=out.device)
+    return opart, torch.empty(B, H, num_splits, dtype=torch.float32, device=out.device)
+
+
+def combine_splits(opart: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    """The splits' partials (split_outputs') into `out` by their log-sum-exps; nothing for one split."""
+    if num_splits == 1:
+        return
+    B, H = out.shape[:2]
+    _mla_combine_kernel[(H, B)](
+        opart, lse, out,
+        opart.stride(0), opart.stride(1), opart.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D_LAT=LATENT_DIM, num_warps=4,
+    )  # fmt: skip
 
 
 def mla_decode_reference(

@@ -16,7 +16,14 @@ import triton
 import triton.language as tl
 
 from libs.kernels.fused import FP8_ROW_BYTES, FP8_SCALE_OFFSET
-from libs.kernels.mla_decode import LATENT_DIM, ROPE_DIM, MLAConfig, _mla_combine_kernel, mla_decode_reference
+from libs.kernels.mla_decode import (
+    LATENT_DIM,
+    ROPE_DIM,
+    MLAConfig,
+    combine_splits,
+    mla_decode_reference,
+    split_outputs,
+)
 
 FP8_MAX = 448.0
 DOTS = ("fp8", "fp8-qk", "bf16")
@@ -120,28 +127,16 @@ def mla_decode_fp8(
     if dots not in DOTS:
         raise ValueError(f"dots must be one of {DOTS}, got {dots!r}")
     cfg = cfg or MLAConfig()
-    B, H, D = q.shape
-    if D != LATENT_DIM or q_rope.shape != (B, H, ROPE_DIM):
-        raise ValueError(f"FP8 MLA decode expects 512 + 64-dim q, got {tuple(q.shape)}, {tuple(q_rope.shape)}")
-    if kv_rows.dtype != torch.uint8 or kv_rows.dim() != 2 or kv_rows.shape[1] != FP8_ROW_BYTES:
-        raise ValueError(f"FP8 MLA decode expects [slots, {FP8_ROW_BYTES}] uint8 rows, got {kv_rows.dtype} "
-                         f"{tuple(kv_rows.shape)}")  # fmt: skip
+    check_inputs(q, q_rope, kv_rows, page_table, seq_lens)
+    B, H, _ = q.shape
     if cfg.block_n < 32:  # an FP8 tensor-core dot's K (PV's is the tile's rows) is at least 32 on a GPU
         raise ValueError(f"FP8 MLA decode needs tiles of at least 32 rows, got block_n={cfg.block_n}")
     block_h = min(cfg.block_h, max(16, triton.next_power_of_2(H)))
     if H % block_h:
         raise ValueError(f"num_heads {H} must be a multiple of the head block {block_h}")
-    if page_table.dim() != 2 or page_table.shape[0] != B or seq_lens.shape != (B,):
-        raise ValueError("page_table must be [B, max_pages] and seq_lens [B]")
-    if q.stride(-1) != 1 or q_rope.stride(-1) != 1 or kv_rows.stride(-1) != 1:
-        raise ValueError("q and kv_rows need a contiguous last dimension")
     kv8, kvr, kvs = kv_rows.view(torch.float8_e4m3fn), kv_rows.view(torch.bfloat16), kv_rows.view(torch.float32)
     out = out if out is not None else torch.empty(B, H, LATENT_DIM, dtype=q.dtype, device=q.device)
-    if num_splits > 1:
-        opart = torch.empty(B, H, num_splits, LATENT_DIM, dtype=torch.float32, device=q.device)
-        lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        opart, lse = out, out  # unused by the kernel when NUM_SPLITS == 1
+    opart, lse = split_outputs(out, num_splits)
     _mla_fp8_split_kernel[(H // block_h, num_splits, B)](
         q, q_rope, kv8, kvr, kvs, page_table, seq_lens, out, opart, lse, sm_scale * 1.4426950408889634,
         q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), kv8.stride(0), kvr.stride(0),
@@ -152,14 +147,23 @@ def mla_decode_fp8(
         QK_FP8=dots != "bf16", PV_FP8=dots == "fp8",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if num_splits > 1:
-        _mla_combine_kernel[(H, B)](
-            opart, lse, out,
-            opart.stride(0), opart.stride(1), opart.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D_LAT=LATENT_DIM, num_warps=4,
-        )  # fmt: skip
+    combine_splits(opart, lse, out, num_splits)
     return out
+
+
+def check_inputs(q: torch.Tensor, q_rope: torch.Tensor, kv_rows: torch.Tensor, page_table: torch.Tensor,
+                 seq_lens: torch.Tensor) -> None:  # fmt: skip
+    """What every FP8-row decode kernel reads: a 512 + 64-dim query, [slots, 656] uint8 rows, a [B, pages] table."""
+    B, H, D = q.shape
+    if D != LATENT_DIM or q_rope.shape != (B, H, ROPE_DIM):
+        raise ValueError(f"FP8 MLA decode expects 512 + 64-dim q, got {tuple(q.shape)}, {tuple(q_rope.shape)}")
+    if kv_rows.dtype != torch.uint8 or kv_rows.dim() != 2 or kv_rows.shape[1] != FP8_ROW_BYTES:
+        raise ValueError(f"FP8 MLA decode expects [slots, {FP8_ROW_BYTES}] uint8 rows, got {kv_rows.dtype} "
+                         f"{tuple(kv_rows.shape)}")  # fmt: skip
+    if page_table.dim() != 2 or page_table.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError("page_table must be [B, max_pages] and seq_lens [B]")
+    if q.stride(-1) != 1 or q_rope.stride(-1) != 1 or kv_rows.stride(-1) != 1:
+        raise ValueError("q, q_rope and kv_rows need a contiguous last dimension")
 
 
 def dequantize_rows(kv_rows: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -35,8 +34,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from libs.kernels.fused import FP8_ROW_BYTES, FP8_SCALE_OFFSET
-from libs.kernels.mla_decode import LATENT_DIM, ROPE_DIM, _mla_combine_kernel
+from libs.kernels.fused import FP8_SCALE_OFFSET
+from libs.kernels.mla_decode import LATENT_DIM, ROPE_DIM, combine_splits, split_outputs
+from libs.kernels.mla_decode_fp8 import check_inputs
 
 BLOCK_H = 64  # heads a program: one 64-row WGMMA
 PAGE = 64  # rows a tile: one page (the only page size this kernel reads)
@@ -326,23 +326,15 @@ def mla_decode_fp8_sm90(
 ) -> torch.Tensor:
     """mla_decode_fp8's contract ("fp8" dots): q [B, H, 512] and q_rope [B, H, 64] (any batch/head strides)
     over one layer's FP8 row bytes kv_rows [slots, 656] uint8 -> [B, H, 512] in q's dtype; page_size 64,
-    H a multiple of 64. pipeline: each tile's softmax overlaps the previous tile's PV (double-buffered operands);
-num_stages: tiles in flight (stages_for(pipeline))."""
-    B, H, D = q.shape
-    if D != LATENT_DIM or q_rope.shape != (B, H, ROPE_DIM):
-        raise ValueError(f"FP8 MLA decode expects 512 + 64-dim q, got {tuple(q.shape)}, {tuple(q_rope.shape)}")
-    if kv_rows.dtype != torch.uint8 or kv_rows.dim() != 2 or kv_rows.shape[1] != FP8_ROW_BYTES:
-        raise ValueError(f"FP8 MLA decode expects [slots, {FP8_ROW_BYTES}] uint8 rows, got {kv_rows.dtype} "
-                         f"{tuple(kv_rows.shape)}")  # fmt: skip
+        H a multiple of 64. pipeline: each tile's softmax overlaps the previous tile's PV (double-buffered
+    operands); num_stages: tiles in flight (stages_for(pipeline))."""
+    check_inputs(q, q_rope, kv_rows, page_table, seq_lens)
+    B, H, _ = q.shape
     if page_size != PAGE or H % BLOCK_H:
         raise ValueError(f"the SM90 FP8 MLA decode takes {PAGE}-row pages and heads in {BLOCK_H}s, got "
                          f"page_size={page_size}, {H} heads")  # fmt: skip
     if num_stages not in stages_for(pipeline):
         raise ValueError(f"num_stages must be one of {stages_for(pipeline)} (pipeline={pipeline}), got {num_stages}")
-    if page_table.dim() != 2 or page_table.shape[0] != B or seq_lens.shape != (B,):
-        raise ValueError("page_table must be [B, max_pages] and seq_lens [B]")
-    if q.stride(-1) != 1 or q_rope.stride(-1) != 1 or kv_rows.stride(-1) != 1:
-        raise ValueError("q, q_rope and kv_rows need a contiguous last dimension")
     lat = kv_rows.view(torch.float8_e4m3fn)[:, :LATENT_DIM]
     rope = kv_rows.view(torch.bfloat16)[:, LATENT_DIM // 2 : LATENT_DIM // 2 + ROPE_DIM]
     lat_desc = TensorDescriptor.from_tensor(lat, [PAGE, CHUNK], lat_layout())
@@ -350,11 +342,7 @@ num_stages: tiles in flight (stages_for(pipeline))."""
     scales = kv_rows.view(torch.float32)[:, FP8_SCALE_OFFSET // 4 : FP8_SCALE_OFFSET // 4 + 4]  # 16 bytes a row
     scale_desc = TensorDescriptor.from_tensor(scales, [PAGE, 4], scale_layout())
     out = out if out is not None else torch.empty(B, H, LATENT_DIM, dtype=q.dtype, device=q.device)
-    if num_splits > 1:
-        opart = torch.empty(B, H, num_splits, LATENT_DIM, dtype=torch.float32, device=q.device)
-        lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        opart, lse = out, out  # unused by the kernel when NUM_SPLITS == 1
+    opart, lse = split_outputs(out, num_splits)
     _mla_fp8_sm90_kernel[(H // BLOCK_H, num_splits, B)](
         lat_desc, rope_desc, scale_desc, q, q_rope, page_table, seq_lens, out, opart, lse,
         sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1),
@@ -362,11 +350,5 @@ num_stages: tiles in flight (stages_for(pipeline))."""
         opart.stride(0), opart.stride(1), opart.stride(2) if num_splits > 1 else 0, lse.stride(0), lse.stride(1),
         num_splits, DIRECT_OUT=num_splits == 1, NUM_STAGES=num_stages, PIPELINE=pipeline, num_warps=8,
     )  # fmt: skip
-    if num_splits > 1:
-        _mla_combine_kernel[(H, B)](
-            opart, lse, out,
-            opart.stride(0), opart.stride(1), opart.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D_LAT=LATENT_DIM, num_warps=4,
-        )  # fmt: skip
+    combine_splits(opart, lse, out, num_splits)
     return out

@@ -212,7 +212,7 @@ class FlashInferAttention(TritonAttention):
         fp8_tensor_rows: bool = False,
     ) -> None:  # fmt: skip
         """fp8_tensor_rows: an FP8 pool holds "tensor" rows, which FlashInfer's FP8 decode reads; otherwise FP8
-        ("token") rows decode with the Triton FP8 kernel."""
+        ("token") rows decode with the FP8 kernels (TritonAttention.decode_latent picks SM90's or Triton's)."""
         fp8 = kv_cache_dtype != "auto"
         super().__init__(cfg, device, dtype, use_kernel=None if fp8 else False, kv_cache_dtype=kv_cache_dtype)
         from libs.kernels import flashinfer_mla
@@ -303,7 +303,7 @@ class FlashInferAttention(TritonAttention):
         self._parts = self._eager_parts
 
     def decode_latent(self, q_latent, q_pe, layer_rows, meta: PagedMetadata) -> torch.Tensor:
-        if self.mla is None:  # "token" FP8 rows (the Triton FP8 kernel), or dims FlashInfer does not take
+        if self.mla is None:  # "token" FP8 rows (the FP8 kernels), or dims FlashInfer does not take
             return super().decode_latent(q_latent, q_pe, layer_rows, meta)
         mla = self._active if self._active is not None else self.mla
         if meta.part is not None:
@@ -350,8 +350,8 @@ def resolve_backend(name: str, device: torch.device) -> str:
 def fp8_scales(name: str, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> str:
     """The FP8 row layout (libs/engine/kv_fp8.py) a pool should have for backend `name`: "tensor" where
     FlashInfer's FP8 decode reads it (backend "flashinfer" named, CUDA, a 16-bit model, DeepSeek's 512 + 64
-    row), else "token". "auto" keeps "token" rows and the Triton FP8 kernel: FlashInfer's SM90 FP8 decode widens
-    the codes to bf16 in shared memory and is the slower of the two (docs/gpu.md#fp8-kv-cache)."""
+    row), else "token". "auto" keeps "token" rows and the project's FP8 kernels (SM90's FP8 MMAs on Hopper):
+    FlashInfer's SM90 FP8 decode widens the codes to bf16 in shared memory and is the slower (docs/gpu.md#fp8-kv-cache)."""
     resolved = resolve_backend(name, torch.device(device))
     half = dtype in (torch.bfloat16, torch.float16)
     fits = _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
