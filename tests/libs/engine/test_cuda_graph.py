@@ -244,11 +244,12 @@ def test_greedy_with_graphs_equals_eager_and_cpu_float32(tmp_path, dims):
     assert graphed == eager == cpu_tokens
 
 
-def _decode_graph_vs_eager(model, prompts=PROMPTS, tol=1e-2, backend="triton", kv_cache_dtype="auto") -> Engine:
+def _decode_graph_vs_eager(model, prompts=PROMPTS, tol=1e-2, backend="triton", kv_cache_dtype="auto",
+                           page_size=16) -> Engine:  # fmt: skip
     """Prefill the prompts eagerly, then the same decode step replayed from a graph (3 rows pad to 4; 4 do not) and
     eagerly: logits agree to `tol` (kernel choices and split-K counts follow the row count, so not
     bitwise), and a subset of rows gives the same rows."""
-    engine = Engine(model, page_size=16, num_pages=64, max_num_seqs=8, attention_backend=backend,
+    engine = Engine(model, page_size=page_size, num_pages=64, max_num_seqs=8, attention_backend=backend,
                     kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     runner = engine.runner
     assert runner.backend.name == backend
@@ -338,6 +339,23 @@ def test_flashinfer_backend_decodes_fp8_rows_as_the_reference(layout):
     q_nope, q_pe, w = (x.to("cuda", torch.bfloat16) for x in (q_nope, q_pe, w))
     got = backend.attend(q_nope, q_pe, raw.cuda(), MLAWeights.from_dense(w, h, 128), backend.prepare(batch, 4, True))
     assert _rel(got.cpu(), expected) < 2e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_sm90_fp8_decode_graph_replay_equals_eager(tmp_path, monkeypatch):
+    """FP8 "token" rows on Hopper with 64 heads and 64-row pages: the SM90 Gluon kernel decodes them, in the
+    decode graph as eagerly (its FP8 probabilities follow the split count: a looser tolerance)."""
+    from libs.kernels import mla_decode_fp8_sm90 as sm90
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an SM90 GPU")
+    calls, real = [], sm90.mla_decode_fp8_sm90
+    monkeypatch.setattr(sm90, "mla_decode_fp8_sm90", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    path = _tiny(tmp_path, first_k_dense_replace=3, **(KERNEL_DIMS | dict(num_attention_heads=64)))
+    model = load_model(path, device="cuda", dtype="bfloat16", progress=False)
+    engine = _decode_graph_vs_eager(model, tol=3e-2, kv_cache_dtype="fp8_e4m3", page_size=64)
+    assert engine.kv_pool.format_name == "fp8_e4m3" and calls
 
 
 @pytest.mark.gpu
