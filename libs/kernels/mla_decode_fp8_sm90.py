@@ -73,6 +73,14 @@ def _load_tile(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, 
 
 
 @gluon.jit
+def _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, page, t, n_tiles, PT, pt_row,
+            first_page, stride_ptp, NUM_STAGES: gl.constexpr):  # fmt: skip
+    """Tile t's TMA (its page number loaded a refill earlier) -> tile t + 1's page number, for the next refill."""
+    _load_tile(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, page, t, n_tiles, NUM_STAGES)
+    return _page(PT, pt_row, first_page, t + 1, n_tiles, stride_ptp)
+
+
+@gluon.jit
 def _page(PT, pt_row, first_page, i, n_tiles, stride_ptp):
     """Tile i's page number (0 past the last tile)."""
     return gl.load(PT + pt_row + (first_page + i) * stride_ptp, mask=i < n_tiles, other=0)
@@ -209,9 +217,8 @@ def _mla_fp8_sm90_kernel(
         s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc))
         k_scale = _row_scales(ks_smem, 0, s_layout)
         gl.thread_barrier()
-        _load_tile(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page, NUM_STAGES, n_tiles,
-                   NUM_STAGES)  # fmt: skip
-        next_page = _page(PT, pt_row, first_page, NUM_STAGES + 1, n_tiles, stride_ptp)
+        next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page, NUM_STAGES,
+                            n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
         p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, (start + cols_s) < end, m_i, l_i, unit,
                                                sm_scale_log2, s_layout)  # fmt: skip
         p_smem.index(0).store(p8)
@@ -232,9 +239,8 @@ def _mla_fp8_sm90_kernel(
             s, r = warpgroup_mma_wait(num_outstanding=1, deps=(s_acc, r_acc))  # QK done, PV may still run
             k_scale = _row_scales(ks_smem, stage, s_layout)
             gl.thread_barrier()  # every warp is done with this slot (its MMAs, transposes and scales)
-            _load_tile(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page, j + NUM_STAGES,
-                       n_tiles, NUM_STAGES)  # fmt: skip
-            next_page = _page(PT, pt_row, first_page, j + NUM_STAGES + 1, n_tiles, stride_ptp)
+            next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page,
+                                j + NUM_STAGES, n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
             p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, (start + j * 64 + cols_s) < end, m_i, l_i,
                                                    unit, sm_scale_log2, s_layout)  # fmt: skip
             p_smem.index(1 - buf).store(p8)
@@ -256,9 +262,8 @@ def _mla_fp8_sm90_kernel(
             s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc))
             k_scale = _row_scales(ks_smem, stage, s_layout)
             gl.thread_barrier()  # every warp is done with this slot (its MMAs, transposes and scales)
-            _load_tile(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page, i + NUM_STAGES,
-                       n_tiles, NUM_STAGES)  # fmt: skip
-            next_page = _page(PT, pt_row, first_page, i + NUM_STAGES + 1, n_tiles, stride_ptp)
+            next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page,
+                                i + NUM_STAGES, n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
             p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, (start + i * 64 + cols_s) < end, m_i, l_i,
                                                    unit, sm_scale_log2, s_layout)  # fmt: skip
             p_smem.index(0).store(p8)
