@@ -102,10 +102,10 @@ def build_engine(
 
 def kv_roofline(engine: Engine) -> dict:
     """decode_step_bound's KV arguments for the engine's pool: bytes per cached value, and whether attention's
-    dots run in FP8 (the Triton kernel over "token" rows with FP8 dots; FlashInfer over "tensor" rows and the
-    Engine's default bf16 dots dequantize first)."""
+    dots run in FP8 (fp8_kernel's SM90 kernel or the Triton one in an FP8 dots mode; FlashInfer over "tensor"
+    rows and the Triton kernel's bf16 dots dequantize first)."""
     pool = engine.kv_pool
-    fp8_dots = pool.fp8 is not None and pool.fp8.scales == "token" and fp8_kernel(engine) != "triton-bf16-dots"
+    fp8_dots = fp8_kernel(engine) not in (None, "triton-bf16-dots")
     return {"kv_bytes": pool.row_width * pool.buffer.element_size() / pool.row_dim, "mla_fp8": fp8_dots}
 
 

@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from libs.kernels import mla_decode_fp8 as fp8_rows
 from libs.kernels.fused import FP8_SCALE_OFFSET
 from libs.kernels.mla_decode import LATENT_DIM, ROPE_DIM, combine_splits, split_outputs
 from libs.kernels.mla_decode_fp8 import check_inputs
@@ -41,7 +42,7 @@ from libs.kernels.mla_decode_fp8 import check_inputs
 BLOCK_H = 64  # heads a program: one 64-row WGMMA
 PAGE = 64  # rows a tile: one page (the only page size this kernel reads)
 CHUNK = 128  # latent columns a TMA box and a QK WGMMA take (a 128-byte swizzled row)
-FP8_MAX = gl.constexpr(448.0)
+FP8_MAX = gl.constexpr(fp8_rows.FP8_MAX)
 STAGES = (2, 3)  # tiles in flight (stages_for says which fit)
 
 
@@ -153,8 +154,6 @@ def _mla_fp8_sm90_kernel(
     q_load: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
     t_read: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [2, 4], [1, 0])
     t_write: gl.constexpr = gl.BlockedLayout([4, 4], [8, 4], [4, 2], [1, 0])
-    q8_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-    qr_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     t_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
     BUFS: gl.constexpr = 2 if PIPELINE else 1  # transposed tiles and probabilities: one being read by PV
 
@@ -169,8 +168,8 @@ def _mla_fp8_sm90_kernel(
     pt_row = b.to(gl.int64) * stride_ptb
     first_page = start // 64
 
-    q8_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, 64, 128], q8_sl)
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 64], qr_sl)
+    q8_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, 64, 128], lat_desc.layout)  # as the codes' tiles
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 64], rope_desc.layout)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES * 4, 64, 128], lat_desc.layout)
     kr_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, 64], rope_desc.layout)
     ks_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 64, 4], scale_desc.layout)
@@ -331,7 +330,7 @@ def mla_decode_fp8_sm90(
 ) -> torch.Tensor:
     """mla_decode_fp8's contract ("fp8" dots): q [B, H, 512] and q_rope [B, H, 64] (any batch/head strides)
     over one layer's FP8 row bytes kv_rows [slots, 656] uint8 -> [B, H, 512] in q's dtype; page_size 64,
-        H a multiple of 64. pipeline: each tile's softmax overlaps the previous tile's PV (double-buffered
+    H a multiple of 64. pipeline: each tile's softmax overlaps the previous tile's PV (double-buffered
     operands); num_stages: tiles in flight (stages_for(pipeline))."""
     check_inputs(q, q_rope, kv_rows, page_table, seq_lens)
     B, H, _ = q.shape

@@ -351,7 +351,8 @@ def fp8_scales(name: str, cfg: ModelConfig, device: torch.device | str, dtype: t
     """The FP8 row layout (libs/engine/kv_fp8.py) a pool should have for backend `name`: "tensor" where
     FlashInfer's FP8 decode reads it (backend "flashinfer" named, CUDA, a 16-bit model, DeepSeek's 512 + 64
     row), else "token". "auto" keeps "token" rows and the project's FP8 kernels (SM90's FP8 MMAs on Hopper):
-    FlashInfer's SM90 FP8 decode widens the codes to bf16 in shared memory and is the slower (docs/gpu.md#fp8-kv-cache)."""
+    FlashInfer's SM90 FP8 decode widens the codes to bf16 in shared memory and is the slower
+    (docs/gpu.md#fp8-kv-cache)."""
     resolved = resolve_backend(name, torch.device(device))
     half = dtype in (torch.bfloat16, torch.float16)
     fits = _kernel_fits(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)

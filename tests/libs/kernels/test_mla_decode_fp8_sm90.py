@@ -102,7 +102,7 @@ def test_matches_the_reference_on_gpu(pipeline, stages, heads):
 def test_stale_nan_bytes_past_the_end_and_empty_splits_stay_out(pipeline):
     q, kv, table, seq = _case("cuda", 128, 64, [20, 130], seed=1)
     nan_rows = kv.clone()
-    for b, n in enumerate(seq.tolist()):  # every slot past each sequence's end: NaN codes, NaN scale
+    for b, n in enumerate(seq.tolist()):  # every slot past each sequence's end: NaN codes, a 3.4e38 scale
         last = table[b, (n - 1) // 64].long()
         nan_rows[last * 64 + (n % 64 or 64) : last * 64 + 64] = 0x7F
     out = _run(q, nan_rows, table, seq, num_splits=8, pipeline=pipeline)  # most of 8 splits of 20 rows: empty
