@@ -78,7 +78,8 @@ if [ "${1:-}" = mla ]; then  # the FP8-row MLA decode: the Gluon SM90 kernel's G
   # the Engine's decode over FP8 rows with each kernel (MOEMESH_MLA_FP8=triton: the Triton one) beside bf16 rows;
   # DECODE_BASELINE runs the FP8 decode on that build too (as PREFILL_BASELINE), then the Triton kernels' tests
   t0=$(date +%s)
-  budgeted_tests 30 tests/libs/kernels/test_mla_decode_fp8_sm90.py
+  budgeted_tests 30 tests/libs/kernels/test_mla_decode_fp8_sm90.py \
+    tests/libs/engine/test_cuda_graph.py::test_sm90_fp8_decode_graph_replay_equals_eager
   timeout 200 python3 -m bench.kernels --mla-fp8-only --quick --triton-fp8 "${FP8_TRITON:-engine}" ${MLA_KERNEL_ARGS:-} \
     > "$OUT/kernels_fp8.log" 2>&1
   grep -E "^mla fp8|flashinfer|triton|gluon|failed|Error" "$OUT/kernels_fp8.log" | cut -c1-220 | tee -a "$summary"

@@ -99,37 +99,48 @@ def _issue_qk(q8_smem, qr_smem, k_smem, kr_smem, stage, s_zero, r_zero):
 
 
 @gluon.jit
-def _transpose(k_smem, stage, vt, ok_t, t_read: gl.constexpr, t_write: gl.constexpr):
+def _transpose(k_smem, stage, vt, ok_t, t_read: gl.constexpr):
     """The slot's codes [64 rows, 512] into vt [512, 64] (PV's K-major operand), rows where not ok_t zeroed."""
     for c in gl.static_range(4):
         codes = k_smem.index(stage * 4 + c).load(t_read).to(gl.int8, bitcast=True)
         codes = gl.where(ok_t[:, None], codes, 0)
-        codes_t = gl.convert_layout(gl.permute(codes, (1, 0)), t_write)
-        vt.slice(c * 128, 128, 0).store(codes_t.to(gl.float8e4nv, bitcast=True))
+        vt.slice(c * 128, 128, 0).store(gl.permute(codes, (1, 0)).to(gl.float8e4nv, bitcast=True))
 
 
 @gluon.jit
-def _row_scales(ks_smem, stage, s_layout: gl.constexpr):
-    """The slot's per-row scales (the first float of each row's 16 TMA'd bytes), along S's columns."""
-    ks_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [2, 4], [1, 0])
+def _row_scales(ks_smem, stage, row0, end, s_layout: gl.constexpr):
+    """The slot's per-row scales (the first float of each row's 16 TMA'd bytes; 0 past the sequence's end, whose
+    stale bytes may hold any scale) along S's columns, and their largest. Every warp reads all 64 (256 bytes), so
+    the largest and the move to S's columns stay within a warp."""
+    ks_layout: gl.constexpr = gl.BlockedLayout([2, 4], [32, 1], [1, 8], [1, 0])
     raw = ks_smem.index(stage).load(ks_layout)
     first = gl.arange(0, 4, layout=gl.SliceLayout(0, ks_layout)) == 0
-    return gl.convert_layout(gl.reduce(gl.where(first[None, :], raw, 0.0), 1, _add), gl.SliceLayout(0, s_layout))
+    ok = (row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ks_layout))) < end
+    scale = gl.reduce(gl.where(first[None, :] & ok[:, None], raw, 0.0), 1, _add)
+    return gl.convert_layout(scale, gl.SliceLayout(0, s_layout)), gl.reduce(scale, 0, _max)
 
 
 @gluon.jit
-def _softmax(s, r, q_scale, k_scale, mask_n, m_i, l_i, unit, sm_scale_log2, s_layout: gl.constexpr):
+def _row_halves(x):
+    """[64, 64] in S's layout -> the sums of each row's two 32-column halves [64, 2], the halves the two
+    warpgroups hold (so no exchange between them)."""
+    return gl.reduce(gl.reshape(x, [64, 2, 32]), 2, _add)
+
+
+@gluon.jit
+def _softmax(s, r, q_scale, k_scale, k_max, mask_n, m_i, l_i, unit, sm_scale_log2, s_layout: gl.constexpr):
     """One tile's online-softmax step -> (FP8 probabilities times the rows' scales in the new unit, the
-    accumulator's rescale, m, l, unit). A tile with no row (past the end) changes nothing."""
-    k_scale = gl.where(mask_n, k_scale, 0.0)  # rows past the end: stale bytes, any scale (the unit must not see it)
+    accumulator's rescale, m, l (per row half: _row_halves), unit). A tile with no row (past the end) changes
+    nothing."""
     s = s * (q_scale[:, None] * k_scale[None, :]) + gl.convert_layout(r, s_layout)
     s = gl.where(mask_n[None, :], s * sm_scale_log2, float("-inf"))
     m_new = gl.maximum(m_i, gl.reduce(s, 1, _max))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no row yet: exp2(-inf - -inf) would be NaN
     p = gl.exp2(s - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
-    l_new = l_i * alpha + gl.reduce(p, 1, _add)
-    new_unit = gl.maximum(unit, gl.reduce(k_scale, 0, _max) / FP8_MAX)  # never shrinks: p8 <= 448, rescale <= 1
+    p_sum = _row_halves(p)
+    l_new = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, p_sum.type.layout), assert_trivial=True)[:, None] + p_sum
+    new_unit = gl.maximum(unit, k_max / FP8_MAX)  # never shrinks: p8 <= 448, rescale <= 1
     p8 = (p * (k_scale / new_unit)[None, :]).to(gl.float8e4nv)
     return p8, alpha * (unit / new_unit), m_new, l_new, new_unit
 
@@ -152,8 +163,7 @@ def _mla_fp8_sm90_kernel(
     # query loads: 8 contiguous bf16 a thread; the transpose: a 4 x 4 byte block a thread, read along the
     # latent dimension and written along the rows (32-bit shared-memory accesses both ways)
     q_load: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
-    t_read: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [2, 4], [1, 0])
-    t_write: gl.constexpr = gl.BlockedLayout([4, 4], [8, 4], [4, 2], [1, 0])
+    t_read: gl.constexpr = gl.BlockedLayout([8, 4], [2, 16], [4, 2], [1, 0])
     t_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
     BUFS: gl.constexpr = 2 if PIPELINE else 1  # transposed tiles and probabilities: one being read by PV
 
@@ -201,8 +211,8 @@ def _mla_fp8_sm90_kernel(
     gl.thread_barrier()
 
     m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([64], gl.float32, layout=row_s)
     s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
+    l_i = _row_halves(s_zero)
     r_zero = gl.zeros([64, 64], gl.float32, layout=r_layout)
     unit = sm_scale_log2 * 0.0 + 1e-30
     rows_t = gl.arange(0, 64, layout=gl.SliceLayout(1, t_read))
@@ -212,13 +222,13 @@ def _mla_fp8_sm90_kernel(
         # softmax come first, and the last iteration's "next" tile is past the end (no load, no change)
         mbarrier.wait(bars.index(0), 0, pred=n_tiles > 0)
         s_acc, r_acc = _issue_qk(q8_smem, qr_smem, k_smem, kr_smem, 0, s_zero, r_zero)
-        _transpose(k_smem, 0, vt_smem.index(0), (start + rows_t) < end, t_read, t_write)
+        _transpose(k_smem, 0, vt_smem.index(0), (start + rows_t) < end, t_read)
         s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc))
-        k_scale = _row_scales(ks_smem, 0, s_layout)
+        k_scale, k_max = _row_scales(ks_smem, 0, start, end, s_layout)
         gl.thread_barrier()
         next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page, NUM_STAGES,
                             n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
-        p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, (start + cols_s) < end, m_i, l_i, unit,
+        p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, k_max, (start + cols_s) < end, m_i, l_i, unit,
                                                sm_scale_log2, s_layout)  # fmt: skip
         p_smem.index(0).store(p8)
         o = gl.zeros([64, 512], gl.float32, layout=o_layout)  # sum of p * v in `unit`s
@@ -234,13 +244,13 @@ def _mla_fp8_sm90_kernel(
                                   o, is_async=True)  # fmt: skip
             # into the other buffers: their last reader, tile i - 1's PV, was waited for by both warpgroups
             _transpose(k_smem, stage, vt_smem.index(1 - buf), (start + j * 64 + rows_t) < end,
-                       t_read, t_write)  # fmt: skip
+                       t_read)  # fmt: skip
             s, r = warpgroup_mma_wait(num_outstanding=1, deps=(s_acc, r_acc))  # QK done, PV may still run
-            k_scale = _row_scales(ks_smem, stage, s_layout)
+            k_scale, k_max = _row_scales(ks_smem, stage, start + j * 64, end, s_layout)
             gl.thread_barrier()  # every warp is done with this slot (its MMAs, transposes and scales)
             next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page,
                                 j + NUM_STAGES, n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
-            p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, (start + j * 64 + cols_s) < end, m_i, l_i,
+            p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, k_max, (start + j * 64 + cols_s) < end, m_i, l_i,
                                                    unit, sm_scale_log2, s_layout)  # fmt: skip
             p_smem.index(1 - buf).store(p8)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,))
@@ -257,13 +267,13 @@ def _mla_fp8_sm90_kernel(
             # the transposed tile and the probabilities), before its operands are overwritten
             o = warpgroup_mma_wait(num_outstanding=5, deps=(o_acc,))
             gl.thread_barrier()
-            _transpose(k_smem, stage, vt_smem.index(0), (start + i * 64 + rows_t) < end, t_read, t_write)
+            _transpose(k_smem, stage, vt_smem.index(0), (start + i * 64 + rows_t) < end, t_read)
             s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc))
-            k_scale = _row_scales(ks_smem, stage, s_layout)
+            k_scale, k_max = _row_scales(ks_smem, stage, start + i * 64, end, s_layout)
             gl.thread_barrier()  # every warp is done with this slot (its MMAs, transposes and scales)
             next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page,
                                 i + NUM_STAGES, n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
-            p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, (start + i * 64 + cols_s) < end, m_i, l_i,
+            p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, k_max, (start + i * 64 + cols_s) < end, m_i, l_i,
                                                    unit, sm_scale_log2, s_layout)  # fmt: skip
             p_smem.index(0).store(p8)
             o = o * gl.convert_layout(rescale, row_o)[:, None]
@@ -274,6 +284,7 @@ def _mla_fp8_sm90_kernel(
     for st in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(bars.index(st))
 
+    l_i = gl.convert_layout(gl.reduce(l_i, 1, _add), row_s)
     l_o = gl.convert_layout(l_i, row_o)
     has = l_o > 0
     out = o * (unit / gl.where(has, l_o, 1.0))[:, None]
