@@ -111,15 +111,17 @@ def kv_roofline(engine: Engine) -> dict:
 
 def fp8_kernel(engine: Engine) -> str | None:
     """Which kernel decodes the pool's "token" FP8 rows (attention_backend's choice): the Gluon SM90 kernel (FP8
-    dots) where it reads the pages and heads, else the Triton one with its dots mode; None without them."""
+    dots; its seesaw schedule with MOEMESH_MLA_FP8=seesaw) where it reads the pages and heads, else the Triton one
+    with its dots mode; None without them."""
     from libs.kernels import mla_decode_fp8_sm90 as sm90
+    from libs.kernels import mla_decode_fp8_sm90_seesaw as seesaw
 
     pool = engine.kv_pool
     if pool.fp8 is None or pool.fp8.scales != "token":
         return None
     heads = engine.model.config.num_attention_heads
     if sm90.available(pool.buffer.device, pool.page_size, heads):
-        return "gluon-sm90-fp8-dots"
+        return "gluon-sm90-seesaw-fp8-dots" if seesaw.chosen() else "gluon-sm90-fp8-dots"
     return f"triton-{fp8_attn.DECODE_DOTS}-dots"
 
 

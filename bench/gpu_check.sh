@@ -7,7 +7,8 @@
 #   FP8_EXTRA="fp8_e4m3:512 fp8_e4m3:256:triton" bash bench/gpu_check.sh fp8   (further decode_rank runs,
 #   kv_cache_dtype:batch[:attention backend, default flashinfer]; triton decodes the FP8 cache's "token" rows)
 #   MLA_RUNS="auto:flashinfer:auto fp8_e4m3:auto:auto" MLA_KERNEL_ARGS=--skip-flashinfer-fp8 bash bench/gpu_check.sh mla
-#   (the FP8-row MLA decode kernels and the Engine's decode with each; MLA_ACCURACY=1 adds the accuracy run)
+#   (the FP8-row MLA decode kernels and the Engine's decode with each, MOEMESH_MLA_FP8=seesaw the warp-specialized
+#   schedule; MLA_ACCURACY=1 adds the accuracy run)
 #   FP8_TRITON=engine bash bench/gpu_check.sh fp8   (the Triton FP8 kernel only as the Engine runs it, no tile
 #   sweep; none: FlashInfer's decodes only) beside FlashInfer's bf16 and FP8 decodes, then the Engine, then the
 #   FP8 cache's accuracy on a random V3-width checkpoint with each row layout (bench.kv_fp8_accuracy)
@@ -87,7 +88,7 @@ if [ "${1:-}" = mla ]; then  # the FP8-row MLA decode: the Gluon SM90 kernel's G
     on_baseline "$DECODE_BASELINE" "^B=|Error" timeout 100 python3 -m bench.decode_rank --batch 256 --attn triton \
       --kv-cache-dtype fp8_e4m3
   fi
-  for run in ${MLA_RUNS:-auto:flashinfer:auto fp8_e4m3:auto:auto fp8_e4m3:auto:triton}; do  # dtype:backend:FP8 kernel ("auto"
+  for run in ${MLA_RUNS:-auto:flashinfer:auto fp8_e4m3:auto:auto fp8_e4m3:auto:seesaw fp8_e4m3:auto:triton}; do  # dtype:backend:FP8 kernel ("auto"
     # with FP8 keeps "token" rows; "flashinfer" named would give FlashInfer's own FP8 decode "tensor" rows)
     IFS=: read -r dtype attn kernel <<< "$run"
     MOEMESH_MLA_FP8=$kernel timeout 100 python3 -m bench.decode_rank --batch 256 --attn "$attn" \

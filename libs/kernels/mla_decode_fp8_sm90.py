@@ -57,6 +57,36 @@ def _add(a, b):
 
 
 @gluon.jit
+def _split_range(SEQ, b, split, NUM_SPLITS):
+    """Sequence b's rows in this split (64-row aligned): (start, end, number of 64-row tiles)."""
+    seq_len = gl.load(SEQ + b)
+    split_len = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), 64) * 64
+    start = split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    return start, end, gl.cdiv(gl.maximum(end - start, 0), 64)
+
+
+@gluon.jit
+def _quantize_query(QL, QR, b, hb, stride_qb, stride_qh, stride_rb, stride_rh, q8_smem, qr_smem,
+                    q_load: gl.constexpr):  # fmt: skip
+    """The 64 heads' latent query quantized per head row (amax to 448) into q8_smem's four 128-column tiles, the
+    rope query as it is into qr_smem -> the rows' scales (amax / 448) along q_load's rows."""
+    offs_qh = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, q_load))
+    offs_qd = gl.arange(0, 128, layout=gl.SliceLayout(0, q_load))
+    q_ptrs = QL + b * stride_qb + offs_qh[:, None] * stride_qh + offs_qd[None, :]
+    amax = gl.full([64], 1e-30, gl.float32, layout=gl.SliceLayout(1, q_load))
+    for c in gl.static_range(4):
+        amax = gl.maximum(amax, gl.reduce(gl.abs(gl.load(q_ptrs + c * 128).to(gl.float32)), 1, _max))
+    for c in gl.static_range(4):
+        x = gl.load(q_ptrs + c * 128).to(gl.float32) * (FP8_MAX / amax)[:, None]
+        q8_smem.index(c).store(x.to(gl.float8e4nv))
+    offs_qr = gl.arange(0, 64, layout=gl.SliceLayout(0, q_load))
+    qr = gl.load(QR + b * stride_rb + offs_qh[:, None] * stride_rh + offs_qr[None, :])
+    qr_smem.store(qr.to(gl.bfloat16))
+    return amax / FP8_MAX
+
+
+@gluon.jit
 def _load_tile(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, page, i, n_tiles,
                NUM_STAGES: gl.constexpr):  # fmt: skip
     """TMA of tile i's page (four latent boxes, the rope box and the scales' 16 bytes a row) into ring slot
@@ -108,11 +138,11 @@ def _transpose(k_smem, stage, vt, ok_t, t_read: gl.constexpr):
 
 
 @gluon.jit
-def _row_scales(ks_smem, stage, row0, end, s_layout: gl.constexpr):
+def _row_scales(ks_smem, stage, row0, end, s_layout: gl.constexpr, WARPS: gl.constexpr):
     """The slot's per-row scales (the first float of each row's 16 TMA'd bytes; 0 past the sequence's end, whose
     stale bytes may hold any scale) along S's columns, and their largest. Every warp reads all 64 (256 bytes), so
     the largest and the move to S's columns stay within a warp."""
-    ks_layout: gl.constexpr = gl.BlockedLayout([2, 4], [32, 1], [1, 8], [1, 0])
+    ks_layout: gl.constexpr = gl.BlockedLayout([2, 4], [32, 1], [1, WARPS], [1, 0])
     raw = ks_smem.index(stage).load(ks_layout)
     first = gl.arange(0, 4, layout=gl.SliceLayout(0, ks_layout)) == 0
     ok = (row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ks_layout))) < end
@@ -170,11 +200,7 @@ def _mla_fp8_sm90_kernel(
     hb = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2)
-    seq_len = gl.load(SEQ + b)
-    split_len = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), 64) * 64
-    start = split * split_len
-    end = gl.minimum(start + split_len, seq_len)
-    n_tiles = gl.cdiv(gl.maximum(end - start, 0), 64)
+    start, end, n_tiles = _split_range(SEQ, b, split, NUM_SPLITS)
     pt_row = b.to(gl.int64) * stride_ptb
     first_page = start // 64
 
@@ -193,20 +219,8 @@ def _mla_fp8_sm90_kernel(
         _load_tile(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, page, st, n_tiles, NUM_STAGES)
     next_page = _page(PT, pt_row, first_page, NUM_STAGES, n_tiles, stride_ptp)  # one refill ahead
 
-    # the latent query, quantized per head row into shared memory; the rope query as it is
-    offs_qh = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, q_load))
-    offs_qd = gl.arange(0, 128, layout=gl.SliceLayout(0, q_load))
-    q_ptrs = QL + b * stride_qb + offs_qh[:, None] * stride_qh + offs_qd[None, :]
-    amax = gl.full([64], 1e-30, gl.float32, layout=gl.SliceLayout(1, q_load))
-    for c in gl.static_range(4):
-        amax = gl.maximum(amax, gl.reduce(gl.abs(gl.load(q_ptrs + c * 128).to(gl.float32)), 1, _max))
-    for c in gl.static_range(4):
-        x = gl.load(q_ptrs + c * 128).to(gl.float32) * (FP8_MAX / amax)[:, None]
-        q8_smem.index(c).store(x.to(gl.float8e4nv))
-    q_scale = gl.convert_layout(amax / FP8_MAX, row_s)
-    offs_qr = gl.arange(0, 64, layout=gl.SliceLayout(0, q_load))
-    qr = gl.load(QR + b * stride_rb + offs_qh[:, None] * stride_rh + offs_qr[None, :])
-    qr_smem.store(qr.to(gl.bfloat16))
+    q_scale = gl.convert_layout(_quantize_query(QL, QR, b, hb, stride_qb, stride_qh, stride_rb, stride_rh, q8_smem,
+                                                qr_smem, q_load), row_s)  # fmt: skip
     fence_async_shared()
     gl.thread_barrier()
 
@@ -224,7 +238,7 @@ def _mla_fp8_sm90_kernel(
         s_acc, r_acc = _issue_qk(q8_smem, qr_smem, k_smem, kr_smem, 0, s_zero, r_zero)
         _transpose(k_smem, 0, vt_smem.index(0), (start + rows_t) < end, t_read)
         s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc))
-        k_scale, k_max = _row_scales(ks_smem, 0, start, end, s_layout)
+        k_scale, k_max = _row_scales(ks_smem, 0, start, end, s_layout, 8)
         gl.thread_barrier()
         next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page, NUM_STAGES,
                             n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
@@ -246,7 +260,7 @@ def _mla_fp8_sm90_kernel(
             _transpose(k_smem, stage, vt_smem.index(1 - buf), (start + j * 64 + rows_t) < end,
                        t_read)  # fmt: skip
             s, r = warpgroup_mma_wait(num_outstanding=1, deps=(s_acc, r_acc))  # QK done, PV may still run
-            k_scale, k_max = _row_scales(ks_smem, stage, start + j * 64, end, s_layout)
+            k_scale, k_max = _row_scales(ks_smem, stage, start + j * 64, end, s_layout, 8)
             gl.thread_barrier()  # every warp is done with this slot (its MMAs, transposes and scales)
             next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page,
                                 j + NUM_STAGES, n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
@@ -269,7 +283,7 @@ def _mla_fp8_sm90_kernel(
             gl.thread_barrier()
             _transpose(k_smem, stage, vt_smem.index(0), (start + i * 64 + rows_t) < end, t_read)
             s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc))
-            k_scale, k_max = _row_scales(ks_smem, stage, start + i * 64, end, s_layout)
+            k_scale, k_max = _row_scales(ks_smem, stage, start + i * 64, end, s_layout, 8)
             gl.thread_barrier()  # every warp is done with this slot (its MMAs, transposes and scales)
             next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page,
                                 i + NUM_STAGES, n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
@@ -312,6 +326,17 @@ def scale_layout() -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
+def descriptors(kv_rows: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of the rows' parts a 64-row page at a time: the codes in 128-byte boxes, k_pe (bf16), and
+    each row's scale with the 12 bytes after it (a TMA box is 16 bytes wide at least)."""
+    lat = kv_rows.view(torch.float8_e4m3fn)[:, :LATENT_DIM]
+    rope = kv_rows.view(torch.bfloat16)[:, LATENT_DIM // 2 : LATENT_DIM // 2 + ROPE_DIM]
+    scales = kv_rows.view(torch.float32)[:, FP8_SCALE_OFFSET // 4 : FP8_SCALE_OFFSET // 4 + 4]
+    return (TensorDescriptor.from_tensor(lat, [PAGE, CHUNK], lat_layout()),
+            TensorDescriptor.from_tensor(rope, [PAGE, ROPE_DIM], rope_layout()),
+            TensorDescriptor.from_tensor(scales, [PAGE, 4], scale_layout()))  # fmt: skip
+
+
 def stages_for(pipeline: bool) -> tuple[int, ...]:
     """The ring depths that fit in shared memory (227 KB): 41 KB a tile beside the query (40 KB) and the
     transposed tile and probabilities (36 KB, twice that when pipelined)."""
@@ -350,12 +375,7 @@ def mla_decode_fp8_sm90(
                          f"page_size={page_size}, {H} heads")  # fmt: skip
     if num_stages not in stages_for(pipeline):
         raise ValueError(f"num_stages must be one of {stages_for(pipeline)} (pipeline={pipeline}), got {num_stages}")
-    lat = kv_rows.view(torch.float8_e4m3fn)[:, :LATENT_DIM]
-    rope = kv_rows.view(torch.bfloat16)[:, LATENT_DIM // 2 : LATENT_DIM // 2 + ROPE_DIM]
-    lat_desc = TensorDescriptor.from_tensor(lat, [PAGE, CHUNK], lat_layout())
-    rope_desc = TensorDescriptor.from_tensor(rope, [PAGE, ROPE_DIM], rope_layout())
-    scales = kv_rows.view(torch.float32)[:, FP8_SCALE_OFFSET // 4 : FP8_SCALE_OFFSET // 4 + 4]  # 16 bytes a row
-    scale_desc = TensorDescriptor.from_tensor(scales, [PAGE, 4], scale_layout())
+    lat_desc, rope_desc, scale_desc = descriptors(kv_rows)
     out = out if out is not None else torch.empty(B, H, LATENT_DIM, dtype=q.dtype, device=q.device)
     opart, lse = split_outputs(out, num_splits)
     _mla_fp8_sm90_kernel[(H // BLOCK_H, num_splits, B)](

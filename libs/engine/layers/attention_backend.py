@@ -177,9 +177,11 @@ class TritonAttention(AttentionBackend):
         if is_fp8(layer_rows):
             from libs.kernels import mla_decode_fp8 as fp8
             from libs.kernels import mla_decode_fp8_sm90 as sm90
+            from libs.kernels import mla_decode_fp8_sm90_seesaw as seesaw
 
             if sm90.available(q_latent.device, meta.page_size, q_latent.shape[1]):
-                return sm90.mla_decode_fp8_sm90(
+                kernel = seesaw.mla_decode_fp8_sm90_seesaw if seesaw.chosen() else sm90.mla_decode_fp8_sm90
+                return kernel(
                     q_latent, layer_rows, meta.page_table, meta.seq_lens, meta.page_size, self.scale, q_rope=q_pe,
                     num_splits=meta.num_splits,
                 )  # fmt: skip

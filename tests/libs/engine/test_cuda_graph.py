@@ -343,15 +343,20 @@ def test_flashinfer_backend_decodes_fp8_rows_as_the_reference(layout):
 
 @pytest.mark.gpu
 @gpu
-def test_sm90_fp8_decode_graph_replay_equals_eager(tmp_path, monkeypatch):
-    """FP8 "token" rows on Hopper with 64 heads and 64-row pages: the SM90 Gluon kernel decodes them, in the
-    decode graph as eagerly (its FP8 probabilities follow the split count: a looser tolerance)."""
+@pytest.mark.parametrize("schedule", ["auto", "seesaw"])
+def test_sm90_fp8_decode_graph_replay_equals_eager(tmp_path, monkeypatch, schedule):
+    """FP8 "token" rows on Hopper with 64 heads and 64-row pages: the SM90 Gluon kernel decodes them (its seesaw
+    schedule with MOEMESH_MLA_FP8=seesaw), in the decode graph as eagerly (its FP8 probabilities follow the split
+    count: a looser tolerance)."""
     from libs.kernels import mla_decode_fp8_sm90 as sm90
+    from libs.kernels import mla_decode_fp8_sm90_seesaw as seesaw
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an SM90 GPU")
-    calls, real = [], sm90.mla_decode_fp8_sm90
-    monkeypatch.setattr(sm90, "mla_decode_fp8_sm90", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setenv("MOEMESH_MLA_FP8", schedule)
+    module, name = (seesaw, "mla_decode_fp8_sm90_seesaw") if schedule == "seesaw" else (sm90, "mla_decode_fp8_sm90")
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     path = _tiny(tmp_path, first_k_dense_replace=3, **(KERNEL_DIMS | dict(num_attention_heads=64)))
     model = load_model(path, device="cuda", dtype="bfloat16", progress=False)
     engine = _decode_graph_vs_eager(model, tol=3e-2, kv_cache_dtype="fp8_e4m3", page_size=64)

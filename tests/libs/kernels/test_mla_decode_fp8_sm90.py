@@ -1,8 +1,11 @@
-"""The Gluon SM90 FP8 MLA decode: it compiles for sm_90a here (no GPU needed: Triton's bundled ptxas) with QK
-and PV as FP8 WGMMAs fed by TMA; on a Hopper GPU it matches the float32 reference of the same math (the
-Triton FP8 kernel's), over pages in any order, ragged ends, splits, and stale NaN bytes past a sequence."""
+"""The Gluon SM90 FP8 MLA decode, each schedule (pipelined, plain, the warp-specialized seesaw): it compiles for
+sm_90a here (no GPU needed: Triton's bundled ptxas) with QK and PV as FP8 WGMMAs fed by TMA; on a Hopper GPU it
+matches the float32 reference of the same math (the Triton FP8 kernel's), over pages in any order, ragged ends,
+splits, and stale NaN bytes past a sequence."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 from libs.kernels import mla_decode_fp8_sm90 as S  # noqa: E402
+from libs.kernels import mla_decode_fp8_sm90_seesaw as W  # noqa: E402
 from libs.kernels.mla_decode import MLAConfig, choose_num_splits, mla_decode_reference  # noqa: E402
 from libs.kernels.mla_decode_fp8 import dequantize_rows  # noqa: E402
 
@@ -20,9 +24,13 @@ IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 STRIDES = ["stride_qb", "stride_qh", "stride_rb", "stride_rh", "stride_ptb", "stride_ptp", "stride_ob", "stride_oh",
            "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh", "NUM_SPLITS"]  # fmt: skip
 VARIANTS = [(pipe, stages) for pipe in (True, False) for stages in S.stages_for(pipe)]
+# every schedule as the Engine calls it: name -> keyword arguments of _run (None: the seesaw kernel)
+KERNELS = {f"{'pipelined' if pipe else 'plain'}-{stages}": dict(pipeline=pipe, num_stages=stages)
+           for pipe, stages in VARIANTS} | {"seesaw": None}  # fmt: skip
 
 
-def _compile(stages: int, direct: bool, pipeline: bool):
+def _compile(stages: int, direct: bool, pipeline: bool | None):
+    """The kernel for sm_90a; pipeline None: the seesaw one (as its launcher: 4 warps, maxnreg 168)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -34,11 +42,16 @@ def _compile(stages: int, direct: bool, pipeline: bool):
         "QL": "*bf16", "QR": "*bf16", "PT": "*i32", "SEQ": "*i32", "O": "*bf16", "OPART": "*fp32",
         "LSE": "*fp32", "sm_scale_log2": "fp32", **dict.fromkeys(STRIDES, "i32"),
     }  # fmt: skip
-    const = dict(DIRECT_OUT=direct, NUM_STAGES=stages, PIPELINE=pipeline, num_warps=8)
+    if pipeline is None:
+        kernel, const, options = W._mla_fp8_seesaw_kernel, dict(DIRECT_OUT=direct, NUM_STAGES=stages, num_warps=4), {
+            "num_warps": 4, "maxnreg": 168}  # fmt: skip
+    else:
+        const = dict(DIRECT_OUT=direct, NUM_STAGES=stages, PIPELINE=pipeline, num_warps=8)
+        kernel, options = S._mla_fp8_sm90_kernel, {"num_warps": 8}
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
-    src = GluonASTSource(S._mla_fp8_sm90_kernel, sig, {(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 @pytest.mark.parametrize("pipeline,stages", VARIANTS)
@@ -54,19 +67,35 @@ def test_compiles_for_sm90_with_fp8_wgmma_for_qk_and_pv(pipeline, stages, direct
     assert compiled.metadata.shared <= 232448  # an SM90 block's shared memory
 
 
-def _run(q, kv, table, seq, **kw):
-    return S.mla_decode_fp8_sm90(q[..., :512], kv, table, seq, 64, 0.1352, q_rope=q[..., 512:], **kw)
+@pytest.mark.parametrize("direct", [True, False])
+def test_seesaw_compiles_for_sm90_as_two_warpgroups_and_a_producer(direct):
+    ptx = (compiled := _compile(W.STAGES, direct, None)).asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx  # the producer's TMA
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx  # a warpgroup's whole 64 x 64 QK
+    assert "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3" in ptx  # PV on its half of the output
+    # registers moved from the producer's warpgroup to the consumers'
+    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+240;", ptx) and re.search(r"setmaxnreg.dec[.a-z0-9]+\s+24;", ptx)
+    assert "wgmma.wait_group.sync.aligned 5;" in ptx  # PV(t) waited for while the next own QK (5 groups) runs
+    # each partition's barriers count only its own 128 threads (a block-wide one would deadlock the others)
+    assert re.findall(r"bar.sync\s+(\d+), 128;", ptx) and not re.search(r"bar.sync\s+\d+;", ptx)
+    assert compiled.metadata.shared <= 232448
+
+
+def _run(q, kv, table, seq, kernel="pipelined-2", **kw):
+    fn = W.mla_decode_fp8_sm90_seesaw if KERNELS[kernel] is None else S.mla_decode_fp8_sm90
+    return fn(q[..., :512], kv, table, seq, 64, 0.1352, q_rope=q[..., 512:], **(KERNELS[kernel] or {}), **kw)
 
 
 def test_refuses_what_it_does_not_read(device):
     q, kv, table, seq = _case(device, 16, 64, [70])
-    with pytest.raises(ValueError, match="heads in 64s"):
-        _run(q, kv, table, seq)
+    for kernel in ("pipelined-2", "seesaw"):
+        with pytest.raises(ValueError, match="heads in 64s"):
+            _run(q, kv, table, seq, kernel)
     q, kv, table, seq = _case(device, 64, 64, [70])
     with pytest.raises(ValueError, match="num_stages"):
-        _run(q, kv, table, seq, num_stages=3, pipeline=True)
+        S.mla_decode_fp8_sm90(q[..., :512], kv, table, seq, 64, 0.1352, q_rope=q[..., 512:], num_stages=3)
     with pytest.raises(ValueError, match="uint8 rows"):
-        _run(q, dequantize_rows(kv).to(q.dtype), table, seq)
+        _run(q, dequantize_rows(kv).to(q.dtype), table, seq, "seesaw")
 
 
 def test_available_only_on_sm90_for_its_pages_and_heads(monkeypatch):
@@ -80,16 +109,16 @@ def test_available_only_on_sm90_for_its_pages_and_heads(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
-@pytest.mark.parametrize("pipeline,stages", VARIANTS)
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("heads", [128, 64])
-def test_matches_the_reference_on_gpu(pipeline, stages, heads):
+def test_matches_the_reference_on_gpu(kernel, heads):
     lens = [2048, 1, 3000, 517, 64, 2100, 1999, 8, 65]
     q, kv, table, seq = _case("cuda", heads, 64, lens, seed=3, row_spread=2.0)
     ref = _ref(q, kv, table, seq, 64, 0.1352)
     exact = mla_decode_reference(q.float(), dequantize_rows(kv), table, seq, 64, 0.1352)
     for splits in sorted({1, 3, choose_num_splits(len(lens), heads, 3000, MLAConfig())}):
         out = torch.full((len(lens), heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-        _run(q, kv, table, seq, num_splits=splits, num_stages=stages, pipeline=pipeline, out=out)
+        _run(q, kv, table, seq, kernel, num_splits=splits, out=out)
         # beyond the reference's rounding of q: the FP8 probabilities and the bf16 output (as the Triton kernel)
         assert _rel(out, ref) < 1.5e-2, splits
         # against exact attention: mostly the FP8 query's rounding (measured 0.13-0.21 at this row spread)
@@ -98,13 +127,13 @@ def test_matches_the_reference_on_gpu(pipeline, stages, heads):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
-@pytest.mark.parametrize("pipeline", [True, False])
-def test_stale_nan_bytes_past_the_end_and_empty_splits_stay_out(pipeline):
+@pytest.mark.parametrize("kernel", ["pipelined-2", "plain-2", "seesaw"])
+def test_stale_nan_bytes_past_the_end_and_empty_splits_stay_out(kernel):
     q, kv, table, seq = _case("cuda", 128, 64, [20, 130], seed=1)
     nan_rows = kv.clone()
     for b, n in enumerate(seq.tolist()):  # every slot past each sequence's end: NaN codes, a 3.4e38 scale
         last = table[b, (n - 1) // 64].long()
         nan_rows[last * 64 + (n % 64 or 64) : last * 64 + 64] = 0x7F
-    out = _run(q, nan_rows, table, seq, num_splits=8, pipeline=pipeline)  # most of 8 splits of 20 rows: empty
+    out = _run(q, nan_rows, table, seq, kernel, num_splits=8)  # most of 8 splits of 20 rows: empty
     assert out.isfinite().all()
     assert _rel(out, _ref(q, kv, table, seq, 64, 0.1352)) < 1.5e-2
