@@ -77,6 +77,19 @@ def resources(compiled: Any) -> Resources:
     )  # fmt: skip
 
 
+def wgmma_serialized(compiled: Any) -> bool:
+    """Whether ptxas serialized the kernel's WGMMAs (its C7514 "Potential Performance Loss": a register of a WGMMA
+    in flight read or moved, e.g. an accumulator carried through a branch), which waits for every one of them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        arch = "sm_90a" if ".target sm_90a" in compiled.asm["ptx"] else "sm_90"
+        run = subprocess.run([_tool("ptxas"), f"-arch={arch}", "-v", ptx, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    return "C7514" in run.stdout + run.stderr
+
+
 def _mla_fp8(cfg: tuple[int, int, int, int], dots: str) -> Resources:
     from libs.kernels import mla_decode_fp8 as K
     from libs.kernels.fused import FP8_SCALE_OFFSET

@@ -263,9 +263,9 @@ def best_record(best: dict, base: dict, label: str, log) -> dict:
 
 
 def sm90_fp8_variants(b, ctx, h, ql, qr, rows8, table, seq, err, ref8, base, log) -> list[dict]:
-    """The Gluon SM90 FP8 decode (libs.kernels.mla_decode_fp8_sm90) at each ring depth and split count, and its
-    warp-specialized seesaw schedule (mla_decode_fp8_sm90_seesaw), each checked against the references, the
-    fastest beside `base`'s kernels."""
+    """The Gluon SM90 FP8 decode's schedules (libs.kernels.mla_decode_fp8_sm90, pipelined; its warp-specialized
+    seesaw, mla_decode_fp8_sm90_seesaw) at the Engine's split count and twice it, each checked against the
+    references, the fastest beside `base`'s kernels."""
     from libs.kernels import mla_decode_fp8_sm90 as sm90
     from libs.kernels import mla_decode_fp8_sm90_seesaw as seesaw
 
@@ -273,27 +273,20 @@ def sm90_fp8_variants(b, ctx, h, ql, qr, rows8, table, seq, err, ref8, base, log
         return []
     records, best = [], None
     auto = choose_num_splits(b, h, ctx, MLAConfig())  # the Engine's split count (64 heads x 64 rows a tile)
-    variants = [(pipe, stages) for pipe in (True, False) for stages in sm90.stages_for(pipe)]
-    variants += [(None, seesaw.STAGES)]  # pipeline None: the seesaw schedule
-    for (pipe, stages), splits in itertools.product(variants, sorted({auto, 2 * auto})):
-        if pipe is None:
-            run = functools.partial(seesaw.mla_decode_fp8_sm90_seesaw, ql, rows8, table, seq, PAGE, 0.1352,
-                                    q_rope=qr, num_splits=splits)  # fmt: skip
-            name, label = "gluon-sm90-seesaw-fp8-dots", f"seesaw stages={stages}"
-        else:
-            run = functools.partial(sm90.mla_decode_fp8_sm90, ql, rows8, table, seq, PAGE, 0.1352, q_rope=qr,
-                                    num_splits=splits, num_stages=stages, pipeline=pipe)  # fmt: skip
-            name, label = "gluon-sm90-fp8-dots", f"pipeline={pipe} stages={stages}"
+    schedules = {"pipelined": (sm90.mla_decode_fp8_sm90, "gluon-sm90-fp8-dots", sm90.STAGES),
+                 "seesaw": (seesaw.mla_decode_fp8_sm90_seesaw, "gluon-sm90-seesaw-fp8-dots", seesaw.STAGES)}  # fmt: skip
+    for (schedule, (fn, name, stages)), splits in itertools.product(schedules.items(), sorted({auto, 2 * auto})):
+        run = functools.partial(fn, ql, rows8, table, seq, PAGE, 0.1352, q_rope=qr, num_splits=splits)
         try:
             out = run()
         except Exception as e:  # noqa: BLE001 - a schedule that does not build here is reported, the rest still run
-            log(f"  gluon sm90 fp8 rows {label} splits={splits}: failed: {type(e).__name__}: {str(e)[:300]}")
+            log(f"  gluon sm90 fp8 rows {schedule} splits={splits}: failed: {type(e).__name__}: {str(e)[:300]}")
             continue
         ms = bench_ms(run)
         rec = {**mla_record(b, h, ctx, ms, torch.uint8, name, None, splits, rows8.shape[1]),
-               "num_stages": stages, "pipeline": "seesaw" if pipe is None else pipe, "rel_err_vs_exact": err(out),
+               "num_stages": stages, "schedule": schedule, "rel_err_vs_exact": err(out),
                "rel_err_vs_q8_reference": err(out, ref8), "kv_cache": "fp8_e4m3", "dots": "fp8", "sweep": True}  # fmt: skip
-        log(f"  gluon sm90 fp8 rows {label} splits={splits}: {ms * 1e3:.0f} us "
+        log(f"  gluon sm90 fp8 rows {schedule} splits={splits}: {ms * 1e3:.0f} us "
             f"{rec['TFLOPs']:.0f} TFLOP/s err {rec['rel_err_vs_exact']:.1e} (vs q8 reference "
             f"{rec['rel_err_vs_q8_reference']:.1e})")  # fmt: skip
         records.append(rec)

@@ -14,8 +14,9 @@ compiles for sm_90, GPU tests check the numbers."""
 #   while QK runs the tile's codes are copied transposed into a [512, 64] buffer (rows past the sequence's end
 #   zeroed: a stale page may hold NaN codes, and 0 * NaN is NaN). The probabilities times each row's scale go
 #   to FP8 in units of the largest row scale seen so far (mla_decode_fp8's scheme), through shared memory.
-# - The previous tile's PV is still in flight while this tile's QK is issued; it is waited for before the
-#   transposed buffer and the probabilities are rewritten.
+# - Tile j's QK is issued before tile j - 1's PV, so j's softmax runs while that PV does (the transposed tile
+#   and the probabilities double-buffered). ptxas keeps these WGMMAs asynchronous (tests check its C7514
+#   warning is absent); a variant that carried the PV in flight across the loop's back edge was serialized.
 
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -43,7 +43,7 @@ BLOCK_H = 64  # heads a program: one 64-row WGMMA
 PAGE = 64  # rows a tile: one page (the only page size this kernel reads)
 CHUNK = 128  # latent columns a TMA box and a QK WGMMA take (a 128-byte swizzled row)
 FP8_MAX = gl.constexpr(fp8_rows.FP8_MAX)
-STAGES = (2, 3)  # tiles in flight (stages_for says which fit)
+STAGES = 2  # tiles in flight (41 KB each beside the query's 40 KB and the doubled transposed tile and P, 72 KB)
 
 
 @gluon.jit
@@ -180,7 +180,7 @@ def _mla_fp8_sm90_kernel(
     lat_desc, rope_desc, scale_desc, QL, QR, PT, SEQ, O, OPART, LSE, sm_scale_log2,
     stride_qb, stride_qh, stride_rb, stride_rh, stride_ptb, stride_ptp,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    NUM_SPLITS, DIRECT_OUT: gl.constexpr, NUM_STAGES: gl.constexpr, PIPELINE: gl.constexpr,
+    NUM_SPLITS, DIRECT_OUT: gl.constexpr, NUM_STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 32])
@@ -195,7 +195,6 @@ def _mla_fp8_sm90_kernel(
     q_load: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
     t_read: gl.constexpr = gl.BlockedLayout([8, 4], [2, 16], [4, 2], [1, 0])
     t_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-    BUFS: gl.constexpr = 2 if PIPELINE else 1  # transposed tiles and probabilities: one being read by PV
 
     hb = gl.program_id(0)
     split = gl.program_id(1)
@@ -209,8 +208,8 @@ def _mla_fp8_sm90_kernel(
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES * 4, 64, 128], lat_desc.layout)
     kr_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, 64], rope_desc.layout)
     ks_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 64, 4], scale_desc.layout)
-    vt_smem = gl.allocate_shared_memory(gl.float8e4nv, [BUFS, 512, 64], t_sl)
-    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [BUFS, 64, 64], t_sl)
+    vt_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 512, 64], t_sl)  # two: one being read by PV
+    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 64], t_sl)
     bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(NUM_STAGES):
         mbarrier.init(bars.index(st), count=1)
@@ -231,70 +230,45 @@ def _mla_fp8_sm90_kernel(
     unit = sm_scale_log2 * 0.0 + 1e-30
     rows_t = gl.arange(0, 64, layout=gl.SliceLayout(1, t_read))
     cols_s = gl.arange(0, 64, layout=col_s)
-    if PIPELINE:
-        # tile j's QK is issued before tile j - 1's PV, so j's softmax runs while that PV does; tile 0's QK and
-        # softmax come first, and the last iteration's "next" tile is past the end (no load, no change)
-        mbarrier.wait(bars.index(0), 0, pred=n_tiles > 0)
-        s_acc, r_acc = _issue_qk(q8_smem, qr_smem, k_smem, kr_smem, 0, s_zero, r_zero)
-        _transpose(k_smem, 0, vt_smem.index(0), (start + rows_t) < end, t_read)
-        s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc))
-        k_scale, k_max = _row_scales(ks_smem, 0, start, end, s_layout, 8)
-        gl.thread_barrier()
-        next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page, NUM_STAGES,
-                            n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
-        p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, k_max, (start + cols_s) < end, m_i, l_i, unit,
-                                               sm_scale_log2, s_layout)  # fmt: skip
-        p_smem.index(0).store(p8)
-        o = gl.zeros([64, 512], gl.float32, layout=o_layout)  # sum of p * v in `unit`s
+    # tile j's QK is issued before tile j - 1's PV, so j's softmax runs while that PV does; tile 0's QK and
+    # softmax come first, and the last iteration's "next" tile is past the end (no load, no change)
+    mbarrier.wait(bars.index(0), 0, pred=n_tiles > 0)
+    s_acc, r_acc = _issue_qk(q8_smem, qr_smem, k_smem, kr_smem, 0, s_zero, r_zero)
+    _transpose(k_smem, 0, vt_smem.index(0), (start + rows_t) < end, t_read)
+    s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc))
+    k_scale, k_max = _row_scales(ks_smem, 0, start, end, s_layout, 8)
+    gl.thread_barrier()
+    next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page, NUM_STAGES,
+                        n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
+    p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, k_max, (start + cols_s) < end, m_i, l_i, unit,
+                                           sm_scale_log2, s_layout)  # fmt: skip
+    p_smem.index(0).store(p8)
+    o = gl.zeros([64, 512], gl.float32, layout=o_layout)  # sum of p * v in `unit`s
+    fence_async_shared()
+    gl.thread_barrier()
+    for i in range(0, n_tiles):
+        j = i + 1
+        stage = j % NUM_STAGES
+        buf = i % 2
+        mbarrier.wait(bars.index(stage), (j // NUM_STAGES) & 1, pred=j < n_tiles)
+        s_acc, r_acc = _issue_qk(q8_smem, qr_smem, k_smem, kr_smem, stage, s_zero, r_zero)
+        o_acc = warpgroup_mma(p_smem.index(buf), vt_smem.index(buf).permute((1, 0)),
+                              o, is_async=True)  # fmt: skip
+        # into the other buffers: their last reader, tile i - 1's PV, was waited for by both warpgroups
+        _transpose(k_smem, stage, vt_smem.index(1 - buf), (start + j * 64 + rows_t) < end,
+                   t_read)  # fmt: skip
+        s, r = warpgroup_mma_wait(num_outstanding=1, deps=(s_acc, r_acc))  # QK done, PV may still run
+        k_scale, k_max = _row_scales(ks_smem, stage, start + j * 64, end, s_layout, 8)
+        gl.thread_barrier()  # every warp is done with this slot (its MMAs, transposes and scales)
+        next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page,
+                            j + NUM_STAGES, n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
+        p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, k_max, (start + j * 64 + cols_s) < end, m_i, l_i,
+                                               unit, sm_scale_log2, s_layout)  # fmt: skip
+        p_smem.index(1 - buf).store(p8)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,))
+        o = o * gl.convert_layout(rescale, row_o)[:, None]
         fence_async_shared()
         gl.thread_barrier()
-        for i in range(0, n_tiles):
-            j = i + 1
-            stage = j % NUM_STAGES
-            buf = i % 2
-            mbarrier.wait(bars.index(stage), (j // NUM_STAGES) & 1, pred=j < n_tiles)
-            s_acc, r_acc = _issue_qk(q8_smem, qr_smem, k_smem, kr_smem, stage, s_zero, r_zero)
-            o_acc = warpgroup_mma(p_smem.index(buf), vt_smem.index(buf).permute((1, 0)),
-                                  o, is_async=True)  # fmt: skip
-            # into the other buffers: their last reader, tile i - 1's PV, was waited for by both warpgroups
-            _transpose(k_smem, stage, vt_smem.index(1 - buf), (start + j * 64 + rows_t) < end,
-                       t_read)  # fmt: skip
-            s, r = warpgroup_mma_wait(num_outstanding=1, deps=(s_acc, r_acc))  # QK done, PV may still run
-            k_scale, k_max = _row_scales(ks_smem, stage, start + j * 64, end, s_layout, 8)
-            gl.thread_barrier()  # every warp is done with this slot (its MMAs, transposes and scales)
-            next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page,
-                                j + NUM_STAGES, n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
-            p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, k_max, (start + j * 64 + cols_s) < end, m_i, l_i,
-                                                   unit, sm_scale_log2, s_layout)  # fmt: skip
-            p_smem.index(1 - buf).store(p8)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,))
-            o = o * gl.convert_layout(rescale, row_o)[:, None]
-            fence_async_shared()
-            gl.thread_barrier()
-    else:
-        o_acc = warpgroup_mma_init(gl.zeros([64, 512], gl.float32, layout=o_layout))
-        for i in range(0, n_tiles):
-            stage = i % NUM_STAGES
-            mbarrier.wait(bars.index(stage), (i // NUM_STAGES) & 1)
-            s_acc, r_acc = _issue_qk(q8_smem, qr_smem, k_smem, kr_smem, stage, s_zero, r_zero)
-            # the previous tile's PV (issued before these five) is done, in both warpgroups (each reads all of
-            # the transposed tile and the probabilities), before its operands are overwritten
-            o = warpgroup_mma_wait(num_outstanding=5, deps=(o_acc,))
-            gl.thread_barrier()
-            _transpose(k_smem, stage, vt_smem.index(0), (start + i * 64 + rows_t) < end, t_read)
-            s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc))
-            k_scale, k_max = _row_scales(ks_smem, stage, start + i * 64, end, s_layout, 8)
-            gl.thread_barrier()  # every warp is done with this slot (its MMAs, transposes and scales)
-            next_page = _refill(lat_desc, rope_desc, scale_desc, k_smem, kr_smem, ks_smem, bars, next_page,
-                                i + NUM_STAGES, n_tiles, PT, pt_row, first_page, stride_ptp, NUM_STAGES)  # fmt: skip
-            p8, rescale, m_i, l_i, unit = _softmax(s, r, q_scale, k_scale, k_max, (start + i * 64 + cols_s) < end, m_i, l_i,
-                                                   unit, sm_scale_log2, s_layout)  # fmt: skip
-            p_smem.index(0).store(p8)
-            o = o * gl.convert_layout(rescale, row_o)[:, None]
-            fence_async_shared()
-            gl.thread_barrier()
-            o_acc = warpgroup_mma(p_smem.index(0), vt_smem.index(0).permute((1, 0)), o, is_async=True)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,))
     for st in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(bars.index(st))
 
@@ -337,12 +311,6 @@ def descriptors(kv_rows: torch.Tensor) -> tuple[TensorDescriptor, TensorDescript
             TensorDescriptor.from_tensor(scales, [PAGE, 4], scale_layout()))  # fmt: skip
 
 
-def stages_for(pipeline: bool) -> tuple[int, ...]:
-    """The ring depths that fit in shared memory (227 KB): 41 KB a tile beside the query (40 KB) and the
-    transposed tile and probabilities (36 KB, twice that when pipelined)."""
-    return (2,) if pipeline else STAGES
-
-
 def available(device: torch.device, page_size: int, num_heads: int) -> bool:
     """SM90, 64-row pages and heads in 64s; off with MOEMESH_MLA_FP8=triton (the Triton kernel then runs)."""
     if device.type != "cuda" or os.environ.get("MOEMESH_MLA_FP8", "auto") == "triton":
@@ -360,21 +328,16 @@ def mla_decode_fp8_sm90(
     *,
     q_rope: torch.Tensor,
     num_splits: int = 1,
-    num_stages: int = 2,
-    pipeline: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """mla_decode_fp8's contract ("fp8" dots): q [B, H, 512] and q_rope [B, H, 64] (any batch/head strides)
     over one layer's FP8 row bytes kv_rows [slots, 656] uint8 -> [B, H, 512] in q's dtype; page_size 64,
-    H a multiple of 64. pipeline: each tile's softmax overlaps the previous tile's PV (double-buffered
-    operands); num_stages: tiles in flight (stages_for(pipeline))."""
+    H a multiple of 64."""
     check_inputs(q, q_rope, kv_rows, page_table, seq_lens)
     B, H, _ = q.shape
     if page_size != PAGE or H % BLOCK_H:
         raise ValueError(f"the SM90 FP8 MLA decode takes {PAGE}-row pages and heads in {BLOCK_H}s, got "
                          f"page_size={page_size}, {H} heads")  # fmt: skip
-    if num_stages not in stages_for(pipeline):
-        raise ValueError(f"num_stages must be one of {stages_for(pipeline)} (pipeline={pipeline}), got {num_stages}")
     lat_desc, rope_desc, scale_desc = descriptors(kv_rows)
     out = out if out is not None else torch.empty(B, H, LATENT_DIM, dtype=q.dtype, device=q.device)
     opart, lse = split_outputs(out, num_splits)
@@ -383,7 +346,7 @@ def mla_decode_fp8_sm90(
         sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1),
         page_table.stride(0), page_table.stride(1), out.stride(0), out.stride(1),
         opart.stride(0), opart.stride(1), opart.stride(2) if num_splits > 1 else 0, lse.stride(0), lse.stride(1),
-        num_splits, DIRECT_OUT=num_splits == 1, NUM_STAGES=num_stages, PIPELINE=pipeline, num_warps=8,
+        num_splits, DIRECT_OUT=num_splits == 1, NUM_STAGES=STAGES, num_warps=8,
     )  # fmt: skip
     combine_splits(opart, lse, out, num_splits)
     return out

@@ -109,6 +109,46 @@ def _pv(p_smem, vt_all, slot, o, W: gl.constexpr):
 
 
 @gluon.jit
+def _own_tile(s, r, o_acc, t, q_scale, m_i, l_i, unit, k_smem, ks_smem, p_smem, st_smem, vt_all, empty, ready, start,
+              end, sm_scale_log2, W: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
+    """This warpgroup's tile t from its QK (s, r): the softmax, P and the statistics for both warpgroups, the codes
+    transposed in place, then (once the previous PV is done) this half's PV started -> (o_acc, m, l, unit)."""
+    s_layout: gl.constexpr = s.type.layout
+    t_read: gl.constexpr = gl.BlockedLayout([8, 4], [2, 16], [4, 1], [1, 0])
+    slot = t % NUM_STAGES
+    k_scale, k_max = sm90._row_scales(ks_smem, slot, start + t * 64, end, s_layout, 4)
+    cols = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
+    s = _logits(s, r, q_scale, k_scale, cols < end, sm_scale_log2, s_layout)
+    rows = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, t_read))
+    _transpose_in_place(k_smem, vt_all.index(slot), slot, rows < end, t_read)
+    p8, rescale, m_i, l_i, unit = _softmax(s, k_scale, k_max, m_i, l_i, unit)
+    p_smem.index(slot).store(p8)
+    _put_stats(st_smem, slot, rescale, m_i, l_i, unit)
+    fence_async_shared()  # the probabilities and the transposed codes, for both warpgroups' WGMMAs
+    gl.thread_barrier()
+    mbarrier.arrive(ready.index(slot))
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,))
+    mbarrier.arrive(empty.index((t + NUM_STAGES - 1) % NUM_STAGES), pred=t > 0)  # this half's PV(t - 1)
+    row_o: gl.constexpr = gl.SliceLayout(1, o.type.layout)
+    return _pv(p_smem, vt_all, slot, o * gl.convert_layout(rescale, row_o)[:, None], W), m_i, l_i, unit
+
+
+@gluon.jit
+def _other_tile(o_acc, s_acc, r_acc, t, p_smem, st_smem, vt_all, empty, ready, row_s: gl.constexpr, W: gl.constexpr,
+                NUM_STAGES: gl.constexpr):  # fmt: skip
+    """The other warpgroup's tile t on this half, once its owner has published it: the statistics after t, then
+    (every WGMMA of this warpgroup done: the previous PV and the QK in s_acc, r_acc) the rescale and this half's
+    PV started -> (o_acc, the QK's s and r, m, l, unit)."""
+    slot = t % NUM_STAGES
+    mbarrier.wait(ready.index(slot), (t // NUM_STAGES) & 1)
+    rescale, m_i, l_i, unit = _get_stats(st_smem, slot, row_s)
+    s, r, o = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc, o_acc))
+    mbarrier.arrive(empty.index((t + NUM_STAGES - 1) % NUM_STAGES), pred=t > 0)  # this half's PV(t - 1)
+    row_o: gl.constexpr = gl.SliceLayout(1, o.type.layout)
+    return _pv(p_smem, vt_all, slot, o * gl.convert_layout(rescale, row_o)[:, None], W), s, r, m_i, l_i, unit
+
+
+@gluon.jit
 def _consumer(W: gl.constexpr, q8_smem, qr_smem, qs_smem, k_smem, kr_smem, ks_smem, p_smem, st_smem, full, empty,
               ready, SEQ, O, OPART, LSE, sm_scale_log2, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
               stride_lb, stride_lh, NUM_SPLITS, DIRECT_OUT: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
@@ -117,9 +157,7 @@ def _consumer(W: gl.constexpr, q8_smem, qr_smem, qs_smem, k_smem, kr_smem, ks_sm
     r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 32])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    t_read: gl.constexpr = gl.BlockedLayout([8, 4], [2, 16], [4, 1], [1, 0])
     t_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
 
     hb = gl.program_id(0)
@@ -133,49 +171,35 @@ def _consumer(W: gl.constexpr, q8_smem, qr_smem, qs_smem, k_smem, kr_smem, ks_sm
     m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([64], gl.float32, layout=row_s)
     unit = gl.full([64], 1e-30, gl.float32, layout=row_s)
-    rows_t = gl.arange(0, 64, layout=gl.SliceLayout(1, t_read))
-    cols_s = gl.arange(0, 64, layout=col_s)
     o = gl.zeros([64, 256], gl.float32, layout=o_layout)  # sum of p * v in `unit`s, this warpgroup's columns
 
-    # this warpgroup's first tile's QK (issued even past the end: its result is then never used)
-    mbarrier.wait(full.index(W), 0, pred=n_tiles > W)
-    s_acc, r_acc = sm90._issue_qk(q8_smem, qr_smem, k_smem, kr_smem, W, s_zero, r_zero)
-    if W == 1:  # tile 0 is the other warpgroup's: its PV on this half first
-        mbarrier.wait(ready.index(0), 0, pred=n_tiles > 0)
-        rescale, m0, l0, unit0 = _get_stats(st_smem, 0, row_s)
-        m_i = gl.where(n_tiles > 0, m0, m_i)  # an empty split: no tile 0, nothing was written
-        l_i = gl.where(n_tiles > 0, l0, l_i)
-        unit = gl.where(n_tiles > 0, unit0, unit)
-        o_acc = _pv(p_smem, vt_all, 0, o, W)
-    else:
-        o_acc = warpgroup_mma_init(o)
-    for t in range(W, n_tiles, 2):
-        slot = t % NUM_STAGES
-        k_scale, k_max = sm90._row_scales(ks_smem, slot, start + t * 64, end, s_layout, 4)
-        s, r, o = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc, o_acc))  # QK(t), PV(t - 1) done
-        mbarrier.arrive(empty.index((t + NUM_STAGES - 1) % NUM_STAGES), pred=t > 0)  # this half's PV(t - 1)
-        s = _logits(s, r, q_scale, k_scale, (start + t * 64 + cols_s) < end, sm_scale_log2, s_layout)
-        _transpose_in_place(k_smem, vt_all.index(slot), slot, (start + t * 64 + rows_t) < end, t_read)
-        p8, rescale, m_i, l_i, unit = _softmax(s, k_scale, k_max, m_i, l_i, unit)
-        p_smem.index(slot).store(p8)
-        _put_stats(st_smem, slot, rescale, m_i, l_i, unit)
-        fence_async_shared()  # the probabilities and the transposed codes, for both warpgroups' WGMMAs
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(slot))
-        o_acc = _pv(p_smem, vt_all, slot, o * gl.convert_layout(rescale, row_o)[:, None], W)
-        # the next own tile's QK, before waiting for the other warpgroup's softmax of tile t + 1
-        t2 = t + 2
-        mbarrier.wait(full.index(t2 % NUM_STAGES), (t2 // NUM_STAGES) & 1, pred=t2 < n_tiles)
-        s_acc, r_acc = sm90._issue_qk(q8_smem, qr_smem, k_smem, kr_smem, t2 % NUM_STAGES, s_zero, r_zero)
-        t1 = t + 1
-        if t1 < n_tiles:  # the other warpgroup's tile t + 1 on this half
-            slot1 = t1 % NUM_STAGES
-            mbarrier.wait(ready.index(slot1), (t1 // NUM_STAGES) & 1)
-            rescale, m_i, l_i, unit = _get_stats(st_smem, slot1, row_s)
-            o = warpgroup_mma_wait(num_outstanding=5, deps=(o_acc,))  # PV(t) done; the five QK(t + 2) may run
-            mbarrier.arrive(empty.index(slot))
-            o_acc = _pv(p_smem, vt_all, slot1, o * gl.convert_layout(rescale, row_o)[:, None], W)
-    s, r, o = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc, o_acc))
+    # No WGMMA result crosses a branch or the loop's back edge in flight but the output's (ptxas serializes every
+    # WGMMA of a kernel when one does, or when a register of one in flight is read).
+    o_acc = warpgroup_mma_init(o)
+    if W == 0:  # noqa: SIM102 - a compile-time branch around a run-time one
+        if n_tiles > 0:  # tile 0: no tile before it
+            mbarrier.wait(full.index(0), 0)
+            s_acc, r_acc = sm90._issue_qk(q8_smem, qr_smem, k_smem, kr_smem, 0, s_zero, r_zero)
+            s, r = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, r_acc))
+            o_acc, m_i, l_i, unit = _own_tile(s, r, o_acc, 0, q_scale, m_i, l_i, unit, k_smem, ks_smem, p_smem,
+                                              st_smem, vt_all, empty, ready, start, end, sm_scale_log2, W,
+                                              NUM_STAGES)  # fmt: skip
+            o_acc = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,)))
+    # own tile t, after the other's tile t - 1: t's QK runs while the other warpgroup's softmax of t - 1 does,
+    # this warpgroup's softmax of t while its PV of t - 1 does
+    for t in range(2 - W, n_tiles, 2):
+        mbarrier.wait(full.index(t % NUM_STAGES), (t // NUM_STAGES) & 1)
+        s_acc, r_acc = sm90._issue_qk(q8_smem, qr_smem, k_smem, kr_smem, t % NUM_STAGES, s_zero, r_zero)
+        o_acc, s, r, m_i, l_i, unit = _other_tile(o_acc, s_acc, r_acc, t - 1, p_smem, st_smem, vt_all, empty, ready,
+                                                  row_s, W, NUM_STAGES)  # fmt: skip
+        o_acc, m_i, l_i, unit = _own_tile(s, r, o_acc, t, q_scale, m_i, l_i, unit, k_smem, ks_smem, p_smem, st_smem,
+                                          vt_all, empty, ready, start, end, sm_scale_log2, W, NUM_STAGES)  # fmt: skip
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,))
+    if (n_tiles > 0) & ((n_tiles - W) % 2 == 0):  # the last tile is the other's
+        o_acc, s, r, m_i, l_i, unit = _other_tile(warpgroup_mma_init(o), warpgroup_mma_init(s_zero),
+                                                  warpgroup_mma_init(r_zero), n_tiles - 1, p_smem, st_smem, vt_all,
+                                                  empty, ready, row_s, W, NUM_STAGES)  # fmt: skip
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,))
 
     l_o = gl.convert_layout(l_i, row_o)
     has = l_o > 0

@@ -1,4 +1,4 @@
-"""The Gluon SM90 FP8 MLA decode, each schedule (pipelined, plain, the warp-specialized seesaw): it compiles for
+"""The Gluon SM90 FP8 MLA decode, each schedule (pipelined, the warp-specialized seesaw): it compiles for
 sm_90a here (no GPU needed: Triton's bundled ptxas) with QK and PV as FP8 WGMMAs fed by TMA; on a Hopper GPU it
 matches the float32 reference of the same math (the Triton FP8 kernel's), over pages in any order, ragged ends,
 splits, and stale NaN bytes past a sequence."""
@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
+from bench.kernel_resources import wgmma_serialized  # noqa: E402
 from libs.kernels import mla_decode_fp8_sm90 as S  # noqa: E402
 from libs.kernels import mla_decode_fp8_sm90_seesaw as W  # noqa: E402
 from libs.kernels.mla_decode import MLAConfig, choose_num_splits, mla_decode_reference  # noqa: E402
@@ -23,14 +24,11 @@ from .test_mla_decode_fp8 import _case, _ref, _rel  # noqa: E402
 IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 STRIDES = ["stride_qb", "stride_qh", "stride_rb", "stride_rh", "stride_ptb", "stride_ptp", "stride_ob", "stride_oh",
            "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh", "NUM_SPLITS"]  # fmt: skip
-VARIANTS = [(pipe, stages) for pipe in (True, False) for stages in S.stages_for(pipe)]
-# every schedule as the Engine calls it: name -> keyword arguments of _run (None: the seesaw kernel)
-KERNELS = {f"{'pipelined' if pipe else 'plain'}-{stages}": dict(pipeline=pipe, num_stages=stages)
-           for pipe, stages in VARIANTS} | {"seesaw": None}  # fmt: skip
+KERNELS = {"pipelined": S.mla_decode_fp8_sm90, "seesaw": W.mla_decode_fp8_sm90_seesaw}  # each schedule
 
 
-def _compile(stages: int, direct: bool, pipeline: bool | None):
-    """The kernel for sm_90a; pipeline None: the seesaw one (as its launcher: 4 warps, maxnreg 168)."""
+def _compile(kernel: str, direct: bool):
+    """The kernel for sm_90a as its launcher compiles it (the seesaw: 4 warps, maxnreg 168)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -42,58 +40,53 @@ def _compile(stages: int, direct: bool, pipeline: bool | None):
         "QL": "*bf16", "QR": "*bf16", "PT": "*i32", "SEQ": "*i32", "O": "*bf16", "OPART": "*fp32",
         "LSE": "*fp32", "sm_scale_log2": "fp32", **dict.fromkeys(STRIDES, "i32"),
     }  # fmt: skip
-    if pipeline is None:
-        kernel, const, options = W._mla_fp8_seesaw_kernel, dict(DIRECT_OUT=direct, NUM_STAGES=stages, num_warps=4), {
-            "num_warps": 4, "maxnreg": 168}  # fmt: skip
+    if kernel == "seesaw":
+        fn, stages, options = W._mla_fp8_seesaw_kernel, W.STAGES, {"num_warps": 4, "maxnreg": 168}
     else:
-        const = dict(DIRECT_OUT=direct, NUM_STAGES=stages, PIPELINE=pipeline, num_warps=8)
-        kernel, options = S._mla_fp8_sm90_kernel, {"num_warps": 8}
+        fn, stages, options = S._mla_fp8_sm90_kernel, S.STAGES, {"num_warps": 8}
+    const = dict(DIRECT_OUT=direct, NUM_STAGES=stages, num_warps=options["num_warps"])
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
-    src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in const.items()})
+    src = GluonASTSource(fn, sig, {(names.index(k),): v for k, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-@pytest.mark.parametrize("pipeline,stages", VARIANTS)
 @pytest.mark.parametrize("direct", [True, False])
-def test_compiles_for_sm90_with_fp8_wgmma_for_qk_and_pv(pipeline, stages, direct):
-    compiled = _compile(stages, direct, pipeline)
+def test_compiles_for_sm90_with_fp8_wgmma_for_qk_and_pv(direct):
+    compiled = _compile("pipelined", direct)
     ptx = compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx  # the pages arrive by TMA
     assert "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3" in ptx  # QK over the codes
     assert "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3" in ptx  # PV: each warpgroup half of V
-    # pipelined: the softmax runs while the last tile's PV does; else that PV overlaps this tile's QK issue
-    assert f"wgmma.wait_group.sync.aligned {1 if pipeline else 5};" in ptx
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx  # the softmax runs while the last tile's PV does
     assert compiled.metadata.shared <= 232448  # an SM90 block's shared memory
+    assert not wgmma_serialized(compiled)  # ptxas keeps the WGMMAs asynchronous
 
 
 @pytest.mark.parametrize("direct", [True, False])
 def test_seesaw_compiles_for_sm90_as_two_warpgroups_and_a_producer(direct):
-    ptx = (compiled := _compile(W.STAGES, direct, None)).asm["ptx"]
+    ptx = (compiled := _compile("seesaw", direct)).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx  # the producer's TMA
     assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx  # a warpgroup's whole 64 x 64 QK
     assert "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3" in ptx  # PV on its half of the output
     # registers moved from the producer's warpgroup to the consumers'
     assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+240;", ptx) and re.search(r"setmaxnreg.dec[.a-z0-9]+\s+24;", ptx)
-    assert "wgmma.wait_group.sync.aligned 5;" in ptx  # PV(t) waited for while the next own QK (5 groups) runs
     # each partition's barriers count only its own 128 threads (a block-wide one would deadlock the others)
     assert re.findall(r"bar.sync\s+(\d+), 128;", ptx) and not re.search(r"bar.sync\s+\d+;", ptx)
     assert compiled.metadata.shared <= 232448
+    assert not wgmma_serialized(compiled)  # no WGMMA result in flight through a branch or read early
 
 
-def _run(q, kv, table, seq, kernel="pipelined-2", **kw):
-    fn = W.mla_decode_fp8_sm90_seesaw if KERNELS[kernel] is None else S.mla_decode_fp8_sm90
-    return fn(q[..., :512], kv, table, seq, 64, 0.1352, q_rope=q[..., 512:], **(KERNELS[kernel] or {}), **kw)
+def _run(q, kv, table, seq, kernel="pipelined", **kw):
+    return KERNELS[kernel](q[..., :512], kv, table, seq, 64, 0.1352, q_rope=q[..., 512:], **kw)
 
 
 def test_refuses_what_it_does_not_read(device):
     q, kv, table, seq = _case(device, 16, 64, [70])
-    for kernel in ("pipelined-2", "seesaw"):
+    for kernel in KERNELS:
         with pytest.raises(ValueError, match="heads in 64s"):
             _run(q, kv, table, seq, kernel)
     q, kv, table, seq = _case(device, 64, 64, [70])
-    with pytest.raises(ValueError, match="num_stages"):
-        S.mla_decode_fp8_sm90(q[..., :512], kv, table, seq, 64, 0.1352, q_rope=q[..., 512:], num_stages=3)
     with pytest.raises(ValueError, match="uint8 rows"):
         _run(q, dequantize_rows(kv).to(q.dtype), table, seq, "seesaw")
 
@@ -127,7 +120,7 @@ def test_matches_the_reference_on_gpu(kernel, heads):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
-@pytest.mark.parametrize("kernel", ["pipelined-2", "plain-2", "seesaw"])
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_stale_nan_bytes_past_the_end_and_empty_splits_stay_out(kernel):
     q, kv, table, seq = _case("cuda", 128, 64, [20, 130], seed=1)
     nan_rows = kv.clone()
