@@ -318,6 +318,27 @@ def available(device: torch.device, page_size: int, num_heads: int) -> bool:
     return page_size == PAGE and num_heads % BLOCK_H == 0 and torch.cuda.get_device_capability(device)[0] == 9
 
 
+def launch_args(q: torch.Tensor, kv_rows: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                page_size: int, sm_scale: float, q_rope: torch.Tensor, num_splits: int,
+                out: torch.Tensor | None) -> tuple[tuple, tuple[int, int, int], tuple[torch.Tensor, ...]]:  # fmt: skip
+    """What the SM90 kernels (either schedule) read, checked -> (their arguments before the constexprs, the grid:
+    64 heads x split x sequence, (the split outputs, their LSEs, out) for combine_splits)."""
+    check_inputs(q, q_rope, kv_rows, page_table, seq_lens)
+    B, H, _ = q.shape
+    if page_size != PAGE or H % BLOCK_H:
+        raise ValueError(f"the SM90 FP8 MLA decode takes {PAGE}-row pages and heads in {BLOCK_H}s, got "
+                         f"page_size={page_size}, {H} heads")  # fmt: skip
+    out = out if out is not None else torch.empty(B, H, LATENT_DIM, dtype=q.dtype, device=q.device)
+    opart, lse = split_outputs(out, num_splits)
+    args = (
+        *descriptors(kv_rows), q, q_rope, page_table, seq_lens, out, opart, lse, sm_scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), page_table.stride(0), page_table.stride(1),
+        out.stride(0), out.stride(1), opart.stride(0), opart.stride(1), opart.stride(2) if num_splits > 1 else 0,
+        lse.stride(0), lse.stride(1), num_splits,
+    )  # fmt: skip
+    return args, (H // BLOCK_H, num_splits, B), (opart, lse, out)
+
+
 def mla_decode_fp8_sm90(
     q: torch.Tensor,
     kv_rows: torch.Tensor,
@@ -333,20 +354,8 @@ def mla_decode_fp8_sm90(
     """mla_decode_fp8's contract ("fp8" dots): q [B, H, 512] and q_rope [B, H, 64] (any batch/head strides)
     over one layer's FP8 row bytes kv_rows [slots, 656] uint8 -> [B, H, 512] in q's dtype; page_size 64,
     H a multiple of 64."""
-    check_inputs(q, q_rope, kv_rows, page_table, seq_lens)
-    B, H, _ = q.shape
-    if page_size != PAGE or H % BLOCK_H:
-        raise ValueError(f"the SM90 FP8 MLA decode takes {PAGE}-row pages and heads in {BLOCK_H}s, got "
-                         f"page_size={page_size}, {H} heads")  # fmt: skip
-    lat_desc, rope_desc, scale_desc = descriptors(kv_rows)
-    out = out if out is not None else torch.empty(B, H, LATENT_DIM, dtype=q.dtype, device=q.device)
-    opart, lse = split_outputs(out, num_splits)
-    _mla_fp8_sm90_kernel[(H // BLOCK_H, num_splits, B)](
-        lat_desc, rope_desc, scale_desc, q, q_rope, page_table, seq_lens, out, opart, lse,
-        sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1),
-        page_table.stride(0), page_table.stride(1), out.stride(0), out.stride(1),
-        opart.stride(0), opart.stride(1), opart.stride(2) if num_splits > 1 else 0, lse.stride(0), lse.stride(1),
-        num_splits, DIRECT_OUT=num_splits == 1, NUM_STAGES=STAGES, num_warps=8,
-    )  # fmt: skip
+    args, grid, (opart, lse, out) = launch_args(q, kv_rows, page_table, seq_lens, page_size, sm_scale, q_rope,
+                                                num_splits, out)  # fmt: skip
+    _mla_fp8_sm90_kernel[grid](*args, DIRECT_OUT=num_splits == 1, NUM_STAGES=STAGES, num_warps=8)
     combine_splits(opart, lse, out, num_splits)
     return out

@@ -27,12 +27,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from libs.kernels import mla_decode_fp8_sm90 as sm90
-from libs.kernels.mla_decode import LATENT_DIM, combine_splits, split_outputs
-from libs.kernels.mla_decode_fp8 import check_inputs
+from libs.kernels.mla_decode import combine_splits
 
 STAGES = 4  # tiles in flight: 46 KB each (codes, k_pe, scales, probabilities, statistics) beside the 40 KB query
 FP8_MAX = sm90.FP8_MAX
-HALF = LATENT_DIM // 2  # output columns a warpgroup holds
 
 
 @gluon.jit
@@ -290,20 +288,8 @@ def mla_decode_fp8_sm90_seesaw(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """mla_decode_fp8_sm90's contract (64-row pages, heads in 64s) with the seesaw schedule."""
-    check_inputs(q, q_rope, kv_rows, page_table, seq_lens)
-    B, H, _ = q.shape
-    if page_size != sm90.PAGE or H % sm90.BLOCK_H:
-        raise ValueError(f"the SM90 FP8 MLA decode takes {sm90.PAGE}-row pages and heads in {sm90.BLOCK_H}s, got "
-                         f"page_size={page_size}, {H} heads")  # fmt: skip
-    lat_desc, rope_desc, scale_desc = sm90.descriptors(kv_rows)
-    out = out if out is not None else torch.empty(B, H, LATENT_DIM, dtype=q.dtype, device=q.device)
-    opart, lse = split_outputs(out, num_splits)
-    _mla_fp8_seesaw_kernel[(H // sm90.BLOCK_H, num_splits, B)](
-        lat_desc, rope_desc, scale_desc, q, q_rope, page_table, seq_lens, out, opart, lse,
-        sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1),
-        page_table.stride(0), page_table.stride(1), out.stride(0), out.stride(1),
-        opart.stride(0), opart.stride(1), opart.stride(2) if num_splits > 1 else 0, lse.stride(0), lse.stride(1),
-        num_splits, DIRECT_OUT=num_splits == 1, NUM_STAGES=STAGES, num_warps=4, maxnreg=168,
-    )  # fmt: skip
+    args, grid, (opart, lse, out) = sm90.launch_args(q, kv_rows, page_table, seq_lens, page_size, sm_scale, q_rope,
+                                                     num_splits, out)  # fmt: skip
+    _mla_fp8_seesaw_kernel[grid](*args, DIRECT_OUT=num_splits == 1, NUM_STAGES=STAGES, num_warps=4, maxnreg=168)
     combine_splits(opart, lse, out, num_splits)
     return out
