@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from pathlib import Path
 
@@ -174,20 +175,59 @@ def round_decode_query(engine: Engine) -> None:
     backend.decode_latent = decode_latent
 
 
+def interpret_fp8_dots(engine: Engine) -> None:
+    """`engine`'s absorbed decode through the Triton FP8 kernel with "fp8" dots (mla_decode_fp8: the query and the
+    probabilities in FP8, the SM90 kernels' arithmetic) run by the Triton interpreter on the CPU; heads padded
+    to the kernel's 16-head block with zero queries (their outputs dropped)."""
+    from libs.kernels import mla_decode_fp8 as kernel
+    from libs.kernels.interpreter import patch_interpreter
+
+    patch_interpreter()  # the interpreter's bf16 dots otherwise multiply raw bits
+    backend = engine.runner.backend
+
+    def decode_latent(q_latent, q_pe, layer_rows, meta):
+        heads = q_latent.shape[1]
+        pad = (0, 0, 0, -heads % 16)
+        out = kernel.mla_decode_fp8(F.pad(q_latent, pad), layer_rows, meta.page_table.int(), meta.seq_lens.int(),
+                             meta.page_size, backend.scale, q_rope=F.pad(q_pe.to(q_latent.dtype), pad), dots="fp8")  # fmt: skip
+        return out[:, :heads]
+
+    backend.decode_latent = decode_latent
+
+
+def emulate_decode(engine: Engine, emulation: str | None) -> None:
+    """None: the engine as it is; "query": round_decode_query; "kernel": interpret_fp8_dots. Both stand in for
+    the torch absorbed decode of a CPU run (--attention-backend triton; "kernel" under TRITON_INTERPRET=1)."""
+    if emulation is None:
+        return
+    backend = engine.runner.backend
+    rows = engine.kv_pool.fp8
+    if not hasattr(backend, "decode_latent") or backend.kernel_cfg is not None or rows is None or rows.scales != "token":
+        raise ValueError(f"--fp8-{emulation} stands in for the torch absorbed decode over \"token\" FP8 rows: "
+                         "--attention-backend triton on a CPU")  # fmt: skip
+    if emulation == "kernel":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--fp8-kernel runs the Triton kernel in the Triton interpreter: set TRITON_INTERPRET=1")
+        cfg = engine.model.config
+        if (cfg.kv_lora_rank, cfg.qk_rope_head_dim) != (512, 64):
+            raise ValueError(f"--fp8-kernel: the FP8 kernel reads DeepSeek-V3's 512 + 64-dim rows, this model's are "
+                             f"{cfg.kv_lora_rank} + {cfg.qk_rope_head_dim} (--fp8-query works at any width)")  # fmt: skip
+        interpret_fp8_dots(engine)
+    else:
+        round_decode_query(engine)
+
+
 def run_model(name, model_dir, device, dtype, seqs, prompt_len, chunk, formats, log, backend="auto",
-              fp8_query=False) -> dict:  # fmt: skip
+              emulation=None) -> dict:  # fmt: skip
     t0 = time.perf_counter()
     auto, fp8 = engines(model_dir, device, dtype, backend)
-    if fp8_query:
-        if not hasattr(fp8.runner.backend, "decode_latent") or fp8.runner.backend.kernel_cfg is not None:
-            raise ValueError("--fp8-query rounds the query of the torch absorbed decode: --attention-backend "
-                             "triton on a CPU")  # fmt: skip
-        round_decode_query(fp8)
+    emulate_decode(fp8, emulation)
     ref = teacher_forced(auto, seqs, prompt_len, chunk)
     rec = {"model": name, "model_dir": str(model_dir), "device_arg": device, "dtype": dtype, "sequences": len(seqs),
            "prompt_tokens": prompt_len, "decode_tokens": len(seqs[0]) - 1 - prompt_len, "prefill_chunk": chunk,
            "attention_backend": fp8.runner.backend.name, "kv_format": fp8.kv_pool.format_name, "fast_path": fp8.model.fast is not None,
-           "decode_graphs": fp8.runner.graphs is not None, "fp8_query_rounded": fp8_query,
+           "decode_graphs": fp8.runner.graphs is not None, "fp8_query_rounded": emulation is not None,
+           "fp8_probabilities": emulation == "kernel",
            "fp8": compare(ref, teacher_forced(fp8, seqs, prompt_len, chunk), seqs)}  # fmt: skip
     f = rec["fp8"]
     log(f"{name} [{dtype}, {rec['attention_backend']}, {rec['kv_format']}]: rel err {f['logits_rel_err_mean']:.2e}, agreement "
@@ -214,12 +254,17 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64, help="teacher-forced decode tokens per sequence")
     ap.add_argument("--chunk", type=int, default=32, help="prefill chunk")
     ap.add_argument("--formats", action="store_true", help="also the row-format study (CPU, torch reference)")
-    ap.add_argument("--fp8-query", action="store_true",
-                    help="round the FP8 engine's decode query as the FP8-dot kernels do (CPU, --attention-backend "
-                    "triton): the SM90 kernel's accuracy but for its FP8 probabilities")  # fmt: skip
+    emu = ap.add_mutually_exclusive_group()
+    emu.add_argument("--fp8-query", action="store_true",
+                     help="round the FP8 engine's decode query as the FP8-dot kernels do (CPU, --attention-backend "
+                     "triton): the SM90 kernel's accuracy but for its FP8 probabilities")  # fmt: skip
+    emu.add_argument("--fp8-kernel", action="store_true",
+                     help="decode the FP8 engine through the Triton FP8 kernel with FP8 dots (the SM90 kernels' "
+                     "arithmetic) in the Triton interpreter: TRITON_INTERPRET=1, CPU, --attention-backend triton")  # fmt: skip
     ap.add_argument("--attention-backend", default="auto", choices=BACKENDS,
                     help="the FP8 rows follow it: FlashInfer's \"tensor\" rows with flashinfer named")  # fmt: skip
     a = ap.parse_args()
+    emulation = "query" if a.fp8_query else "kernel" if a.fp8_kernel else None
     torch.manual_seed(0)
     length = a.prompt + a.gen + 1
     records = []
@@ -233,20 +278,20 @@ def main() -> None:
 
         demo = ensure_demo_model()
         records.append(run_model("demo-v3", demo, a.device, a.dtype, text_windows(demo, a.seqs or 60, length),
-                                 a.prompt, a.chunk, a.formats, log, a.attention_backend, a.fp8_query))  # fmt: skip
+                                 a.prompt, a.chunk, a.formats, log, a.attention_backend, emulation))  # fmt: skip
         tiny = Path.home() / ".cache" / "moemesh" / "tiny-v3"
         if not (tiny / "config.json").exists():
             write_tiny_model(tiny)
         vocab = load_model(tiny, progress=False).config.vocab_size
         records.append(run_model("tiny-v3 (random)", tiny, a.device, a.dtype, random_tokens(vocab, a.seqs or 16, length),
-                                 a.prompt, a.chunk, a.formats, log, a.attention_backend, a.fp8_query))  # fmt: skip
+                                 a.prompt, a.chunk, a.formats, log, a.attention_backend, emulation))  # fmt: skip
     else:
         from libs.engine.config import ModelConfig
 
         vocab = ModelConfig.from_pretrained(a.model).vocab_size
         seqs = random_tokens(vocab, a.seqs or 8, length)
         records.append(run_model(Path(a.model).name, a.model, a.device, a.dtype, seqs, a.prompt, a.chunk, a.formats, log,
-                                 a.attention_backend, a.fp8_query))  # fmt: skip
+                                 a.attention_backend, emulation))  # fmt: skip
     env = environment()
     for r in records:
         r.update({"benchmark": "kv_fp8_accuracy", "command": "python -m bench.kv_fp8_accuracy " + " ".join(
