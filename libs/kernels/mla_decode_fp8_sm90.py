@@ -190,8 +190,8 @@ def _mla_fp8_sm90_kernel(
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-    # query loads: 8 contiguous bf16 a thread; the transpose: a 4 x 4 byte block a thread, read along the
-    # latent dimension and written along the rows (32-bit shared-memory accesses both ways)
+    # query loads: 8 contiguous bf16 a thread; the transpose: 8 rows x 4 bytes a thread, read by ldmatrix and
+    # stored in the permuted layout as it is (8 bytes along the rows), with no layout conversion between
     q_load: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
     t_read: gl.constexpr = gl.BlockedLayout([8, 4], [2, 16], [4, 2], [1, 0])
     t_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
