@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything GPU-side, for the `device` tool's lent H200:
-#   bash bench/gpu_check.sh [quick|wave|fp8|prefill|mla]   (carry .whl: `bash scripts/gpu_wheels.sh flashinfer`)
+#   bash bench/gpu_check.sh [quick|wave|fp8|prefill|mla|gemm]   (carry .whl: `bash scripts/gpu_wheels.sh flashinfer`)
 #   PREFILL_BUDGETS=4096,16384 PREFILL_PROFILE=4096 bash bench/gpu_check.sh prefill   (prefill_rank, a profiled
 #   forward, the GPU tests of what prefill runs); PREFILL_BASELINE=.baseline runs prefill_rank on that build first
 #   (`bash scripts/baseline_tree.sh REV`, carry [".whl", ".baseline"]); PREFILL_ATTN=triton: without FlashInfer
@@ -101,6 +101,17 @@ print('wrote', write_preset_model('/tmp/v3-width', 'v3-width', overwrite=True))"
       2>&1 | grep -E "rel err|agree|Error" | tee -a "$summary"
   fi
   budgeted_tests 30 tests/libs/kernels/test_mla_decode_fp8.py tests/libs/kernels/test_mla_decode.py
+  exit 0
+fi
+if [ "${1:-}" = gemm ]; then  # the FP8 GEMMs: the persistent warp-specialized kernel's GPU tests, then decode's
+  # grouped GEMM shapes (every Gluon config, the warp-specialized ones among them, beside what the tuner chooses)
+  # and prefill's 4k-token shapes the same way; each variant's rows are checked against the reference as timed
+  t0=$(date +%s)
+  budgeted_tests 30 tests/libs/kernels/test_fp8_gemm_sm90_ws.py
+  timeout 200 python3 -m bench.kernels --skip-mla > "$OUT/kernels.log" 2>&1
+  grep -E "masked-chosen|sm90-masked-128-128-8-4-4|sm90ws-|Error" "$OUT/kernels.log" | cut -c1-160 | tee -a "$summary"
+  timeout 200 python3 -m bench.kernels --prefill-gemms > "$OUT/prefill_gemms.log" 2>&1
+  grep -E "sm90-128-128-8-4-4 group_m=8|sm90ws-|chosen|Error" "$OUT/prefill_gemms.log" | cut -c1-160 | tee -a "$summary"
   exit 0
 fi
 if [ "${1:-}" = prefill ]; then  # prefill through the Engine (bench.prefill_rank, one forward profiled), then the

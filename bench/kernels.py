@@ -326,7 +326,7 @@ def gemm_case(e, m, n, k, log) -> list[dict]:
     records = []
     for name, fn in variants.items():
         fn()
-        if name.startswith("sm90-"):  # each Gluon config checked against the reference, not just timed
+        if name.startswith(("sm90-", "sm90ws-")):  # each Gluon config checked against the reference, not just timed
             got = out[0] if "masked" in name else fn()
             err = _rel_err(got, ref)
         ms = gemm_tuning.graph_time(fn)  # graph-replayed: eager timing of ~100 us kernels times the launch
@@ -380,6 +380,24 @@ def sm90_variants(xq, xs, w, ws, counts, out) -> dict:
             G._launch_sm90(xq[:1], xs[:1], w[:1], ws[:1], dense_out[None], m, xs, xs, G.DENSE, 1, cfg),
             dense_out,
         )[1]
+    variants.update(sm90_ws_variants(xq, xs, w, ws, counts, out))
+    return variants
+
+
+def sm90_ws_variants(xq, xs, w, ws, counts, out) -> dict:
+    """The persistent warp-specialized Gluon GEMM's configs (libs.kernels.fp8_gemm_sm90_ws) on the masked layout."""
+    from libs.kernels import fp8_gemm_sm90_ws as WS
+
+    e, m, k = xq.shape
+    n = w.shape[1]
+    variants = {}
+    for cfg in WS.CONFIGS:
+        if (k // 128) % cfg[2] or n % cfg[0]:
+            continue
+        variants["sm90ws-masked-" + "-".join(map(str, cfg))] = lambda cfg=cfg: WS.launch(
+            xq.reshape(-1, k), xs, w.reshape(e * n, k), ws, out, m, n, k, counts, counts, G.MASKED, e, cfg,
+            a_rows_per_expert=m, group_m=G.group_m_for(128),
+        )  # fmt: skip
     return variants
 
 
@@ -446,6 +464,16 @@ def _prefill_gemm_case(e, m, n, k, group_ms, log) -> list[dict]:
             variants[(cfg, g)] = lambda cfg=cfg, g=g, te=tiles(cfg[0]): S.launch(
                 flat_q, flat_s[None], w.reshape(e * n, k), ws, out[None], e * m, n, k, te, te, layout, 1, cfg,
                 group_m=g or G.group_m_for(cfg[0]),
+            )  # fmt: skip
+    if S.available(xq.device):  # the persistent warp-specialized kernel: 128-row tiles
+        from libs.kernels import fp8_gemm_sm90_ws as WS
+
+        for cfg in WS.CONFIGS:
+            if (k // 128) % cfg[2] or n % cfg[0]:
+                continue
+            variants[("sm90ws-" + "-".join(map(str, cfg)), None)] = lambda cfg=cfg, te=tiles(128): WS.launch(
+                flat_q, flat_s[None], w.reshape(e * n, k), ws, out[None], e * m, n, k, te, te, layout, 1, cfg,
+                group_m=G.group_m_for(128),
             )  # fmt: skip
     te64 = tiles(64)
     if e > 1:

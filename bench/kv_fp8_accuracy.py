@@ -294,7 +294,8 @@ def main() -> None:
                                  a.attention_backend, emulation))  # fmt: skip
     env = environment()
     for r in records:
-        r.update({"benchmark": "kv_fp8_accuracy", "command": "python -m bench.kv_fp8_accuracy " + " ".join(
+        prefix = "TRITON_INTERPRET=1 " if emulation == "kernel" else ""
+        r.update({"benchmark": "kv_fp8_accuracy", "command": prefix + "python -m bench.kv_fp8_accuracy " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v not in (None, False, 0)), **env})  # fmt: skip
     tag = "cpu" if a.device == "cpu" else "gpu"
     print("wrote", write_results(f"kv_fp8_accuracy-{tag}", records))
