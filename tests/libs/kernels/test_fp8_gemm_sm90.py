@@ -70,12 +70,22 @@ def test_dense_every_config_on_gpu(cfg, m, n, k):
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("cfg", S.CONFIGS, ids=str)
 def test_masked_every_config_writes_only_counted_rows(cfg):
+    assert_masked_writes_only_counted_rows(
+        lambda xq, xs, w, ws, out, m_max, counts, e: G._launch_sm90(
+            xq, xs, w, ws, out, m_max, counts, counts, S.MASKED, e, cfg
+        )
+    )
+
+
+def assert_masked_writes_only_counted_rows(launch):
+    """launch(xq, xs, w, ws, out, m_max, counts, experts) as a masked GEMM over 5 experts with 0, 1, 130, 512
+    and 64 rows: each expert's counted rows are its product, the rest of `out` untouched (NaN)."""
     e, m_max, n, k = 5, 512, 4096, 7168
     xq, xs = _acts((e, m_max, k), "cuda")
     w, ws = _weights(e, n, k, "cuda")
     counts = torch.tensor([0, 1, 130, 512, 64], dtype=torch.int32, device="cuda")
     out = torch.full((e, m_max, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    G._launch_sm90(xq, xs, w, ws, out, m_max, counts, counts, S.MASKED, e, cfg)
+    launch(xq, xs, w, ws, out, m_max, counts, e)
     for i, c in enumerate(counts.tolist()):
         assert out[i, c:].isnan().all()
         if c:

@@ -19,7 +19,7 @@ from libs.kernels import fp8_gemm_sm90_ws as W  # noqa: E402
 
 from .conftest import HAS_CUDA  # noqa: E402
 from .test_fp8_gemm import _acts, _rel, _weights  # noqa: E402
-from .test_fp8_gemm_sm90 import _assert_each_tile_is_its_experts  # noqa: E402
+from .test_fp8_gemm_sm90 import _assert_each_tile_is_its_experts, assert_masked_writes_only_counted_rows  # noqa: E402
 
 IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 
@@ -89,16 +89,9 @@ def test_dense_on_gpu(cfg, m, n, k):
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("cfg", W.CONFIGS, ids=str)
 def test_masked_writes_only_counted_rows(cfg):
-    e, m_max, n, k = 5, 512, 4096, 7168
-    xq, xs = _acts((e, m_max, k), "cuda")
-    w, ws = _weights(e, n, k, "cuda")
-    counts = torch.tensor([0, 1, 130, 512, 64], dtype=torch.int32, device="cuda")
-    out = torch.full((e, m_max, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    _launch(xq, xs, w, ws, out, m_max, counts, counts, S.MASKED, e, cfg)
-    for i, c in enumerate(counts.tolist()):
-        assert out[i, c:].isnan().all()
-        if c:
-            assert _rel(out[i, :c], G.fp8_gemm_reference(xq[i, :c], xs[i, :c], w[i], ws[i])) < 1e-2
+    assert_masked_writes_only_counted_rows(
+        lambda xq, xs, w, ws, out, m_max, counts, e: _launch(xq, xs, w, ws, out, m_max, counts, counts, S.MASKED, e, cfg)
+    )
 
 
 @pytest.mark.gpu
