@@ -214,7 +214,8 @@ def _launch_triton(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, 
 
         key = tuning_key(layout, m, n, k, grid_e, block_m)
         default = default_config(m, block_m)
-        run(gemm_tuning.choose(_TRITON_CONFIG, key, candidates, run, table="triton_config", default=default))
+        run(gemm_tuning.choose(_TRITON_CONFIG, key, candidates, run, table="triton_config", default=default,
+                               output=c3))  # fmt: skip
     else:
         bm = block_m or _default_block_m(m)
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, 128), grid_e)
@@ -265,7 +266,7 @@ def _choose(layout, a3, s3, w3, ws3, c3, m, counts, tile_expert, grid_e, block_m
             else:
                 _launch_sm90(a3, s3, w3, ws3, c3, m, counts, tile_expert, layout, grid_e, cfg)
 
-        gemm_tuning.choose(_KERNEL_CHOICE, key, [None, *cands], run, table="kernel_choice", default=None)
+        gemm_tuning.choose(_KERNEL_CHOICE, key, [None, *cands], run, table="kernel_choice", default=None, output=c3)
     return _KERNEL_CHOICE[key]
 
 
@@ -313,7 +314,7 @@ def _split_choice(xq, xs, w, w_s, out) -> int:
                 else:
                     _fp8_gemm_split_k(xq, xs, w, w_s, out, s)
 
-            gemm_tuning.choose(_SPLIT_CHOICE, key, [1, *splits[:6]], run, table="split_k", default=target)
+            gemm_tuning.choose(_SPLIT_CHOICE, key, [1, *splits[:6]], run, table="split_k", default=target, output=out)
     return _SPLIT_CHOICE[key]
 
 

@@ -4,7 +4,7 @@ else the caller's fixed default. Candidates are timed only inside `tuning(table_
 
 # Same sum order everywhere is why temperature 0 gives one answer whichever worker serves it. In tuning, the
 # candidates are timed from CUDA-graph replays (`graph_time`, the one function that touches the GPU; CPU tests
-# fake it) and the fastest written to `table_dir`. Keys hold a bucket of M (`m_bucket`), never M: prefill's
+# fake it), each first checked against the first working candidate's output, and the fastest written to `table_dir`. Keys hold a bucket of M (`m_bucket`), never M: prefill's
 # token count changes almost every step; powers of two keep their own bucket (the captured decode sizes),
 # rows past M_BUCKET_MAX share one. Tables: one JSON per device name and Triton version,
 # {"tables": {table: {key: candidate}}}, read once per process from libs/kernels/tuning/ and the user's
@@ -16,6 +16,7 @@ import fcntl
 import functools
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -75,6 +76,21 @@ def graph_time(fn: Callable[[], object]) -> float:
     ms = float(triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median"))
     torch.cuda.synchronize()
     return ms
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error of got against ref (float32, no inf), entries NaN in both counting as equal
+    (what neither wrote); inf where only one is NaN, where got holds an inf, or where ref is all zeros and got
+    is not."""
+    g = got.float()
+    nan_g, nan_r = torch.isnan(g), torch.isnan(ref)
+    if bool((nan_g ^ nan_r).any()):
+        return float("inf")
+    diff = torch.where(nan_r, 0.0, g - ref).norm().item()
+    scale = torch.where(nan_r, 0.0, ref).norm().item()
+    if not math.isfinite(diff):
+        return float("inf")
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
 def device_tag() -> str:
@@ -165,16 +181,17 @@ def remember(table: str, key: tuple, choice: str) -> None:
 
 def choose(
     cache: dict[tuple, C], key: tuple, candidates: Sequence[C], run: Callable[[C], object], table: str,
-    default: C,
+    default: C, output: torch.Tensor | None = None,
 ) -> C:  # fmt: skip
     """cache[key]: the table's choice when it is one of `candidates`, else `default` (the same in every
-    process); inside `tuning()`, a key without a usable entry is timed instead (`fastest`). Callers reach
-    this first outside CUDA-graph capture (warm-up), never inside it."""
+    process); inside `tuning()`, a key without a usable entry is timed instead (`fastest`, checking each
+    candidate's `output` against the first's). Callers reach this first outside CUDA-graph capture (warm-up),
+    never inside it."""
     if key not in cache:
         texts = [str(c) for c in candidates]
         known = stored().get(table, {}).get(_key_text(key))
         if _TUNING is not None and (_TUNING.retune or known not in texts):
-            cache[key] = fastest(key, candidates, run, table)
+            cache[key] = fastest(key, candidates, run, table, output)
         elif known in texts:
             cache[key] = candidates[texts.index(known)]
         else:
@@ -183,25 +200,46 @@ def choose(
     return cache[key]
 
 
-def fastest(key: tuple, candidates: Sequence[C], run: Callable[[C], object], table: str) -> C:
+CHECK_TOLERANCE = 1e-2  # relative error of a candidate's output against the first candidate's
+
+
+def fastest(key: tuple, candidates: Sequence[C], run: Callable[[C], object], table: str,
+            output: torch.Tensor | None = None) -> C:  # fmt: skip
     """Each candidate timed with `run(candidate)`; the fastest written to the table being tuned. A candidate
-    that fails (compile or resource limits for this shape) is skipped and its error kept in REJECTED; when
-    all fail, the first is returned and nothing is written. Only inside `tuning()`."""
+    that fails (compile or resource limits for this shape), or whose `output` (the buffer `run` writes, set
+    back to what it held before each candidate's check run and after the sweep) differs from the first
+    working candidate's by more than CHECK_TOLERANCE, is skipped and why kept in REJECTED: a wrong but fast
+    kernel is never chosen. When all fail, the first is returned and nothing is written. Only inside
+    `tuning()`."""
     if _TUNING is None:
         raise RuntimeError("kernel candidates are timed only in the tune step (gemm_tuning.tuning)")
     texts = [str(c) for c in candidates]
     times: list[float] = []
+    reference: torch.Tensor | None = None
+    reference_name = ""
+    original = output.clone() if output is not None else None  # what the caller's buffer held, put back after
+    checking = output is not None
     t0 = time.perf_counter()
     _DEPTH[0] += 1
     try:
         for cand in candidates:
             try:
+                if checking and output is not None and original is not None:
+                    output.copy_(original)  # what a candidate leaves alone compares equal
+                    run(cand)
+                    if reference is None:
+                        reference, reference_name = output.to(torch.float32, copy=True), str(cand)
+                        checking = not bool(torch.isinf(reference).any())  # else nothing to hold the others to
+                    elif (err := _rel_err(output, reference)) > CHECK_TOLERANCE:
+                        raise ValueError(f"output differs from candidate {reference_name}'s by {err:.1e} (relative)")
                 times.append(graph_time(functools.partial(run, cand)))
             except Exception as err:  # noqa: BLE001 - recorded; the others still compete
                 REJECTED[(key, str(cand))] = f"{type(err).__name__}: {str(err)[:200]}"
                 times.append(float("inf"))
     finally:
         _DEPTH[0] -= 1
+        if output is not None and original is not None:
+            output.copy_(original)
     SPENT["seconds"] += 0.0 if _DEPTH[0] else time.perf_counter() - t0
     SPENT["timings"] += len(candidates)
     best = min(range(len(candidates)), key=times.__getitem__)

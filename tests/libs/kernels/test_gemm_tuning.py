@@ -210,3 +210,28 @@ def test_default_configs_are_candidates_of_their_bucket_and_fixed():
     for bm in (16, 32, 64, 128):
         cfg = G.default_config(4096, block_m=bm)
         assert cfg.kwargs["BLOCK_M"] == bm and cfg in G._CONFIGS
+
+
+def test_a_wrong_candidate_is_never_chosen_however_fast(fresh, monkeypatch, tmp_path):
+    """In the tune step each candidate's output is checked against the first working candidate's before it
+    is timed: one that writes a wrong product, or rows it should leave alone, is rejected even when it times
+    fastest (numerics never follow a timing); a close one competes; the caller's buffer holds after the
+    sweep what it held before."""
+    out = torch.full((4, 8), float("nan"))  # rows 2-3: left alone by every right candidate
+    product = torch.arange(16.0).view(2, 8)
+
+    def run(cand: str) -> None:
+        if cand == "fails":
+            raise RuntimeError("out of shared memory")
+        out[:2] = product * {"wrong": 1.5, "close": 1.0001}.get(cand, 1.0)
+        if cand == "outside":
+            out[3] = 0.0
+
+    times = {"right": 3.0, "fails": 0.1, "close": 2.0, "wrong": 0.5, "outside": 0.4}
+    monkeypatch.setattr(gemm_tuning, "graph_time", lambda fn: times[fn.args[0]])
+    with gemm_tuning.tuning(tmp_path / "tuned"):
+        chosen = gemm_tuning.fastest(("key",), list(times), run, "kernel_choice", out)
+    assert chosen == "close"
+    assert {cand for _, cand in gemm_tuning.REJECTED} == {"fails", "wrong", "outside"}
+    assert "differs from candidate right's" in gemm_tuning.REJECTED[(("key",), "wrong")]
+    assert out.isnan().all()
