@@ -1,11 +1,12 @@
 """What a Triton kernel of the project costs in registers, local-memory spills, shared memory and which MMA
 instructions it got, compiled for sm_90 on any machine (Triton ships ptxas and cuobjdump): spills show without a
-GPU, speed still needs one. `python -m bench.kernel_resources [--kernel mla-fp8 mla quant dot] [--config BH-BN-W-S]`
+GPU, speed still needs one. `python -m bench.kernel_resources [--kernel mla-fp8 mla quant dot mla-fp8-sm90 gemm-ws] [--config BH-BN-W-S]`
 (run it without TRITON_INTERPRET: a process that has run the interpreter may keep triton.language patched)"""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -77,6 +78,59 @@ def resources(compiled: Any) -> Resources:
     )  # fmt: skip
 
 
+def compile_gluon_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], **options: Any) -> Any:
+    """A Gluon kernel compiled for sm_90a: signature maps its run-time arguments to types, constexprs its
+    compile-time ones; options as its launcher passes them (num_warps, maxnreg)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    names = list(sig)
+    src = GluonASTSource(fn, sig, {(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+_MLA_STRIDES = ["stride_qb", "stride_qh", "stride_rb", "stride_rh", "stride_ptb", "stride_ptp", "stride_ob",
+                "stride_oh", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh", "NUM_SPLITS"]  # fmt: skip
+
+
+def mla_fp8_sm90(schedule: str = "pipelined", direct: bool = False) -> Any:
+    """The SM90 FP8 MLA decode compiled as its launcher compiles it: "pipelined" (mla_decode_fp8_sm90, 8 warps)
+    or "seesaw" (mla_decode_fp8_sm90_seesaw: 4 + 4 + 1 warps, maxnreg 168); direct: one split (no partials)."""
+    from libs.kernels import mla_decode_fp8_sm90 as S
+    from libs.kernels import mla_decode_fp8_sm90_seesaw as W
+
+    sig = {
+        "lat_desc": f"tensordesc<fp8e4nv[64, 128],{S.lat_layout()!r}>",
+        "rope_desc": f"tensordesc<bf16[64, 64],{S.rope_layout()!r}>",
+        "scale_desc": f"tensordesc<fp32[64, 4],{S.scale_layout()!r}>",
+        "QL": "*bf16", "QR": "*bf16", "PT": "*i32", "SEQ": "*i32", "O": "*bf16", "OPART": "*fp32",
+        "LSE": "*fp32", "sm_scale_log2": "fp32", **dict.fromkeys(_MLA_STRIDES, "i32"),
+    }  # fmt: skip
+    if schedule == "seesaw":
+        const = dict(DIRECT_OUT=direct, NUM_STAGES=W.STAGES, num_warps=4)
+        return compile_gluon_sm90(W._mla_fp8_seesaw_kernel, sig, const, num_warps=4, maxnreg=168)
+    const = dict(DIRECT_OUT=direct, NUM_STAGES=S.STAGES, num_warps=8)
+    return compile_gluon_sm90(S._mla_fp8_sm90_kernel, sig, const, num_warps=8)
+
+
+def fp8_gemm_ws(cfg: tuple[int, int, int], layout: int) -> Any:
+    """The persistent warp-specialized FP8 GEMM (fp8_gemm_sm90_ws) for one of its CONFIGS and a layout."""
+    from libs.kernels import fp8_gemm_sm90 as S
+    from libs.kernels import fp8_gemm_sm90_ws as W
+
+    bn, buffers, unroll = cfg
+    sig = {
+        "a_desc": f"tensordesc<fp8e4nv[128, 128],{S._shared_layout([128, 128])!r}>",
+        "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{S._shared_layout([bn, 128])!r}>",
+        "c_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32", "counts_ptr": "*i32", "tile_expert_ptr": "*i32",
+        **dict.fromkeys(["M", "N", "K", "a_rows_per_expert", "num_e", "stride_ce", "stride_cm", "stride_se",
+                         "stride_sm", "stride_sk", "stride_bse", "stride_bsn", "stride_bsk"], "i32"),
+    }  # fmt: skip
+    const = dict(LAYOUT=layout, BLOCK_N=bn, NUM_BUFFERS=buffers, UNROLL=unroll, GROUP_M=8, num_warps=4)
+    return compile_gluon_sm90(W._fp8_gemm_sm90_ws_kernel, sig, const, num_warps=4, maxnreg=168)
+
+
 def wgmma_serialized(compiled: Any) -> bool:
     """Whether ptxas serialized the kernel's WGMMAs (its C7514 "Potential Performance Loss": a register of a WGMMA
     in flight read or moved, e.g. an accumulator carried through a branch), which waits for every one of them."""
@@ -138,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     from libs.kernels.mla_decode_fp8 import DOTS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    kernels = ["mla-fp8", "mla", "quant", "dot"]
+    kernels = ["mla-fp8", "mla", "quant", "dot", "mla-fp8-sm90", "gemm-ws"]
     ap.add_argument("--kernel", nargs="+", default=kernels[:3], choices=kernels)
     ap.add_argument("--config", nargs="+", default=None, help="MLA tiles BLOCK_H-BLOCK_N-warps-stages (default: "
                     "the kernels' default)")  # fmt: skip
@@ -147,6 +201,19 @@ def main(argv: list[str] | None = None) -> None:
     configs = [tuple(int(x) for x in c.split("-")) for c in a.config] if a.config else [
         (d.block_h, d.block_n, d.num_warps, d.num_stages)]  # fmt: skip
     for name in a.kernel:
+        if name in ("mla-fp8-sm90", "gemm-ws"):  # the Gluon kernels, with whether ptxas serialized their WGMMAs
+            from libs.kernels import fp8_gemm_sm90_ws
+
+            if name == "mla-fp8-sm90":
+                builds = {f"{name} {s}": functools.partial(mla_fp8_sm90, s) for s in ("pipelined", "seesaw")}
+            else:
+                builds = {f"{name} {'-'.join(map(str, c))} layout {lay}": functools.partial(fp8_gemm_ws, c, lay)
+                          for c in fp8_gemm_sm90_ws.CONFIGS for lay in (0, 1, 2)}  # fmt: skip
+            for label, build in builds.items():
+                compiled = build()
+                print(f"{label}: {resources(compiled).line()}; WGMMAs serialized: {wgmma_serialized(compiled)}",
+                      flush=True)  # fmt: skip
+            continue
         if name in ("quant", "dot"):
             r = quant_rows() if name == "quant" else dot_reference()
             print(f"{'quant rows (SwiGLU, masked)' if name == 'quant' else 'dot 64x64x64 bf16'}: {r.line()}", flush=True)

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from bench.kernel_resources import wgmma_serialized  # noqa: E402
+from bench.kernel_resources import fp8_gemm_ws, wgmma_serialized  # noqa: E402
 from libs.kernels import fp8_gemm as G  # noqa: E402
 from libs.kernels import fp8_gemm_sm90 as S  # noqa: E402
 from libs.kernels import fp8_gemm_sm90_ws as W  # noqa: E402
@@ -24,31 +24,10 @@ from .test_fp8_gemm_sm90 import _assert_each_tile_is_its_experts, assert_masked_
 IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 
 
-def _compile(cfg, layout):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    bn, buffers, unroll = cfg
-    sig = {
-        "a_desc": f"tensordesc<fp8e4nv[128, 128],{S._shared_layout([128, 128])!r}>",
-        "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{S._shared_layout([bn, 128])!r}>",
-        "c_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32", "counts_ptr": "*i32", "tile_expert_ptr": "*i32",
-    }  # fmt: skip
-    for name in ["M", "N", "K", "a_rows_per_expert", "num_e", "stride_ce", "stride_cm", "stride_se", "stride_sm",
-                 "stride_sk", "stride_bse", "stride_bsn", "stride_bsk"]:  # fmt: skip
-        sig[name] = "i32"
-    const = dict(LAYOUT=layout, BLOCK_N=bn, NUM_BUFFERS=buffers, UNROLL=unroll, GROUP_M=8, num_warps=4)
-    sig.update(dict.fromkeys(const, "constexpr"))
-    names = list(sig)
-    src = GluonASTSource(W._fp8_gemm_sm90_ws_kernel, sig, {(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
-
-
 @pytest.mark.parametrize("cfg", W.CONFIGS, ids=str)
 def test_every_config_compiles_for_sm90_as_consumers_and_a_producer(cfg):
     for layout in (S.DENSE, S.MASKED, S.CONTIGUOUS):
-        compiled = _compile(cfg, layout)
+        compiled = fp8_gemm_ws(cfg, layout)
         ptx = compiled.asm["ptx"]
         assert "cp.async.bulk.tensor" in ptx  # the producer's TMA
         assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # a consumer's 64 rows

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from bench.kernel_resources import wgmma_serialized  # noqa: E402
+from bench.kernel_resources import mla_fp8_sm90, wgmma_serialized  # noqa: E402
 from libs.kernels import mla_decode_fp8_sm90 as S  # noqa: E402
 from libs.kernels import mla_decode_fp8_sm90_seesaw as W  # noqa: E402
 from libs.kernels.mla_decode import MLAConfig, choose_num_splits, mla_decode_reference  # noqa: E402
@@ -22,38 +22,12 @@ from .conftest import HAS_CUDA  # noqa: E402
 from .test_mla_decode_fp8 import _case, _ref, _rel  # noqa: E402
 
 IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
-STRIDES = ["stride_qb", "stride_qh", "stride_rb", "stride_rh", "stride_ptb", "stride_ptp", "stride_ob", "stride_oh",
-           "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh", "NUM_SPLITS"]  # fmt: skip
 KERNELS = {"pipelined": S.mla_decode_fp8_sm90, "seesaw": W.mla_decode_fp8_sm90_seesaw}  # each schedule
-
-
-def _compile(kernel: str, direct: bool):
-    """The kernel for sm_90a as its launcher compiles it (the seesaw: 4 warps, maxnreg 168)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    sig = {
-        "lat_desc": f"tensordesc<fp8e4nv[64, 128],{S.lat_layout()!r}>",
-        "rope_desc": f"tensordesc<bf16[64, 64],{S.rope_layout()!r}>",
-        "scale_desc": f"tensordesc<fp32[64, 4],{S.scale_layout()!r}>",
-        "QL": "*bf16", "QR": "*bf16", "PT": "*i32", "SEQ": "*i32", "O": "*bf16", "OPART": "*fp32",
-        "LSE": "*fp32", "sm_scale_log2": "fp32", **dict.fromkeys(STRIDES, "i32"),
-    }  # fmt: skip
-    if kernel == "seesaw":
-        fn, stages, options = W._mla_fp8_seesaw_kernel, W.STAGES, {"num_warps": 4, "maxnreg": 168}
-    else:
-        fn, stages, options = S._mla_fp8_sm90_kernel, S.STAGES, {"num_warps": 8}
-    const = dict(DIRECT_OUT=direct, NUM_STAGES=stages, num_warps=options["num_warps"])
-    sig.update(dict.fromkeys(const, "constexpr"))
-    names = list(sig)
-    src = GluonASTSource(fn, sig, {(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 @pytest.mark.parametrize("direct", [True, False])
 def test_compiles_for_sm90_with_fp8_wgmma_for_qk_and_pv(direct):
-    compiled = _compile("pipelined", direct)
+    compiled = mla_fp8_sm90("pipelined", direct)
     ptx = compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx  # the pages arrive by TMA
     assert "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3" in ptx  # QK over the codes
@@ -65,7 +39,7 @@ def test_compiles_for_sm90_with_fp8_wgmma_for_qk_and_pv(direct):
 
 @pytest.mark.parametrize("direct", [True, False])
 def test_seesaw_compiles_for_sm90_as_two_warpgroups_and_a_producer(direct):
-    ptx = (compiled := _compile("seesaw", direct)).asm["ptx"]
+    ptx = (compiled := mla_fp8_sm90("seesaw", direct)).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx  # the producer's TMA
     assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx  # a warpgroup's whole 64 x 64 QK
     assert "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3" in ptx  # PV on its half of the output
