@@ -114,6 +114,25 @@ def mla_fp8_sm90(schedule: str = "pipelined", direct: bool = False) -> Any:
     return compile_gluon_sm90(S._mla_fp8_sm90_kernel, sig, const, num_warps=8)
 
 
+def fp8_gemm_sm90(cfg: tuple[int, int, int, int, int], layout: int, split_k: int = 1) -> Any:
+    """The Gluon FP8 GEMM (fp8_gemm_sm90) for one of its CONFIGS, a layout and a split-K factor."""
+    from libs.kernels import fp8_gemm as G
+    from libs.kernels import fp8_gemm_sm90 as S
+
+    bm, bn, warps, buffers, unroll = cfg
+    sig = {
+        "a_desc": f"tensordesc<fp8e4nv[{bm}, 128],{S._shared_layout([bm, 128])!r}>",
+        "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{S._shared_layout([bn, 128])!r}>",
+        "c_ptr": "*fp32" if split_k > 1 else "*bf16",
+        "as_ptr": "*fp32", "bs_ptr": "*fp32", "counts_ptr": "*i32", "tile_expert_ptr": "*i32",
+        **dict.fromkeys(["M", "N", "K", "a_rows_per_expert", "stride_ce", "stride_cm", "stride_se", "stride_sm",
+                         "stride_sk", "stride_bse", "stride_bsn", "stride_bsk"], "i32"),
+    }  # fmt: skip
+    const = dict(LAYOUT=layout, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=buffers, SPLIT_K=split_k, OVERLAP=unroll > 1,
+                 UNROLL=unroll, GROUP_M=G.group_m_for(bm), num_warps=warps)  # fmt: skip
+    return compile_gluon_sm90(S._fp8_gemm_sm90_kernel, sig, const, num_warps=warps)
+
+
 def fp8_gemm_ws(cfg: tuple[int, int, int], layout: int) -> Any:
     """The persistent warp-specialized FP8 GEMM (fp8_gemm_sm90_ws) for one of its CONFIGS and a layout."""
     from libs.kernels import fp8_gemm_sm90 as S

@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
+from bench.kernel_resources import fp8_gemm_sm90, wgmma_serialized  # noqa: E402
 from libs.kernels import fp8_gemm as G  # noqa: E402
 from libs.kernels import fp8_gemm_sm90 as S  # noqa: E402
 
@@ -18,38 +19,16 @@ from .test_fp8_gemm import _acts, _rel, _weights  # noqa: E402
 IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 
 
-def _compile(cfg, layout, split_k=1):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    bm, bn, warps, buffers, unroll = cfg
-    sig = {
-        "a_desc": f"tensordesc<fp8e4nv[{bm}, 128],{S._shared_layout([bm, 128])!r}>",
-        "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{S._shared_layout([bn, 128])!r}>",
-        "c_ptr": "*fp32" if split_k > 1 else "*bf16",
-        "as_ptr": "*fp32", "bs_ptr": "*fp32", "counts_ptr": "*i32", "tile_expert_ptr": "*i32",
-    }  # fmt: skip
-    for name in ["M", "N", "K", "a_rows_per_expert", "stride_ce", "stride_cm", "stride_se", "stride_sm",
-                 "stride_sk", "stride_bse", "stride_bsn", "stride_bsk"]:  # fmt: skip
-        sig[name] = "i32"
-    const = dict(
-        LAYOUT=layout, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=buffers, SPLIT_K=split_k, OVERLAP=unroll > 1,
-        UNROLL=unroll, GROUP_M=G.group_m_for(bm), num_warps=warps,
-    )  # fmt: skip
-    sig.update(dict.fromkeys(const, "constexpr"))
-    names = list(sig)
-    src = GluonASTSource(S._fp8_gemm_sm90_kernel, sig, {(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-
-
 @pytest.mark.parametrize("cfg", S.CONFIGS, ids=str)
 def test_every_config_compiles_for_sm90_with_async_mma(cfg):
     for layout, split in [(S.DENSE, 1), (S.MASKED, 1), (S.CONTIGUOUS, 1), (S.DENSE, 4)]:
-        ptx = _compile(cfg, layout, split).asm["ptx"]
+        compiled = fp8_gemm_sm90(cfg, layout, split)
+        ptx = compiled.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
         if cfg[4] > 1:  # overlapped promotion: an MMA stays in flight while the previous one is promoted
             assert "wgmma.wait_group.sync.aligned 1;" in ptx
+        if layout == S.MASKED:  # decode's layout: ptxas keeps its WGMMAs asynchronous (one ptxas run a config)
+            assert not wgmma_serialized(compiled)
 
 
 @pytest.mark.gpu
