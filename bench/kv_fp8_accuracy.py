@@ -188,8 +188,10 @@ def interpret_fp8_dots(engine: Engine) -> None:
     def decode_latent(q_latent, q_pe, layer_rows, meta):
         heads = q_latent.shape[1]
         pad = (0, 0, 0, -heads % 16)
-        out = kernel.mla_decode_fp8(F.pad(q_latent, pad), layer_rows, meta.page_table.int(), meta.seq_lens.int(),
-                             meta.page_size, backend.scale, q_rope=F.pad(q_pe.to(q_latent.dtype), pad), dots="fp8")  # fmt: skip
+        out = kernel.mla_decode_fp8(
+            F.pad(q_latent, pad), layer_rows, meta.page_table.int(), meta.seq_lens.int(), meta.page_size,
+            backend.scale, q_rope=F.pad(q_pe.to(q_latent.dtype), pad), dots="fp8",
+        )  # fmt: skip
         return out[:, :heads]
 
     backend.decode_latent = decode_latent
@@ -293,8 +295,8 @@ def main() -> None:
         records.append(run_model(Path(a.model).name, a.model, a.device, a.dtype, seqs, a.prompt, a.chunk, a.formats, log,
                                  a.attention_backend, emulation))  # fmt: skip
     env = environment()
+    prefix = "TRITON_INTERPRET=1 " if emulation == "kernel" else ""
     for r in records:
-        prefix = "TRITON_INTERPRET=1 " if emulation == "kernel" else ""
         r.update({"benchmark": "kv_fp8_accuracy", "command": prefix + "python -m bench.kv_fp8_accuracy " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v not in (None, False, 0)), **env})  # fmt: skip
     tag = "cpu" if a.device == "cpu" else "gpu"

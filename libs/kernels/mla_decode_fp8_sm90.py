@@ -129,11 +129,15 @@ def _issue_qk(q8_smem, qr_smem, k_smem, kr_smem, stage, s_zero, r_zero):
 
 
 @gluon.jit
-def _transpose(k_smem, stage, vt, ok_t, t_read: gl.constexpr):
-    """The slot's codes [64 rows, 512] into vt [512, 64] (PV's K-major operand), rows where not ok_t zeroed."""
+def _transpose(k_smem, stage, vt, ok_t, t_read: gl.constexpr, IN_PLACE: gl.constexpr = False):
+    """The slot's codes [64 rows, 512] into vt [512, 64] (PV's K-major operand), chunk by chunk, rows where not
+    ok_t zeroed (a stale page may hold NaN codes: 0 * NaN). IN_PLACE: vt is the slot's own bytes (each
+    128-column chunk's 8 KB hold its 128 rows of vt), so every warp has read a chunk before it is overwritten."""
     for c in gl.static_range(4):
         codes = k_smem.index(stage * 4 + c).load(t_read).to(gl.int8, bitcast=True)
         codes = gl.where(ok_t[:, None], codes, 0)
+        if IN_PLACE:
+            gl.thread_barrier()
         vt.slice(c * 128, 128, 0).store(gl.permute(codes, (1, 0)).to(gl.float8e4nv, bitcast=True))
 
 
@@ -151,6 +155,14 @@ def _row_scales(ks_smem, stage, row0, end, s_layout: gl.constexpr, WARPS: gl.con
 
 
 @gluon.jit
+def _logits(s, r, q_scale, k_scale, mask_n, sm_scale_log2, s_layout: gl.constexpr):
+    """A tile's scores in log2 units from its FP8 product s (scaled by the query's and the rows' scales) and its
+    rope product r; -inf past the sequence's end."""
+    s = s * (q_scale[:, None] * k_scale[None, :]) + gl.convert_layout(r, s_layout)
+    return gl.where(mask_n[None, :], s * sm_scale_log2, float("-inf"))
+
+
+@gluon.jit
 def _row_halves(x):
     """[64, 64] in S's layout -> the sums of each row's two 32-column halves [64, 2], the halves the two
     warpgroups hold (so no exchange between them)."""
@@ -162,8 +174,7 @@ def _softmax(s, r, q_scale, k_scale, k_max, mask_n, m_i, l_i, unit, sm_scale_log
     """One tile's online-softmax step -> (FP8 probabilities times the rows' scales in the new unit, the
     accumulator's rescale, m, l (per row half: _row_halves), unit). A tile with no row (past the end) changes
     nothing."""
-    s = s * (q_scale[:, None] * k_scale[None, :]) + gl.convert_layout(r, s_layout)
-    s = gl.where(mask_n[None, :], s * sm_scale_log2, float("-inf"))
+    s = _logits(s, r, q_scale, k_scale, mask_n, sm_scale_log2, s_layout)
     m_new = gl.maximum(m_i, gl.reduce(s, 1, _max))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no row yet: exp2(-inf - -inf) would be NaN
     p = gl.exp2(s - m_use[:, None])

@@ -67,15 +67,8 @@ def _get_stats(st_smem, slot, row_s: gl.constexpr):
 
 
 @gluon.jit
-def _logits(s, r, q_scale, k_scale, mask_n, sm_scale_log2, s_layout: gl.constexpr):
-    """The tile's scores in log2 units from the FP8 product s and the rope product r; -inf past the end."""
-    s = s * (q_scale[:, None] * k_scale[None, :]) + gl.convert_layout(r, s_layout)
-    return gl.where(mask_n[None, :], s * sm_scale_log2, float("-inf"))
-
-
-@gluon.jit
 def _softmax(s, k_scale, k_max, m_i, l_i, unit):
-    """mla_decode_fp8_sm90's online-softmax step over _logits with every statistic per row (the unit too, equal
+    """mla_decode_fp8_sm90's online-softmax step over its _logits with every statistic per row (the unit too, equal
     in every row) -> (FP8 probabilities times the rows' scales in the new unit, the accumulator's rescale, m, l,
     unit)."""
     m_new = gl.maximum(m_i, gl.reduce(s, 1, sm90._max))
@@ -86,17 +79,6 @@ def _softmax(s, k_scale, k_max, m_i, l_i, unit):
     new_unit = gl.maximum(unit, k_max / FP8_MAX)  # never shrinks: p8 <= 448, rescale <= 1
     p8 = (p * k_scale[None, :] * (1.0 / new_unit)[:, None]).to(gl.float8e4nv)
     return p8, alpha * (unit / new_unit), m_new, l_new, new_unit
-
-
-@gluon.jit
-def _transpose_in_place(k_smem, vt, slot, ok_t, t_read: gl.constexpr):
-    """The slot's codes (QK has read them) rewritten as vt [512, 64] over the same bytes, chunk by chunk (each
-    128-column chunk's 8 KB hold its 128 rows of vt); rows where not ok_t zeroed (stale bytes: 0 * NaN)."""
-    for c in gl.static_range(4):
-        codes = k_smem.index(slot * 4 + c).load(t_read).to(gl.int8, bitcast=True)
-        codes = gl.where(ok_t[:, None], codes, 0)
-        gl.thread_barrier()  # the warpgroup has read the chunk before any of it is overwritten
-        vt.slice(c * 128, 128, 0).store(gl.permute(codes, (1, 0)).to(gl.float8e4nv, bitcast=True))
 
 
 @gluon.jit
@@ -116,9 +98,9 @@ def _own_tile(s, r, o_acc, t, q_scale, m_i, l_i, unit, k_smem, ks_smem, p_smem, 
     slot = t % NUM_STAGES
     k_scale, k_max = sm90._row_scales(ks_smem, slot, start + t * 64, end, s_layout, 4)
     cols = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
-    s = _logits(s, r, q_scale, k_scale, cols < end, sm_scale_log2, s_layout)
+    s = sm90._logits(s, r, q_scale, k_scale, cols < end, sm_scale_log2, s_layout)
     rows = start + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, t_read))
-    _transpose_in_place(k_smem, vt_all.index(slot), slot, rows < end, t_read)
+    sm90._transpose(k_smem, slot, vt_all.index(slot), rows < end, t_read, IN_PLACE=True)  # QK has read them
     p8, rescale, m_i, l_i, unit = _softmax(s, k_scale, k_max, m_i, l_i, unit)
     p_smem.index(slot).store(p8)
     _put_stats(st_smem, slot, rescale, m_i, l_i, unit)
